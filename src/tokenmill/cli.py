@@ -1,0 +1,53 @@
+"""One entry point, ``tokenmill``, with one subcommand per part.
+
+Each subcommand lives in its own package and exposes two functions:
+
+    add_arguments(parser: argparse.ArgumentParser) -> None
+    run(args: argparse.Namespace) -> int
+
+They are imported lazily so that ``tokenmill plan`` does not pay for importing torch.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("tokenmill.server.cli", "run the OpenAI-compatible server on one model"),
+    "generate": ("tokenmill.engine.cli", "generate a completion offline and print it"),
+    "route": ("tokenmill.router.cli", "KV-aware router in front of many replicas"),
+    "bench": ("tokenmill.bench.cli", "closed-loop agentic benchmark against an OpenAI-compatible server"),
+    "sim": ("tokenmill.sim.cli", "discrete-event fleet simulator driven by the router's policies"),
+    "plan": ("tokenmill.plan.cli", "capacity planner: memory, KV capacity and roofline bounds"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM serving stack for coding agents")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:  # only import the module of the subcommand that runs
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
