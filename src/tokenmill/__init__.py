@@ -1,4 +1,27 @@
-"""tokenmill: an LLM serving stack for coding agents."""
+"""tokenmill: an LLM serving stack for coding agents.
+
+``LLM`` and ``SamplingParams`` are imported on first use so that ``import tokenmill`` stays
+light (no torch) for the parts that do not need a model.
+"""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from tokenmill.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from tokenmill.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")

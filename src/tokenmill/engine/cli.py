@@ -1,0 +1,77 @@
+"""``tokenmill generate``: run one prompt through the offline engine and print the completion."""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.loader.resolve import DEFAULT_MODEL
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags mirroring :class:`EngineConfig` (shared with ``tokenmill serve``)."""
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"model name, HF directory or .gguf file (default: {DEFAULT_MODEL})")
+    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, default=None,
+                    metavar="GIB", help="KV cache size in GiB")
+    kv.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
+    g.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                   help="token budget of one step (decodes + prefill chunks)")
+    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    g.add_argument("--max-model-len", type=int, default=None, help="lower the context length")
+    g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false",
+                   help="disable the radix prefix cache")
+    g.add_argument("--session-retention", dest="session_retention_s", type=float,
+                   default=d.session_retention_s, help="seconds a finished session's KV is favoured")
+    g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--debug-checks", action="store_true", help="check page accounting when idle")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt as a user message in the model's chat template")
+    parser.add_argument("--system", default=None, help="system message (with --chat)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.loader.errors import ModelLoadError
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+        config = engine_config_from_args(args)
+        llm = LLM(loaded=None, **{f.name: getattr(config, f.name) for f in fields(EngineConfig)})
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            messages.append({"role": "user", "content": args.prompt})
+            out = llm.chat(messages, params)[0]
+        else:
+            out = llm.generate([args.prompt], params)[0]
+    except (ValueError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out.text)
+    return 0

@@ -1,0 +1,68 @@
+"""Engine configuration: one frozen dataclass, validated on construction.
+
+Every field has a default that works on a small CPU machine. The KV pool is sized from
+``kv_cache_tokens`` or ``kv_cache_memory_gib`` (at most one of them); with neither, the engine
+picks :data:`DEFAULT_KV_SESSIONS` full-length sequences, bounded by a share of free memory
+(see :func:`default_kv_cache_tokens`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "float16", "bfloat16")
+DEFAULT_KV_SESSIONS = 4          # full-length sequences the default pool holds
+DEFAULT_KV_MEMORY_SHARE = 0.25   # at most this share of available memory by default
+DEFAULT_KV_MEMORY_CAP_GIB = 4.0  # and never more than this by default
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine (one model replica).
+
+    ``max_batch_tokens`` is the per-step token budget, shared by decodes first and then prefill
+    chunks; a prompt longer than the budget is prefilled in chunks. ``max_model_len`` may lower the
+    model's own context limit, never raise it. ``debug_checks`` verifies page accounting whenever
+    the engine becomes idle (cheap, but it walks the cache).
+    """
+
+    model: str = "smollm2-135m-instruct"
+    page_size: int = 16
+    kv_cache_memory_gib: float | None = None
+    kv_cache_tokens: int | None = None
+    max_batch_tokens: int = 512
+    max_running_requests: int = 64
+    max_model_len: int | None = None
+    enable_prefix_cache: bool = True
+    session_retention_s: float = 60.0
+    dtype: str = "float32"
+    debug_checks: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a model name or a path")
+        if self.page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {self.page_size}")
+        if self.kv_cache_memory_gib is not None and self.kv_cache_tokens is not None:
+            raise ValueError("give at most one of kv_cache_memory_gib and kv_cache_tokens")
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
+            raise ValueError(f"kv_cache_tokens must hold at least one page ({self.page_size} tokens), "
+                             f"got {self.kv_cache_tokens}")
+        if self.max_batch_tokens <= 0:
+            raise ValueError(f"max_batch_tokens must be positive, got {self.max_batch_tokens}")
+        if self.max_running_requests <= 0:
+            raise ValueError(f"max_running_requests must be positive, got {self.max_running_requests}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.session_retention_s < 0:
+            raise ValueError(f"session_retention_s must be >= 0, got {self.session_retention_s}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+
+def default_kv_cache_tokens(max_model_len: int, bytes_per_token: int, available_bytes: int) -> int:
+    """KV pool size when the user gave none: a few full-length sequences, bounded by memory."""
+    budget = min(available_bytes * DEFAULT_KV_MEMORY_SHARE, DEFAULT_KV_MEMORY_CAP_GIB * 2**30)
+    by_memory = int(budget // max(bytes_per_token, 1))
+    return max(min(DEFAULT_KV_SESSIONS * max_model_len, by_memory), 1)

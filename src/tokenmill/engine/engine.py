@@ -1,0 +1,233 @@
+"""The engine loop: one model replica, single-threaded.
+
+``Engine.step()`` = schedule -> forward + sample (ModelRunner) -> count computed tokens ->
+append each sampled token, check stop conditions, detokenize -> RequestOutputs.
+:class:`~tokenmill.engine.async_engine.AsyncEngine` drives it from a background thread; the
+offline :class:`~tokenmill.engine.llm.LLM` drives it in a loop.
+
+Constructor steps (in order): load the model, size the KV pool, build the page pool and prefix
+cache, the scheduler, and the model runner.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenmill.cache.page_pool import PagePool
+from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.kv_manager import KVManager
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.request import Request, RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from tokenmill.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_pages_total: int
+    kv_pages_free: int
+    kv_cache_usage: float          # share of pages pinned by requests (evictable cache = free)
+    prompt_tokens_total: int
+    cached_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions: int = 0
+    kv_pages_cached: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
+        """Build an engine for ``config``; pass ``loaded`` to reuse an already loaded model."""
+        self.config = config
+        self._init_model(loaded)
+        self._init_kv()
+        self.scheduler = Scheduler(self.kv, max_batch_tokens=config.max_batch_tokens,
+                                   max_running_requests=config.max_running_requests)
+        self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
+                                  self.vocab_size)
+        self.generation_tokens_total = 0
+        self._arrivals = 0
+
+    # -- construction ----------------------------------------------------------------------------
+    def _init_model(self, loaded: LoadedModel | None) -> None:
+        dtype = getattr(torch, self.config.dtype)
+        if loaded is None:
+            from tokenmill.loader import load_model
+
+            loaded = load_model(self.config.model, dtype=dtype)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.vocab_size = int(loaded.model.args.vocab_size)
+        limit = self.config.max_model_len
+        if limit is not None and limit > loaded.max_model_len:
+            raise ValueError(f"max_model_len={limit} exceeds the model's context length "
+                             f"{loaded.max_model_len}")
+        self.max_model_len = limit or loaded.max_model_len
+
+    def _init_kv(self) -> None:
+        cfg = self.config
+        bytes_per_token = self.loaded.model.kv_cache_spec().bytes_per_token()
+        if cfg.kv_cache_tokens is not None:
+            tokens = cfg.kv_cache_tokens
+        elif cfg.kv_cache_memory_gib is not None:
+            tokens = int(cfg.kv_cache_memory_gib * 2**30 // bytes_per_token)
+        else:
+            import psutil
+
+            tokens = default_kv_cache_tokens(self.max_model_len, bytes_per_token,
+                                             psutil.virtual_memory().available)
+        num_pages = tokens // cfg.page_size
+        if num_pages < 1:
+            raise ValueError(f"the KV cache holds {tokens} tokens, less than one page of {cfg.page_size}")
+        pool = PagePool(num_pages)
+        cache = None
+        if cfg.enable_prefix_cache:
+            from tokenmill.cache.radix import RadixCache
+
+            cache = RadixCache(pool, cfg.page_size, session_retention_s=cfg.session_retention_s)
+        self.kv = KVManager(pool, cfg.page_size, cache)
+        log.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages, cfg.page_size,
+                 num_pages * cfg.page_size * bytes_per_token / 2**30)
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    session_id: str | None = None) -> None:
+        """Queue a request; raise ValueError if it is malformed or can never fit."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        try:
+            ids = [operator.index(t) for t in prompt_token_ids]
+        except TypeError as e:
+            raise ValueError(f"prompt token ids must be integers: {e}") from None
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"prompt token id {bad} is not in the vocabulary [0, {self.vocab_size})")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the maximum context length {self.max_model_len}")
+        if total > self.kv.capacity_tokens:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the KV cache capacity of {self.kv.capacity_tokens} tokens")
+        if self.scheduler.get(request_id) is not None:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, ids, params, session_id=session_id, arrival_index=self._arrivals)
+        self._arrivals += 1
+        req.generator = self.runner.make_generator(params.seed)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its pages; unknown or finished ids are ignored."""
+        self.scheduler.abort(request_id)
+        self._maybe_check_idle()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return outputs of the requests that produced a token."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        self.scheduler.post_step(out)
+        outputs = [self._process(s.request, s.token_id, s.logprob) for s in sampled]
+        self._maybe_check_idle()
+        return outputs
+
+    def _process(self, req: Request, token: int, logprob: Any) -> RequestOutput:
+        req.all_token_ids.append(token)
+        self.generation_tokens_total += 1
+        if req.logprobs is not None and logprob is not None:
+            req.logprobs.append(logprob)
+        params = req.params
+        reason: str | None = None
+        stop_reason: str | int | None = None
+        if not params.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        else:
+            hit = req.detokenizer.add_token(token)
+            if hit is not None:
+                reason, stop_reason = "stop", hit
+        if reason is None and (req.num_output_tokens >= params.max_tokens
+                               or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(req, reason, stop_reason)
+        return self._output(req, num_new=1)
+
+    def _output(self, req: Request, num_new: int) -> RequestOutput:
+        finished = req.is_finished
+        new_text = req.detokenizer.take_new_text(finished)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            cached_tokens=req.num_cached_tokens or 0,
+            token_ids=req.output_token_ids,
+            text=req.detokenizer.emitted_text,
+            new_token_ids=req.all_token_ids[-num_new:] if num_new else [],
+            new_text=new_text,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            finished=finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+
+    # -- cache and stats -------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while requests are queued or running."""
+        if self.scheduler.has_unfinished():
+            return False
+        self.kv.flush()
+        return True
+
+    def check_pages(self) -> None:
+        """Assert page accounting (free + cached + request-only == total)."""
+        self.scheduler.check_pages()
+
+    def _maybe_check_idle(self) -> None:
+        if self.config.debug_checks and not self.scheduler.has_unfinished():
+            self.check_pages()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_pages_total=pool.num_pages,
+            kv_pages_free=pool.num_free(),
+            kv_cache_usage=self.kv.usage(),
+            prompt_tokens_total=s.prompt_tokens_total,
+            cached_tokens_total=s.cached_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_preemptions=s.num_preemptions,
+            kv_pages_cached=self.kv.cache.num_cached_pages if self.kv.cache is not None else 0,
+        )

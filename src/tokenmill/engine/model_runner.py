@@ -1,0 +1,114 @@
+"""The only engine module that touches torch: weights, KV tensors, one forward + sample per step.
+
+:meth:`ModelRunner.execute` turns a :class:`~tokenmill.engine.scheduler.SchedulerOutput` into a
+:class:`~tokenmill.layers.attention.ForwardBatch` (sequences concatenated in scheduling order),
+runs the model over the paged KV cache, and samples one token for each request whose step
+reaches the end of its tokens. Logits are computed only for those rows.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from tokenmill.engine.request import Request, TokenLogprob, TopLogprob
+from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.layers.attention import ForwardBatch, allocate_kv_cache
+from tokenmill.layers.sampling import Sampler, SamplingInputs
+
+if TYPE_CHECKING:
+    from tokenmill.models.base import CausalLM
+
+
+class SampledToken(NamedTuple):
+    request: Request
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_pages: int, page_size: int, vocab_size: int,
+                 device: torch.device | str = "cpu", seed: int | None = None) -> None:
+        self.model = model
+        self.page_size = page_size
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.kv_spec = model.kv_cache_spec()
+        self.kv_caches = allocate_kv_cache(self.kv_spec, num_pages, page_size, device=self.device)
+        self.sampler = Sampler(seed)
+
+    def make_generator(self, seed: int | None) -> torch.Generator | None:
+        """A request's own random stream (seeded requests only; others share the sampler's)."""
+        if seed is None:
+            return None
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g
+
+    def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
+        """The step's ForwardBatch, and the requests that sample (in logits-row order)."""
+        ps = self.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        q_start = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logit_rows: list[int] = []
+        samplers: list[Request] = []
+        for s in out.scheduled:
+            req, start, n = s.request, s.start, s.num_tokens
+            end = start + n
+            if n == 1:
+                input_ids.append(req.all_token_ids[start])
+                positions.append(start)
+            else:
+                input_ids.extend(req.all_token_ids[start:end])
+                positions.extend(range(start, end))
+            q_start.append(q_start[-1] + n)
+            seq_lens.append(end)
+            tables.append(req.page_table)
+            if s.samples:
+                logit_rows.append(q_start[-1] - 1)
+                samplers.append(req)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        q_start_t = torch.tensor(q_start, dtype=torch.long, device=dev)
+        if len(tables) == len(positions):  # every sequence has one token: row i is sequence i
+            seq_of_token = torch.arange(len(tables), device=dev)
+        else:
+            seq_of_token = torch.repeat_interleave(torch.arange(len(tables), device=dev), q_start_t.diff())
+        slots = block_tables[seq_of_token, pos // ps] * ps + pos % ps
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=pos,
+            slot_mapping=slots,
+            query_start_loc=q_start_t,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            block_tables=block_tables,
+            logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            page_size=ps,
+        )
+        return batch, samplers
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+        batch, samplers = self.build_batch(out)
+        logits = self.model(batch, self.kv_caches)
+        if not samplers:
+            return []
+        inputs = SamplingInputs(
+            params=[r.params for r in samplers],
+            prompt_token_ids=[r.prompt_token_ids for r in samplers],
+            output_token_ids=[r.output_token_ids if r.params.uses_penalties else () for r in samplers],
+            generators=[r.generator for r in samplers],
+        )
+        result = self.sampler(logits, inputs)
+        sampled = []
+        for req, tok, lp in zip(samplers, result.token_ids, result.logprobs):
+            logprob = None
+            if lp is not None:
+                logprob = TokenLogprob(tok, lp[0], [TopLogprob(t, v) for t, v in lp[1]])
+            sampled.append(SampledToken(req, tok, logprob))
+        return sampled

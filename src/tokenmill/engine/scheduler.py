@@ -1,0 +1,194 @@
+"""Continuous-batching scheduler: pure Python over token counts and page ids (no torch).
+
+One rule, in the style of vLLM v1: each step, every running request is given tokens so that its
+``num_computed_tokens`` catches up with ``num_tokens``, within a shared token budget
+(``max_batch_tokens``). There is no prefill or decode phase: a decode is a request one token
+behind; a long prompt is a request many tokens behind and gets a chunk of what is left.
+
+Order within a step:
+
+1. running requests one token behind (decodes), in priority order;
+2. running requests further behind (prefill chunks), in priority order;
+3. waiting requests, admitted from the front of the queue while budget, pages and
+   ``max_running_requests`` allow (none in a step that had to preempt).
+
+Priority is admission order: ``running[0]`` is the most important. When pages run out the
+KV manager first evicts unlocked prefix-cache pages; if that is not enough, the *last* running
+request is preempted: its whole computed pages go to the prefix cache, the rest are freed, and
+it goes back to the *front* of the waiting queue with ``num_computed_tokens = 0`` so it is later
+recomputed (prompt + output so far; a prefix-cache hit makes that cheap).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from tokenmill.engine.kv_manager import KVManager
+from tokenmill.engine.request import Request, RequestStatus
+
+
+class ScheduledRequest(NamedTuple):
+    request: Request
+    start: int        # num_computed_tokens before this step: first position computed
+    num_tokens: int   # tokens computed this step
+    samples: bool     # the step reaches the request's last token, so a new token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class _StepPlan:
+    """Working state while one step is being planned."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.tokens: dict[Request, int] = {}
+        self.preempted: list[Request] = []
+
+    def add(self, req: Request, n: int) -> None:
+        self.tokens[req] = n
+        self.budget -= n
+
+    def drop(self, req: Request) -> None:
+        self.budget += self.tokens.pop(req, 0)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; the KV manager owns the pages."""
+
+    def __init__(self, kv: KVManager, *, max_batch_tokens: int, max_running_requests: int) -> None:
+        if max_batch_tokens <= 0 or max_running_requests <= 0:
+            raise ValueError("max_batch_tokens and max_running_requests must be positive")
+        self.kv = kv
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running_requests = max_running_requests
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # counters
+        self.num_preemptions = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+
+    # -- queue -----------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def get(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    # -- planning --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(self.max_batch_tokens)
+        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
+        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        for req in decodes + prefills:
+            if plan.budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            n = min(req.num_uncomputed_tokens, plan.budget)
+            if self._allocate_or_preempt(req, req.num_computed_tokens + n, plan):
+                plan.add(req, n)
+        if not plan.preempted:
+            self._admit(plan)
+        scheduled = [ScheduledRequest(r, r.num_computed_tokens, n, r.num_computed_tokens + n == r.num_tokens)
+                     for r, n in plan.tokens.items()]
+        return SchedulerOutput(scheduled, plan.preempted)
+
+    def _admit(self, plan: _StepPlan) -> None:
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_running_requests:
+            req = self.waiting[0]
+            matched = self.kv.match(req)
+            n = min(req.num_uncomputed_tokens, plan.budget)
+            if not self.kv.allocate(req, req.num_computed_tokens + n):
+                self.kv.release(req, keep_in_cache=False)
+                req.num_computed_tokens = 0
+                return
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if req.num_cached_tokens is None:  # first admission (not a recompute)
+                req.num_cached_tokens = matched
+                self.prompt_tokens_total += req.num_prompt_tokens
+                self.cached_tokens_total += matched
+            plan.add(req, n)
+
+    def _allocate_or_preempt(self, req: Request, num_tokens: int, plan: _StepPlan) -> bool:
+        """Find pages for ``req`` up to ``num_tokens``, preempting lower-priority requests.
+
+        Returns False when ``req`` itself had to be preempted (it was the lowest priority left).
+        """
+        while not self.kv.allocate(req, num_tokens):
+            victim = self.running[-1]
+            self.preempt(victim)
+            plan.drop(victim)
+            plan.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    # -- state changes ---------------------------------------------------------------------------
+    def preempt(self, req: Request) -> None:
+        """Take a running request off the batch; it is recomputed later from the queue front."""
+        self.running.remove(req)
+        self.kv.release(req, keep_in_cache=True)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def post_step(self, out: SchedulerOutput) -> None:
+        """After the forward pass: count the computed tokens; cache finished prefill pages."""
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens = s.start + s.num_tokens
+            if not s.samples:  # prefill chunk in progress: share its whole pages early
+                self.kv.cache_computed(req)
+
+    def finish(self, req: Request, finish_reason: str, stop_reason: str | int | None = None) -> None:
+        """Request is done (its last sampled token appended): cache its pages and drop it."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.kv.release(req, keep_in_cache=True)
+        else:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = finish_reason
+        req.stop_reason = stop_reason
+        del self.requests[req.request_id]
+        self.kv.session_finished(req.session_id)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is; unknown or finished ids are ignored (returns None)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.finish(req, "abort")
+        return req
+
+    # -- accounting ------------------------------------------------------------------------------
+    def check_pages(self) -> None:
+        self.kv.check(self.running)

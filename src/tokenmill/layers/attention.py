@@ -1,0 +1,198 @@
+"""Attention over a paged KV cache.
+
+KV layout (one tensor per layer, see :func:`allocate_kv_cache`)::
+
+    kv_cache[layer]: [2, num_pages, page_size, num_kv_heads, head_dim]
+                      ^ 0 = K, 1 = V
+    token at slot s = page_id * page_size + offset lives at kv_cache[:, s // page_size, s % page_size]
+
+A step's tokens arrive concatenated (``ForwardBatch``). Each sequence contributes a query chunk
+``[query_start_loc[i], query_start_loc[i+1])`` whose tokens are the *last* ones of its context:
+after the step the sequence holds ``seq_lens[i]`` tokens, pages listed in ``block_tables[i]``.
+A query at context position ``p`` attends to every cached token at position ``<= p``.
+
+* Decode-shaped sequences (query length 1) are handled together in one vectorised pass: pages
+  are gathered through the block table into a padded ``[B, L, H, D]`` tensor and masked by length.
+* Longer chunks (prefill, possibly after cached context: chunked prefill or a prefix hit) run one
+  sequence at a time with SDPA and an offset causal mask.
+
+The backend is chosen once per model by :func:`select_attention_backend`; the torch backend
+below works on any device and is the CPU path. A GPU kernel backend can be added beside it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from tokenmill.models.base import KVCacheSpec
+
+
+@dataclass
+class ForwardBatch:
+    """All tokens scheduled in one engine step (prefill chunks and decodes mixed).
+
+    ``T`` tokens from ``B`` sequences, concatenated in sequence order. See the module docstring for
+    what the fields mean. ``logits_indices`` picks the rows of ``T`` that produce logits (usually
+    the last token of each sequence; any rows may be chosen).
+    """
+
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    slot_mapping: torch.Tensor     # [T] int64: page_id * page_size + offset for each new K/V
+    query_start_loc: torch.Tensor  # [B+1] int64, cumulative query lengths, starts at 0
+    seq_lens: torch.Tensor         # [B] int64, context length after this step
+    block_tables: torch.Tensor     # [B, max_pages] int64 page ids, padded with 0
+    logits_indices: torch.Tensor   # [N] int64 rows of T that produce logits
+    page_size: int
+
+    def __post_init__(self) -> None:
+        t = self.input_ids.shape[0]
+        b = self.seq_lens.shape[0]
+        if self.page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {self.page_size}")
+        if self.positions.shape != (t,) or self.slot_mapping.shape != (t,):
+            raise ValueError(
+                f"input_ids, positions and slot_mapping must all be [T]; got {tuple(self.input_ids.shape)}, "
+                f"{tuple(self.positions.shape)}, {tuple(self.slot_mapping.shape)}")
+        if self.query_start_loc.shape != (b + 1,):
+            raise ValueError(f"query_start_loc must be [B+1]={b + 1}, got {tuple(self.query_start_loc.shape)}")
+        if self.block_tables.dim() != 2 or self.block_tables.shape[0] != b:
+            raise ValueError(f"block_tables must be [B={b}, max_pages], got {tuple(self.block_tables.shape)}")
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_pages: int, page_size: int,
+                      device: torch.device | str | None = None) -> list[torch.Tensor]:
+    """One zeroed tensor per layer, ``[2, num_pages, page_size, num_kv_heads, head_dim]``."""
+    if num_pages <= 0 or page_size <= 0:
+        raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+    shape = (2, num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+
+class PrefillSegment(NamedTuple):
+    start: int          # first row of the chunk in the step's tokens
+    end: int            # one past the last row
+    seq_len: int        # context length after the step (cached + this chunk)
+    pages: torch.Tensor  # page ids holding the sequence's first seq_len tokens
+
+
+class AttentionMetadata(NamedTuple):
+    """Per-step values shared by all layers; built once per forward by ``build_metadata``."""
+
+    slot_mapping: torch.Tensor
+    num_tokens: int
+    decode_rows: torch.Tensor | None          # [Bd] rows of query-length-1 sequences (None: all rows)
+    num_decode: int
+    decode_block_tables: torch.Tensor | None  # [Bd, P]
+    decode_mask: torch.Tensor | None          # [Bd, 1, 1, P*page_size] additive 0 / -inf
+    prefill: list[PrefillSegment]
+
+
+class TorchPagedAttention:
+    """Paged attention in plain torch ops (matmul/softmax for decode, SDPA for prefill chunks)."""
+
+    name = "torch"
+
+    def build_metadata(self, batch: ForwardBatch, dtype: torch.dtype) -> AttentionMetadata:
+        qsl = batch.query_start_loc.tolist()
+        seq_lens = batch.seq_lens.tolist()
+        ps = batch.page_size
+        q_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
+        dec = [i for i, n in enumerate(q_lens) if n == 1]
+        prefill: list[PrefillSegment] = []
+        for i, n in enumerate(q_lens):
+            if n > 1:
+                if n > seq_lens[i]:
+                    raise ValueError(f"sequence {i}: query length {n} exceeds its context length {seq_lens[i]}")
+                pages = batch.block_tables[i, : (seq_lens[i] + ps - 1) // ps]
+                prefill.append(PrefillSegment(qsl[i], qsl[i + 1], seq_lens[i], pages))
+        decode_rows = bt = mask = None
+        if dec:
+            idx = torch.tensor(dec, dtype=torch.long, device=batch.seq_lens.device)
+            all_rows = len(dec) == len(q_lens) and qsl[-1] == len(dec)
+            lens = batch.seq_lens if all_rows else batch.seq_lens[idx]
+            max_len = max(seq_lens[i] for i in dec)
+            num_pages = (max_len + ps - 1) // ps
+            bt = (batch.block_tables if all_rows else batch.block_tables[idx])[:, :num_pages]
+            key_pos = torch.arange(num_pages * ps, device=lens.device)
+            mask = torch.zeros(len(dec), 1, 1, num_pages * ps, dtype=dtype, device=lens.device)
+            mask.masked_fill_((key_pos[None, :] >= lens[:, None]).view(len(dec), 1, 1, -1), float("-inf"))
+            if not all_rows:
+                decode_rows = torch.tensor([qsl[i] for i in dec], dtype=torch.long, device=idx.device)
+        return AttentionMetadata(batch.slot_mapping, qsl[-1], decode_rows, len(dec), bt, mask, prefill)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write ``k``/``v`` [T, Hkv, D] at ``meta.slot_mapping`` and attend with ``q`` [T, Hq, D].
+
+        Returns ``[T, Hq * D]``.
+        """
+        t, hq, d = q.shape
+        hkv = k.shape[1]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        if meta.num_decode == t:  # pure decode step: no scatter needed
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = q.new_empty(t, hq * d)
+        if meta.num_decode:
+            assert meta.decode_rows is not None
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+        for seg in meta.prefill:
+            out[seg.start:seg.end] = self._prefill(q[seg.start:seg.end], k[seg.start:seg.end],
+                                                   v[seg.start:seg.end], k_cache, v_cache, seg, scale)
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        bt, mask = meta.decode_block_tables, meta.decode_mask
+        assert bt is not None and mask is not None
+        b, hq, d = q.shape
+        hkv = k_cache.shape[-2]
+        length = mask.shape[-1]
+        keys = k_cache[bt].view(b, length, hkv, d).permute(0, 2, 3, 1)    # [B, Hkv, D, L]
+        values = v_cache[bt].view(b, length, hkv, d).transpose(1, 2)       # [B, Hkv, L, D]
+        qg = q.view(b, hkv, hq // hkv, d)                                   # [B, Hkv, G, D]
+        scores = torch.matmul(qg, keys).mul_(scale).add_(mask)              # [B, Hkv, G, L]
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, values).view(b, hq * d)
+
+    @staticmethod
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, seg: PrefillSegment, scale: float) -> torch.Tensor:
+        n, hq, d = q.shape
+        hkv = k.shape[1]
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if seg.seq_len == n:  # no earlier context: the chunk's own K/V are the whole context
+            kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            keys = k_cache[seg.pages].view(-1, hkv, d)[: seg.seq_len]
+            values = v_cache[seg.pages].view(-1, hkv, d)[: seg.seq_len]
+            kh, vh = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+            start = seg.seq_len - n
+            key_pos = torch.arange(seg.seq_len, device=q.device)
+            q_pos = torch.arange(start, seg.seq_len, device=q.device)
+            allowed = key_pos[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1).reshape(n, hq * d)
+
+
+AttentionBackend = TorchPagedAttention
+
+
+def select_attention_backend(device: torch.device | str) -> AttentionBackend:
+    """Pick the attention implementation for ``device`` once, at model construction.
+
+    Only the torch backend exists today; it runs on CPU (and any torch device).
+    """
+    return TorchPagedAttention()

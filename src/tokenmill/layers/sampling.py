@@ -1,0 +1,180 @@
+"""Batched token sampling from fp32 logits.
+
+One :class:`Sampler` call handles a whole batch with tensor ops; only the random draws of
+seeded requests loop over rows (each seeded request owns a ``torch.Generator``, which is what
+makes its tokens independent of the batch it lands in). Sampling uses the exponential race
+(``argmax(p / E)`` with ``E ~ Exp(1)``), an exact draw from the categorical ``p``.
+
+Processing order (see :mod:`tokenmill.engine.sampling_params` for the user-facing semantics):
+penalties -> temperature (0: greedy) -> [logprobs taken here] -> top-k -> top-p -> min-p -> draw.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from tokenmill.engine.sampling_params import SamplingParams
+
+
+class SamplingInputs(NamedTuple):
+    """Per-row inputs; all sequences have one entry per row of the logits."""
+
+    params: Sequence[SamplingParams]
+    prompt_token_ids: Sequence[Sequence[int]]   # used by repetition_penalty only
+    output_token_ids: Sequence[Sequence[int]]   # used by all penalties
+    generators: Sequence[torch.Generator | None]  # None: the sampler's shared stream
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]
+    # per row: None, or (chosen logprob, [(token_id, logprob)] top-N); rows without logprobs: None
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def _padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    if width == 0:
+        return torch.full((len(rows), 1), pad, dtype=torch.long, device=device)
+    return torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    prompt_token_ids: Sequence[Sequence[int]],
+                    output_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Return logits with repetition, then presence/frequency penalties applied (rows that ask)."""
+    rows = [i for i, p in enumerate(params) if p.uses_penalties]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    b, vocab = len(rows), logits.shape[1]
+    dev = logits.device
+    idx = torch.tensor(rows, dtype=torch.long, device=dev)
+    sub = logits[idx]
+    out_ids = _padded([output_token_ids[i] for i in rows], vocab, dev)
+    counts = torch.zeros(b, vocab + 1, dtype=logits.dtype, device=dev)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    rep = torch.tensor([params[i].repetition_penalty for i in rows], dtype=logits.dtype, device=dev)
+    if bool((rep != 1.0).any()):
+        all_ids = _padded([list(prompt_token_ids[i]) + list(output_token_ids[i]) for i in rows], vocab, dev)
+        seen = torch.zeros(b, vocab + 1, dtype=torch.bool, device=dev)
+        seen.scatter_(1, all_ids, True)
+        seen = seen[:, :vocab]
+        r = rep[:, None]
+        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+    pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=logits.dtype, device=dev)
+    freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=logits.dtype, device=dev)
+    sub = sub - pres[:, None] * (counts > 0).to(logits.dtype) - freq[:, None] * counts
+    logits[idx] = sub
+    return logits
+
+
+def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+             min_p: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k / top-p / min-p set to -inf (k=0, p=1, min_p=0: off).
+
+    Ties at the k-th value are kept (as HF's TopKLogitsWarper does). top-p keeps the smallest set
+    of most likely tokens whose mass reaches ``top_p``, computed after top-k.
+    """
+    vocab = logits.shape[1]
+    use_k = bool((top_k > 0).any())
+    use_p = bool((top_p < 1.0).any())
+    if use_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        if use_k:
+            k = torch.where(top_k > 0, top_k, vocab)
+            ranks = torch.arange(vocab, device=logits.device)[None, :]
+            kth = sorted_logits.gather(1, (k - 1)[:, None])
+            sorted_logits = sorted_logits.masked_fill((ranks >= k[:, None]) & (sorted_logits < kth), float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before > top_p[:, None], float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    elif use_k:
+        kmax = int(top_k.max())
+        k = torch.where(top_k > 0, top_k, kmax).clamp(max=vocab)
+        top_vals = logits.topk(min(kmax, vocab), dim=-1).values
+        kth = top_vals.gather(1, (k - 1)[:, None])
+        keep_all = (top_k == 0)[:, None]
+        logits = logits.masked_fill((logits < kth) & ~keep_all, float("-inf"))
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Chooses one token per row of ``logits`` ([B, vocab], fp32)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
+        params = inputs.params
+        b = logits.shape[0]
+        if len(params) != b:
+            raise ValueError(f"{b} rows of logits but {len(params)} sampling params")
+        want_lp = [p.logprobs for p in params]
+        if all(p.greedy and not p.uses_penalties for p in params) and all(n is None for n in want_lp):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * b)
+
+        logits = apply_penalties(logits, params, inputs.prompt_token_ids, inputs.output_token_ids)
+        temps = [p.temperature for p in params]
+        if any(t not in (0.0, 1.0) for t in temps):
+            scale = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=logits.dtype, device=logits.device)
+            logits = logits / scale[:, None]
+        tokens = logits.argmax(dim=-1)
+        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sample_rows:
+            tokens[sample_rows] = self._draw(logits, sample_rows, params, inputs.generators)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(logits, token_list, want_lp))
+
+    def _draw(self, logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
+              generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        dev = logits.device
+        sub = logits[rows] if len(rows) != logits.shape[0] else logits
+        ps = [params[i] for i in rows]
+        sub = truncate(sub,
+                       torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev),
+                       torch.tensor([p.top_p for p in ps], dtype=sub.dtype, device=dev),
+                       torch.tensor([p.min_p for p in ps], dtype=sub.dtype, device=dev))
+        probs = torch.softmax(sub, dim=-1)
+        noise = torch.empty_like(probs)
+        shared = [j for j, i in enumerate(rows) if generators[i] is None]
+        if shared:
+            block = torch.empty(len(shared), probs.shape[1], dtype=probs.dtype, device=dev)
+            block.exponential_(generator=self.generator)
+            noise[shared] = block
+        for j, i in enumerate(rows):
+            g = generators[i]
+            if g is not None:
+                noise[j].exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: list[int],
+                  want: list[int | None]) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        rows = [i for i, n in enumerate(want) if n is not None]
+        result: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(want)
+        if not rows:
+            return result
+        lp = torch.log_softmax(logits[rows], dim=-1)
+        chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=lp.device)[:, None])[:, 0].tolist()
+        top_n = max(want[i] or 0 for i in rows)
+        top_vals = top_ids = None
+        if top_n > 0:
+            top = lp.topk(top_n, dim=-1)
+            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+        for j, i in enumerate(rows):
+            n = want[i] or 0
+            tops = list(zip(top_ids[j][:n], top_vals[j][:n])) if n and top_ids is not None and top_vals is not None else []
+            result[i] = (chosen[j], tops)
+        return result

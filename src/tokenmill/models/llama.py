@@ -1,0 +1,194 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3) over a paged KV cache.
+
+Qwen2 differs from Llama by a bias on the q/k/v projections and Qwen3 by an RMSNorm on each
+query and key head before RoPE; both are options of one implementation (``ModelArgs.qkv_bias``,
+``ModelArgs.qk_norm``).
+
+Weights are kept the way the forward wants them: q/k/v concatenated into one ``qkv_proj``
+matrix and gate/up into one ``gate_up_proj``, all contiguous ``[out, in]`` for ``F.linear``.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.attention import AttentionMetadata, ForwardBatch, select_attention_backend
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import CosSin, RotaryEmbedding, apply_rotary
+from tokenmill.loader.errors import ModelLoadError
+from tokenmill.models.base import CausalLM, KVCacheSpec, ModelArgs
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.inter = args.intermediate_size
+        self.scale = args.head_dim ** -0.5
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, args.hidden_size, dtype=dtype)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if args.qkv_bias else None
+        self.o_proj = _param(args.hidden_size, self.q_size, dtype=dtype)
+        self.gate_up_proj = _param(2 * args.intermediate_size, args.hidden_size, dtype=dtype)
+        self.down_proj = _param(args.hidden_size, args.intermediate_size, dtype=dtype)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(self, h: torch.Tensor, cs: CosSin, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                attn_backend) -> torch.Tensor:
+        t = h.shape[0]
+        x = self.input_layernorm(h)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cs), apply_rotary(k, cs)
+        o = attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
+        h = h + F.linear(o, self.o_proj)
+        x = self.post_attention_layernorm(h)
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama / Qwen2 / Qwen3 causal LM. Build, then ``load_weights`` before the first forward."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.args = args
+        self.dtype = dtype
+        self.embed_tokens = _param(args.vocab_size, args.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = self.embed_tokens if args.tie_word_embeddings else _param(
+            args.vocab_size, args.hidden_size, dtype=dtype)
+        self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling,
+                                      initial_positions=min(args.max_position_embeddings, 4096))
+        self.attn_backend = select_attention_backend(device)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.args.num_layers, self.args.num_kv_heads, self.args.head_dim, self.dtype)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV cache tensors, got {len(kv_caches)}")
+        meta = self.attn_backend.build_metadata(batch, self.dtype)
+        max_pos = int(batch.positions.max()) if batch.positions.numel() else 0
+        cs = self.rotary.lookup(batch.positions, max_pos, self.dtype)
+        h = F.embedding(batch.input_ids, self.embed_tokens)
+        for layer, cache in zip(self.layers, kv_caches):
+            h = layer(h, cs, cache, meta, self.attn_backend)
+        h = self.norm(h[batch.logits_indices])
+        return F.linear(h, self.lm_head).float()
+
+    # ---- weights -------------------------------------------------------------------------
+    def _hf_layout(self) -> dict[str, tuple[int, ...]]:
+        """HF tensor name -> expected shape, for every tensor this model needs."""
+        a = self.args
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (a.vocab_size, a.hidden_size),
+                                           "model.norm.weight": (a.hidden_size,)}
+        if not a.tie_word_embeddings:
+            out["lm_head.weight"] = (a.vocab_size, a.hidden_size)
+        for i in range(a.num_layers):
+            p = f"model.layers.{i}."
+            out[p + "self_attn.q_proj.weight"] = (q, a.hidden_size)
+            out[p + "self_attn.k_proj.weight"] = (kv, a.hidden_size)
+            out[p + "self_attn.v_proj.weight"] = (kv, a.hidden_size)
+            out[p + "self_attn.o_proj.weight"] = (a.hidden_size, q)
+            if a.qkv_bias:
+                out[p + "self_attn.q_proj.bias"] = (q,)
+                out[p + "self_attn.k_proj.bias"] = (kv,)
+                out[p + "self_attn.v_proj.bias"] = (kv,)
+            if a.qk_norm:
+                out[p + "self_attn.q_norm.weight"] = (a.head_dim,)
+                out[p + "self_attn.k_norm.weight"] = (a.head_dim,)
+            out[p + "mlp.gate_proj.weight"] = (a.intermediate_size, a.hidden_size)
+            out[p + "mlp.up_proj.weight"] = (a.intermediate_size, a.hidden_size)
+            out[p + "mlp.down_proj.weight"] = (a.hidden_size, a.intermediate_size)
+            out[p + "input_layernorm.weight"] = (a.hidden_size,)
+            out[p + "post_attention_layernorm.weight"] = (a.hidden_size,)
+        return out
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        layout = self._hf_layout()
+        missing = [n for n in layout if n not in weights]
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise ModelLoadError(f"checkpoint is missing tensor(s) {', '.join(missing[:5])}{more}")
+        ignorable = ("rotary_emb.inv_freq", "lm_head.weight")
+        unexpected = [n for n in weights if n not in layout and not n.endswith(ignorable)]
+        if unexpected:
+            raise ModelLoadError(f"checkpoint has tensor(s) this {type(self).__name__} does not use: "
+                                 f"{', '.join(sorted(unexpected)[:5])}")
+        for name, shape in layout.items():
+            if tuple(weights[name].shape) != shape:
+                raise ModelLoadError(f"tensor {name} has shape {tuple(weights[name].shape)}, "
+                                     f"expected {shape} from the model config")
+
+        def get(name: str) -> torch.Tensor:
+            return weights[name].to(self.dtype)
+
+        def cat(*names: str) -> torch.Tensor:
+            return torch.cat([weights[n].to(self.dtype) for n in names], dim=0)
+
+        self.embed_tokens.data = get("model.embed_tokens.weight").contiguous()
+        if not self.args.tie_word_embeddings:
+            self.lm_head.data = get("lm_head.weight").contiguous()
+        self.norm.weight.data = get("model.norm.weight").contiguous()
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            layer.qkv_proj.data = cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.data = cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+            if layer.q_norm is not None and layer.k_norm is not None:
+                layer.q_norm.weight.data = get(a + "q_norm.weight").contiguous()
+                layer.k_norm.weight.data = get(a + "k_norm.weight").contiguous()
+            layer.o_proj.data = get(a + "o_proj.weight").contiguous()
+            layer.gate_up_proj.data = cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            layer.down_proj.data = get(p + "mlp.down_proj.weight").contiguous()
+            layer.input_layernorm.weight.data = get(p + "input_layernorm.weight").contiguous()
+            layer.post_attention_layernorm.weight.data = get(p + "post_attention_layernorm.weight").contiguous()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        a = self.args
+        q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+        out = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm.weight,
+               "lm_head.weight": self.lm_head}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            w = layer.qkv_proj
+            out[p + "self_attn.q_proj.weight"] = w[:q]
+            out[p + "self_attn.k_proj.weight"] = w[q:q + kv]
+            out[p + "self_attn.v_proj.weight"] = w[q + kv:]
+            if layer.qkv_bias is not None:
+                b = layer.qkv_bias
+                out[p + "self_attn.q_proj.bias"] = b[:q]
+                out[p + "self_attn.k_proj.bias"] = b[q:q + kv]
+                out[p + "self_attn.v_proj.bias"] = b[q + kv:]
+            if layer.q_norm is not None and layer.k_norm is not None:
+                out[p + "self_attn.q_norm.weight"] = layer.q_norm.weight
+                out[p + "self_attn.k_norm.weight"] = layer.k_norm.weight
+            out[p + "self_attn.o_proj.weight"] = layer.o_proj
+            out[p + "mlp.gate_proj.weight"] = layer.gate_up_proj[:inter]
+            out[p + "mlp.up_proj.weight"] = layer.gate_up_proj[inter:]
+            out[p + "mlp.down_proj.weight"] = layer.down_proj
+            out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
+            out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        return {k: v.detach() for k, v in out.items()}

@@ -1,0 +1,85 @@
+"""``tokenmill route``: the KV-aware router in front of many OpenAI-compatible replicas."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+from tokenmill.router.policies import DEFAULT_POLICY, POLICIES
+
+if TYPE_CHECKING:
+    from tokenmill.router.app import RouterConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("replicas")
+    g.add_argument("--replica", action="append", default=[], metavar="URL",
+                   help="replica base URL (http://host:port); repeat for more")
+    g.add_argument("--replica-file", metavar="FILE",
+                   help="file with one replica URL per line; reloaded when it changes")
+    g.add_argument("--replica-dns", action="append", default=[], metavar="NAME:PORT",
+                   help="DNS name whose A records are the replicas (re-resolved periodically); repeatable")
+    g.add_argument("--discovery-interval", type=float, default=2.0, metavar="S",
+                   help="seconds between replica-file / DNS refreshes (default 2)")
+    g.add_argument("--health-interval", type=float, default=2.0, metavar="S", help="seconds between health checks")
+    g.add_argument("--health-path", default="/health", help="replica health endpoint (default /health)")
+    g.add_argument("--failure-threshold", type=int, default=2,
+                   help="failures in a row that mark a replica unhealthy (default 2)")
+    g.add_argument("--recovery-threshold", type=int, default=2,
+                   help="successful checks in a row that bring it back (default 2)")
+    g.add_argument("--load-interval", type=float, default=0.5, metavar="S",
+                   help="seconds between load polls (/v1/loads, else /metrics)")
+    p = parser.add_argument_group("policy")
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                   help=f"routing policy (default {DEFAULT_POLICY})")
+    p.add_argument("--session-max-inflight", type=int, help="agentic: a session's requests on one replica before splitting (2)")
+    p.add_argument("--epsilon", type=float, help="agentic: load bound slack over the mean (0.25)")
+    p.add_argument("--load-floor", type=float, help="agentic: active requests below which no replica is hot (4)")
+    p.add_argument("--session-ttl", type=float, help="agentic: seconds an idle session is remembered (600)")
+    p.add_argument("--rebalance-after", type=float, help="agentic: seconds above the bound before a session moves (30)")
+    p.add_argument("--seed", type=int, help="random / session_hash: seed for requests without a session")
+    s = parser.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--admin-key", help="enables POST /replicas and DELETE /replicas/{id} with this bearer key")
+    s.add_argument("--connect-timeout", type=float, default=5.0, metavar="S")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """CLI flags -> RouterConfig; raises ValueError with a user-facing message."""
+    from tokenmill.router.app import RouterConfig
+    from tokenmill.router.replicas import HealthConfig
+
+    options = {}
+    if args.policy == "agentic":
+        options = {"session_max_inflight": args.session_max_inflight, "epsilon": args.epsilon,
+                   "load_floor": args.load_floor, "session_ttl_s": args.session_ttl,
+                   "rebalance_after_s": args.rebalance_after}
+    elif args.policy in ("random", "session_hash"):
+        options = {"seed": args.seed}
+    health = HealthConfig(health_path=args.health_path, health_interval_s=args.health_interval,
+                          failure_threshold=args.failure_threshold, recovery_threshold=args.recovery_threshold,
+                          load_interval_s=args.load_interval)
+    return RouterConfig(replicas=list(args.replica), replica_file=args.replica_file,
+                        replica_dns=list(args.replica_dns), policy=args.policy,
+                        policy_options={k: v for k, v in options.items() if v is not None},
+                        admin_key=args.admin_key, health=health, discovery_interval_s=args.discovery_interval,
+                        connect_timeout_s=args.connect_timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+        from tokenmill.router.app import build_app
+
+        app = build_app(config)
+    except ValueError as e:
+        print(f"tokenmill route: error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0

@@ -1,0 +1,155 @@
+"""The HTTP app: routes, API-key check, session-id echo and OpenAI-style error bodies.
+
+Routes (see docs/server.md):
+    POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+    GET /health, GET /metrics, GET /v1/loads, POST /flush_cache
+
+Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status;
+no client input can stop the server. Handlers never call the engine directly: they go through
+the :class:`~tokenmill.engine.async_engine.AsyncEngine` in ``ServerState``.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.server.common import ServerState, read_json_body
+from tokenmill.server.errors import APIError
+from tokenmill.server.serving_chat import create_chat_completion
+from tokenmill.server.serving_completions import create_completion
+from tokenmill.session import RESPONSE_HEADER, extract_session_id
+
+logger = logging.getLogger("tokenmill.server")
+
+Handler = Callable[[ServerState, Request, dict[str, Any], "str | None", float], Awaitable[Any]]
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI app over a running AsyncEngine. Shutting the app down stops the engine."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        logger.info("stopping the engine")
+        state.engine.shutdown()
+
+    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tokenmill = state
+
+    def check_auth(request: Request) -> None:
+        key = state.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def run_generation(request: Request, handler: Handler) -> Response:
+        arrival = time.monotonic()
+        session_id: str | None = extract_session_id(request.headers)
+        try:
+            check_auth(request)
+            body = await read_json_body(request, state.config.max_request_bytes)
+            session_id = extract_session_id(request.headers, body)
+            response: Response = await handler(state, request, body, session_id, arrival)
+        except APIError as e:
+            return _error_response(state, e, session_id)
+        except Exception as e:  # noqa: BLE001 - a bug must cost one request, never the server
+            logger.exception("unexpected error on %s", request.url.path)
+            return _error_response(state, APIError(500, f"internal server error: {type(e).__name__}: {e}",
+                                                   type="server_error", code="internal_error"), session_id)
+        if session_id:
+            response.headers[RESPONSE_HEADER] = session_id
+        return response
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await run_generation(request, create_chat_completion)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await run_generation(request, create_completion)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_auth(request)
+        created = int(time.time())
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
+                 "max_model_len": state.max_model_len} for name in state.config.served_model_names]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        check_auth(request)
+        return PlainTextResponse(state.metrics.render(state.engine.stats()),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/loads")
+    async def loads(request: Request) -> Response:
+        check_auth(request)
+        s = state.engine.stats()
+        return JSONResponse({
+            "model": state.config.model_name, "num_running": s.num_running, "num_waiting": s.num_waiting,
+            "kv_cache_usage": s.kv_cache_usage, "kv_pages_total": s.kv_pages_total,
+            "kv_pages_free": s.kv_pages_free, "kv_pages_cached": s.kv_pages_cached,
+            "cached_tokens": s.cached_tokens_total,
+            "prompt_tokens": s.prompt_tokens_total, "generation_tokens": s.generation_tokens_total,
+        })
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        check_auth(request)
+        if not await state.engine.flush_cache():
+            raise APIError(409, "the prefix cache was not flushed: requests are running", code="engine_busy")
+        return JSONResponse({"flushed": True})
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> Response:
+        return _error_response(state, exc, None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
+        return _error_response(state, APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                               code=kind), None)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _error_response(state, APIError(400, f"invalid request: {exc.errors()[:1]}"), None)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return _error_response(state, APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
+                                               type="server_error", code="internal_error"), None)
+
+    return app
+
+
+def _error_response(state: ServerState, err: APIError, session_id: str | None) -> Response:
+    state.metrics.http_errors[err.status_code] += 1
+    if err.status_code >= 500:
+        logger.error("error %d: %s", err.status_code, err.message)
+    else:
+        logger.info("client error %d: %s", err.status_code, err.message)
+    headers = {RESPONSE_HEADER: session_id} if session_id else None
+    if err.status_code == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
+    return err.response(headers)

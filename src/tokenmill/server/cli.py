@@ -1,0 +1,132 @@
+"""``tokenmill serve``: load one model and serve it over the OpenAI API.
+
+The model is loaded before the port opens, so ``GET /health`` answers 200 only once the server can
+serve. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up to
+``--shutdown-grace-s`` seconds, aborts the rest, stops the engine and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Generator
+from pathlib import Path
+
+import uvicorn
+
+from tokenmill.loader.resolve import DEFAULT_MODEL
+from tokenmill.server.tool_parser import TOOL_PARSERS
+
+logger = logging.getLogger("tokenmill.server")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model and engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"bundled model name or path to an HF directory / GGUF file (default: {DEFAULT_MODEL})")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: 16)")
+    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="KV-cache pool size in GiB (default: sized by the engine)")
+    g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV-cache pool size in tokens")
+    g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one engine step")
+    g.add_argument("--max-running-requests", type=int, default=64, help="requests in the running batch at most")
+    g.add_argument("--max-model-len", type=int, default=None, help="lower the model's context length")
+    g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
+    g.add_argument("--session-retention-s", type=float, default=60.0,
+                   help="seconds a finished session's KV is kept ahead of LRU eviction (default: 60)")
+    g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    g.add_argument("--debug-checks", action="store_true", help="check page accounting whenever the engine idles")
+    s = parser.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in the 'model' field (default: the --model value)")
+    s.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="turn tool-call markup in the output into OpenAI tool_calls")
+    s.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="Jinja chat template file to use instead of the tokenizer's")
+    s.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY, or no key)")
+    s.add_argument("--max-n", type=int, default=8, help="largest accepted 'n' (default: 8)")
+    s.add_argument("--max-request-bytes", type=int, default=32 * 2**20,
+                   help="largest accepted request body; bigger ones get 413 (default: 32 MiB)")
+    s.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.engine import Engine
+    from tokenmill.loader.resolve import ModelNotFoundError
+    from tokenmill.server.app import build_app
+    from tokenmill.server.common import ServerConfig, ServerState
+
+    try:
+        engine_config = EngineConfig(
+            model=args.model, page_size=args.page_size, kv_cache_memory_gib=args.kv_cache_memory,
+            kv_cache_tokens=args.kv_cache_tokens, max_batch_tokens=args.max_batch_tokens,
+            max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
+            enable_prefix_cache=not args.no_prefix_cache, session_retention_s=args.session_retention_s,
+            dtype=args.dtype, debug_checks=args.debug_checks,
+        )
+        chat_template = Path(args.chat_template).read_text() if args.chat_template else None
+        server_config = ServerConfig(
+            served_model_names=tuple(args.served_model_name or [args.model]), max_n=args.max_n,
+            max_request_bytes=args.max_request_bytes, api_key=args.api_key or None,
+            tool_call_parser=args.tool_call_parser, chat_template=chat_template,
+            shutdown_grace_s=args.shutdown_grace_s,
+        )
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    except (ValueError, OSError) as e:
+        print(f"tokenmill serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        engine = Engine(engine_config)
+    except (ModelNotFoundError, ValueError) as e:
+        print(f"tokenmill serve: cannot load model {args.model!r}: {e}", file=sys.stderr)
+        return 2
+    async_engine = AsyncEngine(engine)
+    state = ServerState.create(async_engine, server_config, prefix_cache_enabled=engine_config.enable_prefix_cache)
+    logger.info("serving %s as %s on http://%s:%d (max_model_len=%d)", args.model,
+                ", ".join(server_config.served_model_names), args.host, args.port, state.max_model_len)
+    uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                               timeout_graceful_shutdown=args.shutdown_grace_s, access_log=False,
+                               timeout_keep_alive=30)
+    server = _Server(uv_config)
+    try:
+        server.run()
+    finally:
+        async_engine.shutdown()
+    if not server.started:
+        print(f"tokenmill serve: could not start the HTTP server on {args.host}:{args.port}", file=sys.stderr)
+        return 1
+    logger.info("server stopped")
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus re-raising the caught signal after a graceful stop.
+
+    uvicorn re-raises SIGTERM once it has shut down, which kills the process with status -15;
+    a graceful stop on SIGTERM must exit 0.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)

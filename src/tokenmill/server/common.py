@@ -1,0 +1,375 @@
+"""What both OpenAI endpoints share: server state, body reading, sampling parameters, running the
+``n`` engine requests of one HTTP request, logprob formatting and usage.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from tokenmill.engine.async_engine import AsyncEngine, EngineStepError, EngineStoppedError
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.server.errors import APIError, bad_request, from_validation_error
+from tokenmill.server.metrics import RequestTimer, ServerMetrics
+from tokenmill.server.protocol import SamplingFields, context_error
+from tokenmill.server.tool_parser import HermesToolParser, get_tool_parser
+
+if TYPE_CHECKING:
+    from tokenmill.engine.request import RequestOutput, TokenLogprob
+
+logger = logging.getLogger("tokenmill.server")
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server-side knobs (the engine's live in EngineConfig)."""
+
+    served_model_names: tuple[str, ...]
+    max_n: int = 8
+    max_request_bytes: int = 32 * 2**20
+    api_key: str | None = None
+    tool_call_parser: str | None = None
+    chat_template: str | None = None     # Jinja text overriding the tokenizer's template
+    shutdown_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or any(not n for n in self.served_model_names):
+            raise ValueError("served_model_names must hold at least one non-empty name")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be at least 1, got {self.max_n}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)  # raises on an unknown name
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+@dataclass
+class ServerState:
+    """Everything a handler needs; one per app."""
+
+    engine: AsyncEngine
+    config: ServerConfig
+    tokenizer: Any                      # the server's own copy: HF tokenizers are not thread-safe
+    max_model_len: int
+    metrics: ServerMetrics
+    tool_parser: HermesToolParser | None = None
+    _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, engine: AsyncEngine, config: ServerConfig, *, prefix_cache_enabled: bool = True) -> ServerState:
+        return cls(
+            engine=engine, config=config, tokenizer=copy.deepcopy(engine.engine.tokenizer),
+            max_model_len=int(engine.engine.max_model_len),
+            metrics=ServerMetrics(config.model_name, prefix_cache_enabled=prefix_cache_enabled),
+            tool_parser=get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None,
+        )
+
+    @property
+    def vocab_limit(self) -> int:
+        return len(self.tokenizer)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.config.served_model_names:
+            raise APIError(404, f"the model {name!r} does not exist on this server; it serves "
+                                f"{', '.join(repr(n) for n in self.config.served_model_names)}",
+                           param="model", code="model_not_found")
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """(decoded text, raw UTF-8 bytes) of one token, cached."""
+        hit = self._token_text.get(token_id)
+        if hit is None:
+            text = self.tokenizer.decode([token_id])
+            raw = _raw_token_bytes(self.tokenizer, token_id)
+            hit = (text, list(raw if raw is not None else text.encode("utf-8")))
+            self._token_text[token_id] = hit
+        return hit
+
+
+_BYTE_DECODER: dict[str, int] | None = None
+
+
+def _raw_token_bytes(tokenizer: Any, token_id: int) -> bytes | None:
+    """The token's own bytes for GPT-2 style byte-level BPE vocabularies (None if not one)."""
+    global _BYTE_DECODER
+    if _BYTE_DECODER is None:
+        visible = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+        chars = list(visible)
+        extra = 0
+        for b in range(256):
+            if b not in visible:
+                visible.append(b)
+                chars.append(256 + extra)
+                extra += 1
+        _BYTE_DECODER = {chr(c): b for b, c in zip(visible, chars)}
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str) or any(ch not in _BYTE_DECODER for ch in piece):
+        return None
+    return bytes(_BYTE_DECODER[ch] for ch in piece)
+
+
+# ---------------------------------------------------------------------------- request body
+async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
+    """Read, size-check, UTF-8-check and JSON-parse the body; it must be a JSON object."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes",
+                       code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"request body is not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})",
+                          code="invalid_encoding") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                          code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def parse_model(model_cls: type[SamplingFields], body: dict[str, Any]) -> Any:
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+# ---------------------------------------------------------------------------- sampling
+def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    """Engine parameters of choice ``choice``; with a seed, choice i uses seed + i (distinct, repeatable)."""
+    stop = [] if req.stop is None else ([req.stop] if isinstance(req.stop, str) else list(req.stop))
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p,
+            seed=None if req.seed is None else req.seed + choice,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, stop=stop, stop_token_ids=list(req.stop_token_ids),
+            ignore_eos=req.ignore_eos, logprobs=logprobs,
+        )
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None, param: str) -> int:
+    """Tokens to generate: the request's value, or what is left of the context. 400 if it does not fit."""
+    limit = state.max_model_len
+    if prompt_len >= limit:
+        raise context_error(prompt_len, None, limit, "prompt" if param == "max_tokens" else "messages")
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise context_error(prompt_len, requested, limit, param)
+    return requested
+
+
+def check_token_ids(state: ServerState, ids: Sequence[int], param: str) -> None:
+    limit = state.vocab_limit
+    for t in ids:
+        if not 0 <= t < limit:
+            raise bad_request(f"token id {t} is outside the vocabulary [0, {limit})", param, code="invalid_token_id")
+
+
+# ---------------------------------------------------------------------------- running requests
+class ChoiceOutput(NamedTuple):
+    index: int
+    output: RequestOutput
+
+
+class Generation:
+    """The engine requests (one per choice) of one HTTP request, merged into one stream.
+
+    ``start()`` submits them all (engine rejections raise here, before any response byte);
+    iterate to get :class:`ChoiceOutput` items in arrival order; ``close()`` aborts whatever has
+    not finished. Latency metrics are recorded as outputs arrive.
+    """
+
+    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
+                 params: list[SamplingParams], session_id: str | None, arrival: float) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.session_id = session_id
+        self.timers = [RequestTimer(state.metrics, arrival) for _ in prompts]
+        self._streams: list[Any] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        try:
+            for i, (prompt, params) in enumerate(zip(self.prompts, self.params)):
+                stream = await self.state.engine.submit(f"{self.request_id}-{i}", prompt, params, self.session_id)
+                self._streams.append(stream)
+        except ValueError as e:
+            await self.close()
+            raise bad_request(str(e)) from None
+        except EngineStoppedError as e:
+            await self.close()
+            raise APIError(503, str(e), type="server_error", code="shutting_down") from None
+        except BaseException:
+            await self.close()
+            raise
+
+    async def __aiter__(self) -> AsyncIterator[ChoiceOutput]:
+        if len(self._streams) == 1:
+            async for out in self._streams[0]:
+                self._observe(0, out)
+                yield ChoiceOutput(0, out)
+            return
+        merged: asyncio.Queue[ChoiceOutput | BaseException | None] = asyncio.Queue()
+
+        async def pump(i: int, stream: Any) -> None:
+            try:
+                async for out in stream:
+                    merged.put_nowait(ChoiceOutput(i, out))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                merged.put_nowait(e)
+            merged.put_nowait(None)
+
+        self._tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self._streams)]
+        remaining = len(self._tasks)
+        while remaining:
+            item = await merged.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            self._observe(item.index, item.output)
+            yield item
+
+    def _observe(self, i: int, out: RequestOutput) -> None:
+        now = time.monotonic()
+        self.timers[i].on_tokens(len(out.new_token_ids), now)
+        if out.finished:
+            self.timers[i].on_finish(out.finish_reason, now)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for s in self._streams:
+            if not s.finished and not s.closed:
+                self.state.metrics.finished["abort"] += 1
+            await s.aclose()
+
+
+async def collect(gen: Generation, request: Request) -> list[RequestOutput]:
+    """Run a non-streamed generation to the end; abort it if the client disconnects meanwhile."""
+    finals: list[RequestOutput | None] = [None] * len(gen.prompts)
+
+    async def consume() -> None:
+        async for item in gen:
+            if item.output.finished:
+                finals[item.index] = item.output
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.create_task(consume())
+    watcher = asyncio.create_task(watch())
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:
+            logger.info("request %s: client disconnected, aborting", gen.request_id)
+            work.cancel()
+            raise ClientGone()
+        work.result()
+    except EngineStepError as e:
+        raise APIError(500, str(e), type="server_error", code="engine_error") from None
+    finally:
+        watcher.cancel()
+        await gen.close()
+    return [f for f in finals if f is not None]
+
+
+class ClientGone(Exception):
+    """The client went away before the response was ready."""
+
+
+# ---------------------------------------------------------------------------- formatting
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _lp(v: float) -> float:
+    return max(float(v), LOGPROB_FLOOR) if v == v else LOGPROB_FLOOR
+
+
+def chat_logprobs(state: ServerState, entries: Sequence[TokenLogprob], top_n: int) -> list[dict[str, Any]]:
+    out = []
+    for e in entries:
+        text, raw = state.token_text(e.token_id)
+        tops = []
+        for t in e.top_logprobs[:top_n]:
+            ttext, traw = state.token_text(t.token_id)
+            tops.append({"token": ttext, "logprob": _lp(t.logprob), "bytes": traw})
+        out.append({"token": text, "logprob": _lp(e.logprob), "bytes": raw, "top_logprobs": tops})
+    return out
+
+
+def completion_logprobs(state: ServerState, entries: Sequence[TokenLogprob], top_n: int,
+                        text_offset: int) -> dict[str, Any]:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    pos = text_offset
+    for e in entries:
+        text, _ = state.token_text(e.token_id)
+        tokens.append(text)
+        token_logprobs.append(_lp(e.logprob))
+        top.append({state.token_text(t.token_id)[0]: _lp(t.logprob) for t in e.top_logprobs[:top_n]} or None)
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(err: APIError) -> str:
+    return sse(err.body())
+
+
+def log_finished(kind: str, request_id: str, session_id: str | None, prompt_tokens: int, cached: int,
+                 completion_tokens: int, arrival: float, reasons: Sequence[str | None]) -> None:
+    logger.info("%s %s session=%s prompt=%d cached=%d completion=%d finish=%s latency=%.3fs", kind, request_id,
+                session_id or "-", prompt_tokens, cached, completion_tokens, ",".join(str(r) for r in reasons),
+                time.monotonic() - arrival)

@@ -1,0 +1,68 @@
+"""Test helper: drive a model over paged KV the way an engine would (no scheduler)."""
+from __future__ import annotations
+
+import random
+from typing import Any, Sequence
+
+import torch
+
+from tokenmill.layers.attention import ForwardBatch, allocate_kv_cache
+from tokenmill.models.base import CausalLM
+
+
+class PagedDriver:
+    """Keeps page tables for named sequences and runs steps of mixed chunks through a model.
+
+    Pages are handed out in a shuffled order so that a sequence's pages are never contiguous.
+    """
+
+    def __init__(self, model: CausalLM, num_pages: int = 96, page_size: int = 4, seed: int = 0) -> None:
+        self.model = model
+        self.page_size = page_size
+        self.kv = allocate_kv_cache(model.kv_cache_spec(), num_pages, page_size)
+        self.free = list(range(num_pages))
+        random.Random(seed).shuffle(self.free)
+        self.pages: dict[str, list[int]] = {}
+        self.lens: dict[str, int] = {}
+
+    def step(self, chunks: Sequence[tuple[str, Sequence[int]]], all_rows: bool = False) -> torch.Tensor:
+        """Append each ``(seq, tokens)`` chunk to its sequence and run one forward.
+
+        Returns logits of each chunk's last token (``all_rows``: of every token), in order.
+        """
+        ps = self.page_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for seq, toks in chunks:
+            start = self.lens.get(seq, 0)
+            end = start + len(toks)
+            table = self.pages.setdefault(seq, [])
+            while len(table) * ps < end:
+                table.append(self.free.pop())
+            self.lens[seq] = end
+            ids.extend(toks)
+            for p in range(start, end):
+                pos.append(p)
+                slots.append(table[p // ps] * ps + p % ps)
+            qsl.append(qsl[-1] + len(toks))
+            seq_lens.append(end)
+            tables.append(list(table))
+        width = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        rows = list(range(qsl[-1])) if all_rows else [q - 1 for q in qsl[1:]]
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(pos, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long), query_start_loc=torch.tensor(qsl, dtype=torch.long),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long), block_tables=bt,
+            logits_indices=torch.tensor(rows, dtype=torch.long), page_size=ps)
+        return self.model(batch, self.kv)
+
+
+def hf_logits(ref: Any, tokens: Sequence[int]) -> torch.Tensor:
+    """HF reference logits ``[len(tokens), vocab]`` of one sequence, fp32."""
+    with torch.no_grad():
+        return ref(torch.tensor([list(tokens)], dtype=torch.long)).logits[0].float()

@@ -1,0 +1,284 @@
+"""The router in front of real replicas: ``tokenmill serve`` processes on a tiny random model.
+
+Each test starts its own ``tokenmill route`` process over the module's fleet (see conftest).
+The test that kills a replica runs last in this file.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import MODEL, Fleet, start_router
+from tokenmill.utils.proc import free_port
+
+REPLICA = "x-tokenmill-replica"
+
+
+def rid(url: str) -> str:
+    return url.split("://", 1)[1]
+
+
+def chat(base: str, session: str | None, text: str, max_tokens: int = 4, **kw) -> httpx.Response:
+    headers = {"X-Session-ID": session} if session else {}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, **kw}
+    return httpx.post(base + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+
+def loads(base: str) -> dict:
+    return httpx.get(base + "/v1/loads", timeout=10).json()
+
+
+def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def test_openai_client_through_the_router(fleet: Fleet):
+    urls = [fleet.url(i) for i in range(3)]
+    router = start_router(urls)
+    try:
+        client = openai.OpenAI(base_url=router.base_url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say something."}], max_tokens=6,
+            extra_headers={"X-Session-ID": "oa-1"})
+        first = raw.headers[REPLICA]
+        assert first in {rid(u) for u in urls}
+        assert raw.parse().usage.completion_tokens == 6
+        # streaming goes through chunk by chunk and keeps the session on its replica
+        chunks = []
+        with client.chat.completions.with_streaming_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "Say something."}], max_tokens=6,
+                stream=True, extra_headers={"X-Session-ID": "oa-1"}) as resp:
+            assert resp.headers[REPLICA] == first
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            for chunk in resp.parse():
+                chunks.append(chunk)
+        assert len([c for c in chunks if c.choices and c.choices[0].delta.content is not None]) >= 1
+        comp = client.completions.with_raw_response.create(model=MODEL, prompt="Hello", max_tokens=3,
+                                                           user="oa-1")   # body field works too
+        assert comp.headers[REPLICA] == first and comp.parse().usage.completion_tokens == 3
+
+        h = httpx.get(router.base_url + "/health").json()
+        assert h["healthy_replicas"] == 3
+        view = loads(router.base_url)
+        assert view["router"]["decisions"] == {"placed": 1, "sticky": 2}
+        assert {r["id"] for r in view["replicas"]} == {rid(u) for u in urls}
+        assert sum(r["sessions"] for r in view["replicas"]) == 1
+        assert all(r["load_source"] == "v1/loads" for r in view["replicas"])
+        metrics = httpx.get(router.base_url + "/metrics").text
+        assert 'tokenmill_router_decisions_total{policy="agentic",kind="sticky"} 2' in metrics
+        sent = {line.split('"')[1]: int(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                if line.startswith("tokenmill_router_replica_requests_total{")}
+        assert sum(sent.values()) == 4 and sent[first] >= 3     # /v1/models went to any replica
+
+        bad = httpx.post(router.base_url + "/v1/chat/completions", content=b"{not json", timeout=10)
+        assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+        # a replica's own 4xx passes through unchanged (not retried)
+        r = httpx.post(router.base_url + "/v1/chat/completions", json={"model": "nope", "messages": []},
+                       timeout=10)
+        assert r.status_code in (400, 404) and loads(router.base_url)["router"]["retries"] == 0
+        assert httpx.post(router.base_url + "/replicas", json={"url": "http://x:1"}).status_code == 403
+    finally:
+        router.stop()
+
+
+def run_bench(base: str, out: Path, seed: int) -> dict:
+    cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "--base-url", base, "--model", MODEL,
+           "--concurrency", "6", "--sessions", "6", "--turns", "5", "--first-turn-tokens", "96",
+           "--new-tokens", "32", "--output-tokens", "8", "--shared-prompt-tokens", "32",
+           "--user-turn-prob", "0", "--think-scale", "0.05", "--flush-cache", "--no-progress",
+           "--seed", str(seed), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    doc = json.loads((out / "results.json").read_text())
+    (run,) = doc["runs"]
+    assert run["num_ok"] == 30 and run["errors"] == 0
+    return run
+
+
+def test_sessions_stick_and_keep_the_single_replica_cache_hit_rate(fleet: Fleet, tmp_path: Path):
+    single = run_bench(fleet.url(3), tmp_path / "single", seed=11)
+    router = start_router([fleet.url(i) for i in range(3)])
+    try:
+        routed = run_bench(router.base_url, tmp_path / "routed", seed=11)
+        decisions = loads(router.base_url)["router"]["decisions"]
+    finally:
+        router.stop()
+    # 6 sessions x 5 turns: each session placed once, every later turn on the same replica
+    # (the bench's warm-up probe carries no session id and is routed by least load)
+    assert decisions.get("placed") == 6 and decisions.get("sticky") == 24
+    assert not {"split", "moved", "failover", "retry"} & set(decisions)
+    assert routed["session_header_echo_rate"] == 1.0
+    assert single["cache_hit_rate"] > 0.5
+    assert routed["cache_hit_rate"] >= 0.9 * single["cache_hit_rate"], (routed["cache_hit_rate"],
+                                                                       single["cache_hit_rate"])
+
+
+def test_hot_session_spreads_over_replicas(fleet: Fleet):
+    router = start_router([fleet.url(i) for i in range(3)], "--session-max-inflight", "2")
+    try:
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as c:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "parallel " * 30}],
+                        "max_tokens": 48, "ignore_eos": True}
+                return await asyncio.gather(*(c.post(router.base_url + "/v1/chat/completions", json=body,
+                                                     headers={"X-Session-ID": "hot"}) for _ in range(8)))
+
+        responses = asyncio.run(burst())
+        assert all(r.status_code == 200 for r in responses)
+        used = {r.headers[REPLICA] for r in responses}
+        assert len(used) >= 2
+        decisions = loads(router.base_url)["router"]["decisions"]
+        assert decisions["split"] >= 1 and decisions["placed"] == 1
+        # once the burst is over the session goes home again
+        home = responses[0].headers[REPLICA] if responses[0].headers.get("x-tokenmill-decision") == "placed" else None
+        after = chat(router.base_url, "hot", "parallel " * 30)
+        assert after.headers["x-tokenmill-decision"] == "sticky"
+        if home is not None:
+            assert after.headers[REPLICA] == home
+    finally:
+        router.stop()
+
+
+def test_scale_up_moves_few_sessions_and_fills_the_new_replica(fleet: Fleet):
+    router = start_router([fleet.url(i) for i in range(3)], "--admin-key", "secret")
+    auth = {"Authorization": "Bearer secret"}
+    try:
+        homes = {}
+        for k in range(12):
+            homes[f"up{k}"] = chat(router.base_url, f"up{k}", f"session {k} " * 20).headers[REPLICA]
+        assert len(set(homes.values())) == 3
+        assert httpx.post(router.base_url + "/replicas", json={"url": fleet.url(3)}).status_code == 401
+        added = httpx.post(router.base_url + "/replicas", json={"url": fleet.url(3)}, headers=auth)
+        assert added.status_code == 201 and added.json()["healthy"] is True
+        new_id = added.json()["id"]
+        moved = 0
+        for k in range(12):
+            r = chat(router.base_url, f"up{k}", f"session {k} " * 20)
+            assert r.status_code == 200
+            moved += r.headers[REPLICA] != homes[f"up{k}"]
+        assert moved <= 12 // 4 + 1
+        fresh = [chat(router.base_url, f"new{k}", f"fresh {k} " * 20).headers[REPLICA] for k in range(4)]
+        assert sum(r == new_id for r in fresh) >= 3
+        # drain: no new requests go there, and it leaves once idle
+        d = httpx.delete(router.base_url + f"/replicas/{new_id}", headers=auth)
+        assert d.status_code == 202 and d.json()["removed"] is True
+        assert all(chat(router.base_url, f"new{k}", "x").headers[REPLICA] != new_id for k in range(4))
+        assert httpx.delete(router.base_url + "/replicas/nope:1", headers=auth).status_code == 404
+    finally:
+        router.stop()
+
+
+def test_replica_file_and_dns_discovery(fleet: Fleet, tmp_path: Path):
+    listing = tmp_path / "replicas.txt"
+    listing.write_text(f"# fleet\n{fleet.url(0)}\n")
+    port2 = fleet.url(2).rsplit(":", 1)[1]
+    router = start_router([], "--replica-file", str(listing), "--replica-dns", f"localhost:{port2}",
+                          "--discovery-interval", "0.2")
+    try:
+        def ids() -> set[str]:
+            return {r["id"] for r in loads(router.base_url)["replicas"]}
+
+        assert ids() == {rid(fleet.url(0)), f"127.0.0.1:{port2}"}
+        listing.write_text(f"{fleet.url(0)}\n{fleet.url(1)}  # added\n")
+        assert wait_for(lambda: ids() == {rid(fleet.url(0)), rid(fleet.url(1)), f"127.0.0.1:{port2}"})
+        listing.write_text(f"{fleet.url(1)}\n")
+        assert wait_for(lambda: ids() == {rid(fleet.url(1)), f"127.0.0.1:{port2}"})
+        assert chat(router.base_url, "disc", "hello").status_code == 200
+        listing.write_text("not a url at all ::\n")     # a bad file keeps the current replicas
+        time.sleep(1.0)
+        assert ids() == {rid(fleet.url(1)), f"127.0.0.1:{port2}"}
+    finally:
+        router.stop()
+
+
+class _AlwaysFails(BaseHTTPRequestHandler):
+    """A real peer that is up (health 200) but answers every API call with 500."""
+
+    def _send(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._send(200, b'{"status":"ok"}' if self.path == "/health" else b'{"error":{"message":"boom"}}')
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._send(500, b'{"error":{"message":"internal error","type":"server_error","code":500}}')
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_500_before_the_first_byte_is_retried_once_elsewhere(fleet: Fleet):
+    port = free_port()
+    bad = ThreadingHTTPServer(("127.0.0.1", port), _AlwaysFails)
+    threading.Thread(target=bad.serve_forever, daemon=True).start()
+    bad_url = f"http://127.0.0.1:{port}"
+    router = start_router([bad_url, fleet.url(0)], "--policy", "round_robin")
+    try:
+        responses = [chat(router.base_url, None, f"retry {k}") for k in range(4)]
+        assert all(r.status_code == 200 for r in responses)
+        assert all(r.headers[REPLICA] == rid(fleet.url(0)) for r in responses)
+        view = loads(router.base_url)
+        totals = {r["id"]: r["requests_total"] for r in view["replicas"]}
+        # every attempt on the bad replica was retried once, on the good one
+        assert view["router"]["retries"] == totals[rid(bad_url)] >= 1
+        assert totals[rid(fleet.url(0))] == 4
+        # with only the bad replica left the client gets its 500 after one retry
+        router.stop()
+        router = start_router([bad_url, f"http://127.0.0.1:{free_port()}"])
+        r = chat(router.base_url, "s", "x")
+        assert r.status_code == 500 and r.headers[REPLICA] == rid(bad_url)
+    finally:
+        router.stop()
+        bad.shutdown()
+
+
+def test_killed_replica_only_its_sessions_move(fleet: Fleet):
+    """Runs last: kills replica 3."""
+    urls = [fleet.url(i) for i in (1, 2, 3)]
+    victim = rid(fleet.url(3))
+    router = start_router(urls, "--health-interval", "0.5")
+    try:
+        homes = {f"k{k}": chat(router.base_url, f"k{k}", f"killed {k} " * 20).headers[REPLICA] for k in range(9)}
+        lost = {s for s, h in homes.items() if h == victim}
+        assert lost and len(lost) < 9
+        fleet.kill(3)
+        second = {}
+        for s in homes:                               # right after the kill: connect errors are retried
+            r = chat(router.base_url, s, "next turn")
+            assert r.status_code == 200
+            second[s] = r.headers[REPLICA]
+        assert wait_for(lambda: not next(r for r in loads(router.base_url)["replicas"] if r["id"] == victim)["healthy"])
+        for s in homes:
+            r = chat(router.base_url, s, "third turn")
+            assert r.status_code == 200
+            if s in lost:
+                assert r.headers[REPLICA] != victim and r.headers[REPLICA] == second[s]
+            else:
+                assert r.headers[REPLICA] == homes[s] == second[s]
+        decisions = loads(router.base_url)["router"]["decisions"]
+        assert decisions["failover"] == len(lost)
+        assert httpx.get(router.base_url + "/health").json()["healthy_replicas"] == 2
+    finally:
+        router.stop()
