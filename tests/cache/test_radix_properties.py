@@ -50,6 +50,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.retained: dict[str, float] = {}
         self.tick = 0
         self.reqs: list[Req] = []
+        self.pins: list[tuple[RadixNode, list[tuple[int, ...]]]] = []   # bare lock() holders
         self.known: list[tuple[int, ...]] = []
 
     # ------------------------------------------------------------------ model helpers
@@ -240,6 +241,28 @@ class RadixMachine(RuleBasedStateMachine):
             self.cache.session_finished(r.session)
             self.retained[r.session] = self.now + RETENTION
 
+    @precondition(lambda self: self.known)
+    @rule(pick=st.integers(0, 100), cut=st.integers(0, 14))
+    def lock(self, pick: int, cut: int) -> None:
+        """Pin a (prefix of a) cached sequence without a request."""
+        t = self.known[pick % len(self.known)][:cut]
+        m = self.cache.match_prefix(t)
+        want = self.model_match(t)
+        assert m.pages == [self.cached[p] for p in want]
+        self.touch(want)
+        self.cache.lock(m.node)
+        for pre in want:
+            self.locks[pre] = self.locks.get(pre, 0) + 1
+        self.pins.append((m.node, want))
+
+    @precondition(lambda self: self.pins)
+    @rule(pick=st.integers(0, 100))
+    def unlock(self, pick: int) -> None:
+        node, prefixes = self.pins.pop(pick % len(self.pins))
+        self.cache.unlock(node)
+        for pre in prefixes:
+            self.locks[pre] -= 1
+
     @rule(n=st.integers(0, 30))
     def evict(self, n: int) -> None:
         self.do_evict(n)
@@ -255,7 +278,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule()
     def reset(self) -> None:
-        if any(r.locked for r in self.reqs):
+        if any(r.locked for r in self.reqs) or any(p for _, p in self.pins):
             try:
                 self.cache.reset()
             except RuntimeError:
@@ -285,6 +308,6 @@ class RadixMachine(RuleBasedStateMachine):
 
 
 RadixMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=250, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestRadixMachine = RadixMachine.TestCase

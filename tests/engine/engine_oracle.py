@@ -14,14 +14,15 @@ def hf_logits(ref: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def hf_greedy(ref: torch.nn.Module, ids: list[int], n: int) -> list[int]:
-    """``n`` greedy tokens, recomputing the whole sequence each step (no EOS handling)."""
-    seq = list(ids)
-    out: list[int] = []
-    for _ in range(n):
-        tok = int(hf_logits(ref, seq)[-1].argmax())
-        out.append(tok)
-        seq.append(tok)
-    return out
+    """``n`` greedy tokens from HF's own incremental decoding (its KV cache; no EOS handling)."""
+    out = ref(torch.tensor([ids]), use_cache=True)
+    tokens: list[int] = []
+    for i in range(n):
+        tok = int(out.logits[0, -1].argmax())
+        tokens.append(tok)
+        if i + 1 < n:
+            out = ref(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
 
 
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 49152) -> list[list[int]]:

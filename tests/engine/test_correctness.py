@@ -15,8 +15,11 @@ def test_smollm_gguf_greedy_matches_hf_generate(smollm) -> None:
 
     prompts = ["The capital of France is", "def fibonacci(n):",
                "Here is a short poem about the sea:\n", "List three primary colors:"]
-    llm = LLM(loaded=smollm, kv_cache_tokens=2048)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))
+    llm = LLM(loaded=smollm, kv_cache_tokens=2048, debug_checks=True)
+    params = [SamplingParams(max_tokens=32, temperature=0.0)] * 4
+    # a fifth request: the first prompt again, past its EOS
+    params.append(SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    *outs, no_eos = llm.generate(prompts + prompts[:1], params)
     ref = build_hf_reference(smollm).eval()
     for prompt, out in zip(prompts, outs):
         ids = smollm.tokenizer(prompt, return_tensors="pt").input_ids
@@ -27,6 +30,10 @@ def test_smollm_gguf_greedy_matches_hf_generate(smollm) -> None:
         assert out.prompt_token_ids == ids[0].tolist()
         assert out.text == smollm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         assert out.finish_reason == ("stop" if expected[-1] in smollm.eos_token_ids else "length")
+    eos_at = outs[0].token_ids.index(smollm.eos_token_ids[0])  # "Paris. ..." ends with EOS early
+    assert outs[0].finish_reason == "stop" and eos_at < 31
+    assert no_eos.token_ids[:eos_at + 1] == outs[0].token_ids and len(no_eos.token_ids) == 32
+    assert no_eos.finish_reason == "length"
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])

@@ -2,6 +2,7 @@
 llama.cpp Q/K permutation, checked on GGUF files written here with ``gguf.GGUFWriter``."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -153,7 +154,7 @@ def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_model_gguf(hf_dir: Path, out: Path, arch: str, drop: str | None = None) -> Path:
-    cfg = __import__("json").loads((hf_dir / "config.json").read_text())
+    cfg = json.loads((hf_dir / "config.json").read_text())
     tensors = {}
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         if name == drop:
@@ -176,7 +177,8 @@ def write_model_gguf(hf_dir: Path, out: Path, arch: str, drop: str | None = None
     return _write(out, tensors, arch=arch, meta=meta)
 
 
-@pytest.mark.parametrize("arch,hf_arch", [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
+@pytest.mark.parametrize("arch,hf_arch", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+                                          ("qwen3", "Qwen3ForCausalLM")])
 def test_model_gguf_gives_hf_config_and_original_tensors(tmp_path, arch, hf_arch):
     hf_dir = build_tiny_checkpoint(tmp_path / "hf", hf_arch, seed=5)
     ckpt = read_gguf(write_model_gguf(hf_dir, tmp_path / "m.gguf", arch))
@@ -189,3 +191,23 @@ def test_model_gguf_gives_hf_config_and_original_tensors(tmp_path, arch, hf_arch
     assert set(ckpt.weights) == set(original)
     for name, tensor in original.items():
         assert torch.equal(ckpt.weights[name], tensor), name  # llama Q/K permutation undone
+
+
+def test_dequantized_gguf_cache_round_trip_and_repair(tmp_path, monkeypatch, tiny_llama_dir):
+    from tokenmill.loader.gguf import read_gguf_cached
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    f = write_model_gguf(tiny_llama_dir, tmp_path / "m.gguf", "llama")
+    fresh = read_gguf(f)
+    first = read_gguf_cached(f)
+    entries = list((tmp_path / "cache").glob("gguf-*"))
+    assert len(entries) == 1 and (entries[0] / "model.safetensors").is_file()
+    (entries[0] / "model.safetensors").write_bytes(b"damaged")
+    for ckpt in (first, read_gguf_cached(f), read_gguf_cached(f)):  # built, repaired, then read back
+        assert ckpt.config.to_dict() == fresh.config.to_dict()
+        assert set(ckpt.weights) == set(fresh.weights)
+        assert all(torch.equal(ckpt.weights[n], fresh.weights[n]) for n in fresh.weights)
+    monkeypatch.setenv("TOKENMILL_GGUF_CACHE", "0")
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache2"))
+    read_gguf_cached(f)
+    assert not (tmp_path / "cache2").exists()

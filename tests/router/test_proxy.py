@@ -94,6 +94,17 @@ def test_openai_client_through_the_router(fleet: Fleet):
                        timeout=10)
         assert r.status_code in (400, 404) and loads(router.base_url)["router"]["retries"] == 0
         assert httpx.post(router.base_url + "/replicas", json={"url": "http://x:1"}).status_code == 403
+
+        # a client that walks away mid-stream frees its slot in the router and on the replica
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 4000,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", router.base_url + "/v1/chat/completions", json=body, timeout=60,
+                          headers={"X-Session-ID": "walks-away"}) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            assert loads(router.base_url)["router"]["inflight"] == 1
+        assert wait_for(lambda: loads(router.base_url)["router"]["inflight"] == 0)
+        assert wait_for(lambda: all(httpx.get(u + "/v1/loads").json()["num_running"] == 0 for u in urls))
     finally:
         router.stop()
 
@@ -252,6 +263,57 @@ def test_500_before_the_first_byte_is_retried_once_elsewhere(fleet: Fleet):
     finally:
         router.stop()
         bad.shutdown()
+
+
+class _BreaksOff(BaseHTTPRequestHandler):
+    """A real peer that starts a response, promises more bytes than it sends, and hangs up."""
+
+    def do_GET(self) -> None:  # noqa: N802
+        body = b'{"status":"ok"}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:  # noqa: N802
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        self.send_response(200)
+        if request.get("stream"):
+            self.send_header("Content-Type", "text/event-stream")
+            part = b'data: {"choices":[{"index":0,"delta":{"content":"partial"}}]}\n\n'
+        else:
+            self.send_header("Content-Type", "application/json")
+            part = b'{"choices": [{"index": 0, "mess'
+        self.send_header("Content-Length", "100000")
+        self.end_headers()
+        self.wfile.write(part)
+        self.wfile.flush()
+        self.close_connection = True
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_failure_after_the_first_byte_reaches_the_client_as_an_error():
+    port = free_port()
+    peer = ThreadingHTTPServer(("127.0.0.1", port), _BreaksOff)
+    threading.Thread(target=peer.serve_forever, daemon=True).start()
+    router = start_router([f"http://127.0.0.1:{port}"])
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
+        with httpx.stream("POST", router.base_url + "/v1/chat/completions", json=body, timeout=30) as resp:
+            assert resp.status_code == 200
+            events = [json.loads(line[5:]) for line in resp.iter_lines() if line.startswith("data:")]
+        assert events[0]["choices"][0]["delta"]["content"] == "partial"
+        assert events[-1]["error"]["type"] == "upstream_error"
+        r = httpx.post(router.base_url + "/v1/chat/completions", json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 502 and "broke off" in r.json()["error"]["message"]
+        view = loads(router.base_url)
+        assert view["router"]["retries"] == 0 and view["router"]["inflight"] == 0
+        assert "tokenmill_router_midstream_errors_total 2" in httpx.get(router.base_url + "/metrics").text
+    finally:
+        router.stop()
+        peer.shutdown()
 
 
 def test_killed_replica_only_its_sessions_move(fleet: Fleet):

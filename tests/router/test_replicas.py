@@ -58,6 +58,19 @@ def test_draining_replica_leaves_when_its_last_request_ends():
         reg.add("http://127.0.0.1:9004", source="admin", replica_id="a/b")
 
 
+def test_finished_requests_come_off_the_last_load_report():
+    reg = ReplicaRegistry()
+    r = reg.add("http://127.0.0.1:9001", source="flag")
+    reg.request_started(r.id)
+    reg.request_started(r.id)
+    reg.record_load(r.id, 1, 1, 0.5, source="v1/loads")
+    assert r.view().active == 2
+    reg.request_finished(r.id)
+    assert (r.num_running, r.num_waiting, r.view().active) == (0, 1, 1)
+    reg.request_finished(r.id)
+    assert r.view().active == 0 and r.kv_cache_usage == 0.5
+
+
 def test_load_reports_from_v1_loads_and_prometheus_text():
     assert parse_loads_json({"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.5, "model": "m"}) == (2, 1, 0.5)
     assert parse_loads_json([{"num_running": 1, "num_waiting": 0, "kv_cache_usage": 0.2},

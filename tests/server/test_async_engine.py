@@ -163,3 +163,20 @@ def test_shutdown_rejects_new_work(tiny_checkpoint: Path, aengine: AsyncEngine) 
 
     asyncio.run(main())
     assert not ae.is_running
+
+
+def test_outputs_waiting_for_a_slow_consumer_are_merged(aengine: AsyncEngine) -> None:
+    async def main() -> list:
+        stream = await aengine.submit("slow-reader", [11, 12, 13], _params(12))
+        while aengine.stats().num_running or aengine.stats().num_waiting:
+            await asyncio.sleep(0.01)
+        await aengine.call(lambda e: None)  # every output delivery was scheduled before this returns
+        outs = [o async for o in stream]
+        await stream.aclose()
+        return outs
+
+    outs = asyncio.run(main())
+    assert len(outs) == 1  # twelve steps' outputs, all read at once
+    (out,) = outs
+    assert out.finished and out.new_token_ids == out.token_ids and len(out.token_ids) == 12
+    assert out.new_text == out.text

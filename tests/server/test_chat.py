@@ -190,3 +190,12 @@ def test_content_parts_are_flattened(client: openai.OpenAI, tiny_tokenizer) -> N
     expected = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "part one, part two"}],
                                                   add_generation_prompt=True, tokenize=False)
     assert resp.prompt_token_ids == tiny_tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_explicit_nulls_take_defaults(http) -> None:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x", "name": None}], "n": None,
+            "stop": None, "temperature": None, "top_p": None, "max_tokens": None, "max_completion_tokens": 2,
+            "logprobs": None, "stream": None, "tools": None, "ignore_eos": True}
+    resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"]) == 1 and resp.json()["usage"]["completion_tokens"] == 2

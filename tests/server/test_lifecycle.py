@@ -100,6 +100,17 @@ def test_tool_choice_naming_an_unknown_tool_is_400(keyed_client: openai.OpenAI) 
     assert e.value.body["param"] == "tool_choice"
 
 
+def test_tool_parser_path_streamed_and_not(keyed_client: openai.OpenAI) -> None:
+    """With tools and the hermes parser on, plain text output (no calls) comes through unchanged."""
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "weather in Paris?"}], tools=[WEATHER],
+                  max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    full = keyed_client.chat.completions.create(**kwargs)
+    assert full.choices[0].message.tool_calls is None and full.choices[0].finish_reason == "length"
+    chunks = list(keyed_client.chat.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def _read_stream(base_url: str, body: dict, out: dict) -> None:
     lines: list[str] = []
     try:

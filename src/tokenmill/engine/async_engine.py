@@ -22,9 +22,11 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -72,6 +74,11 @@ class _Call:
 class RequestStream:
     """Outputs of one request, as an async iterator on the event loop that submitted it.
 
+    When the consumer falls behind the engine, the outputs waiting for it are merged into one
+    (cumulative fields from the newest, ``new_token_ids``/``new_text`` concatenated), so a slow
+    client costs one hand-off per read, not one per step. An output that finishes the request is
+    never merged with what follows, and errors are raised after the outputs before them.
+
     Always close it (``await stream.aclose()``, or ``async with stream``): closing a stream that
     has not finished aborts the request in the engine.
     """
@@ -80,13 +87,15 @@ class RequestStream:
         self.request_id = request_id
         self._engine = engine
         self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
         self.finished = False
         self.closed = False
 
     # called on the event loop (scheduled by the engine thread)
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -94,10 +103,20 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished or self.closed:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        if not item.finished and self._items and not isinstance(self._items[0], BaseException):
+            token_ids, texts = list(item.new_token_ids), [item.new_text]
+            while self._items and not isinstance(self._items[0], BaseException) and not item.finished:
+                item = self._items.popleft()  # type: ignore[assignment]
+                token_ids += item.new_token_ids
+                texts.append(item.new_text)
+            item = dataclasses.replace(item, new_token_ids=token_ids, new_text="".join(texts))
         if item.finished:
             self.finished = True
         return item
@@ -223,14 +242,16 @@ class AsyncEngine:
 
     def _drain_inbox(self) -> bool:
         handled = False
+        accepted: list[_Add] = []
         while True:
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
-                return handled
+                break
             handled = True
             if isinstance(cmd, _Add):
-                self._handle_add(cmd)
+                if self._handle_add(cmd):
+                    accepted.append(cmd)
             elif isinstance(cmd, _Abort):
                 if self._streams.pop(cmd.request_id, None) is not None:
                     try:
@@ -239,22 +260,28 @@ class AsyncEngine:
                         logger.exception("aborting request %s failed", cmd.request_id)
             else:
                 self._handle_call(cmd)
+        if accepted:
+            self._refresh_stats()  # a caller whose request was accepted sees it in stats()
+            for cmd in accepted:
+                _resolve(cmd.stream._loop, cmd.accepted, result=None)
+        return handled
 
-    def _handle_add(self, cmd: _Add) -> None:
+    def _handle_add(self, cmd: _Add) -> bool:
+        """Add the request to the engine; True if accepted (the caller is told after the drain)."""
         loop = cmd.stream._loop
         if self._stopping.is_set():
             _resolve(loop, cmd.accepted, exc=EngineStoppedError("the engine is shutting down"))
-            return
+            return False
         if cmd.request_id in self._streams:
             _resolve(loop, cmd.accepted, exc=ValueError(f"request id {cmd.request_id!r} is already in use"))
-            return
+            return False
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, session_id=cmd.session_id)
         except Exception as e:  # noqa: BLE001 - reported to that request only
             _resolve(loop, cmd.accepted, exc=e if isinstance(e, ValueError) else EngineStepError(str(e)))
-            return
+            return False
         self._streams[cmd.request_id] = (cmd.stream, loop)
-        _resolve(loop, cmd.accepted, result=None)
+        return True
 
     def _handle_call(self, cmd: _Call) -> None:
         try:

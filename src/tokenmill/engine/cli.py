@@ -26,7 +26,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="lower the context length")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false",
                    help="disable the radix prefix cache")
-    g.add_argument("--session-retention", dest="session_retention_s", type=float,
+    g.add_argument("--session-retention-s", "--session-retention", dest="session_retention_s",
+                   type=float,
                    default=d.session_retention_s, help="seconds a finished session's KV is favoured")
     g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"])
     g.add_argument("--debug-checks", action="store_true", help="check page accounting when idle")

@@ -76,6 +76,13 @@ class KVManager:
         req.num_computed_tokens = m.num_tokens
         return m.num_tokens
 
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """Tokens :meth:`match` would reuse for ``req`` now: a probe that locks nothing and
+        leaves cache recency alone (for cache-aware admission)."""
+        if self.cache is None or req.page_table:
+            return 0
+        return self.cache.match_prefix(req.all_token_ids[:-1], touch=False).num_tokens
+
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grow ``req.page_table`` to hold ``num_tokens`` tokens, evicting cached pages if needed.
 

@@ -9,8 +9,11 @@ Order within a step:
 
 1. running requests one token behind (decodes), in priority order;
 2. running requests further behind (prefill chunks), in priority order;
-3. waiting requests, admitted from the front of the queue while budget, pages and
-   ``max_running_requests`` allow (none in a step that had to preempt).
+3. waiting requests, admitted while budget, pages and ``max_running_requests`` allow (none in
+   a step that had to preempt). From the front of the queue, except that while the queue is
+   short (``prefer_cached_max_queue``) the request with the longest cached prefix goes first;
+   a request passed over ``admission_max_skips`` times, or one resuming after preemption, is
+   never passed over again, so nobody starves. ``prefer_cached_prefix = False`` gives FIFO.
 
 Priority is admission order: ``running[0]`` is the most important. When pages run out the
 KV manager first evicts unlocked prefix-cache pages; if that is not enough, the *last* running
@@ -81,6 +84,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
+        # Cache-aware admission (issue 3; added by the prefix-cache engineer, see _next_waiting).
+        self.prefer_cached_prefix = True
+        self.prefer_cached_max_queue = 16
+        self.admission_max_skips = 4
+        self._skips: dict[Request, int] = {}
 
     # -- queue -----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -117,14 +125,14 @@ class Scheduler:
 
     def _admit(self, plan: _StepPlan) -> None:
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_running_requests:
-            req = self.waiting[0]
+            req = self._next_waiting()
             matched = self.kv.match(req)
             n = min(req.num_uncomputed_tokens, plan.budget)
             if not self.kv.allocate(req, req.num_computed_tokens + n):
                 self.kv.release(req, keep_in_cache=False)
                 req.num_computed_tokens = 0
                 return
-            self.waiting.popleft()
+            self._admitted(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if req.num_cached_tokens is None:  # first admission (not a recompute)
@@ -132,6 +140,34 @@ class Scheduler:
                 self.prompt_tokens_total += req.num_prompt_tokens
                 self.cached_tokens_total += matched
             plan.add(req, n)
+
+    def _next_waiting(self) -> Request:
+        """The waiting request to admit next: the queue front, or (short queue, cache on) the
+        one with the longest cached prefix, unless someone was passed over too often."""
+        head = self.waiting[0]
+        if (not self.prefer_cached_prefix or self.kv.cache is None or len(self.waiting) == 1
+                or len(self.waiting) > self.prefer_cached_max_queue or head.num_preemptions):
+            return head
+        best, best_hit = head, -1
+        for req in self.waiting:
+            if self._skips.get(req, 0) >= self.admission_max_skips:
+                return req
+            hit = self.kv.cached_prefix_tokens(req)
+            if hit > best_hit:
+                best, best_hit = req, hit
+        return best
+
+    def _admitted(self, req: Request) -> None:
+        """Take ``req`` off the queue; everyone ahead of it was passed over once more."""
+        if self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            for other in self.waiting:
+                if other is req:
+                    break
+                self._skips[other] = self._skips.get(other, 0) + 1
+            self.waiting.remove(req)
+        self._skips.pop(req, None)
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, plan: _StepPlan) -> bool:
         """Find pages for ``req`` up to ``num_tokens``, preempting lower-priority requests.
@@ -175,6 +211,7 @@ class Scheduler:
             self.kv.release(req, keep_in_cache=True)
         else:
             self.waiting.remove(req)
+            self._skips.pop(req, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason = finish_reason
         req.stop_reason = stop_reason

@@ -12,7 +12,8 @@ after the step the sequence holds ``seq_lens[i]`` tokens, pages listed in ``bloc
 A query at context position ``p`` attends to every cached token at position ``<= p``.
 
 * Decode-shaped sequences (query length 1) are handled together in one vectorised pass: pages
-  are gathered through the block table into a padded ``[B, L, H, D]`` tensor and masked by length.
+  are gathered through the block table (one ``index_select`` for K and V) into a padded
+  ``[B, L, H, D]`` tensor, masked by length, and attended with one SDPA call.
 * Longer chunks (prefill, possibly after cached context: chunked prefill or a prefix hit) run one
   sequence at a time with SDPA and an offset causal mask.
 
@@ -82,6 +83,7 @@ class PrefillSegment(NamedTuple):
     end: int            # one past the last row
     seq_len: int        # context length after the step (cached + this chunk)
     pages: torch.Tensor  # page ids holding the sequence's first seq_len tokens
+    allowed: torch.Tensor | None  # [n, seq_len] bool mask when there is earlier context, else None
 
 
 class AttentionMetadata(NamedTuple):
@@ -97,7 +99,7 @@ class AttentionMetadata(NamedTuple):
 
 
 class TorchPagedAttention:
-    """Paged attention in plain torch ops (matmul/softmax for decode, SDPA for prefill chunks)."""
+    """Paged attention in plain torch ops: page gathers with ``index_select``, then SDPA."""
 
     name = "torch"
 
@@ -106,6 +108,9 @@ class TorchPagedAttention:
         seq_lens = batch.seq_lens.tolist()
         ps = batch.page_size
         q_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
+        if seq_lens and max(seq_lens) > batch.block_tables.shape[1] * ps:
+            raise ValueError(f"block_tables hold {batch.block_tables.shape[1]} pages of {ps} tokens, "
+                             f"too few for a context of {max(seq_lens)} tokens")
         dec = [i for i, n in enumerate(q_lens) if n == 1]
         prefill: list[PrefillSegment] = []
         for i, n in enumerate(q_lens):
@@ -113,7 +118,11 @@ class TorchPagedAttention:
                 if n > seq_lens[i]:
                     raise ValueError(f"sequence {i}: query length {n} exceeds its context length {seq_lens[i]}")
                 pages = batch.block_tables[i, : (seq_lens[i] + ps - 1) // ps]
-                prefill.append(PrefillSegment(qsl[i], qsl[i + 1], seq_lens[i], pages))
+                allowed = None
+                if n < seq_lens[i]:  # query j sits at position seq_len - n + j
+                    key_pos = torch.arange(seq_lens[i], device=pages.device)
+                    allowed = key_pos[None, :] <= key_pos[seq_lens[i] - n:, None]
+                prefill.append(PrefillSegment(qsl[i], qsl[i + 1], seq_lens[i], pages, allowed))
         decode_rows = bt = mask = None
         if dec:
             idx = torch.tensor(dec, dtype=torch.long, device=batch.seq_lens.device)
@@ -137,53 +146,52 @@ class TorchPagedAttention:
         """
         t, hq, d = q.shape
         hkv = k.shape[1]
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+        kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
         if meta.num_decode == t:  # pure decode step: no scatter needed
-            return self._decode(q, k_cache, v_cache, meta, scale)
+            return self._decode(q, kv_cache, meta, scale)
         out = q.new_empty(t, hq * d)
         if meta.num_decode:
             assert meta.decode_rows is not None
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], kv_cache, meta, scale)
         for seg in meta.prefill:
             out[seg.start:seg.end] = self._prefill(q[seg.start:seg.end], k[seg.start:seg.end],
-                                                   v[seg.start:seg.end], k_cache, v_cache, seg, scale)
+                                                   v[seg.start:seg.end], kv_cache, seg, scale)
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _gather(kv_cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """K and V of ``pages`` (any shape of page ids) in one copy: ``[2, pages.numel() * page_size, H, D]``."""
+        two, num_pages, page_size, hkv, d = kv_cache.shape
+        flat = kv_cache.view(two, num_pages, page_size * hkv * d).index_select(1, pages.reshape(-1))
+        return flat.view(two, -1, hkv, d)
+
+    @classmethod
+    def _decode(cls, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
         bt, mask = meta.decode_block_tables, meta.decode_mask
         assert bt is not None and mask is not None
         b, hq, d = q.shape
-        hkv = k_cache.shape[-2]
-        length = mask.shape[-1]
-        keys = k_cache[bt].view(b, length, hkv, d).permute(0, 2, 3, 1)    # [B, Hkv, D, L]
-        values = v_cache[bt].view(b, length, hkv, d).transpose(1, 2)       # [B, Hkv, L, D]
-        qg = q.view(b, hkv, hq // hkv, d)                                   # [B, Hkv, G, D]
-        scores = torch.matmul(qg, keys).mul_(scale).add_(mask)              # [B, Hkv, G, L]
-        probs = torch.softmax(scores, dim=-1)
-        return torch.matmul(probs, values).view(b, hq * d)
+        hkv = kv_cache.shape[-2]
+        kv = cls._gather(kv_cache, bt).view(2, b, mask.shape[-1], hkv, d)
+        keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)         # [B, Hkv, L, D]
+        # The G query heads that share a KV head act as G query rows over the same keys.
+        o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), keys, values,
+                                           attn_mask=mask, scale=scale)    # [B, Hkv, G, D]
+        return o.reshape(b, hq * d)
 
-    @staticmethod
-    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, seg: PrefillSegment, scale: float) -> torch.Tensor:
+    @classmethod
+    def _prefill(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 seg: PrefillSegment, scale: float) -> torch.Tensor:
         n, hq, d = q.shape
-        hkv = k.shape[1]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        if seg.seq_len == n:  # no earlier context: the chunk's own K/V are the whole context
+        if seg.allowed is None:  # no earlier context: the chunk's own K/V are the whole context
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            keys = k_cache[seg.pages].view(-1, hkv, d)[: seg.seq_len]
-            values = v_cache[seg.pages].view(-1, hkv, d)[: seg.seq_len]
-            kh, vh = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
-            start = seg.seq_len - n
-            key_pos = torch.arange(seg.seq_len, device=q.device)
-            q_pos = torch.arange(start, seg.seq_len, device=q.device)
-            allowed = key_pos[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=True)
+            kv = cls._gather(kv_cache, seg.pages)[:, : seg.seq_len]
+            kh, vh = kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seg.allowed, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1).reshape(n, hq * d)
 
 

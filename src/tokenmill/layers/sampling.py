@@ -2,8 +2,8 @@
 
 One :class:`Sampler` call handles a whole batch with tensor ops; only the random draws of
 seeded requests loop over rows (each seeded request owns a ``torch.Generator``, which is what
-makes its tokens independent of the batch it lands in). Sampling uses the exponential race
-(``argmax(p / E)`` with ``E ~ Exp(1)``), an exact draw from the categorical ``p``.
+makes its tokens independent of the batch it lands in). A draw is an inverse-CDF lookup of one
+uniform number per row in the cumulative distribution: exact, and vectorised over the batch.
 
 Processing order (see :mod:`tokenmill.engine.sampling_params` for the user-facing semantics):
 penalties -> temperature (0: greedy) -> [logprobs taken here] -> top-k -> top-p -> min-p -> draw.
@@ -76,29 +76,28 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     """Set logits outside each row's top-k / top-p / min-p set to -inf (k=0, p=1, min_p=0: off).
 
     Ties at the k-th value are kept (as HF's TopKLogitsWarper does). top-p keeps the smallest set
-    of most likely tokens whose mass reaches ``top_p``, computed after top-k.
+    of most likely tokens whose mass reaches ``top_p`` (a token is kept while the mass of the
+    tokens before it is at most ``top_p``), computed after top-k. No full-vocabulary sort: the
+    nucleus is found among the top candidates, widening the candidate set only when needed.
     """
     vocab = logits.shape[1]
-    use_k = bool((top_k > 0).any())
-    use_p = bool((top_p < 1.0).any())
-    if use_p:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        if use_k:
-            k = torch.where(top_k > 0, top_k, vocab)
-            ranks = torch.arange(vocab, device=logits.device)[None, :]
-            kth = sorted_logits.gather(1, (k - 1)[:, None])
-            sorted_logits = sorted_logits.masked_fill((ranks >= k[:, None]) & (sorted_logits < kth), float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before > top_p[:, None], float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    elif use_k:
-        kmax = int(top_k.max())
-        k = torch.where(top_k > 0, top_k, kmax).clamp(max=vocab)
-        top_vals = logits.topk(min(kmax, vocab), dim=-1).values
-        kth = top_vals.gather(1, (k - 1)[:, None])
-        keep_all = (top_k == 0)[:, None]
-        logits = logits.masked_fill((logits < kth) & ~keep_all, float("-inf"))
+    if bool((top_k > 0).any()):
+        kmax = min(int(top_k.max()), vocab)
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), kmax)
+        kth = logits.topk(kmax, dim=-1).values.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill((logits < kth) & (top_k > 0)[:, None], float("-inf"))
+    if bool((top_p < 1.0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        active = top_p < 1.0
+        cand = min(vocab, 128)
+        while True:
+            vals = probs.topk(cand, dim=-1).values                  # sorted, descending
+            kept = ((vals.cumsum(dim=-1) - vals) <= top_p[:, None]).sum(dim=-1)
+            if cand == vocab or not bool((active & (kept >= cand)).any()):
+                break
+            cand = min(vocab, cand * 8)
+        threshold = vals.gather(1, (kept - 1).clamp(min=0)[:, None])
+        logits = logits.masked_fill((probs < threshold) & active[:, None], float("-inf"))
     if bool((min_p > 0).any()):
         probs = torch.softmax(logits, dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
@@ -147,17 +146,15 @@ class Sampler:
                        torch.tensor([p.top_p for p in ps], dtype=sub.dtype, device=dev),
                        torch.tensor([p.min_p for p in ps], dtype=sub.dtype, device=dev))
         probs = torch.softmax(sub, dim=-1)
-        noise = torch.empty_like(probs)
-        shared = [j for j, i in enumerate(rows) if generators[i] is None]
-        if shared:
-            block = torch.empty(len(shared), probs.shape[1], dtype=probs.dtype, device=dev)
-            block.exponential_(generator=self.generator)
-            noise[shared] = block
+        # Inverse-CDF draw: one uniform per row. Seeded rows take theirs from their own stream.
+        u = torch.rand(len(rows), generator=self.generator, dtype=torch.float64).to(dev)
         for j, i in enumerate(rows):
             g = generators[i]
             if g is not None:
-                noise[j].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+                u[j] = torch.rand(1, generator=g, dtype=torch.float64).item()
+        cdf = probs.cumsum(dim=-1)
+        target = ((1.0 - u) * cdf[:, -1].double()).to(cdf.dtype)[:, None]  # in (0, total]
+        return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: list[int],

@@ -66,7 +66,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedM
         weights = hf.read_safetensors(path)
         extra_eos: list[int | None] = list(hf.generation_eos_ids(path))
     elif path.suffix.lower() == ".gguf":
-        config, weights = gguf_loader.read_gguf(path)
+        config, weights = gguf_loader.read_gguf_cached(path)
         extra_eos = []
     else:
         raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")

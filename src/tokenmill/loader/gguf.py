@@ -163,6 +163,7 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
         raise ModelLoadError(f"corrupt GGUF metadata in {path}: {type(e).__name__}: {e}") from e
     names = {t.name for t in reader.tensors}
     config = config_from_metadata(meta, names, path)
+    config._name_or_path = str(path)
     permute = meta.get("general.architecture") == "llama"
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -174,6 +175,48 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
             arr = unpermute_qk(arr, config.num_key_value_heads)
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(arr))
     return GGUFCheckpoint(config, weights)
+
+
+def read_gguf_cached(path: Path) -> GGUFCheckpoint:
+    """:func:`read_gguf`, with the dequantized result kept on disk for the next load.
+
+    The first load writes ``config.json`` + ``model.safetensors`` (fp32) under
+    ``$TOKENMILL_CACHE/gguf-<key>``, keyed by the GGUF's path, size and mtime; later loads read
+    that instead of parsing and dequantizing the GGUF again. ``TOKENMILL_GGUF_CACHE=0`` turns it
+    off. A damaged cache entry is discarded and rebuilt; a cache that cannot be written is skipped.
+    """
+    if os.environ.get("TOKENMILL_GGUF_CACHE", "1") == "0":
+        return read_gguf(path)
+    resolved = path.resolve()
+    st = resolved.stat()
+    key = hashlib.sha1(f"{resolved}:{st.st_size}:{st.st_mtime_ns}:v1".encode()).hexdigest()[:12]
+    entry = _cache_root() / f"gguf-{key}"
+    if (entry / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(str(entry), local_files_only=True)
+            config._name_or_path = str(path)
+            return GGUFCheckpoint(config, load_file(str(entry / "model.safetensors")))
+        except Exception:  # damaged entry (partial copy, disk error): rebuild it below
+            shutil.rmtree(entry, ignore_errors=True)
+    checkpoint = read_gguf(path)
+    _write_cache_entry(entry, checkpoint)
+    return checkpoint
+
+
+def _write_cache_entry(entry: Path, checkpoint: GGUFCheckpoint) -> None:
+    from safetensors.torch import save_file
+
+    tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        checkpoint.config.save_pretrained(str(tmp))
+        save_file(checkpoint.weights, str(tmp / "model.safetensors"))
+        tmp.rename(entry)
+    except OSError:  # read-only or full disk, or another process won the race: the cache is optional
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _cache_root() -> Path:

@@ -49,13 +49,16 @@ class LlamaDecoderLayer(nn.Module):
         t = h.shape[0]
         x = self.input_layernorm(h)
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cs), apply_rotary(k, cs)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, cs), apply_rotary(k, cs)
+        else:  # q and k are adjacent in qkv: rotate all their heads in one pass
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cs)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         o = attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
         h = h + F.linear(o, self.o_proj)
         x = self.post_attention_layernorm(h)

@@ -7,9 +7,7 @@ like the real thing while the network stays a few layers of hidden size 64.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,27 +16,11 @@ from tokenmill.loader.resolve import DEFAULT_MODEL, resolve_model_path
 TINY_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
-
-
 def default_tokenizer_dir() -> Path:
-    """Save the default model's tokenizer (from its GGUF) once, and reuse it."""
-    gguf_path = resolve_model_path(DEFAULT_MODEL)
-    key = hashlib.sha1(f"{gguf_path}:{gguf_path.stat().st_size}".encode()).hexdigest()[:12]
-    out = _cache_root() / f"tokenizer-{key}"
-    if (out / "tokenizer.json").exists():
-        return out
-    from transformers import AutoTokenizer
+    """The default model's tokenizer (from its GGUF), saved once under the tokenmill cache."""
+    from tokenmill.loader.gguf import gguf_tokenizer_dir
 
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tok.save_pretrained(str(tmp))
-    try:
-        tmp.rename(out)
-    except OSError:  # another process won the race
-        pass
-    return out
+    return gguf_tokenizer_dir(resolve_model_path(DEFAULT_MODEL))
 
 
 def tiny_config_dict(arch: str = "LlamaForCausalLM", **overrides: Any) -> dict[str, Any]:

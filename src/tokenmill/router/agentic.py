@@ -91,14 +91,17 @@ class SessionState:
 
 @dataclass
 class _Loads:
-    """Load figures of one decision, over the eligible replicas."""
+    """Load figures of one decision, from one pass over the replica views."""
 
-    views: dict[str, ReplicaView]
-    cap: float        # bound for one more request
-    hot: float        # above this a replica counts as overloaded
+    views: dict[str, ReplicaView]   # eligible and not excluded
+    active: dict[str, int]          # of those views
+    usable: set[str]                # eligible, excluded or not (who may keep sessions)
+    healthy: set[str]               # healthy, draining or not (who keeps its cache)
+    cap: float = 0.0                # bound for one more request
+    hot: float = 0.0                # above this a replica counts as overloaded
 
     def under(self, rid: str) -> bool:
-        return self.views[rid].active + 1 <= self.cap
+        return self.active[rid] + 1 <= self.cap
 
 
 class AgenticPolicy(_Base):
@@ -134,11 +137,10 @@ class AgenticPolicy(_Base):
     # ----------------------------------------------------------------- decisions
     def choose(self, meta: RequestMeta, replicas: Sequence[ReplicaView], *,
                exclude: Collection[str] = ()) -> Decision:
-        views = eligible_views(replicas, exclude)
+        loads = self._loads(replicas, exclude)
         now = meta.now
         self._expire(now)
-        self._handle_lost_replicas(replicas)
-        loads = self._loads(views)
+        self._handle_lost_replicas(loads)
         self._rebalance(loads, now)
         hashes = self.index.hashes(meta.prefix_key)
         if meta.session_id is None:
@@ -168,23 +170,41 @@ class AgenticPolicy(_Base):
         state.context_tokens = max(state.context_tokens, (meta.prompt_tokens or 0) + max(output_tokens, 0))
 
     # ----------------------------------------------------------------- steps
-    def _loads(self, views: list[ReplicaView]) -> _Loads:
-        cfg = self.config
-        total = sum(r.active for r in views)
-        n = len(views)
-        cap = max(math.ceil((1 + cfg.epsilon) * (total + 1) / n), cfg.load_floor)
-        hot = max(math.ceil((1 + cfg.epsilon) * total / n), cfg.load_floor)
-        return _Loads({r.id: r for r in views}, cap, hot)
+    def _loads(self, replicas: Sequence[ReplicaView], exclude: Collection[str]) -> _Loads:
+        loads = _Loads({}, {}, set(), set())
+        total = 0
+        for r in replicas:
+            if not r.healthy:
+                continue
+            loads.healthy.add(r.id)
+            if r.draining:
+                continue
+            loads.usable.add(r.id)
+            if r.id in exclude:
+                continue
+            loads.views[r.id] = r
+            a = loads.active[r.id] = max(r.inflight, r.num_running + r.num_waiting)
+            total += a
+        if not loads.views:
+            eligible_views(replicas, exclude)      # raises NoReplicaAvailable with the details
+        cfg, n = self.config, len(loads.views)
+        loads.cap = max(math.ceil((1 + cfg.epsilon) * (total + 1) / n), cfg.load_floor)
+        loads.hot = max(math.ceil((1 + cfg.epsilon) * total / n), cfg.load_floor)
+        return loads
 
-    def _score(self, view: ReplicaView) -> float:
+    def _score(self, loads: _Loads, rid: str) -> float:
         cfg = self.config
-        return (view.active + cfg.kv_weight * view.kv_cache_usage
-                + cfg.session_weight * len(self._homes.get(view.id, ())))
+        return (loads.active[rid] + cfg.kv_weight * loads.views[rid].kv_cache_usage
+                + cfg.session_weight * len(self._homes.get(rid, ())))
 
     def _lowest_score(self, loads: _Loads, key: str | None, candidates: Sequence[str]) -> str:
         """Candidate with the lowest score; ties by rendezvous rank of ``key`` (or by id)."""
-        rank = {rid: i for i, rid in enumerate(rendezvous_order(key, candidates))} if key else {}
-        return min(candidates, key=lambda rid: (self._score(loads.views[rid]), rank.get(rid, 0), rid))
+        scored = [(self._score(loads, rid), rid) for rid in candidates]
+        best = min(score for score, _ in scored)
+        tied = sorted(rid for score, rid in scored if score == best)
+        if len(tied) == 1 or key is None:
+            return tied[0]
+        return rendezvous_order(key, tied)[0]
 
     def _route_anonymous(self, loads: _Loads, hashes: list[bytes]) -> tuple[str, str]:
         ids = sorted(loads.views)
@@ -240,16 +260,15 @@ class AgenticPolicy(_Base):
         self._sessions[sid] = state
         self._homes.setdefault(home, {})[sid] = None
 
-    def _handle_lost_replicas(self, replicas: Sequence[ReplicaView]) -> None:
+    def _handle_lost_replicas(self, loads: _Loads) -> None:
         """Re-home sessions of replicas that are unhealthy, draining or gone; drop their index."""
-        eligible = sorted(r.id for r in replicas if r.eligible)
-        lost = [rid for rid, sessions in self._homes.items() if sessions and rid not in eligible]
-        healthy = {r.id for r in replicas if r.healthy}
-        for rid in list(self.index.replica_ids()):
-            if rid not in healthy:      # a dead replica loses its cache; a draining one keeps it
+        lost = [rid for rid, sessions in self._homes.items() if sessions and rid not in loads.usable]
+        for rid in self.index.replica_ids():
+            if rid not in loads.healthy:    # a dead replica loses its cache; a draining one keeps it
                 self.index.remove_replica(rid)
-        if not eligible:
+        if not lost:
             return
+        eligible = sorted(loads.usable)
         for rid in lost:
             for sid in list(self._homes[rid]):
                 state = self._sessions[sid]
@@ -262,8 +281,8 @@ class AgenticPolicy(_Base):
         for rid in list(self._over_since):
             if rid not in loads.views:
                 del self._over_since[rid]
-        for rid, view in loads.views.items():
-            if view.active > loads.hot:
+        for rid, active in loads.active.items():
+            if active > loads.hot:
                 self._over_since.setdefault(rid, now)
             else:
                 self._over_since.pop(rid, None)

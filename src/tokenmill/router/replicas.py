@@ -195,6 +195,13 @@ class ReplicaRegistry:
         if replica is None:
             return
         replica.inflight = max(0, replica.inflight - 1)
+        # The last load report is up to one poll old and likely counted this request: take it
+        # off now rather than let a stale "running" make an idle replica look busy until the
+        # next poll (an undercount is corrected by that poll).
+        if replica.num_running > 0:
+            replica.num_running -= 1
+        elif replica.num_waiting > 0:
+            replica.num_waiting -= 1
         self._remove_if_drained(replica)
 
     def record_success(self, replica_id: str) -> None:

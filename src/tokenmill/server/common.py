@@ -180,11 +180,12 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         raise bad_request(str(e)) from None
 
 
-def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None, param: str) -> int:
+def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None, param: str,
+                       prompt_param: str) -> int:
     """Tokens to generate: the request's value, or what is left of the context. 400 if it does not fit."""
     limit = state.max_model_len
     if prompt_len >= limit:
-        raise context_error(prompt_len, None, limit, "prompt" if param == "max_tokens" else "messages")
+        raise context_error(prompt_len, None, limit, prompt_param)
     if requested is None:
         return limit - prompt_len
     if prompt_len + requested > limit:

@@ -1,7 +1,8 @@
 """OpenAI request bodies (pydantic) and their checks.
 
 Pydantic checks types; :func:`check_common` checks ranges with messages that name the field.
-Unknown fields are ignored, as OpenAI clients send fields this server has no use for.
+Unknown fields are ignored, as OpenAI clients send fields this server has no use for, and an
+explicit ``null`` means the field's default.
 Responses are built as plain dicts in ``serving_*.py`` (they go straight to JSON).
 
 tokenmill extensions accepted in both endpoints: ``return_token_ids`` (raw prompt and completion
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from tokenmill.engine.sampling_params import MAX_LOGPROBS
 from tokenmill.server.errors import APIError, bad_request
@@ -21,6 +22,14 @@ from tokenmill.server.errors import APIError, bad_request
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # clients often send "n": null, "stop": null, ...: an explicit null takes the default
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class StreamOptions(_Model):
@@ -181,16 +190,17 @@ def requested_max_tokens(value: int | None, param: str) -> int | None:
 
 
 def context_error(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str) -> APIError:
+    """400 for a request that does not fit the context; ``max_tokens`` None: the prompt alone is too long."""
     if max_tokens is None:
         return bad_request(f"this model's maximum context length is {max_model_len} tokens, but the prompt "
                            f"has {prompt_len} tokens (at least one token must be left for the completion)",
-                           "messages" if param == "max_tokens" else param, code="context_length_exceeded")
+                           param, code="context_length_exceeded")
     return bad_request(f"this model's maximum context length is {max_model_len} tokens, but {prompt_len + max_tokens}"
                        f" were requested ({prompt_len} in the prompt, {max_tokens} for the completion); lower "
-                       f"max_tokens or shorten the prompt", param, code="context_length_exceeded")
+                       f"{param} or shorten the prompt", param, code="context_length_exceeded")
 
 
 __all__ = [
-    "APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "ToolDef",
+    "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "ToolDef",
     "check_chat", "check_common", "check_completion", "context_error", "requested_max_tokens",
 ]

@@ -90,11 +90,13 @@ async def create_chat_completion(state: ServerState, request: Request, body: dic
         requested = requested_max_tokens(req.max_tokens, "max_tokens")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
 
-    if sum(len(m.content or "") if isinstance(m.content, str) else 0 for m in req.messages) > _INLINE_TOKENIZE_CHARS:
+    chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or [])
+                for m in req.messages)
+    if chars > _INLINE_TOKENIZE_CHARS:
         prompt = await asyncio.to_thread(render_prompt, state, req)
     else:
         prompt = render_prompt(state, req)
-    max_tokens = resolve_max_tokens(state, len(prompt), requested, param)
+    max_tokens = resolve_max_tokens(state, len(prompt), requested, param, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = [sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=i) for i in range(req.n)]
     parse_tools = state.tool_parser is not None and bool(req.tools) and req.tool_choice != "none"

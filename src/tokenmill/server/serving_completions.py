@@ -48,7 +48,7 @@ async def create_completion(state: ServerState, request: Request, body: dict[str
     flat_prompts: list[list[int]] = []
     params = []
     for p in prompts:
-        max_tokens = resolve_max_tokens(state, len(p), requested, "max_tokens")
+        max_tokens = resolve_max_tokens(state, len(p), requested, "max_tokens", "prompt")
         for j in range(req.n):
             flat_prompts.append(p)
             params.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, choice=j))

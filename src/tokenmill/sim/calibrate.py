@@ -10,9 +10,11 @@ so nothing is served from the prefix cache):
    HTTP round trip (which the fitted ``fixed_s`` absorbs). Each ``n`` is measured ``repeats``
    times and the median kept.
 3. **Decode sweep**: ``B`` concurrent streamed requests with a prompt of ``L`` tokens and
-   ``max_tokens=M`` (``ignore_eos``). For each request, the mean time between its streamed
-   tokens after the first, over the window in which all ``B`` are decoding, is one decode step
-   at batch ``B`` and total context about ``B * (L + M/2)``.
+   ``max_tokens=M`` (``ignore_eos``). They start together and have the same length, so each
+   decodes at batch ``B`` nearly all along: its time from first to last chunk over its tokens
+   after the first (counted by the final usage chunk, since a chunk may carry several tokens)
+   is one decode step at batch ``B`` and total context about ``B * (L + M/2)``; the median
+   over the batch and ``repeats`` repetitions is kept.
 4. **Fit**: non-negative least squares of the profile's two formulas (see ``profiles.py``) on
    those points. The prefill features follow the server's chunking (``max_prefill_tokens``).
 
@@ -104,6 +106,12 @@ def relative_errors(profile: ReplicaProfile, prefill: list[PrefillPoint], decode
 
 # ------------------------------------------------------------------------------ measuring
 
+class Stream(NamedTuple):
+    start: float
+    chunk_times: list[float]
+    tokens: int
+
+
 class _Client:
     def __init__(self, base_url: str, model: str | None, api_key: str | None, timeout: float) -> None:
         import httpx
@@ -119,12 +127,15 @@ class _Client:
             raise RuntimeError(f"GET {self.base}{path} answered {r.status_code}: {r.text[:300]}")
         return r.json()
 
-    async def stream_times(self, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
-        """Send a streamed completion; returns (start time, arrival time of each token chunk)."""
+    async def stream_times(self, prompt: list[int], max_tokens: int) -> Stream:
+        """Send a streamed completion; returns when it started, when each text chunk arrived and
+        how many tokens it generated (from the final usage chunk: a chunk may carry several
+        tokens, e.g. when a token ends inside a UTF-8 character)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                "temperature": 0.0, "ignore_eos": True}
+                "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": True}
         t0 = time.perf_counter()
         times: list[float] = []
+        tokens = 0
         async with self.http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
@@ -138,7 +149,10 @@ class _Client:
                 chunk = json.loads(data)
                 if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
                     times.append(time.perf_counter())
-        return t0, times
+                usage = chunk.get("usage")
+                if usage:
+                    tokens = int(usage.get("completion_tokens") or 0)
+        return Stream(t0, times, tokens or len(times))
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -174,27 +188,24 @@ async def measure(base_url: str, *, prefill_sizes: list[int], batch_sizes: list[
         for n in prefill_sizes:
             samples = []
             for _ in range(repeats):
-                t0, times = await client.stream_times(fresh(n), 1)
-                if not times:
+                st = await client.stream_times(fresh(n), 1)
+                if not st.chunk_times:
                     raise RuntimeError(f"no token streamed back for a {n}-token prompt")
-                samples.append(times[0] - t0)
+                samples.append(st.chunk_times[0] - st.start)
             prefill.append(PrefillPoint(n, statistics.median(samples)))
             if log:
                 log(f"prefill {n:6d} tokens: {prefill[-1].seconds * 1e3:8.1f} ms")
         decode: list[DecodePoint] = []
         for ctx in decode_contexts:
             for b in batch_sizes:
-                results = await asyncio.gather(*(client.stream_times(fresh(ctx), decode_tokens) for _ in range(b)))
-                # the window where every request of the batch is decoding
-                start = max(times[0] for _, times in results if times)
-                end = min(times[-1] for _, times in results if times)
-                steps = []
-                for _, times in results:
-                    inside = [t for t in times if start <= t <= end]
-                    if len(inside) >= 3:
-                        steps.append((inside[-1] - inside[0]) / (len(inside) - 1))
-                if not steps:   # the batch never fully overlapped: use whole streams
-                    steps = [(ts[-1] - ts[0]) / (len(ts) - 1) for _, ts in results if len(ts) >= 2]
+                steps: list[float] = []
+                for _ in range(repeats):
+                    results = await asyncio.gather(*(client.stream_times(fresh(ctx), decode_tokens)
+                                                     for _ in range(b)))
+                    # the requests start together and have the same length, so each one decodes
+                    # at batch b for nearly all of its stream: its mean time per token after the first
+                    steps += [(st.chunk_times[-1] - st.chunk_times[0]) / (st.tokens - 1)
+                              for st in results if len(st.chunk_times) >= 2 and st.tokens >= 2]
                 if not steps:
                     raise RuntimeError(f"too few tokens streamed at batch {b}, context {ctx}")
                 decode.append(DecodePoint(b, b * (ctx + decode_tokens / 2), statistics.median(steps)))
@@ -238,7 +249,7 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated decode batch sizes")
     p.add_argument("--decode-contexts", default="32,512", help="comma-separated prompt lengths for the decode sweep")
     p.add_argument("--decode-tokens", type=int, default=32, help="max_tokens of each decode request")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="repetitions of every measurement (median kept)")
 
 
 def _int_list(text: str, what: str) -> list[int]:

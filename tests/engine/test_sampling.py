@@ -1,0 +1,148 @@
+"""Sampling: hand-computed processors, seeded reproducibility, chi-square against HF logits."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from engine_oracle import hf_logits, random_prompts
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.sampling import Sampler, SamplingInputs, apply_penalties, truncate
+
+ALPHA = 1e-3  # chi-square tests use fixed seeds, so they are deterministic; this is the bar
+
+
+def chi_square_p(samples: list[int], probs: np.ndarray) -> float:
+    """p-value of ``samples`` under ``probs``; tokens with small expected counts share one bin."""
+    n = len(samples)
+    counts = np.bincount(np.asarray(samples), minlength=len(probs)).astype(float)
+    assert counts[probs == 0].sum() == 0, "sampled a token of probability zero"
+    big = np.flatnonzero(probs * n >= 5)
+    rest = np.flatnonzero((probs > 0) & (probs * n < 5))
+    obs = list(counts[big])
+    exp = list(probs[big] * n)
+    if len(rest):
+        obs.append(counts[rest].sum())
+        exp.append(probs[rest].sum() * n)
+    exp_arr = np.asarray(exp) * (n / sum(exp))
+    return float(stats.chisquare(obs, exp_arr).pvalue)
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Independent numpy implementation of temperature -> top-k -> top-p."""
+    x = logits.double().numpy() / temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros_like(p, dtype=bool)
+    if top_k:
+        kth = p[order[top_k - 1]]
+        keep_k = p >= kth
+    else:
+        keep_k = np.ones_like(p, dtype=bool)
+    q = np.where(keep_k, p, 0.0)
+    q /= q.sum()
+    mass = 0.0
+    for i in order:
+        if not keep_k[i]:
+            continue
+        if mass > top_p:
+            break
+        keep[i] = True
+        mass += q[i]
+    q = np.where(keep, q, 0.0)
+    return q / q.sum()
+
+
+# -- processors against hand-computed values -----------------------------------------------------
+def test_penalties_match_hand_computed_logits() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    params = [SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)]
+    out = apply_penalties(logits, params, prompt_token_ids=[[0]], output_token_ids=[[1, 1, 3]])
+    # token 0: in prompt, positive -> 2/2; token 1: seen, negative -> -1*2, count 2 -> -0.5 - 0.5;
+    # token 2: untouched; token 3: seen -> 3/2, count 1 -> -0.5 - 0.25
+    assert out.tolist() == [[1.0, -3.0, 0.5, 0.75]]
+    assert logits.tolist() == [[2.0, -1.0, 0.5, 3.0]]  # input left alone
+
+
+def test_min_p_keeps_tokens_above_the_scaled_maximum() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    out = truncate(probs.log(), torch.tensor([0]), torch.tensor([1.0]), torch.tensor([0.2]))
+    assert torch.isinf(out[0, 3]) and torch.isfinite(out[0, :3]).all()
+    assert torch.allclose(out[0, :3], probs.log()[0, :3])
+
+
+def test_top_k_and_top_p_masks() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]] * 3)
+    out = truncate(logits, torch.tensor([2, 0, 3]), torch.tensor([1.0, 0.7, 0.95]), torch.tensor([0.0, 0.0, 0.0]))
+    finite = torch.isfinite(out).tolist()
+    p = torch.softmax(logits[0], -1).tolist()  # 0.636, 0.234, 0.086, ...
+    assert p[0] < 0.7 < p[0] + p[1]
+    assert finite[0] == [True, True, False, False, False]      # top-2
+    assert finite[1] == [True, True, False, False, False]      # smallest set reaching 0.7
+    assert finite[2] == [True, True, True, False, False]       # top-3 (0.665, 0.245, 0.090): 0.91 < 0.95 before the third
+
+
+def test_min_p_draws_follow_the_renormalised_distribution() -> None:
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    n = 4000
+    logits = torch.tensor(np.log(probs), dtype=torch.float32).repeat(n, 1)
+    params = [SamplingParams(min_p=0.2)] * n
+    sampler = Sampler(seed=0)
+    out = sampler(logits, SamplingInputs(params, [[]] * n, [[]] * n, [None] * n))
+    expected = np.where(probs >= 0.1, probs, 0.0)
+    assert chi_square_p(out.token_ids, expected / expected.sum()) > ALPHA
+
+
+# -- engine: seeds and distributions against HF --------------------------------------------------
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    lm, _ = tiny_llama
+    return LLM(loaded=lm, kv_cache_tokens=65536, max_batch_tokens=8192, max_running_requests=512)
+
+
+def test_seeded_runs_repeat_exactly_whatever_the_batch(llm: LLM) -> None:
+    prompt, *others = random_prompts([11, 30, 5, 17], seed=5)
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompt], params)[0].token_ids
+    other_params = [SamplingParams(max_tokens=20, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    batched = llm.generate([*others, prompt], [*other_params, params])[-1].token_ids
+    assert alone == batched
+    different = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95,
+                                                      seed=4321, ignore_eos=True))[0].token_ids
+    assert different != alone
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 8, 1.0), (0.8, 0, 0.6),
+                                                     (1.2, 20, 0.8)])
+def test_first_token_distribution_matches_hf_logits(llm: LLM, tiny_llama, temperature: float,
+                                                    top_k: int, top_p: float) -> None:
+    _, ref = tiny_llama
+    prompt = random_prompts([9], seed=7)[0]
+    probs = reference_probs(hf_logits(ref, prompt)[-1], temperature, top_k, top_p)
+    n = 1500
+    params = [SamplingParams(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, seed=s)
+              for s in range(n)]
+    samples = [o.token_ids[0] for o in llm.generate([prompt] * n, params)]
+    support = int((probs > 0).sum())
+    assert len(set(samples)) > 1 and support > 1
+    assert chi_square_p(samples, probs) > ALPHA
+
+
+def test_greedy_logprobs_match_hf_log_softmax(llm: LLM, tiny_llama) -> None:
+    _, ref = tiny_llama
+    prompt = random_prompts([13], seed=8)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, logprobs=5, ignore_eos=True))[0]
+    ref_lp = torch.log_softmax(hf_logits(ref, prompt + out.token_ids[:-1]), dim=-1)
+    assert out.logprobs is not None and len(out.logprobs) == 6
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref_lp[len(prompt) - 1 + i]
+        assert lp.token_id == tok
+        assert math.isclose(lp.logprob, float(row[tok]), abs_tol=1e-4)
+        top = row.topk(5)
+        assert [t.token_id for t in lp.top_logprobs] == top.indices.tolist()
+        assert np.allclose([t.logprob for t in lp.top_logprobs], top.values.tolist(), atol=1e-4)
+        assert lp.top_logprobs[0].token_id == tok  # greedy picks the most likely token
