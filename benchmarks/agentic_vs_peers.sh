@@ -136,8 +136,9 @@ for sys in $SYSTEMS; do
         continue
       fi
       export_hf_dir || { log "vllm: skipped: could not export the HF directory"; continue; }
+      # VLLM_SERVER_DEV_MODE exposes POST /reset_prefix_cache, used by --flush-cache
       log "vllm: starting (takes ~3 minutes: torch.compile warm-up)"
-      VLLM_CPU_KVCACHE_SPACE=4 OMP_NUM_THREADS="$THREADS" \
+      VLLM_CPU_KVCACHE_SPACE=4 VLLM_SERVER_DEV_MODE=1 OMP_NUM_THREADS="$THREADS" \
         "$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
         --served-model-name smollm2 --dtype float32 --max-model-len 8192 --enable-prompt-tokens-details \
         --host 127.0.0.1 --port "$port" > "$OUT/vllm.log" 2>&1 &

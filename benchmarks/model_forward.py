@@ -59,6 +59,31 @@ class HFDecoder:
         return time.perf_counter() - t
 
 
+def batched_decode(model, batch: int, context: int, steps: int, page_size: int) -> list[float]:
+    """Seconds of each decode step of ``batch`` sequences of ``context`` tokens (after warm-up)."""
+    ps = page_size
+    per_seq = (context + steps + 8 + ps - 1) // ps
+    kv = allocate_kv_cache(model.kv_cache_spec(), batch * per_seq + 1, ps)
+    tables = torch.arange(1, batch * per_seq + 1).view(batch, per_seq)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(batch):  # prefill each sequence
+        toks = torch.randint(0, model.args.vocab_size, (context,), generator=gen)
+        pos = torch.arange(context)
+        model(ForwardBatch(toks, pos, tables[i][pos // ps] * ps + pos % ps, torch.tensor([0, context]),
+                           torch.tensor([context]), tables[i:i + 1], torch.tensor([context - 1]), ps), kv)
+    tok = torch.zeros(batch, dtype=torch.long)
+    times = []
+    for step in range(steps + 4):
+        pos = torch.full((batch,), context + step)
+        slots = tables[torch.arange(batch), pos // ps] * ps + pos % ps
+        fb = ForwardBatch(tok, pos, slots, torch.arange(batch + 1), pos + 1, tables, torch.arange(batch), ps)
+        t = time.perf_counter()
+        tok = model(fb, kv).argmax(-1)
+        if step >= 4:
+            times.append(time.perf_counter() - t)
+    return sorted(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -67,6 +92,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--batch", type=int, default=0, help="also time decode steps of this many sequences at once")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers decode (KV cache) on the same weights")
     args = ap.parse_args()
     if args.threads:
@@ -119,6 +145,11 @@ def main() -> None:
           f"{1 / median:.1f} tok/s (best {1 / times[0]:.1f})")
     print(f"weights read per token: {wbytes / 1e6:.1f} MB; copy bandwidth {bw / 1e9:.2f} GB/s; "
           f"bound {bound:.1f} tok/s; median is {100 / median / bound:.0f}% of bound")
+    if args.batch > 1:
+        bt = batched_decode(model, args.batch, args.context, min(args.steps, 16), ps)
+        med = bt[len(bt) // 2]
+        print(f"batched decode, {args.batch} sequences x {args.context} context: median step "
+              f"{med * 1000:.1f} ms -> {args.batch / med:.1f} tok/s")
     if hf_median is not None:
         print(f"HF transformers decode step (interleaved): median {hf_median * 1000:.2f} ms, best "
               f"{hf_times[0] * 1000:.2f} ms -> {1 / hf_median:.1f} tok/s; "

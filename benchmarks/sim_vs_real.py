@@ -10,6 +10,7 @@
 4. Print both side by side with the ratio sim / real, and write them to --out.
 
     .venv/bin/python benchmarks/sim_vs_real.py --out /tmp/sim-vs-real [--concurrency 8] [--duration 120]
+        [--replicas 2] [--calibrate alone|together]
 """
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ def main() -> int:
     ap.add_argument("--policy", default="agentic")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--serve-args", default="", help="extra `tokenmill serve` flags, space-separated")
+    ap.add_argument("--calibrate", choices=("alone", "together"), default="alone",
+                    help="alone: calibrate replica 0 while the others idle; together: calibrate every "
+                         "replica at the same time (they share the CPU as in the fleet run) and use replica 0's")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -75,7 +79,17 @@ def main() -> int:
         for r in replicas:
             r.start()
         profile = out / "profile.json"
-        tm("sim", "calibrate", "--base-url", replicas[0].base_url, "--out", str(profile))
+        if args.calibrate == "alone":
+            tm("sim", "calibrate", "--base-url", replicas[0].base_url, "--out", str(profile))
+        else:
+            procs = [subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "sim", "calibrate", "--base-url",
+                                       r.base_url, "--out", str(profile if i == 0 else out / f"profile{i}.json")],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                     for i, r in enumerate(replicas)]
+            for pr in procs:
+                _, err = pr.communicate(timeout=1800)
+                if pr.returncode != 0:
+                    raise RuntimeError(f"tokenmill sim calibrate failed: {err[-2000:]}")
         for r in replicas:
             httpx.post(r.base_url + "/flush_cache", timeout=30).raise_for_status()
         route = ["route", "--policy", args.policy, "--seed", str(args.seed)]

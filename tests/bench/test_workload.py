@@ -187,11 +187,11 @@ def test_theoretical_chr_on_mooncake_trace_matches_independent_computation() -> 
     assert 0 < stats.token_hit_rate < 1
     # token-level CHR of the rescaled replay (block_tokens=16) with the token-id cache agrees
     # with the block-level count on hash ids rescaled the same way
-    reqs = trace_requests(recs[:2000], TraceReplayConfig(block_tokens=16))
+    reqs = trace_requests(recs[:600], TraceReplayConfig(block_tokens=16))
     tok = theoretical_hit_rate([r.prompt_token_ids for r in reqs], block_size=16)
-    ids16 = theoretical_hit_rate_hash_ids(recs[:2000], block_tokens=16)
+    ids16 = theoretical_hit_rate_hash_ids(recs[:600], block_tokens=16)
     full_block_hits = sum(min(h, len(r.prompt_token_ids) // 16) for h, r in zip(
-        _per_request_hits(recs[:2000]), reqs))
+        _per_request_hits(recs[:600]), reqs))
     assert tok.cached_tokens == 16 * full_block_hits
     assert ids16.prompt_tokens == tok.prompt_tokens
 

@@ -65,11 +65,19 @@ class TestBatchInvariance:
         llm = LLM(loaded=lm, kv_cache_tokens=2048, enable_prefix_cache=False)
         assert [o.token_ids for o in llm.generate(self.prompts, GREEDY)] == alone
 
-    def test_chunked_prefill_of_seven_equals_unchunked(self, tiny_llama, alone) -> None:
+    @pytest.mark.parametrize("prefix_cache", [False, True])
+    def test_chunked_prefill_of_seven_equals_unchunked(self, tiny_llama, alone, prefix_cache: bool) -> None:
         lm, _ = tiny_llama
-        llm = LLM(loaded=lm, kv_cache_tokens=2048, max_batch_tokens=7, enable_prefix_cache=False,
+        llm = LLM(loaded=lm, kv_cache_tokens=2048, max_batch_tokens=7, enable_prefix_cache=prefix_cache,
                   debug_checks=True)
         assert [o.token_ids for o in llm.generate(self.prompts, GREEDY)] == alone
+
+    def test_identical_prompts_share_pages_during_chunked_prefill(self, tiny_llama, alone) -> None:
+        lm, _ = tiny_llama
+        llm = LLM(loaded=lm, kv_cache_tokens=2048, max_batch_tokens=7, debug_checks=True)
+        outs = llm.generate([self.prompts[3]] * 3, GREEDY)  # 64-token prompt, chunks of 7
+        assert [o.token_ids for o in outs] == [alone[3]] * 3
+        assert max(o.cached_tokens for o in outs) > 0
 
     @pytest.mark.parametrize("prefix_cache", [False, True])
     def test_preemption_keeps_outputs(self, tiny_llama, alone, prefix_cache: bool) -> None:

@@ -1,7 +1,11 @@
 """Scheduler and KV-manager behaviour over token counts and page ids, with no model."""
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tokenmill.cache.page_pool import PagePool
+from tokenmill.cache.radix import RadixCache
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.sampling_params import SamplingParams
@@ -133,3 +137,102 @@ def test_waiting_request_is_not_admitted_without_pages_and_keeps_its_place() -> 
     while s.has_unfinished():
         step(s)
     assert b.output_token_ids == [7] * 4
+
+
+# -- with the radix prefix cache -----------------------------------------------------------------
+def make_cached(num_pages: int, budget: int = 64, max_running: int = 16) -> Scheduler:
+    pool = PagePool(num_pages)
+    kv = KVManager(pool, PAGE, RadixCache(pool, PAGE))
+    return Scheduler(kv, max_batch_tokens=budget, max_running_requests=max_running)
+
+
+def cached_step(s: Scheduler) -> SchedulerOutput:
+    out = s.schedule()
+    s.post_step(out)
+    for sr in out.scheduled:
+        r = sr.request
+        if sr.samples:
+            r.all_token_ids.append(7)
+            if r.num_output_tokens >= r.params.max_tokens:
+                s.finish(r, "length")
+    s.check_pages()
+    return out
+
+
+def test_finished_request_is_matched_by_the_next_one_and_its_pages_are_locked() -> None:
+    s = make_cached(16)
+    a = req("a", 10, max_tokens=3)  # 10 + 3 tokens, 12 computed -> 3 whole pages cached
+    s.add_request(a)
+    while s.has_unfinished():
+        cached_step(s)
+    assert s.kv.cache.num_cached_pages == 3 and s.kv.pool.num_free() == 13
+    b = Request("b", a.all_token_ids[:12] + [99, 98], SamplingParams(max_tokens=2))
+    s.add_request(b)
+    out = cached_step(s)
+    assert b.num_cached_tokens == 12 and out.scheduled[0].start == 12 and out.scheduled[0].num_tokens == 2
+    assert s.kv.cache.num_locked_pages == 3 and b.page_table[:3] == [0, 1, 2]
+    while s.has_unfinished():
+        cached_step(s)
+    assert s.prompt_tokens_total == 24 and s.cached_tokens_total == 12
+
+
+def test_eviction_comes_before_preemption() -> None:
+    s = make_cached(6, budget=64)
+    old = req("old", 16, max_tokens=1)  # leaves 4 pages in the cache
+    s.add_request(old)
+    while s.has_unfinished():
+        cached_step(s)
+    assert s.kv.cache.num_cached_pages == 4 and s.kv.pool.num_free() == 2
+    new = [Request(f"n{i}", [50 + i] * 9, SamplingParams(max_tokens=3)) for i in range(2)]
+    for r in new:
+        s.add_request(r)
+    while s.has_unfinished():
+        cached_step(s)
+    assert s.num_preemptions == 0 and all(r.output_token_ids == [7, 7, 7] for r in new)
+
+
+def test_chunked_prefill_shares_pages_with_a_concurrent_identical_prompt() -> None:
+    s = make_cached(32, budget=8)
+    prompt = list(range(1, 25))
+    a = Request("a", prompt, SamplingParams(max_tokens=2))
+    s.add_request(a)
+    cached_step(s)
+    cached_step(s)  # 16 tokens of a computed: 4 pages published to the cache
+    assert s.kv.cache.num_cached_pages == 4 and a.num_tree_pages == 4
+    b = Request("b", list(prompt), SamplingParams(max_tokens=2))
+    s.add_request(b)
+    while s.has_unfinished():
+        cached_step(s)
+    assert b.num_cached_tokens == 16
+    assert a.output_token_ids == b.output_token_ids == [7, 7]
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_pages=st.integers(4, 24), budget=st.integers(1, 40), max_running=st.integers(1, 6),
+       use_cache=st.booleans(),
+       specs=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(1, 6)),
+                      min_size=1, max_size=8))
+def test_random_workloads_finish_and_keep_page_accounting(num_pages: int, budget: int, max_running: int,
+                                                          use_cache: bool, specs: list) -> None:
+    """Requests share prefixes (three families); pools are small; every request must finish."""
+    pool = PagePool(num_pages)
+    kv = KVManager(pool, PAGE, RadixCache(pool, PAGE) if use_cache else None)
+    s = Scheduler(kv, max_batch_tokens=budget, max_running_requests=max_running)
+    reqs = []
+    for i, (family, plen, max_tokens) in enumerate(specs):
+        if plen + max_tokens > num_pages * PAGE:
+            continue  # the engine rejects these at add_request
+        prompt = [1000 * (family + 1) + j for j in range(plen)]
+        r = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), session_id=f"s{family}")
+        reqs.append(r)
+        s.add_request(r)
+    for _ in range(2000):
+        if not s.has_unfinished():
+            break
+        out = cached_step(s)
+        assert out.num_tokens <= budget and len(s.running) <= max_running
+        assert out.scheduled, "a step with unfinished requests scheduled nothing"
+    assert not s.has_unfinished()
+    assert all(r.output_token_ids == [7] * r.params.max_tokens for r in reqs)
+    cached = kv.cache.num_cached_pages if kv.cache is not None else 0
+    assert pool.num_free() + cached == num_pages

@@ -35,6 +35,13 @@ def test_unknown_architecture_lists_supported(tiny_copy):
     assert all(a in msg for a in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"))
 
 
+def test_architecture_unknown_to_transformers_too(tiny_copy):
+    path = tiny_copy()
+    _edit_config(path, architectures=["MadeUpForCausalLM"], model_type="made_up")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'MadeUpForCausalLM'.*LlamaForCausalLM"):
+        load_model(str(path))
+
+
 def test_missing_config_json(tiny_copy):
     path = tiny_copy()
     (path / "config.json").unlink()

@@ -2,7 +2,6 @@
 same dequantized weights."""
 from __future__ import annotations
 
-import torch
 from paged_driver import PagedDriver, hf_logits
 
 PROMPTS = [

@@ -87,3 +87,15 @@ def test_stop_string(client: openai.OpenAI) -> None:
     resp = client.completions.create(stop=stop, **kwargs)
     assert resp.choices[0].text == base[:base.find(stop)]
     assert resp.choices[0].finish_reason == "stop"
+
+
+def test_streamed_token_ids_are_complete(client: openai.OpenAI) -> None:
+    """Chunks whose text is held back (split UTF-8, possible stop string) still carry their ids."""
+    # Random weights emit many byte-level tokens, so some steps decode to no text yet.
+    kwargs = dict(model=MODEL_NAME, prompt="Stream ids", max_tokens=24, temperature=0,
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    streamed = [t for c in chunks for ch in c.choices for t in (getattr(ch, "token_ids", None) or [])]
+    assert streamed == whole.choices[0].token_ids
+    assert len(streamed) == 24

@@ -19,6 +19,8 @@ from tokenmill.bench.metrics import RequestRecord
 from tokenmill.bench.prompts import RequestPayload
 from tokenmill.session import RESPONSE_HEADER
 
+FLUSH_PATHS = ("/flush_cache", "/reset_prefix_cache")
+
 
 @dataclass(frozen=True)
 class EndpointConfig:
@@ -120,14 +122,17 @@ class BenchClient:
                 warnings.append(f"server rejected body field {k!r}; sending without it ({err[:160]})")
 
     async def flush_cache(self) -> bool | None:
-        """POST /flush_cache. True on success, False if refused, None if the server lacks it."""
-        try:
-            r = await self._http.post("/flush_cache")
-        except httpx.HTTPError:
-            return None
-        if r.status_code in (404, 405):
-            return None
-        return r.status_code < 300
+        """Empty the server's prefix cache: ``POST /flush_cache`` (tokenmill, SGLang), else
+        ``POST /reset_prefix_cache`` (vLLM in dev mode). True on success, False if refused,
+        None if the server has neither."""
+        for path in FLUSH_PATHS:
+            try:
+                r = await self._http.post(path)
+            except httpx.HTTPError:
+                continue
+            if r.status_code not in (404, 405):
+                return r.status_code < 300
+        return None
 
     def _body(self, payload: RequestPayload, max_tokens: int) -> dict[str, Any]:
         return {"model": self.model, **payload.body, "max_tokens": max_tokens, "stream": True,

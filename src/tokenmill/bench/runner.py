@@ -133,7 +133,8 @@ class BenchRunner:
                     self.cache.clear()
                 elif flushed is None and not flush_missing:
                     flush_missing = True
-                    out.warnings.append("server has no POST /flush_cache; caches carry over between levels")
+                    out.warnings.append("server has no POST /flush_cache or /reset_prefix_cache; caches carry over "
+                                        "between levels")
                 elif flushed is False:
                     out.warnings.append(f"flush_cache refused before concurrency {c}")
             out.levels.append(await self._level(c, flushed))

@@ -31,6 +31,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    default=d.session_retention_s, help="seconds a finished session's KV is favoured")
     g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"])
     g.add_argument("--debug-checks", action="store_true", help="check page accounting when idle")
+    g.add_argument("--threads", dest="num_threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

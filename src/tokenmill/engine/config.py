@@ -22,7 +22,8 @@ class EngineConfig:
     ``max_batch_tokens`` is the per-step token budget, shared by decodes first and then prefill
     chunks; a prompt longer than the budget is prefilled in chunks. ``max_model_len`` may lower the
     model's own context limit, never raise it. ``debug_checks`` verifies page accounting whenever
-    the engine becomes idle (cheap, but it walks the cache).
+    the engine becomes idle (cheap, but it walks the cache). ``num_threads`` sets torch's intra-op
+thread count for the whole process (on a shared, oversubscribed CPU one thread is often fastest).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -36,6 +37,7 @@ class EngineConfig:
     session_retention_s: float = 60.0
     dtype: str = "float32"
     debug_checks: bool = False
+    num_threads: int | None = None   # torch intra-op threads (process-wide); None: torch's default
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -57,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.session_retention_s < 0:
             raise ValueError(f"session_retention_s must be >= 0, got {self.session_retention_s}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 

@@ -54,6 +54,8 @@ class Engine:
     def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
         """Build an engine for ``config``; pass ``loaded`` to reuse an already loaded model."""
         self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self._init_model(loaded)
         self._init_kv()
         self.scheduler = Scheduler(self.kv, max_batch_tokens=config.max_batch_tokens,

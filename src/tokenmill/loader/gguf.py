@@ -151,7 +151,11 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
                              f"{tensor.tensor_type.name}: {type(e).__name__}: {e}") from e
     if arr.size != int(np.prod(shape)):
         raise ModelLoadError(f"GGUF tensor {tensor.name}: {arr.size} values, shape says {shape}")
-    return np.array(arr.reshape(shape), dtype=np.float32)  # copy: detach from the file's memory map
+    from gguf import GGMLQuantizationType
+
+    if tensor.tensor_type == GGMLQuantizationType.F32:  # a view of the file's memory map: copy it out
+        return np.array(arr.reshape(shape), dtype=np.float32)
+    return arr.reshape(shape).astype(np.float32, copy=False)  # already a fresh array
 
 
 def read_gguf(path: Path) -> GGUFCheckpoint:

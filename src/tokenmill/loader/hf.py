@@ -24,6 +24,12 @@ def load_hf_config(model_dir: Path) -> Any:
         raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from e
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ModelLoadError(f"{cfg_path} has no 'model_type' field")
+    from tokenmill.models.registry import ARCHITECTURES, supported_architectures
+
+    archs = raw.get("architectures") or []
+    if archs and archs[0] not in ARCHITECTURES:  # say so before transformers trips on an unknown model_type
+        raise ModelLoadError(f"unsupported architecture {archs[0]!r} in {cfg_path}; supported: "
+                             f"{', '.join(supported_architectures())}")
     from transformers import AutoConfig
 
     try:

@@ -123,9 +123,11 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, p
             offsets[index] += len(out.new_text)
             if out.finished:
                 reasons[index] = out.finish_reason
-            if not (out.new_text or out.finished or logprobs is not None):
-                continue
             extra = {"token_ids": list(out.new_token_ids)} if req.return_token_ids else None
+            # A step whose text is held back (a possible stop string, a split UTF-8 character)
+            # still carries token ids when the client asked for them.
+            if not (out.new_text or out.finished or logprobs is not None or (extra and out.new_token_ids)):
+                continue
             yield chunk(index, out.new_text, out.finish_reason if out.finished else None, logprobs, extra)
         if include_usage:
             prompt_tokens = sum(len(p) for p in prompts)

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import httpx
 import openai
-import pytest
 
-from conftest import MODEL, Fleet, start_router
+from router_fleet import MODEL, Fleet, start_router
 from tokenmill.utils.proc import free_port
 
 REPLICA = "x-tokenmill-replica"
