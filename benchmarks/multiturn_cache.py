@@ -10,7 +10,8 @@ Driver: the engine's own step loop (``Engine.add_request`` / ``Engine.step``), o
 sessions start together; a session submits its next turn as soon as the previous one finishes
 (``--think-steps`` engine steps later, default 0). TTFT of a request = wall time from
 ``add_request`` to the end of the step that returns its first token, so it includes queueing
-behind other sessions' work. Each mode gets a fresh engine on the same loaded weights and a
+behind other sessions' work; it is also given in engine steps, which does not depend on how
+busy the machine is. Each mode gets a fresh engine on the same loaded weights and a
 warm-up request first (not counted).
 
 Modes: ``off`` (no prefix cache), ``on`` (cache, cache-aware admission), ``on-fifo`` (cache,
@@ -90,6 +91,7 @@ class ModeResult:
     mode: str
     total_s: float
     ttft_by_turn: list[list[float]] = field(default_factory=list)   # [turn][session]
+    ttft_steps_by_turn: list[list[int]] = field(default_factory=list)   # same, in engine steps
     prompt_tokens: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
@@ -118,13 +120,16 @@ def run_mode(mode: str, loaded, w: Workload, args: argparse.Namespace) -> ModeRe
         engine.step()
     base = engine.stats()
 
-    res = ModeResult(mode, 0.0, [[0.0] * w.sessions for _ in range(w.turns)])
+    res = ModeResult(mode, 0.0, [[0.0] * w.sessions for _ in range(w.turns)],
+                     [[0] * w.sessions for _ in range(w.turns)])
+    added_step: dict[str, int] = {}
     history: list[list[int]] = [list(w.system) for _ in range(w.sessions)]
     turn_of = [0] * w.sessions
     added_at: dict[str, float] = {}
     first_token: set[str] = set()
     ready_at_step = [0] * w.sessions   # step index at which a session submits its next turn
     pending = set(range(w.sessions))
+    done_per_turn = [0] * w.turns
     step = 0
 
     def submit(s: int) -> None:
@@ -134,6 +139,7 @@ def run_mode(mode: str, loaded, w: Workload, args: argparse.Namespace) -> ModeRe
         rid = f"s{s}-t{t}"
         engine.add_request(rid, prompt, params, session_id=f"s{s}")
         added_at[rid] = time.perf_counter()
+        added_step[rid] = step
         pending.discard(s)
 
     t0 = time.perf_counter()
@@ -152,8 +158,13 @@ def run_mode(mode: str, loaded, w: Workload, args: argparse.Namespace) -> ModeRe
             if o.request_id not in first_token:
                 first_token.add(o.request_id)
                 res.ttft_by_turn[t][s] = now - added_at[o.request_id]
+                res.ttft_steps_by_turn[t][s] = step - added_step[o.request_id]
             if o.finished:
                 res.outputs[(s, t)] = list(o.token_ids)
+                done_per_turn[t] += 1
+                if done_per_turn[t] == w.sessions:
+                    print(f"  [{mode}] turn {t + 1} done by all sessions at "
+                          f"{now - t0:.1f}s", file=sys.stderr, flush=True)
                 history[s] = history[s] + list(o.token_ids)
                 if t + 1 < w.turns:
                     turn_of[s] = t + 1
@@ -216,12 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in results[1:]:
         same = sum(r.outputs[k] == ref.outputs[k] for k in ref.outputs)
         print(f"outputs identical to {ref.mode}: {r.mode} {same}/{len(ref.outputs)}")
-    header = "turn " + "".join(f"{'TTFT ' + r.mode + ' (ms)':>22}" for r in results)
+    header = "turn " + "".join(f"{'TTFT ' + r.mode + ' (ms)':>20}{'(steps)':>9}"
+                               for r in results)
     print(header)
     for t in range(w.turns):
-        cells = "".join(f"{1000 * statistics.mean(r.ttft_by_turn[t]):>22.1f}" for r in results)
+        cells = "".join(f"{1000 * statistics.mean(r.ttft_by_turn[t]):>20.1f}"
+                        f"{statistics.mean(r.ttft_steps_by_turn[t]):>9.1f}" for r in results)
         print(f"{t + 1:>4} {cells}")
-    cells = "".join(f"{1000 * statistics.mean(x for row in r.ttft_by_turn for x in row):>22.1f}"
+    cells = "".join(f"{1000 * statistics.mean(x for row in r.ttft_by_turn for x in row):>20.1f}"
+                    f"{statistics.mean(x for row in r.ttft_steps_by_turn for x in row):>9.1f}"
                     for r in results)
     print(f"mean {cells}")
     for r in results[1:]:
@@ -234,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                                     "prompt_tokens": r.prompt_tokens,
                                     "cached_tokens": r.cached_tokens,
                                     "preemptions": r.preemptions,
-                                    "ttft_by_turn": r.ttft_by_turn} for r in results]},
+                                    "ttft_by_turn": r.ttft_by_turn,
+                                    "ttft_steps_by_turn": r.ttft_steps_by_turn}
+                                   for r in results]},
                       f, indent=1)
     return 0
 

@@ -8,7 +8,7 @@ be loaded with exactly the same tensors.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -56,7 +56,6 @@ class ModelArgs:
     qkv_bias: bool = False
     qk_norm: bool = False
     hidden_act: str = "silu"
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
