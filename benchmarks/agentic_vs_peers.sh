@@ -11,7 +11,8 @@
 #   SYSTEMS="tokenmill" benchmarks/agentic_vs_peers.sh
 #
 # Environment knobs: OUT (results root, default out/agentic_vs_peers), CONCURRENCY (1,2,4),
-# SESSIONS (sessions per level), BENCH_ARGS (extra workload flags), SYSTEMS, THREADS (2).
+# SESSIONS (sessions per level), BENCH_ARGS (extra workload flags), SYSTEMS, THREADS (2),
+# LLAMA_THREADS (1).
 # Peers live in the git-ignored folder peers/. A peer that is not installed or fails to start
 # is skipped with the reason printed; the compare table then covers the systems that ran.
 set -u -o pipefail
@@ -24,6 +25,9 @@ OUT="${OUT:-$ROOT/out/agentic_vs_peers}"
 CONCURRENCY="${CONCURRENCY:-1,2,4}"
 SESSIONS="${SESSIONS:-6}"
 THREADS="${THREADS:-2}"
+# llama.cpp's OpenMP threads spin at barriers: with 2 threads on 2 busy cores decode fell to
+# 0.2 tokens/s here, so it gets 1 thread unless told otherwise.
+LLAMA_THREADS="${LLAMA_THREADS:-1}"
 SYSTEMS="${SYSTEMS:-tokenmill vllm llamacpp}"
 BENCH_ARGS="${BENCH_ARGS:---turns 4 --first-turn-tokens 256 --new-tokens 64 --output-tokens 16 --shared-prompt-tokens 64}"
 MODEL_NAME="smollm2-135m-instruct"
@@ -152,9 +156,10 @@ for sys in $SYSTEMS; do
       fi
       log "llamacpp: starting llama_cpp.server on $GGUF"
       "$PEERS/llamacpp/bin/python" -m llama_cpp.server --model "$GGUF" --model_alias smollm2 --n_ctx 8192 \
-        --n_threads "$THREADS" --cache true --host 127.0.0.1 --port "$port" > "$OUT/llamacpp.log" 2>&1 &
+        --n_threads "$LLAMA_THREADS" --cache true --interrupt_requests false --host 127.0.0.1 --port "$port" > "$OUT/llamacpp.log" 2>&1 &
       SERVER_PID=$!
-      # llama.cpp's server takes no token-id prompts and no extra fields; it serves one request at a time
+      # llama.cpp's server takes no token-id prompts and serves one request at a time; by default a new
+      # request interrupts the running one (outputs cut to 1 token), hence --interrupt_requests false above
       if wait_ready "$url" 300; then run_bench llamacpp "$url" --no-return-token-ids; else log "llamacpp: failed to start, see $OUT/llamacpp.log"; fi
       stop_server ;;
     *) log "unknown system $sys (known: tokenmill vllm llamacpp)" ;;
