@@ -39,6 +39,19 @@ def test_streamed_deltas_equal_the_decoded_whole(tokenizer) -> None:
     assert "".join(parts) == tokenizer.decode(ids) == text
 
 
+def test_flush_keeps_a_trailing_partial_character(tokenizer) -> None:
+    """Output that ends inside a multi-byte character still equals decoding the whole output."""
+    ids = tokenizer("ok 😀", add_special_tokens=False)["input_ids"]
+    cut = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tokenizer, [])
+    for t in ids[:cut]:
+        detok.add_token(t)
+    assert detok.take_new_text(finished=False) == "ok"  # the partial character is not emitted yet
+    detok.flush()
+    assert detok.take_new_text(finished=True) == tokenizer.decode(ids[:cut])[len("ok"):]
+    assert detok.emitted_text == tokenizer.decode(ids[:cut])
+
+
 def test_stop_string_split_across_tokens_is_cut_and_held_back(tokenizer) -> None:
     text = "alpha beta gamma delta"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -52,6 +52,20 @@ class IncrementalDetokenizer:
             return self._find_stop(old_len)
         return None
 
+    def flush(self) -> None:
+        """At the end of a request (not by a stop string), keep an incomplete trailing character.
+
+        Generation may end in the middle of a multi-byte character; the final text then ends
+        with U+FFFD exactly as decoding the whole output would, instead of losing those bytes.
+        """
+        if self.stopped_by is not None or self._read_offset == len(self._tokens):
+            return
+        prefix = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+        full = self._decode(self._tokens[self._prefix_offset:])
+        if len(full) > len(prefix):
+            self.text += full[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+
     def _find_stop(self, old_len: int) -> str | None:
         best: tuple[int, str] | None = None
         for s in self._stop:

@@ -178,6 +178,8 @@ class Engine:
                                or req.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
+            if not isinstance(stop_reason, str):
+                req.detokenizer.flush()
             self.scheduler.finish(req, reason, stop_reason)
         return self._output(req, num_new=1)
 
