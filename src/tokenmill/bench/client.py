@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -20,6 +21,17 @@ from tokenmill.bench.prompts import RequestPayload
 from tokenmill.session import RESPONSE_HEADER
 
 FLUSH_PATHS = ("/flush_cache", "/reset_prefix_cache")
+
+
+async def iter_sse_json(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of an OpenAI-style SSE stream, up to ``data: [DONE]``."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
 
 
 @dataclass(frozen=True)
@@ -160,13 +172,7 @@ class BenchClient:
                     return RequestResult(rec, "", None)
                 if session_id and self.endpoint.session_header:
                     rec.session_echoed = resp.headers.get(RESPONSE_HEADER) == session_id
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
+                async for chunk in iter_sse_json(resp):
                     if "error" in chunk:
                         raise RuntimeError(f"stream error: {json.dumps(chunk['error'])[:300]}")
                     now = time.perf_counter()

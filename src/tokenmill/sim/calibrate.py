@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from tokenmill.bench.client import iter_sse_json
 from tokenmill.sim.profiles import DecodeModel, PrefillModel, ReplicaProfile
 
 
@@ -140,13 +141,7 @@ class _Client:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 raise RuntimeError(f"POST /v1/completions answered {r.status_code}: {text[:300]}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in iter_sse_json(r):
                 if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
                     times.append(time.perf_counter())
                 usage = chunk.get("usage")
