@@ -2,8 +2,12 @@
 
 One :class:`Sampler` call handles a whole batch with tensor ops; only the random draws of
 seeded requests loop over rows (each seeded request owns a ``torch.Generator``, which is what
-makes its tokens independent of the batch it lands in). A draw is an inverse-CDF lookup of one
-uniform number per row in the cumulative distribution: exact, and vectorised over the batch.
+makes its tokens independent of the batch it lands in). A draw is an exponential race: token
+``argmax_i p_i / E_i`` with ``E_i ~ Exp(1)`` drawn per vocabulary entry, which picks ``i`` with
+probability exactly ``p_i``. Unlike an inverse-CDF lookup, whose answer moves when a rounding
+change shifts the cumulative sum across a bucket edge, the race only changes when two
+near-tied candidates swap. So a seeded request gives the same tokens when its logits differ in
+the last bits: prefilled after a prefix-cache hit, or in a batch of another shape.
 
 Processing order (see :mod:`tokenmill.engine.sampling_params` for the user-facing semantics):
 penalties -> temperature (0: greedy) -> [logprobs taken here] -> top-k -> top-p -> min-p -> draw.
@@ -145,16 +149,22 @@ class Sampler:
                        torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev),
                        torch.tensor([p.top_p for p in ps], dtype=sub.dtype, device=dev),
                        torch.tensor([p.min_p for p in ps], dtype=sub.dtype, device=dev))
-        probs = torch.softmax(sub, dim=-1)
-        # Inverse-CDF draw: one uniform per row. Seeded rows take theirs from their own stream.
-        u = torch.rand(len(rows), generator=self.generator, dtype=torch.float64).to(dev)
-        for j, i in enumerate(rows):
-            g = generators[i]
-            if g is not None:
-                u[j] = torch.rand(1, generator=g, dtype=torch.float64).item()
-        cdf = probs.cumsum(dim=-1)
-        target = ((1.0 - u) * cdf[:, -1].double()).to(cdf.dtype)[:, None]  # in (0, total]
-        return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)
+        probs = torch.softmax(sub, dim=-1).double()
+        # Exponential race: one Exp(1) per vocabulary entry; seeded rows draw from their own
+        # stream, the others share the sampler's. float64 keeps E = 0 out of reach.
+        race = torch.empty_like(probs)
+        shared = [j for j, i in enumerate(rows) if generators[i] is None]
+        if len(shared) == len(rows):
+            race.exponential_(generator=self.generator)
+        else:
+            if shared:
+                race[shared] = torch.empty(len(shared), probs.shape[1], dtype=probs.dtype,
+                                           device=dev).exponential_(generator=self.generator)
+            for j, i in enumerate(rows):
+                g = generators[i]
+                if g is not None:
+                    race[j].exponential_(generator=g)
+        return (probs / race).argmax(dim=-1)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: list[int],
