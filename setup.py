@@ -21,6 +21,7 @@ LDFLAGS = ["-fopenmp"]
 NATIVE_MODULES = {
     # module name -> C sources (relative to this file)
     "tokenmill._native._attention": ["src/tokenmill/_native/attention.c"],
+    "tokenmill._native._quant": ["src/tokenmill/_native/quant.c"],
 }
 
 

@@ -5,7 +5,7 @@ import argparse
 import sys
 from dataclasses import fields
 
-from tokenmill.engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig
+from tokenmill.engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from tokenmill.loader.resolve import DEFAULT_MODEL
 
 
@@ -36,6 +36,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=d.device, help="torch device of the model runner (default: cpu)")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="storage dtype of the KV pool (auto: the model's dtype)")
+    g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
+                   help="weight format: auto = a GGUF file in its own block types (Q4_1 for the default "
+                        "model), an HF checkpoint unquantized; none = everything in --dtype (the oracle); "
+                        "int8 (per channel) / int4 (group-wise) = quantize at load")
+    g.add_argument("--quant-group-size", type=int, default=d.quant_group_size,
+                   help="int4: inputs per scale group, a multiple of 32 (default %(default)s)")
+    g.add_argument("--quant-symmetric", action="store_true",
+                   help="int4: symmetric groups (scale only, zero exact) instead of scale + min")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="paged-attention implementation (auto: the fastest that supports the model here)")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats (tokenmill.layers.quant.methods)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")   # auto: the model's dtype
 ATTENTION_BACKENDS = ("auto", "torch")
 DEFAULT_KV_SESSIONS = 4          # full-length sequences the default pool holds
@@ -43,6 +44,9 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     device: str = "cpu"              # torch device the model runner owns ("cpu", "cuda", "cuda:1")
     kv_cache_dtype: str = "auto"     # storage dtype of the KV pool; auto = the model's dtype
     attention_backend: str = "auto"  # see tokenmill.layers.attention.select_attention_backend
+    quantization: str = "auto"       # weight format, see tokenmill.layers.quant.methods.QuantConfig
+    quant_group_size: int = 128      # int4: inputs per scale group (a multiple of 32)
+    quant_symmetric: bool = False    # int4: symmetric (scale only) instead of scale + min
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -72,6 +76,10 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quant_group_size <= 0 or self.quant_group_size % 32:
+            raise ValueError(f"quant_group_size must be a positive multiple of 32, got {self.quant_group_size}")
         if not self.device or not (self.device == "cpu" or self.device.startswith(("cuda", "mps", "xpu"))):
             raise ValueError(f"device must be cpu or a torch accelerator such as cuda or cuda:1, got {self.device!r}")
 

@@ -84,7 +84,11 @@ class Engine:
         if loaded is None:
             from tokenmill.loader import load_model
 
-            loaded = load_model(self.config.model, dtype=dtype)
+            from tokenmill.layers.quant.methods import QuantConfig
+
+            cfg = self.config
+            loaded = load_model(cfg.model, dtype=dtype, quantization=QuantConfig(
+                cfg.quantization, cfg.quant_group_size, cfg.quant_symmetric))
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name

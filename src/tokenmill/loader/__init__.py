@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tokenmill.contracts.errors import ModelLoadError
 from tokenmill.loader.resolve import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from tokenmill.models.base import CausalLM
+
+if TYPE_CHECKING:
+    from tokenmill.layers.quant.methods import QuantConfig
 
 __all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "build_hf_reference", "load_model",
            "resolve_model_path"]
@@ -50,11 +53,21 @@ def _config_eos(config: Any) -> list[int | None]:
     return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load ``name_or_path`` (bundled name, HF directory or GGUF file) with weights in ``dtype``."""
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32,
+               quantization: "QuantConfig | str | None" = None) -> LoadedModel:
+    """Load ``name_or_path`` (bundled name, HF directory or GGUF file) with weights in ``dtype``.
+
+    ``quantization`` (a :class:`~tokenmill.layers.quant.methods.QuantConfig` or its method name):
+    ``auto`` (default) serves a GGUF file in its own block formats and an HF checkpoint dense;
+    ``none`` dequantizes everything to ``dtype`` (the oracle); ``int8`` / ``int4`` quantize the
+    dense weights at load.
+    """
+    from tokenmill.layers.quant.methods import QuantConfig, apply_quantization, finalize_linears
     from tokenmill.loader import gguf as gguf_loader
     from tokenmill.loader import hf
     from tokenmill.models.registry import architecture_of, build_model
+
+    quant = QuantConfig.of(quantization)
 
     try:
         path = resolve_model_path(name_or_path)
@@ -66,13 +79,18 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedM
         weights = hf.read_safetensors(path)
         extra_eos: list[int | None] = list(hf.generation_eos_ids(path))
     elif path.suffix.lower() == ".gguf":
-        config, weights = gguf_loader.read_gguf_cached(path)
+        if quant.method == "auto":
+            config, weights = gguf_loader.read_gguf(path, native=True)
+        else:
+            config, weights = gguf_loader.read_gguf_cached(path)
         extra_eos = []
     else:
         raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
     model = build_model(config, dtype=dtype)
     model.load_weights(weights)
     del weights
+    apply_quantization(model, quant)
+    finalize_linears(model, dtype)
     model.eval()
     # The tokenizer comes last: building one from GGUF metadata is the slow step on a first load.
     tokenizer = hf.load_hf_tokenizer(path) if path.is_dir() else gguf_loader.gguf_tokenizer(path)

@@ -1,10 +1,14 @@
-"""Read a GGUF file: config from its metadata, weights dequantized to fp32, tokenizer.
+"""Read a GGUF file: config from its metadata, weights (native block formats or fp32), tokenizer.
 
-Weights are dequantized with the ``gguf`` package (every type it knows: F32, F16, BF16, Q8_0,
-Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q8_K, ...) and renamed to HF names. llama.cpp's converter
+``read_gguf(path, native=True)`` keeps the weight matrices in their own block types (Q8_0, Q4_0,
+Q4_1, Q4_K; Q6_K through int8): each becomes a quantized linear method of
+``tokenmill.layers.quant.gguf`` and is never expanded to fp32; other types are refused, naming the
+tensor. With ``native=False`` (quantization ``none``, the oracle) every tensor is dequantized with the
+``gguf`` package (every type it knows: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q8_K, ...).
+Either way tensors are renamed to HF names. llama.cpp's converter
 permutes the rows of the Q and K projections of ``llama``-architecture models (it interleaves the
-two rotary halves of each head); :func:`unpermute_qk` undoes that so the tensors equal the HF
-originals. The tokenizer and chat template come from the GGUF metadata through transformers and
+two rotary halves of each head); :func:`unpermute_qk` undoes that (on quantized rows too, by
+reordering whole rows) so the tensors equal the HF originals. The tokenizer and chat template come from the GGUF metadata through transformers and
 are cached on disk (building them takes seconds).
 """
 from __future__ import annotations
@@ -37,7 +41,7 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 class GGUFCheckpoint(NamedTuple):
     config: Any                       # transformers PretrainedConfig built from the metadata
-    weights: dict[str, torch.Tensor]  # HF names, fp32
+    weights: dict[str, Any]           # HF names -> fp32 tensor, or a LinearMethod when native
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -158,8 +162,31 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
     return arr.reshape(shape).astype(np.float32, copy=False)  # already a fresh array
 
 
-def read_gguf(path: Path) -> GGUFCheckpoint:
-    """Config and fp32 HF-named weights of a GGUF file."""
+def unpermute_index(rows: int, n_heads: int) -> np.ndarray:
+    """Row order that :func:`unpermute_qk` applies: ``new[i] = old[index[i]]``."""
+    return unpermute_qk(np.arange(rows), n_heads)
+
+
+def native_tensor(tensor: Any) -> Any:
+    """A GGUFReader tensor as served natively: a quantized LinearMethod for a block-quantized
+    matrix, an fp32 tensor for float types (F32/F16/BF16) and 1-D tensors."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tokenmill.layers.quant.gguf import DENSE_TYPES, gguf_linear
+
+    qtype = tensor.tensor_type.name
+    shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
+    if qtype in DENSE_TYPES or tensor.tensor_type in (Q.F32, Q.F16, Q.BF16):
+        return torch.from_numpy(np.ascontiguousarray(dequantize_tensor(tensor)))
+    if len(shape) != 2:
+        raise ModelLoadError(f"GGUF tensor {tensor.name} has type {qtype} with shape {list(shape)}; only "
+                             "2-D weight matrices can be block-quantized")
+    return gguf_linear(tensor.data, qtype, shape[0], shape[1], tensor.name)
+
+
+def read_gguf(path: Path, native: bool = False) -> GGUFCheckpoint:
+    """Config and HF-named weights of a GGUF file: fp32 tensors, or with ``native`` the weight
+    matrices as linear methods in their own block formats."""
     reader = _open(path)
     try:
         meta = _fields(reader)
@@ -172,6 +199,14 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         hf_name = hf_tensor_name(t.name)
+        if native:
+            w = native_tensor(t)
+            if permute and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_attention_heads if hf_name.endswith("q_proj.weight") else config.num_key_value_heads
+                index = torch.from_numpy(unpermute_index(int(w.shape[0]), heads))
+                w = w[index] if isinstance(w, torch.Tensor) else w.select_rows(index)
+            weights[hf_name] = w
+            continue
         arr = dequantize_tensor(t)
         if permute and hf_name.endswith("q_proj.weight"):
             arr = unpermute_qk(arr, config.num_attention_heads)

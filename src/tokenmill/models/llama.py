@@ -5,7 +5,8 @@ query and key head before RoPE; both are options of one implementation (``ModelA
 ``ModelArgs.qk_norm``).
 
 Weights are kept the way the forward wants them: q/k/v concatenated into one ``qkv_proj``
-matrix and gate/up into one ``gate_up_proj``, all contiguous ``[out, in]`` for ``F.linear``.
+matrix and gate/up into one ``gate_up_proj``. Every matmul goes through a linear method
+(``tokenmill.layers.linear``): dense ``F.linear`` or a quantized format, chosen by the loader.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from tokenmill.contracts.errors import ModelLoadError
 from tokenmill.layers.attention import ForwardContext
+from tokenmill.layers.linear import DenseLinear, as_linear, cat_linears
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import CosSin, RotaryEmbedding, apply_rotary
 from tokenmill.models.base import CausalLM, KVCacheSpec, ModelArgs
@@ -34,11 +36,11 @@ class LlamaDecoderLayer(nn.Module):
         self.kv_size = args.num_kv_heads * args.head_dim
         self.inter = args.intermediate_size
         self.scale = args.head_dim ** -0.5
-        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, args.hidden_size, dtype=dtype)
+        self.qkv_proj = DenseLinear.empty(self.q_size + 2 * self.kv_size, args.hidden_size, dtype)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if args.qkv_bias else None
-        self.o_proj = _param(args.hidden_size, self.q_size, dtype=dtype)
-        self.gate_up_proj = _param(2 * args.intermediate_size, args.hidden_size, dtype=dtype)
-        self.down_proj = _param(args.hidden_size, args.intermediate_size, dtype=dtype)
+        self.o_proj = DenseLinear.empty(args.hidden_size, self.q_size, dtype)
+        self.gate_up_proj = DenseLinear.empty(2 * args.intermediate_size, args.hidden_size, dtype)
+        self.down_proj = DenseLinear.empty(args.hidden_size, args.intermediate_size, dtype)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
@@ -47,7 +49,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, cs: CosSin, kv_cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = h.shape[0]
         x = self.input_layernorm(h)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = self.qkv_proj(x, self.qkv_bias)
         if self.q_norm is not None and self.k_norm is not None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
@@ -59,10 +61,10 @@ class LlamaDecoderLayer(nn.Module):
             v = qkv[:, self.q_size + self.kv_size:]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = ctx.attn.forward(q, k, v, kv_cache, ctx.meta, self.scale)
-        h = h + F.linear(o, self.o_proj)
+        h = h + self.o_proj(o)
         x = self.post_attention_layernorm(h)
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -73,11 +75,11 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.args = args
         self.dtype = dtype
-        self.embed_tokens = _param(args.vocab_size, args.hidden_size, dtype=dtype)
+        self.embed_tokens = DenseLinear.empty(args.vocab_size, args.hidden_size, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = self.embed_tokens if args.tie_word_embeddings else _param(
-            args.vocab_size, args.hidden_size, dtype=dtype)
+        self.lm_head = self.embed_tokens if args.tie_word_embeddings else DenseLinear.empty(
+            args.vocab_size, args.hidden_size, dtype)
         self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling,
                                       initial_positions=min(args.max_position_embeddings, 4096))
 
@@ -91,13 +93,13 @@ class LlamaForCausalLM(CausalLM):
         if len(ctx.kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV cache entries, got {len(ctx.kv_caches)}")
         cs = self.rotary.lookup(batch.positions, self.dtype, batch.max_seq_len)
-        h = F.embedding(batch.input_ids, self.embed_tokens)
+        h = self.embed_tokens.embedding(batch.input_ids, self.dtype)
         ctx.capture(-1, h)
         for i, (layer, cache) in enumerate(zip(self.layers, ctx.kv_caches)):
             h = layer(h, cs, cache, ctx)
             ctx.capture(i, h)
         h = self.norm(h[batch.logits_indices])
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
 
     # ---- weights -------------------------------------------------------------------------
     def _hf_layout(self) -> dict[str, tuple[int, ...]]:
@@ -150,33 +152,37 @@ class LlamaForCausalLM(CausalLM):
         def cat(*names: str) -> torch.Tensor:
             return torch.cat([weights[n].to(self.dtype) for n in names], dim=0)
 
-        self.embed_tokens.data = get("model.embed_tokens.weight").contiguous()
-        if not self.args.tie_word_embeddings:
-            self.lm_head.data = get("lm_head.weight").contiguous()
+        def linear(*names: str):  # one linear method over the rows of these (maybe quantized) weights
+            return cat_linears([weights[n] for n in names], self.dtype)
+
+        self.embed_tokens = as_linear(weights["model.embed_tokens.weight"], self.dtype)
+        self.lm_head = self.embed_tokens if self.args.tie_word_embeddings else linear("lm_head.weight")
         self.norm.weight.data = get("model.norm.weight").contiguous()
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            layer.qkv_proj.data = cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+            layer.qkv_proj = linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
             if layer.qkv_bias is not None:
                 layer.qkv_bias.data = cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
             if layer.q_norm is not None and layer.k_norm is not None:
                 layer.q_norm.weight.data = get(a + "q_norm.weight").contiguous()
                 layer.k_norm.weight.data = get(a + "k_norm.weight").contiguous()
-            layer.o_proj.data = get(a + "o_proj.weight").contiguous()
-            layer.gate_up_proj.data = cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            layer.down_proj.data = get(p + "mlp.down_proj.weight").contiguous()
+            layer.o_proj = linear(a + "o_proj.weight")
+            layer.gate_up_proj = linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            layer.down_proj = linear(p + "mlp.down_proj.weight")
             layer.input_layernorm.weight.data = get(p + "input_layernorm.weight").contiguous()
             layer.post_attention_layernorm.weight.data = get(p + "post_attention_layernorm.weight").contiguous()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         a = self.args
         q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
-        out = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm.weight,
-               "lm_head.weight": self.lm_head}
+        head = self.lm_head.dequantize()  # views for dense weights, fresh fp32 for quantized ones
+        embed = head if self.embed_tokens is self.lm_head else self.embed_tokens.dequantize()
+        out = {"model.embed_tokens.weight": embed, "model.norm.weight": self.norm.weight,
+               "lm_head.weight": head}
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            w = layer.qkv_proj
+            w = layer.qkv_proj.dequantize()
             out[p + "self_attn.q_proj.weight"] = w[:q]
             out[p + "self_attn.k_proj.weight"] = w[q:q + kv]
             out[p + "self_attn.v_proj.weight"] = w[q + kv:]
@@ -188,10 +194,11 @@ class LlamaForCausalLM(CausalLM):
             if layer.q_norm is not None and layer.k_norm is not None:
                 out[p + "self_attn.q_norm.weight"] = layer.q_norm.weight
                 out[p + "self_attn.k_norm.weight"] = layer.k_norm.weight
-            out[p + "self_attn.o_proj.weight"] = layer.o_proj
-            out[p + "mlp.gate_proj.weight"] = layer.gate_up_proj[:inter]
-            out[p + "mlp.up_proj.weight"] = layer.gate_up_proj[inter:]
-            out[p + "mlp.down_proj.weight"] = layer.down_proj
+            out[p + "self_attn.o_proj.weight"] = layer.o_proj.dequantize()
+            gate_up = layer.gate_up_proj.dequantize()
+            out[p + "mlp.gate_proj.weight"] = gate_up[:inter]
+            out[p + "mlp.up_proj.weight"] = gate_up[inter:]
+            out[p + "mlp.down_proj.weight"] = layer.down_proj.dequantize()
             out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
             out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
         return {k: v.detach() for k, v in out.items()}

@@ -1,0 +1,550 @@
+/* Quantized-weight matmul kernels of tokenmill (y = x @ W^T with W stored in 4 or 8 bits).
+ *
+ * Two weight layouts cover every served format (GGUF Q8_0/Q4_0/Q4_1/Q4_K and tokenmill's own
+ * int8/int4 quantization); the Python side repacks each format into one of them losslessly.
+ * A row of W has K values, padded with zeros to Kp = K rounded up to 32 (one "block").
+ *
+ *   u4: qs    uint8 [N, Kp/2]   block b of a row = 16 bytes; byte i holds value i of the block
+ *                               in its low nibble and value i+16 in its high nibble (GGML order)
+ *       scale [N, G], min [N, G] fp16 or fp32;  w = scale * q + min,  q in 0..15
+ *   s8: qs    int8  [N, Kp]
+ *       scale [N, G] fp16 or fp32;              w = scale * q,        q in -128..127
+ *
+ * G = ceil(K / group) scale groups per row; group is a multiple of 32 (group = Kp: one scale per
+ * row, i.e. per output channel).
+ *
+ * Few rows (decode): activations are quantized to int8 in blocks of 32 (scale amax/127, round to
+ * nearest even), as in llama.cpp's Q8_0 activations, and each block is an integer dot product
+ * (maddubs/madd on AVX2, dpbusd with AVX-VNNI). The result equals dequant(W) @ dequant(xq)^T up
+ * to float summation order. Many rows (prefill): the Python side dequantizes W into fp32 with
+ * dequant_* and runs torch's GEMM, which keeps activations in fp32.
+ *
+ * Vector code is compiled through function target attributes and chosen at run time from
+ * __builtin_cpu_supports; a portable scalar path does the same arithmetic everywhere else. Work
+ * is split over output rows with OpenMP, the thread count given by the caller (torch's).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#define TM_X86 1
+#include <immintrin.h>
+#else
+#define TM_X86 0
+#endif
+
+#define QK 32
+
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2 };
+static int g_isa = -1;      /* chosen at first use; set_isa() may lower it (tests) */
+static int g_best = -1;     /* best this CPU supports */
+
+static int best_isa(void) {
+    if (g_best < 0) {
+        g_best = ISA_SCALAR;
+#if TM_X86 && defined(__GNUC__)
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+            g_best = ISA_AVX2;
+#if __GNUC__ >= 11
+        if (g_best == ISA_AVX2 && __builtin_cpu_supports("avxvnni")) g_best = ISA_AVXVNNI;
+#endif
+#endif
+    }
+    return g_best;
+}
+
+static int isa(void) {
+    if (g_isa < 0) g_isa = best_isa();
+    return g_isa;
+}
+
+/* ---- fp16 <-> fp32 (portable) ----------------------------------------------------------- */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else {  /* subnormal: renormalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7F800000u | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float load_scale(const void *p, int64_t i, int f16) {
+    return f16 ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* ---- activation quantization: x [M, K] fp32 -> xq [M, Kp] int8, xd/xs [M, Kp/32] --------- */
+/* xd = block scale, xs = xd * sum(xq) (what a weight block's min multiplies). */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs) {
+    int64_t nb = (K + QK - 1) / QK, Kp = nb * QK;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
+        for (int64_t b = 0; b < nb; b++) {
+            int64_t k0 = b * QK, n = K - k0 < QK ? K - k0 : QK;
+            float amax = 0.f;
+            for (int64_t i = 0; i < n; i++) { float a = fabsf(xr[k0 + i]); if (a > amax) amax = a; }
+            float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+            int sum = 0;
+            int8_t *q = xq + m * Kp + k0;
+            for (int64_t i = 0; i < QK; i++) {
+                int v = i < n ? (int)nearbyintf(xr[k0 + i] * id) : 0;
+                q[i] = (int8_t)v;
+                sum += v;
+            }
+            xd[m * nb + b] = d;
+            xs[m * nb + b] = d * (float)sum;
+        }
+    }
+}
+
+/* ---- scalar dot products (portable path) -------------------------------------------------- */
+/* One weight row against one activation row; returns the row's output value (no bias). */
+static float dot_u4_scalar(const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0,
+                           int64_t nb, int64_t bpg, const int8_t *xq, const float *xd, const float *xs) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = qs + b * 16;
+        const int8_t *q = xq + b * QK;
+        int s = 0;
+        for (int i = 0; i < 16; i++) s += (p[i] & 0x0F) * q[i] + (p[i] >> 4) * q[i + 16];
+        int64_t g = row_g0 + b / bpg;
+        acc += load_scale(sc, g, f16) * xd[b] * (float)s + load_scale(mn, g, f16) * xs[b];
+    }
+    return acc;
+}
+
+static float dot_s8_scalar(const int8_t *qs, const void *sc, int f16, int64_t row_g0, int64_t nb,
+                           int64_t bpg, const int8_t *xq, const float *xd) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *p = qs + b * QK, *q = xq + b * QK;
+        int s = 0;
+        for (int i = 0; i < QK; i++) s += p[i] * q[i];
+        acc += load_scale(sc, row_g0 + b / bpg, f16) * xd[b] * (float)s;
+    }
+    return acc;
+}
+
+#if TM_X86 && defined(__GNUC__)
+/* ---- AVX2 ----------------------------------------------------------------------------------- */
+#define TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+TGT_AVX2 static inline __m256i nibbles32(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+
+TGT_AVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+TGT_AVX2 static inline float scale_avx2(const void *p, int64_t i, int f16) {
+    return f16 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* u8 x s8 block dot -> 8 int32 lanes */
+TGT_AVX2 static inline __m256i dot_us_avx2(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+#define DEFINE_U4_DOT(NAME, TGT, DOTFN)                                                                    \
+TGT static void NAME(const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0,          \
+                     int64_t nb, int64_t bpg, const int8_t *xq, const float *xd, const float *xs,           \
+                     int64_t nrows_x, int64_t x_stride, int64_t xb_stride, float *out, int64_t out_stride) {\
+    /* one weight row against up to 4 activation rows at a time (the weight block decoded once) */     \
+    for (int64_t m0 = 0; m0 < nrows_x; m0 += 4) {                                                        \
+        int64_t mr = nrows_x - m0 < 4 ? nrows_x - m0 : 4;                                                \
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+        float accm[4] = {0.f, 0.f, 0.f, 0.f};                                                           \
+        for (int64_t b = 0; b < nb; b++) {                                                               \
+            __m256i w = nibbles32(qs + b * 16);                                                          \
+            int64_t g = row_g0 + b / bpg;                                                                \
+            float s = scale_avx2(sc, g, f16), mm = scale_avx2(mn, g, f16);                               \
+            for (int64_t j = 0; j < mr; j++) {                                                           \
+                int64_t m = m0 + j;                                                                      \
+                __m256i q = _mm256_loadu_si256((const __m256i *)(xq + m * x_stride + b * QK));           \
+                __m256 p = _mm256_cvtepi32_ps(DOTFN(w, q));                                              \
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(s * xd[m * xb_stride + b]), p, acc[j]);          \
+                accm[j] += mm * xs[m * xb_stride + b];                                                   \
+            }                                                                                            \
+        }                                                                                                \
+        for (int64_t j = 0; j < mr; j++) out[(m0 + j) * out_stride] = hsum8(acc[j]) + accm[j];           \
+    }                                                                                                    \
+}
+
+#define DEFINE_S8_DOT(NAME, TGT, DOTFN)                                                                    \
+TGT static void NAME(const int8_t *qs, const void *sc, int f16, int64_t row_g0, int64_t nb, int64_t bpg,   \
+                     const int8_t *xq, const float *xd, int64_t nrows_x, int64_t x_stride,                 \
+                     int64_t xb_stride, float *out, int64_t out_stride) {                                  \
+    for (int64_t m0 = 0; m0 < nrows_x; m0 += 4) {                                                        \
+        int64_t mr = nrows_x - m0 < 4 ? nrows_x - m0 : 4;                                                \
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+        for (int64_t b = 0; b < nb; b++) {                                                               \
+            __m256i w = _mm256_loadu_si256((const __m256i *)(qs + b * QK));                              \
+            __m256i aw = _mm256_sign_epi8(w, w);                                                         \
+            float s = scale_avx2(sc, row_g0 + b / bpg, f16);                                             \
+            for (int64_t j = 0; j < mr; j++) {                                                           \
+                int64_t m = m0 + j;                                                                      \
+                __m256i q = _mm256_loadu_si256((const __m256i *)(xq + m * x_stride + b * QK));           \
+                __m256 p = _mm256_cvtepi32_ps(DOTFN(aw, _mm256_sign_epi8(q, w)));                        \
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(s * xd[m * xb_stride + b]), p, acc[j]);          \
+            }                                                                                            \
+        }                                                                                                \
+        for (int64_t j = 0; j < mr; j++) out[(m0 + j) * out_stride] = hsum8(acc[j]);                     \
+    }                                                                                                    \
+}
+
+DEFINE_U4_DOT(dot_u4_avx2, TGT_AVX2, dot_us_avx2)
+DEFINE_S8_DOT(dot_s8_avx2, TGT_AVX2, dot_us_avx2)
+
+#if __GNUC__ >= 11
+#define TGT_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+TGT_VNNI static inline __m256i dot_us_vnni(__m256i u, __m256i s) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+}
+DEFINE_U4_DOT(dot_u4_vnni, TGT_VNNI, dot_us_vnni)
+DEFINE_S8_DOT(dot_s8_vnni, TGT_VNNI, dot_us_vnni)
+#endif
+
+/* AVX2 activation quantization, same arithmetic as quantize_rows */
+TGT_AVX2 static void quantize_rows_avx2(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs) {
+    int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, full = K / QK;
+    const __m256 signmask = _mm256_set1_ps(-0.0f);
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
+        for (int64_t b = 0; b < full; b++) {
+            const float *p = xr + b * QK;
+            __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8), v2 = _mm256_loadu_ps(p + 16),
+                   v3 = _mm256_loadu_ps(p + 24);
+            __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(signmask, v0), _mm256_andnot_ps(signmask, v1)),
+                                     _mm256_max_ps(_mm256_andnot_ps(signmask, v2), _mm256_andnot_ps(signmask, v3)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            float amax = _mm_cvtss_f32(h);
+            float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+            __m256 vid = _mm256_set1_ps(id);
+            const int r = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, vid), r));
+            __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, vid), r));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, vid), r));
+            __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, vid), r));
+            __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            s4 = _mm_hadd_epi32(s4, s4);
+            s4 = _mm_hadd_epi32(s4, s4);
+            /* pack 32 int32 -> 32 int8 in order */
+            __m256i p16a = _mm256_packs_epi32(i0, i1), p16b = _mm256_packs_epi32(i2, i3);
+            __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+            p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(xq + m * Kp + b * QK), p8);
+            xd[m * nb + b] = d;
+            xs[m * nb + b] = d * (float)_mm_cvtsi128_si32(s4);
+        }
+        if (full < nb) {  /* ragged last block: the scalar code on a copy of the tail */
+            float tail[QK];
+            int64_t n = K - full * QK;
+            memcpy(tail, xr + full * QK, (size_t)n * sizeof(float));
+            quantize_rows(tail, 1, n, xq + m * Kp + full * QK, xd + m * nb + full, xs + m * nb + full);
+        }
+    }
+}
+
+/* dequantize 32 u4 values of one block (scale s, min mm) into out (n <= 32 values written) */
+TGT_AVX2 static void deq_u4_block_avx2(const uint8_t *p, float s, float mm, float *out, int64_t n) {
+    __m256i w = nibbles32(p);
+    __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(mm);
+    float tmp[QK];
+    float *dst = n == QK ? out : tmp;
+    __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
+    _mm256_storeu_ps(dst + 0, _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vm));
+    _mm256_storeu_ps(dst + 8, _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vm));
+    _mm256_storeu_ps(dst + 16, _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vm));
+    _mm256_storeu_ps(dst + 24, _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vm));
+    if (n != QK) memcpy(out, tmp, (size_t)n * sizeof(float));
+}
+
+TGT_AVX2 static void deq_s8_block_avx2(const int8_t *p, float s, float *out, int64_t n) {
+    __m256 vs = _mm256_set1_ps(s);
+    float tmp[QK];
+    float *dst = n == QK ? out : tmp;
+    for (int i = 0; i < QK; i += 8) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)(p + i));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(vs, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))));
+    }
+    if (n != QK) memcpy(out, tmp, (size_t)n * sizeof(float));
+}
+#endif /* TM_X86 */
+
+/* Note on the dequantized values: u4 is computed as fma(s, q, m) on AVX2 and s*q + m (two
+ * roundings) in scalar code; both are within one float rounding of the exact value. The tests
+ * compare against a float64 reference with a bound of a few ulps. */
+static void deq_u4_block_scalar(const uint8_t *p, float s, float mm, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int q = i < 16 ? (p[i] & 0x0F) : (p[i - 16] >> 4);
+        out[i] = fmaf(s, (float)q, mm);
+    }
+}
+
+static void deq_s8_block_scalar(const int8_t *p, float s, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = s * (float)p[i];
+}
+
+/* ---- drivers ------------------------------------------------------------------------------- */
+typedef struct {
+    int8_t *xq;
+    float *xd, *xs;
+    void *mem;
+} ActBuf;
+
+static int act_quantize(const float *x, int64_t M, int64_t K, ActBuf *a) {
+    int64_t nb = (K + QK - 1) / QK, Kp = nb * QK;
+    size_t qbytes = (size_t)(M * Kp + 63) & ~(size_t)63;
+    a->mem = malloc(qbytes + 2 * (size_t)(M * nb) * sizeof(float) + 64);
+    if (!a->mem) return -1;
+    a->xq = (int8_t *)a->mem;
+    a->xd = (float *)((char *)a->mem + qbytes);
+    a->xs = a->xd + M * nb;
+#if TM_X86 && defined(__GNUC__)
+    if (isa() >= ISA_AVX2) { quantize_rows_avx2(x, M, K, a->xq, a->xd, a->xs); return 0; }
+#endif
+    quantize_rows(x, M, K, a->xq, a->xd, a->xs);
+    return 0;
+}
+
+static int check_group(int64_t K, int64_t group) {
+    int64_t Kp = (K + QK - 1) / QK * QK;
+    return group > 0 && group % QK == 0 && group <= (Kp > QK ? Kp : QK);
+}
+
+static void gemm_u4(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *sc, const void *mn,
+                    int f16, int64_t N, int64_t group, const float *bias, float *y, int nt, const ActBuf *a) {
+    int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
+    int use = isa();
+    (void)x;
+    (void)use;
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = qs + n * (Kp / 2);
+#if TM_X86 && defined(__GNUC__)
+#if __GNUC__ >= 11
+        if (use == ISA_AVXVNNI) dot_u4_vnni(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, Kp, nb, y + n, N);
+        else
+#endif
+        if (use == ISA_AVX2) dot_u4_avx2(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, Kp, nb, y + n, N);
+        else
+#endif
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + n] = dot_u4_scalar(row, sc, mn, f16, n * G, nb, bpg, a->xq + m * Kp, a->xd + m * nb, a->xs + m * nb);
+        if (bias) for (int64_t m = 0; m < M; m++) y[m * N + n] += bias[n];
+    }
+}
+
+static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int f16, int64_t N, int64_t group,
+                    const float *bias, float *y, int nt, const ActBuf *a) {
+    int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
+    int use = isa();
+    (void)use;
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *row = qs + n * Kp;
+#if TM_X86 && defined(__GNUC__)
+#if __GNUC__ >= 11
+        if (use == ISA_AVXVNNI) dot_s8_vnni(row, sc, f16, n * G, nb, bpg, a->xq, a->xd, M, Kp, nb, y + n, N);
+        else
+#endif
+        if (use == ISA_AVX2) dot_s8_avx2(row, sc, f16, n * G, nb, bpg, a->xq, a->xd, M, Kp, nb, y + n, N);
+        else
+#endif
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + n] = dot_s8_scalar(row, sc, f16, n * G, nb, bpg, a->xq + m * Kp, a->xd + m * nb);
+        if (bias) for (int64_t m = 0; m < M; m++) y[m * N + n] += bias[n];
+    }
+}
+
+/* ---- Python bindings ------------------------------------------------------------------------ */
+#define PTR(T, v) ((T)(uintptr_t)(v))
+
+static PyObject *py_gemm_u4(PyObject *self, PyObject *args) {
+    unsigned long long x, qs, sc, mn, bias, y;
+    long long M, K, N, group;
+    int f16, nt;
+    if (!PyArg_ParseTuple(args, "KLLKKKiLLKKi", &x, &M, &K, &qs, &sc, &mn, &f16, &N, &group, &bias, &y, &nt))
+        return NULL;
+    if (M < 0 || K <= 0 || N < 0 || !check_group(K, group)) {
+        PyErr_Format(PyExc_ValueError, "gemm_u4: bad sizes M=%lld K=%lld N=%lld group=%lld", M, K, N, group);
+        return NULL;
+    }
+    ActBuf a;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    err = act_quantize(PTR(const float *, x), M, K, &a);
+    if (!err) {
+        gemm_u4(PTR(const float *, x), M, K, PTR(const uint8_t *, qs), PTR(const void *, sc), PTR(const void *, mn),
+                f16, N, group, PTR(const float *, bias), PTR(float *, y), nt < 1 ? 1 : nt, &a);
+        free(a.mem);
+    }
+    Py_END_ALLOW_THREADS
+    if (err) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_gemm_s8(PyObject *self, PyObject *args) {
+    unsigned long long x, qs, sc, bias, y;
+    long long M, K, N, group;
+    int f16, nt;
+    if (!PyArg_ParseTuple(args, "KLLKKiLLKKi", &x, &M, &K, &qs, &sc, &f16, &N, &group, &bias, &y, &nt))
+        return NULL;
+    if (M < 0 || K <= 0 || N < 0 || !check_group(K, group)) {
+        PyErr_Format(PyExc_ValueError, "gemm_s8: bad sizes M=%lld K=%lld N=%lld group=%lld", M, K, N, group);
+        return NULL;
+    }
+    ActBuf a;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    err = act_quantize(PTR(const float *, x), M, K, &a);
+    if (!err) {
+        gemm_s8(M, K, PTR(const int8_t *, qs), PTR(const void *, sc), f16, N, group, PTR(const float *, bias),
+                PTR(float *, y), nt < 1 ? 1 : nt, &a);
+        free(a.mem);
+    }
+    Py_END_ALLOW_THREADS
+    if (err) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* dequant_u4(qs, sc, mn, f16, N, K, group, out, threads): out fp32 [N, K] */
+static PyObject *py_dequant_u4(PyObject *self, PyObject *args) {
+    unsigned long long qs, sc, mn, out;
+    long long N, K, group;
+    int f16, nt;
+    if (!PyArg_ParseTuple(args, "KKKiLLLKi", &qs, &sc, &mn, &f16, &N, &K, &group, &out, &nt)) return NULL;
+    if (N < 0 || K <= 0 || !check_group(K, group)) {
+        PyErr_Format(PyExc_ValueError, "dequant_u4: bad sizes N=%lld K=%lld group=%lld", N, K, group);
+        return NULL;
+    }
+    int use = isa();
+    (void)use;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
+    #pragma omp parallel for num_threads(nt < 1 ? 1 : nt) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = PTR(const uint8_t *, qs) + n * (Kp / 2);
+        float *o = PTR(float *, out) + n * K;
+        for (int64_t b = 0; b < nb; b++) {
+            int64_t g = n * G + b / bpg, cnt = K - b * QK < QK ? K - b * QK : QK;
+            float s = load_scale(PTR(const void *, sc), g, f16), m = load_scale(PTR(const void *, mn), g, f16);
+#if TM_X86 && defined(__GNUC__)
+            if (use >= ISA_AVX2) { deq_u4_block_avx2(row + b * 16, s, m, o + b * QK, cnt); continue; }
+#endif
+            deq_u4_block_scalar(row + b * 16, s, m, o + b * QK, cnt);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_dequant_s8(PyObject *self, PyObject *args) {
+    unsigned long long qs, sc, out;
+    long long N, K, group;
+    int f16, nt;
+    if (!PyArg_ParseTuple(args, "KKiLLLKi", &qs, &sc, &f16, &N, &K, &group, &out, &nt)) return NULL;
+    if (N < 0 || K <= 0 || !check_group(K, group)) {
+        PyErr_Format(PyExc_ValueError, "dequant_s8: bad sizes N=%lld K=%lld group=%lld", N, K, group);
+        return NULL;
+    }
+    int use = isa();
+    (void)use;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
+    #pragma omp parallel for num_threads(nt < 1 ? 1 : nt) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *row = PTR(const int8_t *, qs) + n * Kp;
+        float *o = PTR(float *, out) + n * K;
+        for (int64_t b = 0; b < nb; b++) {
+            int64_t cnt = K - b * QK < QK ? K - b * QK : QK;
+            float s = load_scale(PTR(const void *, sc), n * G + b / bpg, f16);
+#if TM_X86 && defined(__GNUC__)
+            if (use >= ISA_AVX2) { deq_s8_block_avx2(row + b * QK, s, o + b * QK, cnt); continue; }
+#endif
+            deq_s8_block_scalar(row + b * QK, s, o + b * QK, cnt);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* quantize_act(x, M, K, xq, xd, xs): the activation quantizer alone (for tests) */
+static PyObject *py_quantize_act(PyObject *self, PyObject *args) {
+    unsigned long long x, xq, xd, xs;
+    long long M, K;
+    if (!PyArg_ParseTuple(args, "KLLKKK", &x, &M, &K, &xq, &xd, &xs)) return NULL;
+    if (M < 0 || K <= 0) { PyErr_SetString(PyExc_ValueError, "quantize_act: bad sizes"); return NULL; }
+    Py_BEGIN_ALLOW_THREADS
+#if TM_X86 && defined(__GNUC__)
+    if (isa() >= ISA_AVX2) quantize_rows_avx2(PTR(const float *, x), M, K, PTR(int8_t *, xq), PTR(float *, xd), PTR(float *, xs));
+    else
+#endif
+    quantize_rows(PTR(const float *, x), M, K, PTR(int8_t *, xq), PTR(float *, xd), PTR(float *, xs));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static const char *isa_names[] = {"scalar", "avx2", "avxvnni"};
+
+static PyObject *py_isa(PyObject *self, PyObject *args) { return PyUnicode_FromString(isa_names[isa()]); }
+
+static PyObject *py_best_isa(PyObject *self, PyObject *args) { return PyUnicode_FromString(isa_names[best_isa()]); }
+
+/* set_isa(name): use a kernel no better than the CPU's best (for tests and comparisons) */
+static PyObject *py_set_isa(PyObject *self, PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    for (int i = 0; i < 3; i++) {
+        if (strcmp(name, isa_names[i]) == 0) {
+            if (i > best_isa()) {
+                PyErr_Format(PyExc_ValueError, "this CPU does not support the %s kernels (best: %s)", name,
+                             isa_names[best_isa()]);
+                return NULL;
+            }
+            g_isa = i;
+            Py_RETURN_NONE;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "unknown kernel set %s (scalar, avx2, avxvnni)", name);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"gemm_u4", py_gemm_u4, METH_VARARGS, "y[M,N] = x[M,K] @ W_u4^T (+bias), int8 activations"},
+    {"gemm_s8", py_gemm_s8, METH_VARARGS, "y[M,N] = x[M,K] @ W_s8^T (+bias), int8 activations"},
+    {"dequant_u4", py_dequant_u4, METH_VARARGS, "fp32 [N,K] of a u4 weight"},
+    {"dequant_s8", py_dequant_s8, METH_VARARGS, "fp32 [N,K] of an s8 weight"},
+    {"quantize_act", py_quantize_act, METH_VARARGS, "int8 block quantization of activations"},
+    {"isa", py_isa, METH_NOARGS, "kernel set in use"},
+    {"best_isa", py_best_isa, METH_NOARGS, "best kernel set this CPU supports"},
+    {"set_isa", py_set_isa, METH_VARARGS, "choose the kernel set (no better than best_isa())"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_quant", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__quant(void) { return PyModule_Create(&module); }

@@ -1,0 +1,78 @@
+"""Python side of the quantized-matmul kernels (``tokenmill._native._quant``, see ``quant.c``).
+
+``available()`` says whether the extension was built; ``kernel()`` names the instruction set it
+chose from the CPU at start-up ("avxvnni", "avx2" or the portable "scalar"). Callers pass raw
+pointers of contiguous CPU tensors; the thread count follows ``torch.get_num_threads()``.
+"""
+from __future__ import annotations
+
+import torch  # noqa: F401  (load torch's OpenMP runtime first so the extension shares it)
+
+try:
+    from tokenmill._native import _quant as _ext
+    _ERROR: str | None = None
+except ImportError as e:  # not built (no compiler at install time) or built for another Python
+    _ext = None
+    _ERROR = (f"the native quantized-matmul kernels are not built ({e}); reinstall with a C compiler "
+              f"(`pip install -e .`) to get them")
+
+
+def available() -> bool:
+    return _ext is not None
+
+
+def unavailable_reason() -> str | None:
+    return _ERROR
+
+
+def kernel() -> str:
+    """The kernel set in use on this CPU, or "unavailable"."""
+    return _ext.isa() if _ext is not None else "unavailable"
+
+
+def best_kernel() -> str:
+    return _ext.best_isa() if _ext is not None else "unavailable"
+
+
+def set_kernel(name: str) -> None:
+    """Use the ``name`` kernel set ("scalar", "avx2", "avxvnni"); ValueError if the CPU lacks it."""
+    _need().set_isa(name)
+
+
+def _need():
+    if _ext is None:
+        raise RuntimeError(_ERROR)
+    return _ext
+
+
+def gemm_u4(*args) -> None:
+    """``gemm_u4(x, M, K, qs, scales, mins, scales_f16, N, group, bias_or_0, y, threads)``."""
+    _need().gemm_u4(*args)
+
+
+def gemm_s8(*args) -> None:
+    """``gemm_s8(x, M, K, qs, scales, scales_f16, N, group, bias_or_0, y, threads)``."""
+    _need().gemm_s8(*args)
+
+
+def dequant_u4(*args) -> None:
+    """``dequant_u4(qs, scales, mins, scales_f16, N, K, group, out, threads)``."""
+    _need().dequant_u4(*args)
+
+
+def dequant_s8(*args) -> None:
+    """``dequant_s8(qs, scales, scales_f16, N, K, group, out, threads)``."""
+    _need().dequant_s8(*args)
+
+
+def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' int8 activation quantizer on ``x [M, K]`` fp32: (xq [M, Kp] int8, xd, xs [M, Kp/32])."""
+    ext = _need()
+    x = x.contiguous().float()
+    m, k = x.shape
+    nb = (k + 31) // 32
+    xq = torch.empty(m, nb * 32, dtype=torch.int8)
+    xd = torch.empty(m, nb)
+    xs = torch.empty(m, nb)
+    ext.quantize_act(x.data_ptr(), m, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
+    return xq, xd, xs

@@ -1,0 +1,311 @@
+"""Group-wise 8-bit and 4-bit weights, run by the native kernels (``tokenmill/_native/quant.c``).
+
+Layouts (one row per output channel, ``K = in_features`` padded with zeros to ``Kp``, a multiple
+of 32):
+
+- :class:`Int8Linear`: ``qs int8 [N, Kp]``, ``scales [N, G]``; ``w = scale * q``.
+- :class:`Int4Linear`: ``qs uint8 [N, Kp/2]`` (per block of 32 values, byte ``i`` holds value
+  ``i`` in its low nibble and value ``i+16`` in its high one, GGML's order), ``scales`` and
+  ``mins [N, G]``; ``w = scale * q + min`` with ``q`` in 0..15.
+
+``G = ceil(K / group_size)``; ``group_size`` is a multiple of 32, and the last group of a row may
+be shorter (a "group remainder"). Scales are fp16 (GGUF's own, exact) or fp32.
+
+How a matmul runs:
+
+- up to :data:`GEMV_MAX_ROWS` rows of ``x`` (decode steps): the kernel quantizes ``x`` to int8 in
+  blocks of 32 and does integer dot products; the result equals ``dequant(W) @ dequant(xq)^T`` up
+  to float summation order. :func:`fp32_activations` turns this off (the teacher-forced check
+  compares both).
+- more rows (prefill): ``W`` is dequantized into a reused fp32 buffer, a slab of rows at a time,
+  and multiplied with torch's GEMM, so prefill keeps fp32 activations and fp32 GEMM speed.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill._native import quant as native
+from tokenmill.layers.linear import LinearMethod
+
+QK = 32
+GEMV_MAX_ROWS = 16          # x rows up to which the int8-activation kernel beats dequantize + GEMM here
+SLAB_BYTES = 16 << 20       # fp32 scratch for one slab of dequantized weight rows
+
+_state = threading.local()
+
+
+def _int8_activations() -> bool:
+    return getattr(_state, "int8_act", True)
+
+
+@contextlib.contextmanager
+def fp32_activations() -> Iterator[None]:
+    """Within this block every quantized matmul keeps fp32 activations (dequantize + fp32 GEMM)."""
+    before = _int8_activations()
+    _state.int8_act = False
+    try:
+        yield
+    finally:
+        _state.int8_act = before
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    buf = getattr(_state, "scratch", None)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=torch.float32)
+        _state.scratch = buf
+    return buf[:numel]
+
+
+def _padded(k: int) -> int:
+    return (k + QK - 1) // QK * QK
+
+
+def _check_group(k: int, group_size: int) -> None:
+    if group_size <= 0 or group_size % QK:
+        raise ValueError(f"group size must be a positive multiple of {QK}, got {group_size}")
+    if group_size > _padded(k):
+        raise ValueError(f"group size {group_size} exceeds the padded row length {_padded(k)}")
+
+
+def _pad_cols(w: torch.Tensor, kp: int) -> torch.Tensor:
+    """``w [N, K]`` widened to ``kp`` columns by repeating its last column (so padding changes no
+    group's min/max)."""
+    k = w.shape[1]
+    if kp == k:
+        return w
+    return torch.cat([w, w[:, -1:].expand(-1, kp - k)], dim=1)
+
+
+def _group_view(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
+    """``w [N, Kp]`` as ``[N, G, group_size]`` (the ragged last group padded by edge values)."""
+    n, kp = w.shape
+    g = (kp + group_size - 1) // group_size
+    return _pad_cols(w, g * group_size).reshape(n, g, group_size), g
+
+
+class _Packed(LinearMethod):
+    """Shared matmul driver of the packed formats."""
+
+    group_size: int
+
+    def _scale_f16(self) -> int:
+        return int(self.scales.dtype == torch.float16)
+
+    def _gemm(self, x2: torch.Tensor, y: torch.Tensor, bias_ptr: int, threads: int) -> None:
+        raise TypeError("abstract")
+
+    def _dequant_into(self, out: torch.Tensor, rows: slice, threads: int) -> None:
+        raise TypeError("abstract")
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        x2 = x2.contiguous()
+        m, n = x2.shape[0], self.out_features
+        threads = torch.get_num_threads()
+        if m <= GEMV_MAX_ROWS and _int8_activations():
+            y = torch.empty(m, n, dtype=torch.float32)
+            b = None if bias is None else bias.float().contiguous()
+            self._gemm(x2, y, 0 if b is None else b.data_ptr(), threads)
+        else:
+            y = self._dequant_matmul(x2, threads)
+            if bias is not None:
+                y += bias.float()
+        return y.reshape(*lead, n).to(x.dtype)
+
+    def _dequant_matmul(self, x2: torch.Tensor, threads: int) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        rows = max(1, min(n, SLAB_BYTES // (4 * k)))
+        if rows >= n:
+            w = _scratch(n * k).view(n, k)
+            self._dequant_into(w, slice(0, n), threads)
+            return F.linear(x2, w)
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        for r0 in range(0, n, rows):  # a slab of weight rows at a time (large vocabularies)
+            r1 = min(n, r0 + rows)
+            w = _scratch((r1 - r0) * k).view(r1 - r0, k)
+            self._dequant_into(w, slice(r0, r1), threads)
+            torch.matmul(x2, w.t(), out=y[:, r0:r1])
+        return y
+
+    def dequantize(self) -> torch.Tensor:
+        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        if native.available():
+            self._dequant_into(out, slice(0, self.out_features), torch.get_num_threads())
+        else:
+            out.copy_(self._dequantize_torch())
+        return out
+
+    def _dequantize_torch(self) -> torch.Tensor:
+        raise TypeError("abstract")
+
+    def _expand(self, t: torch.Tensor) -> torch.Tensor:
+        """Per-group ``t [N, G]`` as per-value ``[N, K]`` fp32."""
+        return t.float().repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
+
+
+class Int8Linear(_Packed):
+    """Signed 8-bit weights with one scale per group of ``group_size`` inputs (per channel when
+    the group is the whole row)."""
+
+    format = "int8"
+
+    def __init__(self, qs: torch.Tensor, scales: torch.Tensor, in_features: int, group_size: int) -> None:
+        super().__init__(qs.shape[0], in_features)
+        kp = _padded(in_features)
+        _check_group(in_features, group_size)
+        g = (in_features + group_size - 1) // group_size
+        if qs.dtype != torch.int8 or tuple(qs.shape) != (self.out_features, kp):
+            raise ValueError(f"int8 qs must be int8 [{self.out_features}, {kp}], got {qs.dtype} {tuple(qs.shape)}")
+        if scales.dtype not in (torch.float16, torch.float32) or tuple(scales.shape) != (self.out_features, g):
+            raise ValueError(f"int8 scales must be fp16/fp32 [{self.out_features}, {g}], got "
+                             f"{scales.dtype} {tuple(scales.shape)}")
+        self.group_size = int(group_size)
+        self.register_buffer("qs", qs.contiguous(), persistent=False)
+        self.register_buffer("scales", scales.contiguous(), persistent=False)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, group_size: int | None = None) -> "Int8Linear":
+        """Symmetric round-to-nearest quantization of ``w [N, K]`` (``group_size`` None: per channel)."""
+        w = w.detach().float()
+        n, k = w.shape
+        kp = _padded(k)
+        group = kp if group_size is None else int(group_size)
+        _check_group(k, group)
+        grouped, g = _group_view(_pad_cols(w, kp), group)
+        scale = grouped.abs().amax(dim=-1) / 127.0
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        q = torch.round(grouped * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+        q = q.reshape(n, g * group)[:, :kp].clone()
+        q[:, k:] = 0
+        return cls(q, scale.contiguous(), k, group)
+
+    def _gemm(self, x2: torch.Tensor, y: torch.Tensor, bias_ptr: int, threads: int) -> None:
+        native.gemm_s8(x2.data_ptr(), x2.shape[0], self.in_features, self.qs.data_ptr(), self.scales.data_ptr(),
+                       self._scale_f16(), self.out_features, self.group_size, bias_ptr, y.data_ptr(), threads)
+
+    def _dequant_into(self, out: torch.Tensor, rows: slice, threads: int) -> None:
+        native.dequant_s8(self.qs[rows].data_ptr(), self.scales[rows].data_ptr(), self._scale_f16(),
+                          rows.stop - rows.start, self.in_features, self.group_size, out.data_ptr(), threads)
+
+    def _dequantize_torch(self) -> torch.Tensor:
+        return self.qs[:, : self.in_features].float() * self._expand(self.scales)
+
+    def select_rows(self, index: torch.Tensor) -> "Int8Linear":
+        return Int8Linear(self.qs[index], self.scales[index], self.in_features, self.group_size)
+
+    def can_cat(self, other: LinearMethod) -> bool:
+        return (isinstance(other, Int8Linear) and other.in_features == self.in_features
+                and other.group_size == self.group_size and other.scales.dtype == self.scales.dtype)
+
+    @classmethod
+    def cat_rows(cls, parts: Sequence[LinearMethod]) -> "Int8Linear":
+        p0 = parts[0]
+        return cls(torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]),  # type: ignore
+                   p0.in_features, p0.group_size)  # type: ignore[attr-defined]
+
+    def extra_repr(self) -> str:
+        return f"int8 group={self.group_size}, out={self.out_features}, in={self.in_features}"
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, Kp]`` values 0..15 -> ``[N, Kp/2]`` bytes in the kernel's (GGML's) block order."""
+    n, kp = q.shape
+    b = q.to(torch.uint8).reshape(n, kp // QK, 2, QK // 2)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, kp // 2).contiguous()
+
+
+def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    n, half = qs.shape
+    b = qs.reshape(n, half // 16, 1, 16)
+    return torch.cat([b & 0x0F, b >> 4], dim=2).reshape(n, half * 2)
+
+
+class Int4Linear(_Packed):
+    """Unsigned 4-bit weights with a scale and a min per group (``w = scale * q + min``)."""
+
+    format = "int4"
+
+    def __init__(self, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, in_features: int,
+                 group_size: int) -> None:
+        super().__init__(qs.shape[0], in_features)
+        kp = _padded(in_features)
+        _check_group(in_features, group_size)
+        g = (in_features + group_size - 1) // group_size
+        if qs.dtype != torch.uint8 or tuple(qs.shape) != (self.out_features, kp // 2):
+            raise ValueError(f"int4 qs must be uint8 [{self.out_features}, {kp // 2}], got {qs.dtype} {tuple(qs.shape)}")
+        for name, t in (("scales", scales), ("mins", mins)):
+            if t.dtype not in (torch.float16, torch.float32) or tuple(t.shape) != (self.out_features, g):
+                raise ValueError(f"int4 {name} must be fp16/fp32 [{self.out_features}, {g}], got "
+                                 f"{t.dtype} {tuple(t.shape)}")
+        if scales.dtype != mins.dtype:
+            raise ValueError("int4 scales and mins must have one dtype")
+        self.group_size = int(group_size)
+        self.register_buffer("qs", qs.contiguous(), persistent=False)
+        self.register_buffer("scales", scales.contiguous(), persistent=False)
+        self.register_buffer("mins", mins.contiguous(), persistent=False)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, group_size: int = 128, symmetric: bool = False) -> "Int4Linear":
+        """Round-to-nearest 4-bit quantization of ``w [N, K]`` per group of ``group_size`` inputs.
+
+        Asymmetric: ``scale = (max - min) / 15``, ``min = min`` (the GGUF Q4_1 rule). Symmetric
+        (the Q4_0 rule): ``scale = v / -8`` for the group's value ``v`` of largest magnitude, ``q - 8``
+        in -8..7, stored as ``min = -8 * scale``; zero stays exact."""
+        w = w.detach().float()
+        n, k = w.shape
+        kp = _padded(k)
+        _check_group(k, group_size)
+        grouped, g = _group_view(_pad_cols(w, kp), group_size)
+        if symmetric:
+            peak = grouped.gather(-1, grouped.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+            scale = peak / -8.0
+            inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+            q = (torch.round(grouped * inv.unsqueeze(-1)) + 8).clamp_(0, 15)
+            mins = -8.0 * scale
+        else:
+            lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)
+            scale = (hi - lo) / 15.0
+            inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+            q = torch.round((grouped - lo.unsqueeze(-1)) * inv.unsqueeze(-1)).clamp_(0, 15)
+            mins = lo
+        q = q.reshape(n, g * group_size)[:, :kp]
+        return cls(pack_nibbles(q), scale.contiguous(), mins.contiguous(), k, group_size)
+
+    def _gemm(self, x2: torch.Tensor, y: torch.Tensor, bias_ptr: int, threads: int) -> None:
+        native.gemm_u4(x2.data_ptr(), x2.shape[0], self.in_features, self.qs.data_ptr(), self.scales.data_ptr(),
+                       self.mins.data_ptr(), self._scale_f16(), self.out_features, self.group_size, bias_ptr,
+                       y.data_ptr(), threads)
+
+    def _dequant_into(self, out: torch.Tensor, rows: slice, threads: int) -> None:
+        native.dequant_u4(self.qs[rows].data_ptr(), self.scales[rows].data_ptr(), self.mins[rows].data_ptr(),
+                          self._scale_f16(), rows.stop - rows.start, self.in_features, self.group_size,
+                          out.data_ptr(), threads)
+
+    def _dequantize_torch(self) -> torch.Tensor:
+        q = unpack_nibbles(self.qs)[:, : self.in_features].float()
+        return torch.addcmul(self._expand(self.mins), q, self._expand(self.scales))
+
+    def select_rows(self, index: torch.Tensor) -> "Int4Linear":
+        return Int4Linear(self.qs[index], self.scales[index], self.mins[index], self.in_features, self.group_size)
+
+    def can_cat(self, other: LinearMethod) -> bool:
+        return (isinstance(other, Int4Linear) and other.in_features == self.in_features
+                and other.group_size == self.group_size and other.scales.dtype == self.scales.dtype)
+
+    @classmethod
+    def cat_rows(cls, parts: Sequence[LinearMethod]) -> "Int4Linear":
+        p0 = parts[0]
+        return cls(torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]),  # type: ignore
+                   torch.cat([p.mins for p in parts]), p0.in_features, p0.group_size)  # type: ignore
+
+    def extra_repr(self) -> str:
+        return f"int4 group={self.group_size}, out={self.out_features}, in={self.in_features}"
