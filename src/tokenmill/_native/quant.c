@@ -43,6 +43,7 @@
 #endif
 
 #define QK 32
+#define PREFETCH_ROWS 0
 
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2 };
 static int g_isa = -1;      /* chosen at first use; set_isa() may lower it (tests) */
@@ -170,6 +171,29 @@ TGT_AVX2 static inline __m256i dot_us_avx2(__m256i u, __m256i s) {
 TGT static void NAME(const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0,          \
                      int64_t nb, int64_t bpg, const int8_t *xq, const float *xd, const float *xs,           \
                      int64_t nrows_x, int64_t x_stride, int64_t xb_stride, float *out, int64_t out_stride) {\
+    if (nrows_x == 1) { /* decode: two accumulator chains over even and odd blocks */                    \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                      \
+        float m0s = 0.f, m1s = 0.f;                                                                      \
+        int64_t b = 0;                                                                                   \
+        for (; b + 1 < nb; b += 2) {                                                                     \
+            int64_t g0 = row_g0 + b / bpg, g1 = row_g0 + (b + 1) / bpg;                                  \
+            __m256i w0 = nibbles32(qs + b * 16), w1 = nibbles32(qs + b * 16 + 16);                       \
+            __m256 p0 = _mm256_cvtepi32_ps(DOTFN(w0, _mm256_loadu_si256((const __m256i *)(xq + b * QK)))); \
+            __m256 p1 = _mm256_cvtepi32_ps(DOTFN(w1, _mm256_loadu_si256((const __m256i *)(xq + b * QK + QK)))); \
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(scale_avx2(sc, g0, f16) * xd[b]), p0, a0);               \
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(scale_avx2(sc, g1, f16) * xd[b + 1]), p1, a1);           \
+            m0s += scale_avx2(mn, g0, f16) * xs[b];                                                      \
+            m1s += scale_avx2(mn, g1, f16) * xs[b + 1];                                                  \
+        }                                                                                                \
+        if (b < nb) {                                                                                    \
+            int64_t g0 = row_g0 + b / bpg;                                                               \
+            __m256 p0 = _mm256_cvtepi32_ps(DOTFN(nibbles32(qs + b * 16), _mm256_loadu_si256((const __m256i *)(xq + b * QK)))); \
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(scale_avx2(sc, g0, f16) * xd[b]), p0, a0);               \
+            m0s += scale_avx2(mn, g0, f16) * xs[b];                                                      \
+        }                                                                                                \
+        out[0] = hsum8(_mm256_add_ps(a0, a1)) + (m0s + m1s);                                             \
+        return;                                                                                          \
+    }                                                                                                    \
     /* one weight row against up to 4 activation rows at a time (the weight block decoded once) */     \
     for (int64_t m0 = 0; m0 < nrows_x; m0 += 4) {                                                        \
         int64_t mr = nrows_x - m0 < 4 ? nrows_x - m0 : 4;                                                \
@@ -195,6 +219,28 @@ TGT static void NAME(const uint8_t *qs, const void *sc, const void *mn, int f16,
 TGT static void NAME(const int8_t *qs, const void *sc, int f16, int64_t row_g0, int64_t nb, int64_t bpg,   \
                      const int8_t *xq, const float *xd, int64_t nrows_x, int64_t x_stride,                 \
                      int64_t xb_stride, float *out, int64_t out_stride) {                                  \
+    if (nrows_x == 1) {                                                                                  \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                      \
+        int64_t b = 0;                                                                                   \
+        for (; b + 1 < nb; b += 2) {                                                                     \
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)(qs + b * QK));                             \
+            __m256i w1 = _mm256_loadu_si256((const __m256i *)(qs + b * QK + QK));                        \
+            __m256i q0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));                             \
+            __m256i q1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + QK));                        \
+            __m256 p0 = _mm256_cvtepi32_ps(DOTFN(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(q0, w0)));   \
+            __m256 p1 = _mm256_cvtepi32_ps(DOTFN(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(q1, w1)));   \
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(scale_avx2(sc, row_g0 + b / bpg, f16) * xd[b]), p0, a0); \
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(scale_avx2(sc, row_g0 + (b + 1) / bpg, f16) * xd[b + 1]), p1, a1); \
+        }                                                                                                \
+        if (b < nb) {                                                                                    \
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)(qs + b * QK));                             \
+            __m256i q0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));                             \
+            __m256 p0 = _mm256_cvtepi32_ps(DOTFN(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(q0, w0)));   \
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(scale_avx2(sc, row_g0 + b / bpg, f16) * xd[b]), p0, a0); \
+        }                                                                                                \
+        out[0] = hsum8(_mm256_add_ps(a0, a1));                                                           \
+        return;                                                                                          \
+    }                                                                                                    \
     for (int64_t m0 = 0; m0 < nrows_x; m0 += 4) {                                                        \
         int64_t mr = nrows_x - m0 < 4 ? nrows_x - m0 : 4;                                                \
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
@@ -345,6 +391,8 @@ static void gemm_u4(const float *x, int64_t M, int64_t K, const uint8_t *qs, con
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = qs + n * (Kp / 2);
+        if (PREFETCH_ROWS && n + PREFETCH_ROWS < N)  /* software prefetch a few rows ahead: decode streams W once */
+            for (int64_t o = 0; o < Kp / 2; o += 64) __builtin_prefetch(row + PREFETCH_ROWS * (Kp / 2) + o, 0, 0);
 #if TM_X86 && defined(__GNUC__)
 #if __GNUC__ >= 11
         if (use == ISA_AVXVNNI) dot_u4_vnni(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, Kp, nb, y + n, N);
@@ -367,6 +415,8 @@ static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int 
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *row = qs + n * Kp;
+        if (PREFETCH_ROWS && n + PREFETCH_ROWS < N)
+            for (int64_t o = 0; o < Kp; o += 64) __builtin_prefetch(row + PREFETCH_ROWS * Kp + o, 0, 0);
 #if TM_X86 && defined(__GNUC__)
 #if __GNUC__ >= 11
         if (use == ISA_AVXVNNI) dot_s8_vnni(row, sc, f16, n * G, nb, bpg, a->xq, a->xd, M, Kp, nb, y + n, N);

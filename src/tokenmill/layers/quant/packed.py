@@ -15,8 +15,8 @@ How a matmul runs:
 
 - up to :data:`GEMV_MAX_ROWS` rows of ``x`` (decode steps): the kernel quantizes ``x`` to int8 in
   blocks of 32 and does integer dot products; the result equals ``dequant(W) @ dequant(xq)^T`` up
-  to float summation order. :func:`fp32_activations` turns this off (the teacher-forced check
-  compares both).
+  to float summation order. :func:`fp32_activations` and :func:`int8_activations` force one path
+  (the teacher-forced accuracy check compares both).
 - more rows (prefill): ``W`` is dequantized into a reused fp32 buffer, a slab of rows at a time,
   and multiplied with torch's GEMM, so prefill keeps fp32 activations and fp32 GEMM speed.
 """
@@ -39,19 +39,30 @@ SLAB_BYTES = 16 << 20       # fp32 scratch for one slab of dequantized weight ro
 _state = threading.local()
 
 
-def _int8_activations() -> bool:
-    return getattr(_state, "int8_act", True)
+def _activation_mode() -> str:
+    return getattr(_state, "act_mode", "auto")
 
 
 @contextlib.contextmanager
-def fp32_activations() -> Iterator[None]:
-    """Within this block every quantized matmul keeps fp32 activations (dequantize + fp32 GEMM)."""
-    before = _int8_activations()
-    _state.int8_act = False
+def _mode(mode: str) -> Iterator[None]:
+    before = _activation_mode()
+    _state.act_mode = mode
     try:
         yield
     finally:
-        _state.int8_act = before
+        _state.act_mode = before
+
+
+def fp32_activations() -> "contextlib.AbstractContextManager[None]":
+    """Within this block (this thread) every quantized matmul keeps fp32 activations
+    (dequantize + fp32 GEMM), whatever the number of rows."""
+    return _mode("fp32")
+
+
+def int8_activations() -> "contextlib.AbstractContextManager[None]":
+    """Within this block (this thread) every quantized matmul uses the int8-activation kernel,
+    whatever the number of rows (to measure that kernel's accuracy on long sequences)."""
+    return _mode("int8")
 
 
 def _scratch(numel: int) -> torch.Tensor:
@@ -111,7 +122,8 @@ class _Packed(LinearMethod):
         x2 = x2.contiguous()
         m, n = x2.shape[0], self.out_features
         threads = torch.get_num_threads()
-        if m <= GEMV_MAX_ROWS and _int8_activations():
+        mode = _activation_mode()
+        if mode == "int8" or (mode == "auto" and m <= GEMV_MAX_ROWS):
             y = torch.empty(m, n, dtype=torch.float32)
             b = None if bias is None else bias.float().contiguous()
             self._gemm(x2, y, 0 if b is None else b.data_ptr(), threads)
@@ -268,7 +280,7 @@ class Int4Linear(_Packed):
         if symmetric:
             peak = grouped.gather(-1, grouped.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
             scale = peak / -8.0
-            inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+            inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
             q = (torch.round(grouped * inv.unsqueeze(-1)) + 8).clamp_(0, 15)
             mins = -8.0 * scale
         else:

@@ -1,0 +1,169 @@
+"""The native int8 / int4 kernels against plain dequantize-then-matmul references.
+
+Error bounds (documented in docs/quantization.md):
+- dequantization is exact up to one float rounding (fma vs. multiply-then-add): |err| <= 2^-22 |w|max;
+- the int8-activation kernel (<= GEMV_MAX_ROWS rows) equals dequant(W) @ dequant(q8(x))^T up to float
+  summation order: |err| <= 1e-5 * sum_k |w_nk * xhat_mk| + 1e-6;
+- the many-rows path keeps fp32 activations and equals x @ dequant(W)^T within the same bound.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+import torch
+
+from tokenmill._native import quant as native
+from tokenmill.layers.quant.packed import GEMV_MAX_ROWS, Int4Linear, Int8Linear, pack_nibbles, unpack_nibbles
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
+
+ORDER = ["scalar", "avx2", "avxvnni"]
+KERNELS = ORDER[: ORDER.index(native.best_kernel()) + 1] if native.available() else []
+# (N, K, group): odd row counts, K not a multiple of 32, and groups whose last one is short
+SHAPES = [(1, 32, 32), (7, 100, 32), (33, 576, 64), (5, 45, 32), (9, 96, 64), (64, 1536, 128), (3, 200, 128),
+          (17, 300, 96)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request) -> Iterator[str]:
+    before = native.kernel()
+    native.set_kernel(request.param)
+    yield request.param
+    native.set_kernel(before)
+
+
+def q8_reference(x: torch.Tensor) -> torch.Tensor:
+    """The activation quantizer written out in torch: blocks of 32, scale amax/127, round half to even."""
+    m, k = x.shape
+    kp = (k + 31) // 32 * 32
+    blocks = torch.nn.functional.pad(x, (0, kp - k)).view(m, -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
+    return (q * d).view(m, kp)[:, :k]
+
+
+def _methods(w: torch.Tensor, group: int):
+    return {"int4-asym": Int4Linear.from_float(w, group), "int4-sym": Int4Linear.from_float(w, group, symmetric=True),
+            "int8-channel": Int8Linear.from_float(w), "int8-group": Int8Linear.from_float(w, group),
+            "int4-fp16": _fp16_scales(Int4Linear.from_float(w, group))}
+
+
+def _fp16_scales(m: Int4Linear) -> Int4Linear:
+    return Int4Linear(m.qs, m.scales.half(), m.mins.half(), m.in_features, m.group_size)
+
+
+def _check(y: torch.Tensor, x_used: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    ref = x_used.double() @ wd.double().T
+    if bias is not None:
+        ref = ref + bias.double()
+    bound = 1e-5 * (x_used.double().abs() @ wd.double().abs().T) + 1e-6
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), f"max err {err.max().item():.3g}, bound there {bound.flatten()[err.argmax()]:.3g}"
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_kernels_match_dequantize_then_matmul(kernel, n, k, group):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    for name, method in _methods(w, group).items():
+        wd = method.dequantize()
+        torch.testing.assert_close(wd, method._dequantize_torch(), rtol=2 ** -22, atol=2 ** -22 * w.abs().max().item())
+        for m in (1, 2, 3, 5, GEMV_MAX_ROWS):  # the int8-activation kernel
+            x = torch.randn(m, k, generator=gen) * 3
+            _check(method(x), q8_reference(x), wd)
+        for m in (GEMV_MAX_ROWS + 1, 40):  # dequantize + fp32 GEMM
+            x = torch.randn(m, k, generator=gen)
+            _check(method(x), x, wd)
+        bias = torch.randn(n, generator=gen)
+        x = torch.randn(3, k, generator=gen)
+        _check(method(x, bias), q8_reference(x), wd, bias)
+        x = torch.randn(GEMV_MAX_ROWS + 3, k, generator=gen)
+        _check(method(x, bias), x, wd, bias)
+
+
+def test_activation_quantizer_matches_reference(kernel):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 77, generator=gen) * 10
+    x[1] = 0  # an all-zero row: scale 0, no division by zero
+    x[2, :32] = torch.arange(32) - 15.5  # exact halves after scaling exercise round-half-even
+    xq, xd, xs = native.quantize_act(x)
+    deq = (xq.float().view(5, -1, 32) * xd.unsqueeze(-1)).view(5, -1)[:, :77]
+    assert torch.equal(deq, q8_reference(x))
+    assert (xq[:, 77:] == 0).all()
+    torch.testing.assert_close(xs, xd * xq.float().view(5, -1, 32).sum(-1))
+
+
+def test_kernel_sets_agree_with_each_other():
+    gen = torch.Generator().manual_seed(11)
+    w, x = torch.randn(29, 160, generator=gen), torch.randn(4, 160, generator=gen)
+    method = Int4Linear.from_float(w, 64)
+    before, outs = native.kernel(), []
+    try:
+        for k in KERNELS:
+            native.set_kernel(k)
+            outs.append(method(x))
+    finally:
+        native.set_kernel(before)
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_is_chosen_from_the_cpu():
+    assert native.best_kernel() in ORDER
+    flags = open("/proc/cpuinfo").read().split() if __import__("os").path.exists("/proc/cpuinfo") else []
+    if flags and "avx2" not in flags:
+        assert native.best_kernel() == "scalar"
+    with pytest.raises(ValueError, match="unknown kernel set"):
+        native.set_kernel("sse9")
+
+
+def test_quantizers_stay_within_half_a_step():
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(13, 200, generator=gen)
+    w[0, :64] = 0  # a constant group: scale 0
+    for group in (32, 64, 128):
+        m = Int4Linear.from_float(w, group)
+        step = m._expand(m.scales)
+        assert ((m.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+        s = Int4Linear.from_float(w, group, symmetric=True)
+        sstep = s._expand(s.scales).abs()
+        # Q4_0 rule: the peak maps to -8 exactly, the other end clamps at +7: within one step
+        assert ((s.dequantize() - w).abs() <= sstep + 1e-6).all()
+        assert (s.dequantize()[w == 0] == 0).all()  # zero is exact in the symmetric form
+    c = Int8Linear.from_float(w)
+    assert c.scales.shape == (13, 1)
+    assert ((c.dequantize() - w).abs() <= c._expand(c.scales) / 2 + 1e-6).all()
+
+
+def test_nibble_packing_round_trips_and_rows_select_and_concatenate():
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randint(0, 16, (6, 96), generator=gen, dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
+    w = torch.randn(10, 96, generator=gen)
+    for m in (Int4Linear.from_float(w, 32), Int8Linear.from_float(w, 64)):
+        idx = torch.tensor([3, 0, 9])
+        assert torch.equal(m.select_rows(idx).dequantize(), m.dequantize()[idx])
+        both = type(m).cat_rows([m, m.select_rows(idx)])
+        assert torch.equal(both.dequantize(), torch.cat([m.dequantize(), m.dequantize()[idx]]))
+        ids = torch.tensor([[1, 2], [9, 9]])
+        assert torch.equal(m.embedding(ids), m.dequantize()[ids])
+
+
+def test_bad_layouts_are_refused():
+    w = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Int4Linear.from_float(w, 48)
+    m = Int4Linear.from_float(w, 32)
+    with pytest.raises(ValueError, match="qs must be uint8"):
+        Int4Linear(m.qs[:, :-1], m.scales, m.mins, 64, 32)
+    with pytest.raises(ValueError, match="scales must be"):
+        Int8Linear(torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 3), 64, 32)
