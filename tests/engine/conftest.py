@@ -48,4 +48,4 @@ def tiny_llama(tiny_model) -> tuple[LoadedModel, torch.nn.Module]:
 
 @pytest.fixture(scope="session")
 def smollm() -> LoadedModel:
-    return load_model("smollm2-135m-instruct")
+    return load_model("smollm2-135m-instruct", quantization="none")  # the fp32 oracle path

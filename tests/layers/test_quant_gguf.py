@@ -49,7 +49,7 @@ def test_native_formats_hold_exactly_the_gguf_values(qtype, rows, cols):
     bytes_per_value = method.weight_bytes() / (rows * cols)
     assert bytes_per_value <= {"Q8_0": 34 / 32, "Q4_0": 24 / 32, "Q4_1": 20 / 32, "Q4_K": 24 / 32}[qtype] + 1e-9
     x = torch.randn(2, cols)
-    y = method(x)  # the int8-activation kernel: no fp32 copy of the weight anywhere
+    y = method(x)  # the int16-activation kernel: no fp32 copy of the weight anywhere
     xq, xd, _ = native.quantize_act(x)
     xhat = (xq.float().view(2, -1, 32) * xd.unsqueeze(-1)).view(2, -1)
     ref = xhat.double() @ expected.double().T

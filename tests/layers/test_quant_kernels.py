@@ -2,7 +2,7 @@
 
 Error bounds (documented in docs/quantization.md):
 - dequantization is exact up to one float rounding (fma vs. multiply-then-add): |err| <= 2^-22 |w|max;
-- the int8-activation kernel (<= GEMV_MAX_ROWS rows) equals dequant(W) @ dequant(q8(x))^T up to float
+- the int16-activation kernel (<= GEMV_MAX_ROWS rows) equals dequant(W) @ dequant(q16(x))^T up to float
   summation order: |err| <= 1e-5 * sum_k |w_nk * xhat_mk| + 1e-6;
 - the many-rows path keeps fp32 activations and equals x @ dequant(W)^T within the same bound.
 """
@@ -41,12 +41,12 @@ def kernel(request) -> Iterator[str]:
     native.set_kernel(before)
 
 
-def q8_reference(x: torch.Tensor) -> torch.Tensor:
-    """The activation quantizer written out in torch: blocks of 32, scale amax/127, round half to even."""
+def q16_reference(x: torch.Tensor) -> torch.Tensor:
+    """The activation quantizer written out in torch: blocks of 32, scale amax/32767, round half to even."""
     m, k = x.shape
     kp = (k + 31) // 32 * 32
     blocks = torch.nn.functional.pad(x, (0, kp - k)).view(m, -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
+    d = blocks.abs().amax(-1, keepdim=True) / 32767
     q = torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
     return (q * d).view(m, kp)[:, :k]
 
@@ -77,15 +77,15 @@ def test_kernels_match_dequantize_then_matmul(kernel, n, k, group):
     for name, method in _methods(w, group).items():
         wd = method.dequantize()
         torch.testing.assert_close(wd, method._dequantize_torch(), rtol=2 ** -22, atol=2 ** -22 * w.abs().max().item())
-        for m in (1, 2, 3, 5, GEMV_MAX_ROWS):  # the int8-activation kernel
+        for m in (1, 2, 3, 5, GEMV_MAX_ROWS):  # the int16-activation kernel
             x = torch.randn(m, k, generator=gen) * 3
-            _check(method(x), q8_reference(x), wd)
+            _check(method(x), q16_reference(x), wd)
         for m in (GEMV_MAX_ROWS + 1, 40):  # dequantize + fp32 GEMM
             x = torch.randn(m, k, generator=gen)
             _check(method(x), x, wd)
         bias = torch.randn(n, generator=gen)
         x = torch.randn(3, k, generator=gen)
-        _check(method(x, bias), q8_reference(x), wd, bias)
+        _check(method(x, bias), q16_reference(x), wd, bias)
         x = torch.randn(GEMV_MAX_ROWS + 3, k, generator=gen)
         _check(method(x, bias), x, wd, bias)
 
@@ -97,7 +97,7 @@ def test_activation_quantizer_matches_reference(kernel):
     x[2, :32] = torch.arange(32) - 15.5  # exact halves after scaling exercise round-half-even
     xq, xd, xs = native.quantize_act(x)
     deq = (xq.float().view(5, -1, 32) * xd.unsqueeze(-1)).view(5, -1)[:, :77]
-    assert torch.equal(deq, q8_reference(x))
+    assert torch.equal(deq, q16_reference(x))
     assert (xq[:, 77:] == 0).all()
     torch.testing.assert_close(xs, xd * xq.float().view(5, -1, 32).sum(-1))
 

@@ -41,5 +41,5 @@ def tiny_pairs(tiny_dirs: dict[str, Path]) -> dict[str, tuple[LoadedModel, Any]]
 @pytest.fixture(scope="session")
 def smollm2() -> tuple[LoadedModel, Any]:
     """The default model through the GGUF loader, and its HF twin on the dequantized weights."""
-    loaded = load_model("smollm2-135m-instruct")
+    loaded = load_model("smollm2-135m-instruct", quantization="none")  # fp32: the oracle path
     return loaded, build_hf_reference(loaded)

@@ -66,12 +66,12 @@ def dequant_s8(*args) -> None:
 
 
 def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernels' int8 activation quantizer on ``x [M, K]`` fp32: (xq [M, Kp] int8, xd, xs [M, Kp/32])."""
+    """The kernels' activation quantizer on ``x [M, K]`` fp32: (xq [M, Kp] int16, xd, xs [M, Kp/32])."""
     ext = _need()
     x = x.contiguous().float()
     m, k = x.shape
     nb = (k + 31) // 32
-    xq = torch.empty(m, nb * 32, dtype=torch.int8)
+    xq = torch.empty(m, nb * 32, dtype=torch.int16)
     xd = torch.empty(m, nb)
     xs = torch.empty(m, nb)
     ext.quantize_act(x.data_ptr(), m, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr())

@@ -1,0 +1,147 @@
+"""The default model served natively from its Q4_1 GGUF (and re-quantized to int8), against HF
+transformers running the same (dequantized) weights in fp32."""
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill._native import quant as native
+from tokenmill.contracts.batch import ForwardBatch
+from tokenmill.layers.attention import ForwardContext, select_attention_backend
+from tokenmill.layers.linear import DenseLinear
+from tokenmill.layers.quant.methods import weight_bytes
+from tokenmill.layers.quant.packed import Int4Linear, Int8Linear, fp32_activations, int16_activations
+from tokenmill.loader import build_hf_reference, load_model
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
+
+# the prompts of test_correctness.py::test_smollm_gguf_greedy_matches_hf_generate
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Here is a short poem about the sea:\n",
+           "List three primary colors:"]
+# Where greedy decoding with int16 activations may leave HF's fp32 path (prompt index -> first
+# differing output position), and why: at that step HF's two best tokens are closer than the
+# logit error int16 activations can cause, so rounding picks the other one (checked below).
+INT8_ACT_DIVERGENCE = {2: 5, 3: 21}
+NEAR_TIE = 0.5  # logits: well above the int16-activation error seen here (max |dlogit| ~0.3)
+
+
+@pytest.fixture(scope="module")
+def q4() -> object:
+    torch.set_num_threads(1)
+    return load_model("smollm2-135m-instruct")
+
+
+def test_default_model_is_served_as_q4_1_without_dequantizing(q4):
+    m = q4.model
+    for layer in m.layers:
+        for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            assert isinstance(lin, Int4Linear) and lin.group_size == 32 and lin.scales.dtype == torch.float16
+    assert isinstance(m.lm_head, Int8Linear) and m.lm_head is m.embed_tokens  # token_embd is Q8_0, tied
+    assert not any(isinstance(x, DenseLinear) for x in m.modules())
+    assert 90e6 < weight_bytes(m) < 100e6  # vs 540 MB in fp32
+
+
+def _hf_greedy(ref, tokenizer, prompt: str) -> tuple[list[int], list[int]]:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        gen = ref.generate(ids, max_new_tokens=32, do_sample=False)
+    return ids[0].tolist(), gen[0, ids.shape[1]:].tolist()
+
+
+def test_q4_1_greedy_tokens_match_hf_on_the_dequantized_weights(q4):
+    ref = build_hf_reference(q4).eval()
+    llm = LLM(loaded=q4, kv_cache_tokens=2048)
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    expected = [_hf_greedy(ref, q4.tokenizer, p) for p in PROMPTS]
+    with fp32_activations():  # fp32 activations: the weights alone decide, and they are HF's exactly
+        exact = llm.generate(PROMPTS, params)
+    for (_, want), out in zip(expected, exact):
+        assert out.token_ids == want
+    outs = llm.generate(PROMPTS, params)  # the serving default: int16 activations for decode steps
+    for i, ((prompt_ids, want), out) in enumerate(zip(expected, outs)):
+        got = out.token_ids
+        first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if first is None:
+            assert got == want
+            continue
+        assert INT8_ACT_DIVERGENCE.get(i) == first, f"prompt {i} diverges at {first}: {got} vs {want}"
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt_ids + want[:first]])).logits[0, -1]
+        margin = float(logits[want[first]] - logits[got[first]])
+        print(f"prompt {i}: int16 activations pick token {got[first]} at position {first}; HF's margin {margin:.3f}")
+        assert margin < NEAR_TIE, "diverged where HF is not near a tie"
+
+
+def _forward_all(model, attn, kv, ids: list[int], start: int, page_size: int = 16) -> torch.Tensor:
+    """Logits of every token of ``ids`` appended at ``start`` to one sequence on pages 0, 1, 2, ..."""
+    end = start + len(ids)
+    pos = torch.arange(start, end)
+    npages = (end + page_size - 1) // page_size
+    batch = ForwardBatch(
+        input_ids=torch.tensor(ids), positions=pos, slot_mapping=pos.clone(),
+        query_start_loc=torch.tensor([0, len(ids)]), seq_lens=torch.tensor([end]),
+        block_tables=torch.arange(npages).unsqueeze(0), logits_indices=torch.arange(len(ids)),
+        page_size=page_size, max_seq_len=end)
+    return model(ForwardContext.prepare(attn, batch, kv))
+
+
+def test_int16_activations_teacher_forced_agreement_over_2000_tokens(q4, capsys):
+    """Held-out text (the stdlib's difflib source, never used for any calibration), fed 2,000
+    tokens teacher-forced through the int16-activation kernel and through fp32 activations."""
+    ids = q4.tokenizer(inspect.getsource(difflib)).input_ids[:2000]
+    assert len(ids) == 2000
+    model = q4.model
+    spec = model.kv_cache_spec()
+    caches = []
+    for _ in range(2):
+        attn = select_attention_backend(spec, "cpu", model.dtype, "auto")
+        caches.append((attn, attn.allocate(2000 // 16 + 2, 16)))
+    agree, kl_sum, kl_max = 0, 0.0, 0.0
+    for s in range(0, 2000, 250):
+        chunk = ids[s:s + 250]
+        with int16_activations():
+            a = _forward_all(model, *caches[0], chunk, s)
+        with fp32_activations():
+            b = _forward_all(model, *caches[1], chunk, s)
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        lp_b, lp_a = torch.log_softmax(b.double(), -1), torch.log_softmax(a.double(), -1)
+        kl = (lp_b.exp() * (lp_b - lp_a)).sum(-1)
+        kl_sum += float(kl.sum())
+        kl_max = max(kl_max, float(kl.max()))
+    with capsys.disabled():
+        print(f"\nint16 activations vs fp32, teacher-forced 2000 tokens: top-1 agreement {agree / 2000:.4f}, "
+              f"KL(fp32||int16) mean {kl_sum / 2000:.5f} max {kl_max:.4f} nats")
+    assert agree / 2000 >= 0.99
+    assert kl_sum / 2000 < 0.01
+
+
+def test_int8_from_fp32_weights_and_fallback_without_kernels(monkeypatch, caplog, tiny_dir):
+    path = str(tiny_dir("LlamaForCausalLM"))
+    dense = load_model(path)
+    for method in ("int8", "int4"):
+        q = load_model(path, quantization=method)
+        assert isinstance(q.model.layers[0].gate_up_proj, Int8Linear if method == "int8" else Int4Linear)
+        assert isinstance(q.model.lm_head, Int8Linear)  # the head stays 8-bit under int4
+        ref = build_hf_reference(q)  # HF on the quantized model's dequantized weights
+        ids = [5, 17, 99, 3, 41, 250, 7]
+        with torch.no_grad():
+            theirs = ref(torch.tensor([ids])).logits[0, -1]
+        attn = select_attention_backend(q.model.kv_cache_spec(), "cpu", q.model.dtype, "auto")
+        kv = attn.allocate(4, 16)
+        with fp32_activations():
+            ours = _forward_all(q.model, attn, kv, ids, 0)[-1]
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        diff = (q.model.layers[0].down_proj.dequantize() - dense.model.layers[0].down_proj.dequantize()).abs()
+        assert 0 < diff.max() < (0.02 if method == "int8" else 0.2)
+    # no native kernels (no compiler at install): the same request is served dense, with a warning
+    monkeypatch.setattr(native, "_ext", None)
+    monkeypatch.setattr(native, "_ERROR", "the native quantized-matmul kernels are not built (test)")
+    with caplog.at_level(logging.WARNING):
+        fallback = load_model(path, quantization="int8")
+    assert all(not isinstance(m, (Int8Linear, Int4Linear)) for m in fallback.model.modules())
+    assert "served as dense float32" in caplog.text and "not built (test)" in caplog.text
