@@ -40,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds a finished session's KV is kept ahead of LRU eviction (default: 60)")
     g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     g.add_argument("--debug-checks", action="store_true", help="check page accounting whenever the engine idles")
+    g.add_argument("--threads", type=int, default=None, help="torch / kernel threads (default: torch's choice)")
+    g.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"),
+                   help="weight format: auto = a GGUF file in its own block types (Q4_1 for the default "
+                        "model), an HF checkpoint unquantized; none = all weights in --dtype; int8 / int4 = "
+                        "quantize at load (see docs/quantization.md)")
+    g.add_argument("--quant-group-size", type=int, default=128, help="int4: inputs per scale group (default 128)")
+    g.add_argument("--quant-symmetric", action="store_true", help="int4: symmetric groups instead of scale + min")
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -74,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_tokens=args.kv_cache_tokens, max_batch_tokens=args.max_batch_tokens,
             max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
             enable_prefix_cache=not args.no_prefix_cache, session_retention_s=args.session_retention_s,
-            dtype=args.dtype, debug_checks=args.debug_checks,
+            dtype=args.dtype, debug_checks=args.debug_checks, num_threads=args.threads,
+            quantization=args.quantization, quant_group_size=args.quant_group_size,
+            quant_symmetric=args.quant_symmetric,
         )
         chat_template = Path(args.chat_template).read_text() if args.chat_template else None
         server_config = ServerConfig(

