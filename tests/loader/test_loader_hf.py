@@ -25,8 +25,8 @@ def test_hf_directory_loads_with_tokenizer_and_chat_template(tiny_llama_dir):
     for name, tensor in saved.items():
         assert torch.equal(ours[name], tensor), name
     layer = loaded.model.layers[0]
-    assert layer.qkv_proj.shape == (64 + 2 * 32, 64) and layer.qkv_proj.is_contiguous()
-    assert layer.gate_up_proj.shape == (256, 64) and layer.gate_up_proj.is_contiguous()
+    assert layer.qkv_proj.shape == (64 + 2 * 32, 64) and layer.qkv_proj.weight.is_contiguous()
+    assert layer.gate_up_proj.shape == (256, 64) and layer.gate_up_proj.weight.is_contiguous()
 
 
 def test_sharded_safetensors_with_index(tiny_copy):
