@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(quantization=args.quantization, num_threads=args.threads, kv_cache_tokens=4096)
     model = llm.engine.loaded.model
     names = {id(m): n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, LinearMethod)}
+    if model.lm_head is model.embed_tokens:
+        names[id(model.lm_head)] = "lm_head (tied embedding)"
     spent: dict[str, float] = collections.defaultdict(float)
     counting = [False]
 
@@ -49,22 +51,31 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(m, LinearMethod):
             m.forward = timed(f"matmul {names[id(m)]}", m.forward)
     model_forward = model.forward
-    model.forward = timed("model forward (total)", model_forward)
+    armed = [False]
+    first_end = [0.0]
+
+    def forward(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        out = model_forward(*a, **k)
+        if counting[0]:
+            spent["model forward (total)"] += time.perf_counter() - t
+        elif armed[0]:  # the timed request's prefill step ends: count from here on
+            armed[0], counting[0] = False, True
+            first_end[0] = time.perf_counter()
+        return out
+
+    model.forward = forward
     attn = llm.engine.runner.attn if hasattr(llm.engine, "runner") else None
     if attn is not None:
         attn.forward = timed("attention", attn.forward)
 
     prompt = [list(range(1000, 1128))]
     llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
-    # prefill untimed: one step with max_tokens=1, then time the decode steps alone
+    # a fresh prompt (no prefix-cache hit); the clock starts when its prefill step returns
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    t_prefill = time.perf_counter()
-    llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    t_prefill = time.perf_counter() - t_prefill
-    counting[0] = True
-    t0 = time.perf_counter()
-    llm.generate(prompt, params)
-    wall = time.perf_counter() - t0 - t_prefill  # minus one prefill step (same prompt, measured above)
+    armed[0] = True
+    llm.generate([list(range(2000, 2128))], params)
+    wall = time.perf_counter() - first_end[0]
     counting[0] = False
     steps = args.tokens - 1
     total_ms = wall / steps * 1e3
