@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")   # auto: the model's dtype
-ATTENTION_BACKENDS = ("auto", "torch")
+ATTENTION_BACKENDS = ("auto", "torch", "native")
 DEFAULT_KV_SESSIONS = 4          # full-length sequences the default pool holds
 DEFAULT_KV_MEMORY_SHARE = 0.25   # at most this share of available memory by default
 DEFAULT_KV_MEMORY_CAP_GIB = 4.0  # and never more than this by default
