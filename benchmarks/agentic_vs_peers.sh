@@ -77,7 +77,15 @@ install_llamaserver() {
   # llama.cpp's C++ server from the llama.cpp source that the llama-cpp-python sdist carries under
   # vendor/llama.cpp: CPU only, tuned for this CPU, only the llama-server target (~15 min on 2 cores).
   # Static libraries, so the binary needs no LD_LIBRARY_PATH. The web UI is neither built nor fetched.
-  local src="$PEERS/src" build="$PEERS/llama.cpp-build"
+  # physical paths: CMake keys its build tree on the source path, so reaching peers/ through a
+  # symlink (a worktree's peers -> the main checkout's) must not look like a new tree and rebuild
+  local real
+  real="$(cd "$PEERS" && pwd -P)" || return 1
+  local src="$real/src" build="$real/llama.cpp-build"
+  if [[ -z "${REBUILD:-}" && -x "$build/bin/llama-server" ]] && "$build/bin/llama-server" --version >/dev/null 2>&1; then
+    log "llamaserver: $build/bin/llama-server is already built (REBUILD=1 to build again)"
+    return 0
+  fi
   mkdir -p "$src" || return 1
   local tarball="$src/llama_cpp_python-$LLAMA_CPP_PY_VERSION.tar.gz"
   if [[ ! -f "$tarball" ]]; then
