@@ -75,8 +75,9 @@ def tiny_config_dict(arch: str = "LlamaForCausalLM", **overrides: Any) -> dict[s
 
 
 def build_tiny_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", seed: int = 0,
-                          **overrides: Any) -> Path:
-    """Write a random-weight HF checkpoint for ``arch`` into ``out_dir`` and return it.
+                          max_shard_size: str | None = None, **overrides: Any) -> Path:
+    """Write a random-weight HF checkpoint for ``arch`` into ``out_dir`` and return it
+    (``max_shard_size``, e.g. ``"1MB"``: sharded safetensors with an index).
 
     Weights come from HF transformers' own initialisation under ``torch.manual_seed(seed)``, so
     the same call always gives the same checkpoint.
@@ -95,7 +96,8 @@ def build_tiny_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", s
     for name, buf in model.named_buffers():
         if name.endswith("e_score_correction_bias"):  # HF starts it at zero; make it steer selection
             buf.copy_(torch.randn(buf.shape) * 0.3)
-    model.save_pretrained(str(out), safe_serialization=True)
+    extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), safe_serialization=True, **extra)
     tok_dir = default_tokenizer_dir()
     for f in tok_dir.iterdir():
         shutil.copy(f, out / f.name)
