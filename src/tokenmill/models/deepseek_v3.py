@@ -192,7 +192,8 @@ class MoE(nn.Module):
         self._experts: GroupedExperts | None = None
 
     def experts(self) -> GroupedExperts:
-        if self._experts is None or self._experts.gate_up is not self.experts_gate_up.data:
+        w = self.experts_gate_up
+        if self._experts is None or self._experts.gate_up.data_ptr() != w.data_ptr() or self._experts.gate_up.device != w.device:
             self._experts = GroupedExperts(self.experts_gate_up.data, self.experts_down.data)
         return self._experts
 
