@@ -14,6 +14,7 @@ import pytest
 import torch
 from paged_driver import PagedDriver
 
+from tokenmill.layers.attention import select_attention_backend
 from tokenmill.loader import load_model
 from tokenmill.loader.tiny import build_tiny_checkpoint
 
@@ -22,8 +23,7 @@ N = 512
 
 def _run(model, tokens, kv_dtype: str) -> torch.Tensor:
     drv = PagedDriver(model, num_pages=N // 16 + 2, page_size=16)
-    spec = model.kv_cache_spec().with_dtype(kv_dtype)
-    drv.attn = type(drv.attn)(spec, drv.attn.device, model.dtype)
+    drv.attn = select_attention_backend(model.kv_cache_spec().with_dtype(kv_dtype), "cpu", model.dtype)
     drv.kv = drv.attn.allocate(N // 16 + 2, 16)
     out = [drv.step([("s", tokens[:1])], all_rows=True)]
     for i in range(1, len(tokens), 73):
