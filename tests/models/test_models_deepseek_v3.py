@@ -187,8 +187,27 @@ def test_mtp_layers_are_loaded_and_kept(tmp_path, pairs):
         load_model(str(path))
 
 
+def test_kimi_k2_model_type_loads_as_deepseek_v3(tmp_path):
+    """Kimi K2's config.json says model_type "kimi_k2" (remote code) with the DeepSeek-V3 class and
+    an old-style rope_scaling dict; it loads without remote code and matches HF's DeepSeek-V3."""
+    path = build_tiny_checkpoint(tmp_path / "kimi", "DeepseekV3ForCausalLM", seed=5, n_group=1, topk_group=1)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("rope_parameters")
+    cfg.update(model_type="kimi_k2",
+               rope_theta=50000.0, rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                                                 "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                                                 "mscale_all_dim": 1.0})
+    (path / "config.json").write_text(json.dumps(cfg))
+    loaded = load_model(str(path))
+    assert loaded.model.args.rope_scaling["rope_type"] == "yarn" and loaded.model.args.rope_theta == 50000.0
+    toks = _tokens(40, 6)
+    ours = PagedDriver(loaded.model).step([("a", toks)], all_rows=True)
+    assert (ours - hf_logits(build_hf_reference(loaded), toks)).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("field, value", [("topk_method", "greedy"), ("scoring_func", "softmax"),
-                                          ("n_group", 3), ("topk_group", 5)])
+                                          ("n_group", 3), ("topk_group", 5),
+                                          ("quantization_config", {"quant_method": "fp8"})])
 def test_unsupported_config_values_are_refused_naming_the_field(tmp_path, field, value):
     path = build_tiny_checkpoint(tmp_path / field, "DeepseekV3ForCausalLM", seed=0)
     cfg = json.loads((path / "config.json").read_text())

@@ -56,6 +56,11 @@ _DEEPSEEK_FIXED = {"topk_method": ("noaux_tc",), "scoring_func": ("sigmoid",), "
 
 def _deepseek_v3(config: Any) -> DeepseekV3Args:
     """DeepseekV3Args from a DeepseekV3Config; refuses values the math here does not implement."""
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        raise ModelLoadError(f"config sets quantization_config (quant_method={method!r}): quantized DeepSeek-V3 "
+                             "checkpoints are not supported; use a bf16/fp32 checkpoint")
     for name, allowed in _DEEPSEEK_FIXED.items():
         value = getattr(config, name, allowed[0])
         if value not in allowed:
