@@ -39,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--session-retention-s", type=float, default=60.0,
                    help="seconds a finished session's KV is kept ahead of LRU eviction (default: 60)")
     g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    from tokenmill.engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
+
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV pool storage: auto (the model's dtype), fp8_e4m3 (float8 + fp32 scale per token and "
+                        "head), bf16, fp16, fp32; the long torch names are aliases")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="paged-attention implementation (auto: the fastest that supports the model here)")
     g.add_argument("--debug-checks", action="store_true", help="check page accounting whenever the engine idles")
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
@@ -74,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_tokens=args.kv_cache_tokens, max_batch_tokens=args.max_batch_tokens,
             max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
             enable_prefix_cache=not args.no_prefix_cache, session_retention_s=args.session_retention_s,
-            dtype=args.dtype, debug_checks=args.debug_checks,
+            dtype=args.dtype, debug_checks=args.debug_checks, kv_cache_dtype=args.kv_cache_dtype,
+            attention_backend=args.attention_backend,
         )
         chat_template = Path(args.chat_template).read_text() if args.chat_template else None
         server_config = ServerConfig(
