@@ -25,6 +25,10 @@ def _rope(config: Any) -> tuple[float, dict[str, Any] | None]:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type in ("yarn", "llama3"):  # HF's defaults for the pretraining length and YaRN's factor
+        rope.setdefault("original_max_position_embeddings", int(config.max_position_embeddings))
+        if rope_type == "yarn" and rope.get("factor") is None:
+            rope["factor"] = config.max_position_embeddings / rope["original_max_position_embeddings"]
     return theta, (rope if rope_type != "default" else None)
 
 
@@ -69,13 +73,6 @@ def _deepseek_v3(config: Any) -> DeepseekV3Args:
     if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         raise ModelLoadError(f"config sets hidden_act={config.hidden_act!r}; only silu is supported")
     theta, scaling = _rope(config)
-    if scaling is not None:
-        scaling = dict(scaling)
-        rope_type = scaling.get("rope_type", scaling.get("type"))
-        if rope_type in ("yarn", "llama3"):
-            scaling.setdefault("original_max_position_embeddings", int(config.max_position_embeddings))
-        if rope_type == "yarn" and scaling.get("factor") is None:
-            scaling["factor"] = config.max_position_embeddings / scaling["original_max_position_embeddings"]
 
     def opt_int(name: str, default: int) -> int:
         value = getattr(config, name, None)
