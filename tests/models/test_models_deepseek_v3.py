@@ -27,7 +27,8 @@ CONFIGS = {
                           n_shared_experts=0, rope_interleave=False, norm_topk_prob=False,
                           routed_scaling_factor=1.0),
     "yarn_4groups": dict(rope_parameters=YARN, n_routed_experts=16, n_group=4, topk_group=2,
-                         num_experts_per_tok=3, num_hidden_layers=3, first_k_dense_replace=2),
+                         num_experts_per_tok=3, num_hidden_layers=3, first_k_dense_replace=2,
+                         attention_bias=True),
 }
 
 

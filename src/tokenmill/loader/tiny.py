@@ -93,9 +93,14 @@ def build_tiny_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", s
     config = AutoConfig.for_model(**cfg_dict)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    for name, buf in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):  # HF starts it at zero; make it steer selection
-            buf.copy_(torch.randn(buf.shape) * 0.3)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # HF starts it at zero; make it steer selection
+                buf.copy_(torch.randn(buf.shape) * 0.3)
+        if arch in TINY_MOE_ARCHS:  # attention_bias: HF starts biases at zero; make them count
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.copy_(torch.randn(p.shape) * 0.1)
     extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(out), safe_serialization=True, **extra)
     tok_dir = default_tokenizer_dir()
