@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import pytest
 import torch
 from paged_driver import PagedDriver
 
