@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tokenmill.cache.page_pool import PagePool
-from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens
+from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens, resolve_kv_dtype
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.engine.request import Request, RequestOutput
+from tokenmill.engine.request import ListView, Request, RequestOutput
 from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.step_cost import StepCost
 
 if TYPE_CHECKING:
     from tokenmill.loader import LoadedModel
@@ -44,6 +46,9 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions: int = 0
     kv_pages_cached: int = 0
+    kv_cache_dtype: str = ""         # storage dtype of the pool (float32, bfloat16, float8_e4m3fn, ...)
+    kv_bytes_per_token: int = 0      # KVCacheSpec.bytes_per_token(), fp8 scales included
+    kv_capacity_tokens: int = 0      # pages x page size
 
     @property
     def cache_hit_rate(self) -> float:
@@ -59,8 +64,10 @@ class Engine:
         self._init_device()
         self._init_model(loaded)
         self._init_kv()
+        self.step_cost = StepCost(config.decode_slowdown) if config.decode_slowdown else None
         self.scheduler = Scheduler(self.kv, max_batch_tokens=config.max_batch_tokens,
-                                   max_running_requests=config.max_running_requests)
+                                   max_running_requests=config.max_running_requests,
+                                   step_cost=self.step_cost)
         self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
                                   self.vocab_size, device=self.device, kv_spec=self.kv_spec,
                                   attention_backend=config.attention_backend)
@@ -103,22 +110,28 @@ class Engine:
     def _init_kv(self) -> None:
         cfg = self.config
         spec = self.loaded.model.kv_cache_spec()
-        if cfg.kv_cache_dtype != "auto":
-            spec = spec.with_dtype(cfg.kv_cache_dtype)
+        spec = spec.with_dtype(resolve_kv_dtype(cfg.kv_cache_dtype, spec.dtype))
         self.kv_spec = spec
         bytes_per_token = spec.bytes_per_token()
+        ps = cfg.page_size
         if cfg.kv_cache_tokens is not None:
-            tokens = cfg.kv_cache_tokens
+            tokens = cfg.kv_cache_tokens // ps * ps
         elif cfg.kv_cache_memory_gib is not None:
-            tokens = int(cfg.kv_cache_memory_gib * 2**30 // bytes_per_token)
+            tokens = spec.capacity_tokens(cfg.kv_cache_memory_gib * 2**30, ps)
+            if tokens < ps:
+                raise ValueError(
+                    f"--kv-cache-memory {cfg.kv_cache_memory_gib:g} GiB is too small for one request: at "
+                    f"{bytes_per_token} B/token ({spec.dtype}) it holds {tokens} tokens, less than one page of "
+                    f"{ps}; give at least {ps * bytes_per_token / 2**30:.6f} GiB")
         else:
             import psutil
 
             tokens = default_kv_cache_tokens(self.max_model_len, bytes_per_token,
-                                             psutil.virtual_memory().available)
-        num_pages = tokens // cfg.page_size
+                                             psutil.virtual_memory().available) // ps * ps
+        num_pages = tokens // ps
         if num_pages < 1:
-            raise ValueError(f"the KV cache holds {tokens} tokens, less than one page of {cfg.page_size}")
+            raise ValueError(f"the KV cache holds {tokens} tokens, less than one page of {ps}: too small for "
+                             f"one request")
         pool = PagePool(num_pages)
         cache = None
         if cfg.enable_prefix_cache:
@@ -126,9 +139,11 @@ class Engine:
 
             cache = RadixCache(pool, cfg.page_size, session_retention_s=cfg.session_retention_s)
         self.kv = KVManager(pool, cfg.page_size, cache)
-        log.info("KV cache: %s, %d B/token, %d pages of %d tokens = %d tokens (%.2f GiB)", spec.dtype,
-                 bytes_per_token, num_pages, cfg.page_size, num_pages * cfg.page_size,
-                 num_pages * cfg.page_size * bytes_per_token / 2**30)
+        self.kv_capacity_tokens = num_pages * ps
+        fp32 = spec.with_dtype("float32").bytes_per_token()
+        log.info("KV cache: %s, %d B/token (%.2fx the tokens of fp32 at equal memory), %d pages of %d tokens "
+                 "= %d tokens (%.4f GiB)", spec.dtype, bytes_per_token, fp32 / bytes_per_token, num_pages, ps,
+                 self.kv_capacity_tokens, self.kv_capacity_tokens * bytes_per_token / 2**30)
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -174,14 +189,17 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        t0 = time.perf_counter()
         sampled = self.runner.execute(out)
+        if self.step_cost is not None:
+            self.step_cost.observe(out.num_tokens, time.perf_counter() - t0)
         self.scheduler.post_step(out)
         outputs = [self._process(s.request, s.token_id, s.logprob) for s in sampled]
         self._maybe_check_idle()
         return outputs
 
     def _process(self, req: Request, token: int, logprob: Any) -> RequestOutput:
-        req.all_token_ids.append(token)
+        req.append_token(token)
         self.generation_tokens_total += 1
         if req.logprobs is not None and logprob is not None:
             req.logprobs.append(logprob)
@@ -206,20 +224,30 @@ class Engine:
         return self._output(req, num_new=1)
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:
+        """The request's output after this step: O(num_new) work, whatever its length."""
         finished = req.is_finished
-        new_text = req.detokenizer.take_new_text(finished)
+        detok = req.detokenizer
+        new_text = detok.take_new_text(finished)
+        ids, lps, p = req.all_token_ids, req.logprobs, req.num_prompt_tokens
+        if finished:   # nothing changes any more: one copy of the ids, the rest as they are
+            token_ids, logprobs, text = ids[p:], lps, detok.emitted_text
+        else:
+            token_ids = ListView(ids, p, len(ids))
+            logprobs = ListView(lps, 0, len(lps)) if lps is not None else None
+            text = detok.emitted_view()
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             cached_tokens=req.num_cached_tokens or 0,
-            token_ids=req.output_token_ids,
-            text=req.detokenizer.emitted_text,
-            new_token_ids=req.all_token_ids[-num_new:] if num_new else [],
+            token_ids=token_ids,
+            text_view=text,
+            new_token_ids=ids[-num_new:] if num_new else [],
             new_text=new_text,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            logprobs=logprobs,
             finished=finished,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
+            new_logprobs=lps[-num_new:] if (lps is not None and num_new) else ([] if lps is not None else None),
         )
 
     # -- cache and stats -------------------------------------------------------------------------
@@ -256,4 +284,7 @@ class Engine:
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions=s.num_preemptions,
             kv_pages_cached=self.kv.cache.num_cached_pages if self.kv.cache is not None else 0,
+            kv_cache_dtype=self.kv_spec.dtype,
+            kv_bytes_per_token=self.kv_spec.bytes_per_token(),
+            kv_capacity_tokens=self.kv_capacity_tokens,
         )

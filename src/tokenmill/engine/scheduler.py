@@ -8,7 +8,10 @@ behind; a long prompt is a request many tokens behind and gets a chunk of what i
 Order within a step:
 
 1. running requests one token behind (decodes), in priority order;
-2. running requests further behind (prefill chunks), in priority order;
+2. running requests further behind (prefill chunks), in priority order; when the step already
+   carries decodes, prefill (this and admission) gets only the budget of
+   :meth:`~tokenmill.engine.step_cost.StepCost.prefill_budget`, so a decode's next token is not
+   held up by seconds of prefill (step time is learned online from the engine's own steps);
 3. waiting requests, admitted while budget, pages and ``max_running_requests`` allow (none in
    a step that had to preempt). From the front of the queue, except that while the queue is
    short (``prefer_cached_max_queue``) the request with the longest cached prefix goes first;
@@ -29,6 +32,7 @@ from typing import NamedTuple
 
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.step_cost import StepCost
 
 
 class ScheduledRequest(NamedTuple):
@@ -71,12 +75,15 @@ class _StepPlan:
 class Scheduler:
     """Owns the waiting queue and the running list; the KV manager owns the pages."""
 
-    def __init__(self, kv: KVManager, *, max_batch_tokens: int, max_running_requests: int) -> None:
+    def __init__(self, kv: KVManager, *, max_batch_tokens: int, max_running_requests: int,
+                 step_cost: StepCost | None = None) -> None:
         if max_batch_tokens <= 0 or max_running_requests <= 0:
             raise ValueError("max_batch_tokens and max_running_requests must be positive")
         self.kv = kv
         self.max_batch_tokens = max_batch_tokens
         self.max_running_requests = max_running_requests
+        # Bounds prefill tokens in steps that carry decodes (None: prefill may fill the budget).
+        self.step_cost = step_cost
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -89,6 +96,9 @@ class Scheduler:
         self.prefer_cached_max_queue = 16
         self.admission_max_skips = 4
         self._skips: dict[Request, int] = {}
+        # A waiting request that shares this many pages of prompt with one still prefilling
+        # waits for those pages to be cached (see _waits_for_shared_prefill).
+        self.shared_prefill_min_pages = 2
 
     # -- queue -----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -109,7 +119,20 @@ class Scheduler:
         plan = _StepPlan(self.max_batch_tokens)
         decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
         prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
-        for req in decodes + prefills:
+        self._schedule_running(decodes, plan)
+        num_decode = sum(plan.tokens.values())
+        if num_decode and self.step_cost is not None and plan.budget > 0:
+            # Prefill shares this step with decodes: give it only what keeps them moving.
+            plan.budget = self.step_cost.prefill_budget(num_decode, plan.budget)
+        self._schedule_running(prefills, plan)
+        if not plan.preempted:
+            self._admit(plan)
+        scheduled = [ScheduledRequest(r, r.num_computed_tokens, n, r.num_computed_tokens + n == r.num_tokens)
+                     for r, n in plan.tokens.items()]
+        return SchedulerOutput(scheduled, plan.preempted)
+
+    def _schedule_running(self, reqs: list[Request], plan: _StepPlan) -> None:
+        for req in reqs:
             if plan.budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
@@ -117,15 +140,14 @@ class Scheduler:
             n = min(req.num_uncomputed_tokens, plan.budget)
             if self._allocate_or_preempt(req, req.num_computed_tokens + n, plan):
                 plan.add(req, n)
-        if not plan.preempted:
-            self._admit(plan)
-        scheduled = [ScheduledRequest(r, r.num_computed_tokens, n, r.num_computed_tokens + n == r.num_tokens)
-                     for r, n in plan.tokens.items()]
-        return SchedulerOutput(scheduled, plan.preempted)
 
     def _admit(self, plan: _StepPlan) -> None:
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_running_requests:
             req = self._next_waiting()
+            if self._waits_for_shared_prefill(req):
+                req = self._first_not_waiting()
+                if req is None:
+                    return
             matched = self.kv.match(req)
             n = min(req.num_uncomputed_tokens, plan.budget)
             if not self.kv.allocate(req, req.num_computed_tokens + n):
@@ -156,6 +178,48 @@ class Scheduler:
             if hit > best_hit:
                 best, best_hit = req, hit
         return best
+
+    def _waits_for_shared_prefill(self, req: Request) -> bool:
+        """Hold ``req`` back while a running request is still prefilling a prompt it shares.
+
+        Parallel requests with one prompt (``n > 1``, parallel tool calls, sessions sharing a
+        long system prompt) would otherwise be admitted together and each compute the shared
+        part. Held for now, ``req`` is admitted once those pages are in the prefix cache
+        (prefill chunks publish whole pages as they complete) and then reuses them. A request is
+        held only for a shared part of at least ``shared_prefill_min_pages`` pages that it does
+        not already have cached, and only while the other one is still prefilling, so the wait
+        is bounded by one prefill.
+        """
+        if self.kv.cache is None or req.num_preemptions or req.page_table:
+            return False
+        P = self.kv.page_size
+        need = self.shared_prefill_min_pages * P
+        ids = req.all_token_ids
+        if len(ids) <= need:
+            return False
+        head = ids[:P]
+        for other in self.running:
+            if other.num_computed_tokens >= other.num_prompt_tokens - P:   # its prompt is published
+                continue
+            o = other.all_token_ids
+            if o[:P] != head:
+                continue
+            limit = min(len(ids) - 1, other.num_prompt_tokens)
+            common = P
+            while common + P <= limit and o[common:common + P] == ids[common:common + P]:
+                common += P
+            if common - self.kv.cached_prefix_tokens(req) >= need:
+                return True
+        return False
+
+    def _first_not_waiting(self) -> Request | None:
+        """The first of the queue's front requests that is not held by a shared prefill."""
+        for i, req in enumerate(self.waiting):
+            if i >= self.prefer_cached_max_queue:
+                return None
+            if not self._waits_for_shared_prefill(req):
+                return req
+        return None
 
     def _admitted(self, req: Request) -> None:
         """Take ``req`` off the queue; everyone ahead of it was passed over once more."""
@@ -195,11 +259,13 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def post_step(self, out: SchedulerOutput) -> None:
-        """After the forward pass: count the computed tokens; cache finished prefill pages."""
+        """After the forward pass: count the computed tokens; cache whole prefill pages."""
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens = s.start + s.num_tokens
-            if not s.samples:  # prefill chunk in progress: share its whole pages early
+            if s.num_tokens > 1 or not s.samples:
+                # a prefill chunk, the last one included: publish its whole pages at once, so
+                # requests sharing the prompt reuse them (decode pages join at release)
                 self.kv.cache_computed(req)
 
     def finish(self, req: Request, finish_reason: str, stop_reason: str | int | None = None) -> None:

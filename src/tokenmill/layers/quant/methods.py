@@ -85,6 +85,11 @@ def _quantizer(cfg: QuantConfig) -> Callable[[str, LinearMethod], LinearMethod]:
 def apply_quantization(model: nn.Module, cfg: QuantConfig) -> None:
     """Quantize ``model``'s dense linear methods as ``cfg`` says (no-op for auto and none)."""
     if cfg.method in ("int8", "int4"):
+        if not any(isinstance(m, LinearMethod) for m in model.modules()):
+            from tokenmill.contracts.errors import ModelLoadError
+
+            raise ModelLoadError(f"{type(model).__name__} does not run its weights through linear methods, so "
+                                 f"quantization {cfg.method!r} is not available for it; use 'auto' or 'none'")
         n = replace_linears(model, _quantizer(cfg))
         log.info("quantized %d weight matrices to %s", n, cfg.method)
 
