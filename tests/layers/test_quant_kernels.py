@@ -22,7 +22,7 @@ ORDER = ["scalar", "avx2", "avxvnni"]
 KERNELS = ORDER[: ORDER.index(native.best_kernel()) + 1] if native.available() else []
 # (N, K, group): odd row counts, K not a multiple of 32, and groups whose last one is short
 SHAPES = [(1, 32, 32), (7, 100, 32), (33, 576, 64), (5, 45, 32), (9, 96, 64), (64, 1536, 128), (3, 200, 128),
-          (17, 300, 96)]
+          (17, 300, 96), (6, 544, 32), (2, 1000, 32)]
 
 
 @pytest.fixture(autouse=True, scope="module")

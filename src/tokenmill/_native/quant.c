@@ -165,6 +165,12 @@ TGT_AVX2 static inline float scale_avx2(const void *p, int64_t i, int f16) {
     return f16 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* 8 consecutive scales as fp32 */
+TGT_AVX2 static inline __m256 scales8(const void *p, int64_t i, int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+               : _mm256_loadu_ps((const float *)p + i);
+}
+
 /* Block dot products against int16 activations: 32 weights widened to 16 bits, two madd's. */
 #define DEFINE_BLOCK_DOTS(SUFFIX, TGT, MADD2)                                                              \
 TGT static inline __m256i u4dot_##SUFFIX(const uint8_t *p, const int16_t *x) {                            \
@@ -195,6 +201,30 @@ TGT static void NAME(const WT *qs, const void *sc, const void *mn, int f16, int6
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                       \
         float m0s = 0.f, m1s = 0.f;                                                                       \
         int64_t b = 0;                                                                                    \
+        if (bpg == 1 || bpg >= nb) { /* a scale per block, or one per row: 8 blocks reduced together */ \
+            const int one = bpg >= nb;                                                                    \
+            const __m256 sc1 = _mm256_set1_ps(scale_avx2(sc, row_g0, f16));                              \
+            const __m256 mn1 = HAS_MIN ? _mm256_set1_ps(scale_avx2(mn, row_g0, f16)) : _mm256_setzero_ps(); \
+            __m256 vm = _mm256_setzero_ps();                                                              \
+            for (; b + 8 <= nb; b += 8) {                                                                 \
+                __m256i p0 = BLOCKDOT(qs + b * WSTRIDE, xq + b * QK);                                      \
+                __m256i p1 = BLOCKDOT(qs + (b + 1) * WSTRIDE, xq + (b + 1) * QK);                          \
+                __m256i p2 = BLOCKDOT(qs + (b + 2) * WSTRIDE, xq + (b + 2) * QK);                          \
+                __m256i p3 = BLOCKDOT(qs + (b + 3) * WSTRIDE, xq + (b + 3) * QK);                          \
+                __m256i p4 = BLOCKDOT(qs + (b + 4) * WSTRIDE, xq + (b + 4) * QK);                          \
+                __m256i p5 = BLOCKDOT(qs + (b + 5) * WSTRIDE, xq + (b + 5) * QK);                          \
+                __m256i p6 = BLOCKDOT(qs + (b + 6) * WSTRIDE, xq + (b + 6) * QK);                          \
+                __m256i p7 = BLOCKDOT(qs + (b + 7) * WSTRIDE, xq + (b + 7) * QK);                          \
+                __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));     \
+                __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p4, p5), _mm256_hadd_epi32(p6, p7));     \
+                __m256i t = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20),                     \
+                                             _mm256_permute2x128_si256(s0, s1, 0x31));                   \
+                __m256 sv = one ? sc1 : scales8(sc, row_g0 + b, f16);                                      \
+                a0 = _mm256_fmadd_ps(_mm256_mul_ps(sv, _mm256_loadu_ps(xd + b)), _mm256_cvtepi32_ps(t), a0); \
+                if (HAS_MIN) vm = _mm256_fmadd_ps(one ? mn1 : scales8(mn, row_g0 + b, f16), _mm256_loadu_ps(xs + b), vm); \
+            }                                                                                             \
+            a1 = _mm256_add_ps(a1, vm);                                                                   \
+        }                                                                                                 \
         for (; b + 1 < nb; b += 2) {                                                                      \
             int64_t g0 = row_g0 + b / bpg, g1 = row_g0 + (b + 1) / bpg;                                   \
             __m256 p0 = _mm256_cvtepi32_ps(BLOCKDOT(qs + b * WSTRIDE, xq + b * QK));                      \
