@@ -19,6 +19,7 @@ quantized rows), and its size in bytes.
 """
 from __future__ import annotations
 
+import abc
 from typing import Sequence
 
 import torch
@@ -28,7 +29,7 @@ from torch import nn
 __all__ = ["DenseLinear", "LinearMethod", "as_linear", "cat_linears"]
 
 
-class LinearMethod(nn.Module):
+class LinearMethod(nn.Module, abc.ABC):
     """``y = x @ W^T (+ bias)`` for one weight ``W [out_features, in_features]`` in one format."""
 
     format: str = "?"
@@ -42,16 +43,18 @@ class LinearMethod(nn.Module):
     def shape(self) -> torch.Size:
         return torch.Size((self.out_features, self.in_features))
 
+    @abc.abstractmethod
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        raise TypeError(f"{type(self).__name__} does not define forward")
+        """``y = x @ W^T (+ bias)`` in fp32 or the input dtype."""
 
+    @abc.abstractmethod
     def dequantize(self) -> torch.Tensor:
-        """``W`` as a new fp32 tensor ``[out_features, in_features]``."""
-        raise TypeError(f"{type(self).__name__} does not define dequantize")
+        """``W`` in fp32 ``[out_features, in_features]`` (a fresh tensor, or the weight itself for
+        a dense fp32 method)."""
 
+    @abc.abstractmethod
     def select_rows(self, index: torch.Tensor) -> "LinearMethod":
         """A method of the same format holding rows ``index`` of ``W`` (exact, no requantization)."""
-        raise TypeError(f"{type(self).__name__} does not define select_rows")
 
     def weight_bytes(self) -> int:
         """Bytes one full pass over the weight reads (what bounds batch-1 decode)."""

@@ -24,6 +24,7 @@ How a matmul runs:
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import threading
 from typing import Iterator, Sequence
@@ -110,11 +111,13 @@ class _Packed(LinearMethod):
     def _scale_f16(self) -> int:
         return int(self.scales.dtype == torch.float16)
 
+    @abc.abstractmethod
     def _gemm(self, x2: torch.Tensor, y: torch.Tensor, bias_ptr: int, threads: int) -> None:
-        raise TypeError("abstract")
+        """The native integer kernel: ``y = x2 @ W^T (+ bias)``."""
 
+    @abc.abstractmethod
     def _dequant_into(self, out: torch.Tensor, rows: slice, threads: int) -> None:
-        raise TypeError("abstract")
+        """The native dequantizer: rows ``rows`` of ``W`` into ``out`` (fp32)."""
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -158,8 +161,9 @@ class _Packed(LinearMethod):
             out.copy_(self._dequantize_torch())
         return out
 
+    @abc.abstractmethod
     def _dequantize_torch(self) -> torch.Tensor:
-        raise TypeError("abstract")
+        """``W`` in fp32 with torch ops only (no native kernels needed)."""
 
     def _expand(self, t: torch.Tensor) -> torch.Tensor:
         """Per-group ``t [N, G]`` as per-value ``[N, K]`` fp32."""
