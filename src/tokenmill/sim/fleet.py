@@ -6,7 +6,7 @@ Everything that decides something is shared with the live system:
   (``choose(meta, views)`` per request, ``on_finish(meta, replica_id)`` once per request), with
   ``ReplicaView``s built from the simulated replicas;
 - caching: each replica holds a real ``RadixCache`` over a ``PagePool`` (see ``replica.py``);
-- workload: sessions come from ``tokenmill.bench.workload.make_session`` (the benchmark's own
+- workload: sessions come from ``tokenmill.workload.make_session`` (the benchmark's own
   generator) and run closed loop; or Mooncake records replay open loop.
 
 Events (a heap of ``(time, seq, kind, a, b)``; stale replica events are skipped by version)::
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tokenmill.bench.workload import SessionScript, TraceReplayConfig, make_session, trace_requests
+from tokenmill.workload import SessionScript, TraceReplayConfig, make_session, trace_requests
 from tokenmill.router.base import NoReplicaAvailable, ReplicaView, RequestMeta
 from tokenmill.router.policies import make_policy
 from tokenmill.sim.config import SimConfig
