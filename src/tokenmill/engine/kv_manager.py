@@ -12,6 +12,11 @@ Life of a request's pages::
                 switches to the canonical page ids and its lock moves to the deeper node
     leaving     release(): cache_computed() once more, unlock, free the request-only tail
 
+Cache keys come from :meth:`Request.cache_key`: the request's token ids, in a cache whose
+``page_size`` is this manager's (the engine). A request may instead key each page by one element
+(the fleet simulator keys a page by its block id), in a cache of ``page_size`` 1; matches are
+counted in pages either way, so the two behave alike.
+
 Invariant (checked by :meth:`KVManager.check`):
 ``pool.num_free() + cache.num_cached_pages + sum(request-only pages) == pool.num_pages``.
 """
@@ -66,22 +71,23 @@ class KVManager:
         """
         if self.cache is None or req.page_table:
             return 0
-        m = self.cache.match_prefix(req.all_token_ids[:-1])
-        if m.num_tokens == 0:
+        m = self.cache.match_prefix(req.cache_key((req.num_tokens - 1) // self.page_size, self.page_size))
+        if not m.pages:
             return 0
         self.cache.lock(m.node)
         req.cache_node = m.node
         req.page_table = list(m.pages)
         req.num_tree_pages = len(m.pages)
-        req.num_computed_tokens = m.num_tokens
-        return m.num_tokens
+        req.num_computed_tokens = len(m.pages) * self.page_size
+        return req.num_computed_tokens
 
     def cached_prefix_tokens(self, req: Request) -> int:
         """Tokens :meth:`match` would reuse for ``req`` now: a probe that locks nothing and
         leaves cache recency alone (for cache-aware admission)."""
         if self.cache is None or req.page_table:
             return 0
-        return self.cache.match_prefix(req.all_token_ids[:-1], touch=False).num_tokens
+        key = req.cache_key((req.num_tokens - 1) // self.page_size, self.page_size)
+        return len(self.cache.match_prefix(key, touch=False).pages) * self.page_size
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grow ``req.page_table`` to hold ``num_tokens`` tokens, evicting cached pages if needed.
@@ -107,7 +113,7 @@ class KVManager:
         full = req.num_computed_tokens // self.page_size
         if full <= req.num_tree_pages:
             return
-        res = self.cache.insert(req.all_token_ids[: full * self.page_size], req.page_table[:full],
+        res = self.cache.insert(req.cache_key(full, self.page_size), req.page_table[:full],
                                 session_id=req.session_id)
         req.page_table[:full] = res.pages
         self.cache.lock(res.node)

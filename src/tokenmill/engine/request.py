@@ -20,6 +20,7 @@ Page ownership (``page_table``)::
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -95,6 +96,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def cache_key(self, num_pages: int, page_size: int) -> Sequence[int]:
+        """The prefix-cache key of this request's first ``num_pages`` pages: their token ids.
+
+        A subclass may key each page by one element instead (the simulator's block ids); the
+        cache then has ``page_size`` 1 (see :mod:`tokenmill.engine.kv_manager`).
+        """
+        return self.all_token_ids[: num_pages * page_size]
 
 
 @dataclass
