@@ -172,6 +172,11 @@ def step_seconds(profile: ReplicaProfile, out: SchedulerOutput) -> float:
     return t
 
 
+def _pages_needed(room: list[int], k: int, page_tokens: int) -> int:
+    """New pages for ``k`` more tokens each, given the free token slots each request has."""
+    return sum(-(-(k - g) // page_tokens) for g in room if g < k)
+
+
 class _DecodeRun:
     """``k`` decode-only steps of a fixed batch, planned at ``t0``. Step ``j`` (1-based) ends at
     ``t0 + j*a + c*j*(j-1)/2``: every step reads one more token per request than the last."""
@@ -367,40 +372,35 @@ class SimReplica:
         if sched.waiting and len(running) < sched.max_running_requests:
             return 0           # the next step may admit someone
         k = 1 << 62
+        P = self.block_tokens
+        room: list[int] = []   # tokens each request can still add before it needs a new page
         for r in running:
-            if r.num_uncomputed_tokens != 1:
+            n = r.all_token_ids.n  # type: ignore[attr-defined]
+            if n - r.num_computed_tokens != 1:
                 return 0       # a prefill is going on
-            left = r.params.max_tokens - r.num_output_tokens
+            left = r.params.max_tokens - (n - r.prompt_token_ids.n)  # type: ignore[attr-defined]
             if left < k:
                 k = left
+            # step j computes token n - 1 + j - 1, so it needs ceil((n - 1 + j) / P) pages
+            room.append(len(r.page_table) * P - n + 1)
         if k < 2:
             return 0
         free = self.pool.num_free()
-        if self._pages_needed(k) <= free:
+        if _pages_needed(room, k, P) <= free:
             return k
         lo, hi = 0, k          # the longest run whose pages are all free (no eviction in it)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._pages_needed(mid) <= free:
+            if _pages_needed(room, mid, P) <= free:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
-    def _pages_needed(self, k: int) -> int:
-        """New pages the running decodes need for ``k`` more steps."""
-        P = self.block_tokens
-        need = 0
-        for r in self.scheduler.running:
-            more = -(-(r.num_tokens + k - 1) // P) - len(r.page_table)
-            if more > 0:
-                need += more
-        return need
-
     def _start_run(self, k: int, now: float) -> None:
         running = self.scheduler.running
         prof = self.profile
-        ctx = sum(r.num_tokens for r in running)       # each decode reads its whole context
+        ctx = sum(r.all_token_ids.n for r in running)  # type: ignore[attr-defined]  # each decode reads its context
         tps = prof.decode.tokens_per_step
         a = prof.decode.step_s(len(running), ctx) / tps
         c = prof.decode.per_context_token_s * len(running) / tps
