@@ -30,7 +30,7 @@ from tokenmill.cache.page_pool import PagePool
 from tokenmill.cache.radix import RadixCache
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.request import Request
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.sim.profiles import ReplicaProfile
 
@@ -219,7 +219,7 @@ class SimReplica:
         self.draining = False
         self.version = 0
         self.sessions: dict[str, int] = {}   # session id -> its requests on this replica
-        self.last_output: SchedulerOutput | None = None   # the step planned last (tests read it)
+        self.last_output: SchedulerOutput | None = None   # the step the last event planned
         self._step: SchedulerOutput | None = None          # the step in flight, or
         self._run: _DecodeRun | None = None                # the run of decode steps in flight
         self._busy_until = 0.0
@@ -311,6 +311,7 @@ class SimReplica:
     # ----------------------------------------------------------------- stepping
     def _plan(self, now: float) -> None:
         sched = self.scheduler
+        self.last_output = None
         if not sched.requests:
             return
         if self.fast_forward:
@@ -406,7 +407,6 @@ class SimReplica:
         c = prof.decode.per_context_token_s * len(running) / tps
         run = _DecodeRun(k, now, a, c)
         self._run = run
-        self.last_output = None
         self._busy_until = run.end(k)
         self.busy_s += self._busy_until - now
         self.num_steps += k
