@@ -258,7 +258,7 @@ def test_runs_of_decode_steps_equal_the_steps_one_by_one(kv_pages):
         assert f[3] == s[3]
         assert f[:3] == pytest.approx(s[:3], rel=1e-9, abs=1e-9)
     assert fast_rep.num_steps == slow_rep.num_steps
-    assert fast_events < slow_events * (0.95 if kv_pages == 48 else 0.5)   # runs stood in for steps
+    assert fast_events < slow_events * (0.7 if kv_pages == 48 else 0.5)   # runs stood in for steps
     assert fast_rep.num_preemptions == slow_rep.num_preemptions
     assert fast_rep.busy_s == pytest.approx(slow_rep.busy_s, rel=1e-9)
     assert (fast_rep.prompt_tokens, fast_rep.cached_tokens) == (slow_rep.prompt_tokens, slow_rep.cached_tokens)

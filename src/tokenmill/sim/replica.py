@@ -18,8 +18,11 @@ Time. A step scheduled at ``t`` ends at ``t + step_seconds``; its tokens appear 
 request that arrives meanwhile waits for the next step, as in the engine loop. A run of steps in
 which every running request decodes and nothing else can change (no admission possible, no
 prefill, free pages enough for every step, nobody finishing before the last step) is planned in
-one go; an arrival cuts it at the step then in flight. This is exact: the run does what the same
-steps one by one would do (``fast_forward=False`` turns it off, and the tests compare both).
+one go; an arrival cuts it at the step then in flight. A waiting request whose admission failed
+for want of pages does not stop a run: until a request finishes or arrives, every step's
+admission try repeats the failed one (same candidate, same cache match, nothing left to evict).
+This is exact: a run does what the same steps one by one would do (``fast_forward=False`` turns
+runs off, and the tests compare both).
 """
 from __future__ import annotations
 
@@ -224,6 +227,7 @@ class SimReplica:
         self._run: _DecodeRun | None = None                # the run of decode steps in flight
         self._busy_until = 0.0
         self._wake: float | None = None      # requests arrived while idle: plan a step then
+        self._blocked = False                # the waiting queue's head cannot get its pages
         # totals, for the summary
         self.busy_s = 0.0
         self.num_steps = 0
@@ -279,6 +283,7 @@ class SimReplica:
         """Queue a request routed here; it joins the next step. Returns [] (nothing finishes)."""
         if self._run is not None:
             self._cut_run(now)
+        self._blocked = False
         req.replica_id = self.id
         self.scheduler.add_request(req.make_engine_request(self.block_tokens))
         if req.session_id is not None:
@@ -319,8 +324,14 @@ class SimReplica:
             if k >= 2:
                 self._start_run(k, now)
                 return
+        waiting = len(sched.waiting)
         out = sched.schedule()
         self.last_output = out
+        # Admission was tried and failed for want of pages: the tries of the next steps repeat
+        # it exactly (same candidate, same match, nothing left to evict) until something changes.
+        self._blocked = (waiting > 0 and len(sched.waiting) == waiting and not out.preempted
+                         and len(sched.running) < sched.max_running_requests
+                         and out.num_tokens < sched.max_batch_tokens)
         if out.is_empty:   # nothing can run: only a request that never fits (the fleet checks)
             return
         for s in out.scheduled:
@@ -348,6 +359,7 @@ class SimReplica:
                     self._finish(req, t, done)
 
     def _finish(self, req: Request, t: float, done: list[SimRequest]) -> None:
+        self._blocked = False
         self.scheduler.finish(req, "length")
         sim: SimRequest = req.sim  # type: ignore[attr-defined]
         sim.t_finish = t
@@ -370,7 +382,7 @@ class SimReplica:
         running = sched.running
         if not running or len(running) > sched.max_batch_tokens:
             return 0
-        if sched.waiting and len(running) < sched.max_running_requests:
+        if sched.waiting and len(running) < sched.max_running_requests and not self._blocked:
             return 0           # the next step may admit someone
         k = 1 << 62
         P = self.block_tokens
