@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request, RequestOutput
 from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.step_cost import StepCost
 
 if TYPE_CHECKING:
     from tokenmill.loader import LoadedModel
@@ -59,8 +61,10 @@ class Engine:
         self._init_device()
         self._init_model(loaded)
         self._init_kv()
+        self.step_cost = StepCost(config.decode_slowdown) if config.decode_slowdown else None
         self.scheduler = Scheduler(self.kv, max_batch_tokens=config.max_batch_tokens,
-                                   max_running_requests=config.max_running_requests)
+                                   max_running_requests=config.max_running_requests,
+                                   step_cost=self.step_cost)
         self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
                                   self.vocab_size, device=self.device, kv_spec=self.kv_spec,
                                   attention_backend=config.attention_backend)
@@ -170,7 +174,10 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        t0 = time.perf_counter()
         sampled = self.runner.execute(out)
+        if self.step_cost is not None:
+            self.step_cost.observe(out.num_tokens, time.perf_counter() - t0)
         self.scheduler.post_step(out)
         outputs = [self._process(s.request, s.token_id, s.logprob) for s in sampled]
         self._maybe_check_idle()
