@@ -35,6 +35,7 @@ from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.request import Request
 from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.step_cost import StepCost
 from tokenmill.sim.profiles import ReplicaProfile
 
 _TOKEN_ID_MASK = (1 << 31) - 1
@@ -215,8 +216,9 @@ class SimReplica:
         self.pool = PagePool(num_pages)
         self.cache = RadixCache(self.pool, 1, session_retention_s=session_retention_s, clock=clock)
         self.kv = KVManager(self.pool, block_tokens, self.cache)
+        step_cost = StepCost(profile.decode_slowdown) if profile.decode_slowdown is not None else None
         self.scheduler = Scheduler(self.kv, max_batch_tokens=profile.max_prefill_tokens,
-                                   max_running_requests=profile.max_running_requests)
+                                   max_running_requests=profile.max_running_requests, step_cost=step_cost)
         self.fast_forward = fast_forward
         self.created_at = created_at
         self.draining = False
@@ -226,6 +228,7 @@ class SimReplica:
         self._step: SchedulerOutput | None = None          # the step in flight, or
         self._run: _DecodeRun | None = None                # the run of decode steps in flight
         self._busy_until = 0.0
+        self._step_s = 0.0
         self._wake: float | None = None      # requests arrived while idle: plan a step then
         self._blocked = False                # the waiting queue's head cannot get its pages
         # totals, for the summary
@@ -341,12 +344,15 @@ class SimReplica:
                 sim.cached_tokens = s.request.num_cached_tokens or 0
         dt = step_seconds(self.profile, out)
         self._step = out
+        self._step_s = dt
         self._busy_until = now + dt
         self.busy_s += dt
         self.num_steps += 1
 
     def _complete_step(self, out: SchedulerOutput, t: float, done: list[SimRequest]) -> None:
         self._step = None
+        if self.scheduler.step_cost is not None:   # the engine learns its step time likewise
+            self.scheduler.step_cost.observe(out.num_tokens, self._step_s)
         self.scheduler.post_step(out)
         for s in out.scheduled:
             if s.samples:
@@ -382,8 +388,10 @@ class SimReplica:
         running = sched.running
         if not running or len(running) > sched.max_batch_tokens:
             return 0
-        if sched.waiting and len(running) < sched.max_running_requests and not self._blocked:
-            return 0           # the next step may admit someone
+        if sched.waiting and len(running) < sched.max_running_requests and (
+                not self._blocked or sched.step_cost is not None):
+            return 0           # the next step may admit someone (with a step-cost bound, the
+            #                    prefill budget of each try moves with the fit: try every step)
         k = 1 << 62
         P = self.block_tokens
         room: list[int] = []   # tokens each request can still add before it needs a new page
@@ -450,6 +458,11 @@ class SimReplica:
         t1 = run.end(1)
         t = run.end(k)
         finished: list[Request] = []
+        sc = self.scheduler.step_cost
+        if sc is not None:
+            b = len(self.scheduler.running)
+            for j in range(k):
+                sc.observe(b, run.a + run.c * j)
         for r in self.scheduler.running:
             ok = kv.allocate(r, r.num_computed_tokens + k)
             assert ok, "a decode run was planned without the pages for it"
