@@ -12,10 +12,10 @@ Life of a request's pages::
                 switches to the canonical page ids and its lock moves to the deeper node
     leaving     release(): cache_computed() once more, unlock, free the request-only tail
 
-Cache keys come from :meth:`Request.cache_key`: the request's token ids, in a cache whose
-``page_size`` is this manager's (the engine). A request may instead key each page by one element
-(the fleet simulator keys a page by its block id), in a cache of ``page_size`` 1; matches are
-counted in pages either way, so the two behave alike.
+Cache keys come from :meth:`Request.cache_key`: by default the request's own token ids, in a
+cache whose ``page_size`` is this manager's (the engine). A request may instead key each page by
+one element (the fleet simulator keys a page by its block id), in a cache of ``page_size`` 1;
+the manager counts matches in pages either way, so the two behave alike.
 
 Invariant (checked by :meth:`KVManager.check`):
 ``pool.num_free() + cache.num_cached_pages + sum(request-only pages) == pool.num_pages``.
@@ -71,7 +71,8 @@ class KVManager:
         """
         if self.cache is None or req.page_table:
             return 0
-        m = self.cache.match_prefix(req.cache_key((req.num_tokens - 1) // self.page_size, self.page_size))
+        n = (req.num_tokens - 1) // self.page_size * self.cache.page_size  # key elements
+        m = self.cache.match_prefix(req.cache_key(n)[:n])
         if not m.pages:
             return 0
         self.cache.lock(m.node)
@@ -86,8 +87,9 @@ class KVManager:
         leaves cache recency alone (for cache-aware admission)."""
         if self.cache is None or req.page_table:
             return 0
-        key = req.cache_key((req.num_tokens - 1) // self.page_size, self.page_size)
-        return len(self.cache.match_prefix(key, touch=False).pages) * self.page_size
+        per_page = self.cache.page_size
+        n = (req.num_tokens - 1) // self.page_size * per_page
+        return self.cache.cached_prefix_length(req.cache_key(n), n) // per_page * self.page_size
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grow ``req.page_table`` to hold ``num_tokens`` tokens, evicting cached pages if needed.
@@ -113,8 +115,8 @@ class KVManager:
         full = req.num_computed_tokens // self.page_size
         if full <= req.num_tree_pages:
             return
-        res = self.cache.insert(req.cache_key(full, self.page_size), req.page_table[:full],
-                                session_id=req.session_id)
+        n = full * self.cache.page_size
+        res = self.cache.insert(req.cache_key(n)[:n], req.page_table[:full], session_id=req.session_id)
         req.page_table[:full] = res.pages
         self.cache.lock(res.node)
         if req.cache_node is not None:

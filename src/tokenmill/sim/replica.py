@@ -63,10 +63,11 @@ class SimTokenIds(Sequence[int]):
         self.n += k
 
     def page_keys(self, num_pages: int) -> list[Any]:
+        """The keys of (at least) the first ``num_pages`` pages, in place."""
         keys = self.keys
         if num_pages > len(keys):   # pages the caller gave no key: unique to this request
             keys.extend((self.uid, j) for j in range(len(keys), num_pages))
-        return keys[:num_pages]
+        return keys
 
     def _token(self, i: int) -> int:
         page = i // self.page_tokens
@@ -95,8 +96,8 @@ class SimEngineRequest(Request):
 
     sim: SimRequest
 
-    def cache_key(self, num_pages: int, page_size: int) -> Sequence[Any]:
-        return self.all_token_ids.page_keys(num_pages)  # type: ignore[attr-defined, no-any-return]
+    def cache_key(self, num_elements: int) -> Sequence[Any]:
+        return self.all_token_ids.page_keys(num_elements)  # type: ignore[attr-defined, no-any-return]
 
 
 class SimRequest:
