@@ -96,6 +96,19 @@ class SimEngineRequest(Request):
 
     sim: SimRequest
 
+    # The scheduler reads these every step: straight from the counters, same values as the base.
+    @property
+    def num_tokens(self) -> int:
+        return self.all_token_ids.n  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.all_token_ids.n - self.num_computed_tokens  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.all_token_ids.n - self.prompt_token_ids.n  # type: ignore[attr-defined, no-any-return]
+
     def cache_key(self, num_elements: int) -> Sequence[Any]:
         return self.all_token_ids.page_keys(num_elements)  # type: ignore[attr-defined, no-any-return]
 
