@@ -103,6 +103,7 @@ class FleetSimulator:
         self._progress = progress
         self._trace: list[Any] = []
         self.moved_kinds: dict[str, int] = {}
+        self._gone_preemptions = 0               # of replicas drained and removed
         shared = config.workload.shared_prompt_tokens if config.workload is not None else 0
         self._shared_blocks = shared // self.block
 
@@ -145,6 +146,7 @@ class FleetSimulator:
 
     def _maybe_remove(self, rep: SimReplica) -> None:
         if rep.draining and rep.idle and rep.id in self.replicas:
+            self._gone_preemptions += rep.num_preemptions
             del self.replicas[rep.id]
             del self.views[rep.id]
 
@@ -402,6 +404,7 @@ class FleetSimulator:
             bar.close()
         self.now = cfg.duration_s
         summary = summarise(self.rec, cfg.duration_s, sum(1 for r in self.replicas.values() if not r.draining))
+        summary["preemptions"] = self._gone_preemptions + sum(r.num_preemptions for r in self.replicas.values())
         summary["scale_events"] = [r.to_dict() for r in self.scale_records]
         summary["decisions"] = dict(sorted(self.policy.counters.items()))
         summary["config"] = self.describe()
