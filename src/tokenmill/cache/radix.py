@@ -125,6 +125,7 @@ class RadixCache:
         # Protected leaves put aside by evict, keyed by the time their protection ends (it can
         # only be extended later), so that tier 1 does not walk over them again on every call.
         self._deferred: list[tuple[float, tuple[int, int, RadixNode]]] = []
+        self._evicting = False
         self._num_nodes = 0  # non-root
         self._num_locks = 0  # outstanding lock() calls on non-root nodes
         self.num_cached_pages = 0
@@ -267,6 +268,16 @@ class RadixCache:
         """
         if num_pages <= 0:
             return 0
+        self._evicting = True      # no heap rebuild under the loops below (they hold the heaps)
+        try:
+            freed = self._evict(num_pages)
+        finally:
+            self._evicting = False
+        if len(self._heap) + len(self._deferred) > 4 * self._num_nodes + 64:
+            self._rebuild_heap()
+        return freed
+
+    def _evict(self, num_pages: int) -> int:
         now = self._clock()
         freed = 0
         heap = self._heap
@@ -440,7 +451,7 @@ class RadixCache:
 
     def _push(self, node: RadixNode) -> None:
         heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
-        if len(self._heap) + len(self._deferred) > 4 * self._num_nodes + 64:
+        if not self._evicting and len(self._heap) + len(self._deferred) > 4 * self._num_nodes + 64:
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
