@@ -15,8 +15,9 @@ A profile is a small JSON document. The simulator reads four things from it:
 
       decode_step_s(B, C) = fixed_s + per_request_s * B + per_context_token_s * C
 
-  A step that also carries a prefill chunk costs ``decode_step_s + prefill_chunk_s``: this is how
-  the batch enters the prefill time, and how prefill slows down the decodes beside it.
+  A step that also carries prefill chunks costs ``decode_step_s`` plus the chunks (the prefill
+  ``fixed_s`` once): this is how the batch enters the prefill time, and how prefill slows down
+  the decodes beside it (``sim.replica.step_seconds``).
 - **kv_capacity_tokens**: the KV pool, in tokens; ``page_size`` its page.
 - **max_running_requests** and **max_prefill_tokens** (the engine's per-step token budget: the
   chunk size of chunked prefill, shared with the decodes of the step).
