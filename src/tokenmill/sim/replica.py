@@ -346,9 +346,11 @@ class SimReplica:
         self.last_output = out
         # Admission was tried and failed for want of pages: the tries of the next steps repeat
         # it exactly (same candidate, same match, nothing left to evict) until something changes.
+        # (With a prefill running the try may instead have been held for a shared prefill.)
         self._blocked = (waiting > 0 and len(sched.waiting) == waiting and not out.preempted
                          and len(sched.running) < sched.max_running_requests
-                         and out.num_tokens < sched.max_batch_tokens)
+                         and out.num_tokens < sched.max_batch_tokens
+                         and all(s.num_tokens == 1 for s in out.scheduled))
         if out.is_empty:   # nothing can run: only a request that never fits (the fleet checks)
             return
         for s in out.scheduled:
