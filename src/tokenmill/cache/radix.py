@@ -175,10 +175,13 @@ class RadixCache:
             if child is None:
                 break
             ck, klen = child.key, len(child.key)
-            m = P
             limit_here = min(klen, n - pos)
-            while m < limit_here and tuple(tokens[pos + m:pos + m + P]) == ck[m:m + P]:
-                m += P
+            if tuple(tokens[pos:pos + limit_here]) == ck[:limit_here]:   # the usual case: one compare
+                m = limit_here
+            else:
+                m = P
+                while m < limit_here and tuple(tokens[pos + m:pos + m + P]) == ck[m:m + P]:
+                    m += P
             pos += m
             if m < klen:
                 break
