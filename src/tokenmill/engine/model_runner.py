@@ -3,7 +3,9 @@
 :meth:`ModelRunner.execute` turns a :class:`~tokenmill.engine.scheduler.SchedulerOutput` into a
 :class:`~tokenmill.layers.attention.ForwardBatch` (sequences concatenated in scheduling order),
 runs the model over the paged KV cache, and samples one token for each request whose step
-reaches the end of its tokens. Logits are computed only for those rows.
+reaches the end of its tokens. Logits are computed only for those rows, plus the prompt rows of
+requests that ask for prompt logprobs (engine/prompt_logprobs.py). Rows of constrained requests
+are masked by their grammar before sampling (engine/structured.py).
 """
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from tokenmill.engine.prompt_logprobs import PromptRows, plan_prompt_rows, record_prompt_logprobs
 from tokenmill.engine.request import Request, TokenLogprob, TopLogprob
 from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.engine.structured import apply_grammar_masks
 from tokenmill.layers.attention import ForwardBatch, allocate_kv_cache
 from tokenmill.layers.sampling import Sampler, SamplingInputs
 
@@ -36,6 +40,7 @@ class ModelRunner:
         self.kv_spec = model.kv_cache_spec()
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_pages, page_size, device=self.device)
         self.sampler = Sampler(seed)
+        self.prompt_rows: list[PromptRows] = []
 
     def make_generator(self, seed: int | None) -> torch.Generator | None:
         """A request's own random stream (seeded requests only; others share the sampler's)."""
@@ -46,7 +51,11 @@ class ModelRunner:
         return g
 
     def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
-        """The step's ForwardBatch, and the requests that sample (in logits-row order)."""
+        """The step's ForwardBatch, and the requests that sample (in logits-row order).
+
+        Logit rows: one per sampling request first, then the prompt-logprob rows of
+        ``self.prompt_rows`` (set here for :meth:`execute`).
+        """
         ps = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -70,6 +79,8 @@ class ModelRunner:
             if s.samples:
                 logit_rows.append(q_start[-1] - 1)
                 samplers.append(req)
+        extra_rows, self.prompt_rows = plan_prompt_rows(out.scheduled, q_start)
+        logit_rows.extend(extra_rows)
         width = max(len(t) for t in tables)
         dev = self.device
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
@@ -96,8 +107,12 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         batch, samplers = self.build_batch(out)
         logits = self.model(batch, self.kv_caches)
+        if self.prompt_rows:
+            record_prompt_logprobs(logits[len(samplers):], self.prompt_rows)
+            logits = logits[:len(samplers)]
         if not samplers:
             return []
+        logits = apply_grammar_masks(logits, samplers)
         inputs = SamplingInputs(
             params=[r.params for r in samplers],
             prompt_token_ids=[r.prompt_token_ids for r in samplers],

@@ -65,12 +65,16 @@ class Request:
     logprobs: list[TokenLogprob] | None = None
     generator: Any = None             # the request's random stream (owned by the model runner)
     detokenizer: Any = None           # incremental detokenizer (owned by the engine)
+    grammar: Any = None               # GrammarState of a constrained request (engine/structured.py)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, first is None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -112,3 +116,4 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs only
