@@ -31,6 +31,7 @@ from tokenmill.server.serving_chat import create_chat_completion
 from tokenmill.server.protocol_anthropic import anthropic_error_body
 from tokenmill.server.serving_completions import create_completion
 from tokenmill.server.serving_messages import count_tokens, create_message
+from tokenmill.server.serving_responses import create_response, delete_response, retrieve_response
 from tokenmill.session import RESPONSE_HEADER, extract_session_id
 
 logger = logging.getLogger("tokenmill.server")
@@ -98,6 +99,20 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> Response:
         return await run_generation(request, count_tokens, anthropic=True)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await run_generation(request, create_response)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        check_auth(request)
+        return await retrieve_response(state, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(request: Request, response_id: str) -> Response:
+        check_auth(request)
+        return await delete_response(state, response_id)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -21,6 +21,7 @@ from tokenmill.engine.sampling_params import SamplingParams, StructuredOutputs
 from tokenmill.server.errors import APIError, bad_request, from_validation_error
 from tokenmill.server.metrics import RequestTimer, ServerMetrics
 from tokenmill.server.protocol import SamplingFields, context_error
+from tokenmill.server.protocol_responses import ResponseStore
 from tokenmill.server.tool_parser import HermesToolParser, get_tool_parser
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class ServerConfig:
     tool_call_parser: str | None = None
     chat_template: str | None = None     # Jinja text overriding the tokenizer's template
     shutdown_grace_s: float = 30.0
+    max_stored_responses: int = 1024     # Responses API store (previous_response_id)
 
     def __post_init__(self) -> None:
         if not self.served_model_names or any(not n for n in self.served_model_names):
@@ -54,6 +56,8 @@ class ServerConfig:
             raise ValueError("api_key must not be empty")
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # raises on an unknown name
+        if self.max_stored_responses < 0:
+            raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 
@@ -72,6 +76,7 @@ class ServerState:
     max_model_len: int
     metrics: ServerMetrics
     tool_parser: HermesToolParser | None = None
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(1024))
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     _grammar_compiler: Any = None
 
@@ -99,6 +104,7 @@ class ServerState:
             max_model_len=int(engine.engine.max_model_len),
             metrics=ServerMetrics(config.model_name, prefix_cache_enabled=prefix_cache_enabled),
             tool_parser=get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None,
+            responses=ResponseStore(config.max_stored_responses),
         )
 
     @property
