@@ -10,7 +10,7 @@ import torch
 
 from engine_oracle import hf_logits, random_prompts
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.sampling_params import StructuredOutputs
+from tokenmill.contracts.sampling import StructuredOutputs
 from tokenmill.engine.structured import GrammarError
 
 SCHEMA = {

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from tokenmill.engine.engine import Engine, EngineStats
     from tokenmill.engine.request import RequestOutput
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.contracts.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.request import Request, RequestOutput, RequestStatus
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.structured import GrammarCompiler, GrammarWaitRoom
 
@@ -58,12 +58,14 @@ class Engine:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        self._init_device()
         self._init_model(loaded)
         self._init_kv()
         self.scheduler = Scheduler(self.kv, max_batch_tokens=config.max_batch_tokens,
                                    max_running_requests=config.max_running_requests)
         self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
-                                  self.vocab_size)
+                                  self.vocab_size, device=self.device, kv_spec=self.kv_spec,
+                                  attention_backend=config.attention_backend)
         self.generation_tokens_total = 0
         self._arrivals = 0
         self._grammar_compiler: GrammarCompiler | None = None
@@ -71,6 +73,17 @@ class Engine:
         self._compiling = GrammarWaitRoom()
 
     # -- construction ----------------------------------------------------------------------------
+    def _init_device(self) -> None:
+        device = torch.device(self.config.device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.config.device!r} was asked for, but this torch build "
+                                 f"({torch.__version__}) sees no CUDA device")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(f"device {self.config.device!r} does not exist: "
+                                 f"{torch.cuda.device_count()} CUDA device(s) visible")
+        self.device = device
+
     def _init_model(self, loaded: LoadedModel | None) -> None:
         dtype = getattr(torch, self.config.dtype)
         if loaded is None:
@@ -90,7 +103,11 @@ class Engine:
 
     def _init_kv(self) -> None:
         cfg = self.config
-        bytes_per_token = self.loaded.model.kv_cache_spec().bytes_per_token()
+        spec = self.loaded.model.kv_cache_spec()
+        if cfg.kv_cache_dtype != "auto":
+            spec = spec.with_dtype(cfg.kv_cache_dtype)
+        self.kv_spec = spec
+        bytes_per_token = spec.bytes_per_token()
         if cfg.kv_cache_tokens is not None:
             tokens = cfg.kv_cache_tokens
         elif cfg.kv_cache_memory_gib is not None:
@@ -110,7 +127,8 @@ class Engine:
 
             cache = RadixCache(pool, cfg.page_size, session_retention_s=cfg.session_retention_s)
         self.kv = KVManager(pool, cfg.page_size, cache)
-        log.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages, cfg.page_size,
+        log.info("KV cache: %s, %d B/token, %d pages of %d tokens = %d tokens (%.2f GiB)", spec.dtype,
+                 bytes_per_token, num_pages, cfg.page_size, num_pages * cfg.page_size,
                  num_pages * cfg.page_size * bytes_per_token / 2**30)
 
     # -- requests --------------------------------------------------------------------------------

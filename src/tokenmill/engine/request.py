@@ -23,7 +23,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.contracts.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):

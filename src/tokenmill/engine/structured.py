@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokenmill.engine.sampling_params import StructuredOutputs
+from tokenmill.contracts.sampling import StructuredOutputs
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request

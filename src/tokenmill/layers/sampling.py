@@ -9,7 +9,7 @@ change shifts the cumulative sum across a bucket edge, the race only changes whe
 near-tied candidates swap. So a seeded request gives the same tokens when its logits differ in
 the last bits: prefilled after a prefix-cache hit, or in a batch of another shape.
 
-Processing order (see :mod:`tokenmill.engine.sampling_params` for the user-facing semantics):
+Processing order (see :mod:`tokenmill.contracts.sampling` for the user-facing semantics):
 penalties -> temperature (0: greedy) -> [logprobs taken here] -> top-k -> top-p -> min-p -> draw.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.contracts.sampling import SamplingParams
 
 
 class SamplingInputs(NamedTuple):
@@ -112,8 +112,8 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 class Sampler:
     """Chooses one token per row of ``logits`` ([B, vocab], fp32)."""
 
-    def __init__(self, seed: int | None = None) -> None:
-        self.generator = torch.Generator()
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device)
         if seed is None:
             self.generator.seed()
         else:

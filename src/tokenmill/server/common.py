@@ -17,7 +17,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineStepError, EngineStoppedError
-from tokenmill.engine.sampling_params import SamplingParams, StructuredOutputs
+from tokenmill.contracts.sampling import SamplingParams, StructuredOutputs
 from tokenmill.server.errors import APIError, bad_request, from_validation_error
 from tokenmill.server.metrics import RequestTimer, ServerMetrics
 from tokenmill.server.protocol import SamplingFields, context_error

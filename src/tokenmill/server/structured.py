@@ -16,7 +16,7 @@ import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.engine.sampling_params import StructuredOutputs
+from tokenmill.contracts.sampling import StructuredOutputs
 from tokenmill.server.errors import APIError, bad_request
 
 if TYPE_CHECKING:

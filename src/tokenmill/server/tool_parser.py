@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from tokenmill.engine.sampling_params import StructuredOutputs
+from tokenmill.contracts.sampling import StructuredOutputs
 
 START = "<tool_call>"
 END = "</tool_call>"
