@@ -16,7 +16,7 @@ from tokenmill.utils.proc import ServiceProcess
 SYSTEM = ("You are a careful assistant for a travel agency. Answer briefly, use the tools when they help, "
           "and never invent facts about the weather in any city.")
 WEATHER = {"name": "get_weather", "description": "current weather of a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,10}$"}},
                             "required": ["city"], "additionalProperties": False}}
 
 
@@ -64,7 +64,7 @@ def test_message_stream_event_sequence(claude: anthropic.Anthropic) -> None:
 def test_tool_use_round_trip_and_cache_read(claude: anthropic.Anthropic) -> None:
     session = uuid.uuid4().hex
     turn1 = _user(f"What is the weather in Paris? ({session})")
-    first = claude.messages.create(model=MODEL_NAME, max_tokens=60, system=SYSTEM, messages=turn1, tools=[WEATHER],
+    first = claude.messages.create(model=MODEL_NAME, max_tokens=100, system=SYSTEM, messages=turn1, tools=[WEATHER],
                                    tool_choice={"type": "any"}, metadata={"user_id": session})
     assert first.stop_reason == "tool_use"
     uses = [b for b in first.content if b.type == "tool_use"]
@@ -85,7 +85,7 @@ def test_tool_use_round_trip_and_cache_read(claude: anthropic.Anthropic) -> None
 
 
 def test_named_tool_streams_input_json(claude: anthropic.Anthropic) -> None:
-    with claude.messages.stream(model=MODEL_NAME, max_tokens=60, messages=_user(), tools=[WEATHER],
+    with claude.messages.stream(model=MODEL_NAME, max_tokens=100, messages=_user(), tools=[WEATHER],
                                 tool_choice={"type": "tool", "name": "get_weather"}) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use"

@@ -15,7 +15,7 @@ from tokenmill.server.protocol_responses import ResponseStore, StoredResponse
 INSTRUCTIONS = ("You are the build assistant of a large monorepo. Keep answers short, call tools for facts about "
                 "files, and never guess the contents of a file you have not read.")
 READ_FILE = {"type": "function", "name": "read_file", "description": "read a file",
-             "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 12}},
+             "parameters": {"type": "object", "properties": {"path": {"type": "string", "pattern": "^[a-z./]{1,12}$"}},
                             "required": ["path"], "additionalProperties": False}}
 
 
@@ -68,7 +68,7 @@ def test_stream_event_sequence(client: openai.OpenAI) -> None:
 
 def test_function_call_round_trip(client: openai.OpenAI) -> None:
     first = client.responses.create(model=MODEL_NAME, instructions=INSTRUCTIONS, input=_q(), tools=[READ_FILE],
-                                    tool_choice="required", max_output_tokens=60, parallel_tool_calls=False)
+                                    tool_choice="required", max_output_tokens=100, parallel_tool_calls=False)
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "read_file" and calls[0].status == "completed"
     jsonschema.validate(json.loads(calls[0].arguments), READ_FILE["parameters"])
@@ -78,7 +78,7 @@ def test_function_call_round_trip(client: openai.OpenAI) -> None:
         max_output_tokens=4)
     assert second.usage.input_tokens_details.cached_tokens > 0
     events = list(client.responses.create(
-        model=MODEL_NAME, input=_q(), tools=[READ_FILE], stream=True, max_output_tokens=60,
+        model=MODEL_NAME, input=_q(), tools=[READ_FILE], stream=True, max_output_tokens=100,
         tool_choice={"type": "function", "name": "read_file"}))
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert done and json.loads(done[0].arguments)["path"] is not None

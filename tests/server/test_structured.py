@@ -20,7 +20,7 @@ SCHEMA = {
     "properties": {
         "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
         "days": {"type": "integer", "minimum": 1, "maximum": 9},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{0,4}$"}, "maxItems": 2},
     },
     "required": ["city", "days", "tags"],
     "additionalProperties": False,
@@ -28,7 +28,7 @@ SCHEMA = {
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
                                                     "unit": {"enum": ["c", "f"]}},
                    "required": ["city", "unit"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {
@@ -92,7 +92,7 @@ def test_bad_constraints_get_400_naming_the_problem(http: httpx.Client, body: di
 def test_required_tool_call_parses_every_time(client: openai.OpenAI) -> None:
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     for seed in range(4):
-        resp = client.chat.completions.create(model=MODEL_NAME, messages=_msgs(), max_tokens=120, seed=seed,
+        resp = client.chat.completions.create(model=MODEL_NAME, messages=_msgs(), max_tokens=100, seed=seed,
                                               tools=[WEATHER, TIME], tool_choice="required",
                                               parallel_tool_calls=False)
         choice = resp.choices[0]
@@ -104,7 +104,7 @@ def test_required_tool_call_parses_every_time(client: openai.OpenAI) -> None:
 
 def test_named_tool_call_streams_deltas(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
-        model=MODEL_NAME, messages=_msgs(), max_tokens=120, seed=7, stream=True, tools=[WEATHER, TIME],
+        model=MODEL_NAME, messages=_msgs(), max_tokens=100, seed=7, stream=True, tools=[WEATHER, TIME],
         tool_choice={"type": "function", "function": {"name": "get_time"}})
     calls, finish = [], None
     for chunk in stream:
@@ -123,15 +123,21 @@ def test_auto_tool_choice_stays_unconstrained(client: openai.OpenAI) -> None:
     assert resp.choices[0].finish_reason == "length"   # nothing forced a call or an end
 
 
-def test_constrained_and_plain_requests_share_the_batch(async_client: openai.AsyncOpenAI) -> None:
+def test_constrained_and_plain_requests_share_the_batch(server) -> None:
     async def run() -> list:
+        # a client of this event loop (a session-wide async client would outlive the loop)
+        async_client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
+                                          timeout=120)
         plain = [async_client.chat.completions.create(model=MODEL_NAME, messages=_msgs(), max_tokens=12,
                                                       temperature=0, extra_body={"ignore_eos": True})
                  for _ in range(3)]
         fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA}}
         constrained = [async_client.chat.completions.create(model=MODEL_NAME, messages=_msgs(), max_tokens=80,
                                                             seed=s, response_format=fmt) for s in range(3)]
-        return await asyncio.gather(*plain, *constrained)
+        try:
+            return await asyncio.gather(*plain, *constrained)
+        finally:
+            await async_client.close()
 
     results = asyncio.run(run())
     for r in results[:3]:

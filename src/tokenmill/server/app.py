@@ -8,7 +8,8 @@ Routes (see docs/server.md):
 
 Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status
 (``{"type": "error", "error": {"type", "message"}}`` on the Anthropic routes); no client input
-can stop the server. The API key is accepted as ``Authorization: Bearer`` or ``x-api-key``. Handlers never call the engine directly: they go through
+can stop the server. The API key is accepted as ``Authorization: Bearer`` or ``x-api-key``.
+Handlers never call the engine directly: they go through
 the :class:`~tokenmill.engine.async_engine.AsyncEngine` in ``ServerState``.
 """
 from __future__ import annotations

@@ -162,7 +162,8 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
             if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
                 raise bad_request('output_config.format must be {"type": "json_schema", "schema": {...}}',
                                   "output_config.format")
-            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "output", "schema": fmt["schema"]}}
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValueError as e:
