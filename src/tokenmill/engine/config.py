@@ -43,6 +43,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     device: str = "cpu"              # torch device the model runner owns ("cpu", "cuda", "cuda:1")
     kv_cache_dtype: str = "auto"     # storage dtype of the KV pool; auto = the model's dtype
     attention_backend: str = "auto"  # see tokenmill.layers.attention.select_attention_backend
+    decode_slowdown: float | None = 2.0  # bound on a decode step's time while prefill shares it
+                                          # (x the decodes-only step; None: prefill fills the step)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -68,6 +70,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.decode_slowdown is not None and not self.decode_slowdown > 1.0:
+            raise ValueError(f"decode_slowdown must be > 1 (or None to turn the bound off), got {self.decode_slowdown}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
