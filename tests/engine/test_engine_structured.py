@@ -133,3 +133,41 @@ def test_prompt_logprobs_match_hf(tiny_llama, chunk: int) -> None:
             top = ref_lp[p].topk(3)
             assert [t.token_id for t in e.top_logprobs] == top.indices.tolist()
             assert torch.allclose(torch.tensor([t.logprob for t in e.top_logprobs]), top.values, atol=1e-4)
+
+
+def test_a_compiling_grammar_does_not_hold_up_the_batch(tiny_llama) -> None:
+    import threading
+
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.engine import Engine
+
+    lm, _ = tiny_llama
+    engine = Engine(EngineConfig(kv_cache_tokens=2048, debug_checks=True), loaded=lm)
+    compiler = engine.grammar_compiler
+    gate = threading.Event()
+    compiler._pool.submit(gate.wait)   # occupy the compile worker: the next compile has to wait
+    prompts = random_prompts([6, 6], seed=9)
+    engine.add_request("free", prompts[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    engine.add_request("bound", prompts[1], _params(StructuredOutputs("regex", r"q{2,4}"), temperature=0))
+    progressed = []
+    for _ in range(5):
+        progressed += [o.request_id for o in engine.step()]
+    assert progressed == ["free"] * 5          # the free request ran to its end meanwhile
+    assert engine.has_unfinished_requests()    # the constrained one is still waiting for its grammar
+    gate.set()
+    final = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            final[o.request_id] = o
+    assert final["bound"].finish_reason == "stop" and re.fullmatch(r"q{2,4}", final["bound"].text)
+
+
+def test_constrained_requests_survive_preemption(tiny_llama) -> None:
+    lm, _ = tiny_llama
+    llm = LLM(loaded=lm, kv_cache_tokens=256, max_batch_tokens=64, debug_checks=True)
+    spec = StructuredOutputs.json(SCHEMA)
+    outs = llm.generate(random_prompts([40, 44, 48, 52], seed=10),
+                        [_params(spec, seed=i, max_tokens=60) for i in range(4)])
+    assert llm.engine.num_preemptions > 0
+    for out in outs:
+        jsonschema.validate(json.loads(out.text), SCHEMA)

@@ -1,6 +1,7 @@
 """Structured outputs on the default model (SmolLM2-135M-Instruct from its GGUF, real loader):
 50 prompts x 5 schemas sent concurrently through the openai client; every output must parse and
-validate with jsonschema."""
+validate with jsonschema. The same server (started without --tool-call-parser) answers forced
+tool calls in the default hermes format."""
 from __future__ import annotations
 
 import asyncio
@@ -59,6 +60,11 @@ SCHEMAS = {
     },
 }
 
+TOOL = {"type": "function", "function": {"name": "lookup", "description": "look a topic up", "parameters": {
+    "type": "object", "properties": {"topic": {"type": "string", "maxLength": 24},
+                                     "limit": {"type": "integer", "minimum": 1, "maximum": 5}},
+    "required": ["topic", "limit"], "additionalProperties": False}}}
+
 TOPICS = ["a baker", "a pilot", "a cat", "a chess club", "a bug report", "the weather", "a bicycle", "a lighthouse",
           "a coffee order", "a library", "a rocket launch", "a garden", "a train ride", "a football match",
           "a pizza", "a violin", "a hospital visit", "a mountain hike", "a code review", "a birthday party"]
@@ -84,13 +90,24 @@ def test_50_prompts_x_5_schemas_all_validate(tmp_path: Path) -> None:
                 response_format=fmt)
             return prompt, name, r.choices[0].message.content or "", r.choices[0].finish_reason
 
-        async def run() -> list[tuple[str, str, str, str | None]]:
+        async def call(prompt: str) -> openai.types.chat.ChatCompletion:
+            return await client.chat.completions.create(
+                model=DEFAULT_MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=96, temperature=0,
+                tools=[TOOL], tool_choice="required")
+
+        async def run() -> tuple[list[tuple[str, str, str, str | None]], list[openai.types.chat.ChatCompletion]]:
             try:
-                return await asyncio.gather(*(one(p, n) for p in _prompts() for n in SCHEMAS))
+                calls = asyncio.gather(*(call(p) for p in _prompts()[:5]))
+                return await asyncio.gather(*(one(p, n) for p in _prompts() for n in SCHEMAS)), await calls
             finally:
                 await client.close()
 
-        results = asyncio.run(run())
+        results, tool_results = asyncio.run(run())
+    for r in tool_results:
+        assert r.choices[0].finish_reason == "tool_calls", r
+        for c in r.choices[0].message.tool_calls:
+            assert c.function.name == "lookup"
+            jsonschema.validate(json.loads(c.function.arguments), TOOL["function"]["parameters"])
     assert len(results) == 250
     failures = []
     for prompt, name, text, finish in results:
