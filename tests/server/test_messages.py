@@ -61,6 +61,21 @@ def test_message_stream_event_sequence(claude: anthropic.Anthropic) -> None:
         assert "content_block_delta" in raw
 
 
+def test_stop_sequence(claude: anthropic.Anthropic) -> None:
+    msgs = _user()
+    free = claude.messages.create(model=MODEL_NAME, max_tokens=12, messages=msgs,
+                                  extra_body={"temperature": 0, "ignore_eos": True})
+    text = free.content[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assume = stop.strip() and text.find(stop) == len(text) // 2
+    if not assume:
+        pytest.skip(f"no clean stop sequence in {text!r}")
+    cut = claude.messages.create(model=MODEL_NAME, max_tokens=12, messages=msgs, stop_sequences=[stop],
+                                 extra_body={"temperature": 0})
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[:len(text) // 2]
+
+
 def test_tool_use_round_trip_and_cache_read(claude: anthropic.Anthropic) -> None:
     session = uuid.uuid4().hex
     turn1 = _user(f"What is the weather in Paris? ({session})")

@@ -37,6 +37,13 @@ def test_create_and_retrieve(client: openai.OpenAI) -> None:
         client.responses.retrieve(resp.id)
 
 
+def test_store_false_is_not_kept(client: openai.OpenAI) -> None:
+    resp = client.responses.create(model=MODEL_NAME, input=_q(), max_output_tokens=2, store=False)
+    assert resp.status in ("completed", "incomplete")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(resp.id)
+
+
 def test_two_turns_through_previous_response_id_hit_the_cache(client: openai.OpenAI) -> None:
     first = client.responses.create(model=MODEL_NAME, instructions=INSTRUCTIONS, input=_q(), max_output_tokens=5,
                                     temperature=0, extra_body={"ignore_eos": True})
