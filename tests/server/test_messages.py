@@ -53,6 +53,9 @@ def test_message_stream_event_sequence(claude: anthropic.Anthropic) -> None:
     text = "".join(b.text for b in final.content if b.type == "text")
     assert text == "".join(b.text for b in full.content if b.type == "text")
     assert final.stop_reason == full.stop_reason and final.usage.output_tokens == full.usage.output_tokens
+    forced = claude.messages.create(model=MODEL_NAME, max_tokens=8, messages=msgs,
+                                    extra_body={"ignore_eos": True, "seed": 5})
+    assert forced.stop_reason == "max_tokens" and forced.usage.output_tokens == 8
     raw = [k for k in kinds if k in ("message_start", "content_block_start", "content_block_delta",
                                      "content_block_stop", "message_delta", "message_stop")]
     assert raw[0] == "message_start" and raw[-2:] == ["message_delta", "message_stop"]

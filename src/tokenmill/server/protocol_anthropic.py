@@ -76,6 +76,11 @@ class MessagesRequest(CountTokensRequest):
     stream: StrictBool = False
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None   # {"format": {"type": "json_schema", "schema": {...}}}
+    # tokenmill extensions, as on chat completions
+    seed: int | None = None
+    min_p: float = 0.0
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
 
 
 def _text_of(blocks: StrictStr | list[Any] | None, where: str) -> str:
@@ -156,7 +161,8 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
             body["parallel_tool_calls"] = False
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                    top_k=req.top_k or 0, stop=req.stop_sequences or None)
+                    top_k=req.top_k or 0, stop=req.stop_sequences or None, seed=req.seed, min_p=req.min_p,
+                    ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids)
         fmt = (req.output_config or {}).get("format")
         if fmt is not None:
             if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
