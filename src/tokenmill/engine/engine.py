@@ -314,7 +314,7 @@ class Engine:
         pool = self.kv.pool
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_waiting=len(s.waiting) + len(self._compiling),   # incl. grammars still compiling
             kv_pages_total=pool.num_pages,
             kv_pages_free=pool.num_free(),
             kv_cache_usage=self.kv.usage(),
