@@ -238,6 +238,10 @@ class AsyncEngine:
                     self._wake.wait()
         self._abort_all(EngineStoppedError("the engine shut down before the request finished"))
         self._drain_inbox()
+        try:
+            engine.close()   # flush queued L3 writes
+        except Exception:  # noqa: BLE001
+            logger.exception("closing the engine failed")
         self._refresh_stats()
 
     def _drain_inbox(self) -> bool:

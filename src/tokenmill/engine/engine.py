@@ -44,6 +44,7 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions: int = 0
     kv_pages_cached: int = 0
+    tiers: Any = None               # cache.tiers.TierStats when lower tiers are configured
 
     @property
     def cache_hit_rate(self) -> float:
@@ -64,6 +65,7 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
                                   self.vocab_size, device=self.device, kv_spec=self.kv_spec,
                                   attention_backend=config.attention_backend)
+        self._init_tiers()
         self.generation_tokens_total = 0
         self._arrivals = 0
 
@@ -126,6 +128,12 @@ class Engine:
                  bytes_per_token, num_pages, cfg.page_size, num_pages * cfg.page_size,
                  num_pages * cfg.page_size * bytes_per_token / 2**30)
 
+    def _init_tiers(self) -> None:
+        from tokenmill.engine.kv_tiers import build_tiers
+
+        self.tiers = build_tiers(self.config, self.runner, self.kv, self.model_name, self.kv_spec)
+        self.kv.tiers = self.tiers
+
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     session_id: str | None = None) -> None:
@@ -155,6 +163,8 @@ class Engine:
         req.generator = self.runner.make_generator(params.seed)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         self.scheduler.add_request(req)
+        if self.tiers is not None:
+            self.tiers.on_arrival(req)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its pages; unknown or finished ids are ignored."""
@@ -173,6 +183,8 @@ class Engine:
         sampled = self.runner.execute(out)
         self.scheduler.post_step(out)
         outputs = [self._process(s.request, s.token_id, s.logprob) for s in sampled]
+        if self.tiers is not None:
+            self.tiers.end_step()
         self._maybe_check_idle()
         return outputs
 
@@ -216,6 +228,7 @@ class Engine:
             finished=finished,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
+            cached_tokens_by_tier=req.cached_tokens_by_tier,
         )
 
     # -- cache and stats -------------------------------------------------------------------------
@@ -225,6 +238,16 @@ class Engine:
             return False
         self.kv.flush()
         return True
+
+    def flush_storage_cache(self) -> int:
+        """Delete what this model wrote to the L3 storage tier; returns pages deleted."""
+        return self.tiers.flush_storage() if self.tiers is not None else 0
+
+    def close(self) -> None:
+        """Finish queued L3 writes and stop the storage worker (the engine stays usable
+        for L1/L2 only)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def check_pages(self) -> None:
         """Assert page accounting (free + cached + request-only == total)."""
@@ -252,4 +275,5 @@ class Engine:
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions=s.num_preemptions,
             kv_pages_cached=self.kv.cache.num_cached_pages if self.kv.cache is not None else 0,
+            tiers=self.tiers.snapshot_stats() if self.tiers is not None else None,
         )

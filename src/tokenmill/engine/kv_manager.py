@@ -12,13 +12,19 @@ Life of a request's pages::
                 switches to the canonical page ids and its lock moves to the deeper node
     leaving     release(): cache_computed() once more, unlock, free the request-only tail
 
+Lower tiers (optional ``tiers``, see :mod:`tokenmill.engine.kv_tiers`; duck-typed, so this
+module stays torch-free and the simulator can plug in its own model): at admission the L1
+match continues through pages that L2/L3 can supply; they are copied into fresh L1 pages and
+inserted in the tree before the request's prefill. Newly computed pages are reported to the
+tiers (write-through), and the radix tree's eviction hook demotes evicted pages.
+
 Invariant (checked by :meth:`KVManager.check`):
 ``pool.num_free() + cache.num_cached_pages + sum(request-only pages) == pool.num_pages``.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.cache.page_pool import PagePool
 from tokenmill.engine.request import Request
@@ -28,12 +34,16 @@ if TYPE_CHECKING:
 
 
 class KVManager:
-    def __init__(self, pool: PagePool, page_size: int, cache: RadixCache | None = None) -> None:
+    def __init__(self, pool: PagePool, page_size: int, cache: RadixCache | None = None,
+                 tiers: Any = None) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
+        if tiers is not None and cache is None:
+            raise ValueError("lower cache tiers need the prefix cache")
         self.pool = pool
         self.page_size = page_size
         self.cache = cache
+        self.tiers = tiers
 
     # -- capacity ------------------------------------------------------------------------------
     @property
@@ -62,19 +72,51 @@ class KVManager:
 
         Matches ``all_token_ids[:-1]`` so at least one token is left to compute (its logits give
         the next token). Locks the matched node; sets the page table and ``num_computed_tokens``.
-        Returns the number of tokens matched.
+        With lower tiers, the match continues through pages loaded from L2/L3 into L1.
+        Returns the number of tokens matched (all tiers); on first admission also sets
+        ``req.cached_tokens_by_tier``.
         """
         if self.cache is None or req.page_table:
             return 0
-        m = self.cache.match_prefix(req.all_token_ids[:-1])
-        if m.num_tokens == 0:
+        P = self.page_size
+        tokens = req.all_token_ids[:-1]
+        m = self.cache.match_prefix(tokens)
+        pages = list(m.pages)
+        node = m.node
+        self.cache.lock(node)
+        loaded = {"l2": 0, "l3": 0}
+        if self.tiers is not None:
+            plan = self.tiers.plan(req, len(pages), len(tokens) // P)
+            if len(plan):
+                fresh = self.pool.alloc(len(plan))
+                if fresh is None:
+                    self.cache.evict(len(plan) - self.pool.num_free())
+                    fresh = self.pool.alloc(min(len(plan), self.pool.num_free()))
+                if fresh:
+                    loaded = self.tiers.load(plan, fresh)
+                    k = loaded["l2"] + loaded["l3"]
+                    self.pool.free(fresh[k:])
+                    if k:
+                        res = self.cache.insert(tokens[:(len(pages) + k) * P], pages + fresh[:k],
+                                                session_id=req.session_id)
+                        self.cache.lock(res.node)
+                        self.cache.unlock(node)
+                        node, pages = res.node, list(res.pages)
+        if req.num_cached_tokens is None:
+            by_tier = {"l1": len(m.pages), **loaded}
+            req.cached_tokens_by_tier = {t: n * P for t, n in by_tier.items()}
+            if self.tiers is not None:
+                req.page_table = pages   # record_hits reads the page ids
+                self.tiers.record_hits(req, by_tier)
+        if not pages:
+            self.cache.unlock(node)
+            req.page_table = []
             return 0
-        self.cache.lock(m.node)
-        req.cache_node = m.node
-        req.page_table = list(m.pages)
-        req.num_tree_pages = len(m.pages)
-        req.num_computed_tokens = m.num_tokens
-        return m.num_tokens
+        req.cache_node = node
+        req.page_table = pages
+        req.num_tree_pages = len(pages)
+        req.num_computed_tokens = len(pages) * P
+        return len(pages) * P
 
     def cached_prefix_tokens(self, req: Request) -> int:
         """Tokens :meth:`match` would reuse for ``req`` now: a probe that locks nothing and
@@ -110,6 +152,8 @@ class KVManager:
         res = self.cache.insert(req.all_token_ids[: full * self.page_size], req.page_table[:full],
                                 session_id=req.session_id)
         req.page_table[:full] = res.pages
+        if self.tiers is not None:
+            self.tiers.on_computed(req, req.num_tree_pages, full)
         self.cache.lock(res.node)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
@@ -138,9 +182,11 @@ class KVManager:
 
     # -- whole cache -----------------------------------------------------------------------------
     def flush(self) -> None:
-        """Drop every cached page (only valid while no request holds pages)."""
+        """Drop every cached page of L1 and L2 (only valid while no request holds pages)."""
         if self.cache is not None:
             self.cache.reset()
+        if self.tiers is not None:
+            self.tiers.flush_host()
 
     def check(self, requests: Iterable[Request]) -> None:
         """Verify page accounting; raise AssertionError naming the mismatch."""

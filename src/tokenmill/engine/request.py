@@ -58,6 +58,8 @@ class Request:
     num_tree_pages: int = 0
     cache_node: Any = None            # locked radix node, or None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    cached_tokens_by_tier: dict[str, int] | None = None  # that hit split by tier (l1, l2, l3)
+    tier_state: Any = None            # lower-tier bookkeeping (engine.kv_tiers.TierState)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -112,3 +114,4 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     stop_reason: str | int | None = None
+    cached_tokens_by_tier: dict[str, int] | None = None
