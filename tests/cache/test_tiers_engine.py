@@ -101,3 +101,127 @@ def test_file_tier_survives_restart(tiny_llama: Any, tmp_path: Any) -> None:
     assert st.hit_pages["l3"] == sum(o[0].cached_tokens_by_tier["l3"] for o in again) // P
     assert st.prefetch_count >= 2 and st.bytes_read["l3"] > 0
     second.engine.close()
+
+
+def _l3_hits(outs: list[list[Any]]) -> int:
+    return sum(o.cached_tokens_by_tier["l3"] for s in outs for o in s)
+
+
+def test_corrupt_truncated_and_foreign_pages_are_recomputed(tiny_llama: Any, tmp_path: Any,
+                                                           caplog: Any) -> None:
+    """Bad page files are counted, logged and recomputed; the output never changes."""
+    from tokenmill.cache.storage import FileStorage
+    from tokenmill.loader import load_model
+    from tokenmill.loader.tiny import build_tiny_checkpoint
+
+    store = f"file:{tmp_path / 'kv'}"
+    prompts = sessions(3, 6 * P, seed=11)
+    base = run_turns(make_llm(tiny_llama, enable_prefix_cache=False), prompts, 1)
+    writer = make_llm(tiny_llama, cache_storage=store)
+    run_turns(writer, prompts, 1)
+    writer.engine.close()
+    tiers = writer.engine.tiers
+    backend = FileStorage(tmp_path / "kv", tiers.keyer.namespace)
+    k0, k1, k2 = (tiers.keyer.keys(p) for p in prompts)
+    # session 0: flip one payload byte of page 2; session 1: truncate page 1
+    path = backend.path(k0[2])
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x40
+    path.write_bytes(bytes(raw))
+    path = backend.path(k1[1])
+    path.write_bytes(path.read_bytes()[:100])
+    # session 2: page 3 replaced by a page another model wrote for the same tokens
+    other_dir = build_tiny_checkpoint(tmp_path / "other", "LlamaForCausalLM", seed=99)
+    other = make_llm(load_model(str(other_dir)), cache_storage=store)
+    run_turns(other, [prompts[2]], 1)
+    other.engine.close()
+    o_keys = other.engine.tiers.keyer.keys(prompts[2])
+    assert set(o_keys).isdisjoint(k2)            # another model never addresses these pages
+    foreign = FileStorage(tmp_path / "kv", other.engine.tiers.keyer.namespace).path(o_keys[3])
+    backend.path(k2[3]).write_bytes(foreign.read_bytes())
+
+    reader = make_llm(tiny_llama, cache_storage=store)
+    with caplog.at_level("WARNING"):
+        outs = run_turns(reader, prompts, 1)
+    for i in range(3):
+        assert outs[i][0].token_ids == base[i][0].token_ids, f"session {i}"
+    got = [o[0].cached_tokens_by_tier["l3"] // P for o in outs]
+    assert got == [2, 1, 3]
+    errors = reader.engine.stats().tiers.l3_errors
+    assert errors == {"corrupt": 1, "truncated": 1, "foreign": 1}
+    text = caplog.text
+    assert "checksum" in text and "another model" in text
+    reader.engine.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through_selective", "write_back"])
+def test_write_policies(tiny_llama: Any, tmp_path: Any, policy: str) -> None:
+    store = f"file:{tmp_path / 'kv'}"
+    prompts = sessions(4, 6 * P, seed=13)
+    llm = make_llm(tiny_llama, cache_storage=store, cache_write_policy=policy,
+                   cache_write_min_hits=2, host_cache_memory_gib=0.00005 if policy == "write_back" else 0.0)
+    run_turns(llm, prompts[:1], 1)
+    llm.engine.tiers.drain()
+    first = llm.engine.stats().tiers.pages_written["l3"]
+    assert first == 0                       # neither policy writes a page computed once
+    run_turns(llm, prompts, 3)
+    llm.engine.tiers.drain()
+    st = llm.engine.stats().tiers
+    assert st.pages_written["l3"] > 0
+    if policy == "write_back":
+        assert st.pages_written["l2"] > 0   # L3 got pages only through L2's evictions
+    llm.engine.close()
+    base = run_turns(make_llm(tiny_llama, enable_prefix_cache=False), prompts, 1)
+    fresh = make_llm(tiny_llama, cache_storage=store)
+    outs = run_turns(fresh, prompts, 1)
+    assert [o[0].token_ids for o in outs] == [o[0].token_ids for o in base]
+    assert _l3_hits(outs) > 0
+    fresh.engine.close()
+
+
+def test_redis_down_at_start_then_killed_mid_run(tiny_llama: Any, redis_server: Any,
+                                                 caplog: Any) -> None:
+    from tokenmill.utils.proc import free_port
+
+    prompts = sessions(2, 5 * P, seed=17)
+    base = run_turns(make_llm(tiny_llama, enable_prefix_cache=False), prompts, 2)
+    # down at start: nothing listens on the port
+    dead = make_llm(tiny_llama, cache_storage=f"redis://127.0.0.1:{free_port()}/0",
+                    cache_storage_timeout_s=0.2)
+    with caplog.at_level("WARNING"):
+        outs = run_turns(dead, prompts, 2)
+    assert [[o.token_ids for o in s] for s in outs] == [[o.token_ids for o in s] for s in base]
+    assert dead.engine.stats().tiers.l3_errors.get("unavailable", 0) >= 1
+    assert "is down" in caplog.text
+    dead.engine.close()
+    # killed mid-run
+    llm = make_llm(tiny_llama, cache_storage=redis_server.url, cache_storage_timeout_s=0.2)
+    run_turns(llm, prompts, 1)
+    llm.engine.tiers.drain()
+    assert llm.engine.stats().tiers.pages_written["l3"] >= 8
+    llm.engine.flush_cache()                 # L1 empty: the next turns would read L3
+    redis_server.kill()
+    outs = run_turns(llm, prompts, 2)
+    assert [[o.token_ids for o in s] for s in outs] == [[o.token_ids for o in s] for s in base]
+    assert _l3_hits(outs) == 0
+    assert llm.engine.stats().tiers.l3_errors.get("unavailable", 0) >= 1
+    llm.engine.check_pages()
+    llm.engine.close()
+
+
+def test_redis_shared_by_two_engines(tiny_llama: Any, redis_server: Any) -> None:
+    """Two replicas of one model agree on keys: B finds what A computed; A's flush empties it."""
+    prompts = sessions(2, 6 * P, seed=19)
+    a = make_llm(tiny_llama, cache_storage=redis_server.url)
+    run_turns(a, prompts, 1)
+    a.engine.tiers.drain()
+    b = make_llm(tiny_llama, cache_storage=redis_server.url)
+    outs = run_turns(b, prompts, 1)
+    assert [o[0].cached_tokens_by_tier["l3"] for o in outs] == [((6 * P - 1) // P) * P] * 2
+    b.engine.tiers.drain()
+    assert b.engine.stats().tiers.pages_written["l3"] == 0   # nothing written twice
+    assert a.engine.flush_storage_cache() == 2 * ((6 * P + K - 1) // P)
+    c = make_llm(tiny_llama, cache_storage=redis_server.url)
+    assert _l3_hits(run_turns(c, prompts, 1)) == 0
+    for llm in (a, b, c):
+        llm.engine.close()
