@@ -483,7 +483,12 @@ def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any
     if config.host_cache_memory_gib > 0 and host_pages < 1:
         raise ValueError(f"host_cache_memory_gib={config.host_cache_memory_gib} holds no page of "
                          f"{host_page_bytes} bytes")
-    storage = open_storage(storage_spec, namespace, timeout_s=config.cache_storage_timeout_s)
+    from tokenmill.cache.storage import StorageError
+
+    try:
+        storage = open_storage(storage_spec, namespace, timeout_s=config.cache_storage_timeout_s)
+    except StorageError as e:
+        raise ValueError(f"--cache-storage {storage_spec}: {e}") from None
     tiers = TieredKV(kv_caches, keyer, kv.cache, host_pages=host_pages, host_dtype=host_dtype,
                      storage=storage, write_policy=config.cache_write_policy,
                      write_min_hits=config.cache_write_min_hits,

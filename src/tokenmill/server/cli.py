@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds a finished session's KV is kept ahead of LRU eviction (default: 60)")
     g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     g.add_argument("--debug-checks", action="store_true", help="check page accounting whenever the engine idles")
+    from tokenmill.engine.cli import add_cache_tier_arguments
+
+    add_cache_tier_arguments(parser)
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -75,6 +78,12 @@ def run(args: argparse.Namespace) -> int:
             max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
             enable_prefix_cache=not args.no_prefix_cache, session_retention_s=args.session_retention_s,
             dtype=args.dtype, debug_checks=args.debug_checks,
+            host_cache_memory_gib=args.host_cache_memory_gib, host_cache_dtype=args.host_cache_dtype,
+            cache_storage=args.cache_storage, cache_write_policy=args.cache_write_policy,
+            cache_write_min_hits=args.cache_write_min_hits,
+            cache_prefetch_timeout_s=args.cache_prefetch_timeout_s,
+            cache_prefetch_min_pages=args.cache_prefetch_min_pages,
+            cache_storage_timeout_s=args.cache_storage_timeout_s,
         )
         chat_template = Path(args.chat_template).read_text() if args.chat_template else None
         server_config = ServerConfig(
@@ -91,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = Engine(engine_config)
     except (ModelNotFoundError, ValueError) as e:
-        print(f"tokenmill serve: cannot load model {args.model!r}: {e}", file=sys.stderr)
+        print(f"tokenmill serve: cannot start with model {args.model!r}: {e}", file=sys.stderr)
         return 2
     async_engine = AsyncEngine(engine)
     state = ServerState.create(async_engine, server_config, prefix_cache_enabled=engine_config.enable_prefix_cache)
