@@ -34,6 +34,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--debug-checks", action="store_true", help="check page accounting when idle")
     g.add_argument("--threads", dest="num_threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
+    g.add_argument("--decode-slowdown", type=float, default=d.decode_slowdown,
+                   help="while decodes run, prefill chunks get only the tokens that keep a step within "
+                        "this many times the decodes-only step time (learned online); 0 turns it off")
     g.add_argument("--device", default=d.device, help="torch device of the model runner (default: cpu)")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="storage dtype of the KV pool (auto: the model's dtype)")
@@ -70,7 +73,10 @@ def add_cache_tier_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    values = {k: v for k, v in vars(args).items() if k in names}
+    if not values.get("decode_slowdown", 1):   # 0 on the command line: no bound
+        values["decode_slowdown"] = None
+    return EngineConfig(**values)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

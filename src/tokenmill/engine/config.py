@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")   # auto: the model's dtype
-ATTENTION_BACKENDS = ("auto", "torch")
+ATTENTION_BACKENDS = ("auto", "torch", "native")
 HOST_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the KV pool's dtype
 CACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DEFAULT_KV_SESSIONS = 4          # full-length sequences the default pool holds
@@ -54,6 +54,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     cache_prefetch_timeout_s: float = 1.0   # longest an admission waits for L3 pages
     cache_prefetch_min_pages: int = 1    # shortest L3 run worth fetching
     cache_storage_timeout_s: float = 1.0  # socket timeout of one storage call
+    decode_slowdown: float | None = 2.0  # bound on a decode step's time while prefill shares it
+                                          # (x the decodes-only step; None: prefill fills the step)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -79,6 +81,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.decode_slowdown is not None and not self.decode_slowdown > 1.0:
+            raise ValueError(f"decode_slowdown must be > 1 (or None to turn the bound off), got {self.decode_slowdown}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

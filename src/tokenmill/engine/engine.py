@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +23,10 @@ from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.engine.request import Request, RequestOutput
+from tokenmill.engine.request import ListView, Request, RequestOutput
 from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.step_cost import StepCost
 
 if TYPE_CHECKING:
     from tokenmill.loader import LoadedModel
@@ -60,8 +62,10 @@ class Engine:
         self._init_device()
         self._init_model(loaded)
         self._init_kv()
+        self.step_cost = StepCost(config.decode_slowdown) if config.decode_slowdown else None
         self.scheduler = Scheduler(self.kv, max_batch_tokens=config.max_batch_tokens,
-                                   max_running_requests=config.max_running_requests)
+                                   max_running_requests=config.max_running_requests,
+                                   step_cost=self.step_cost)
         self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
                                   self.vocab_size, device=self.device, kv_spec=self.kv_spec,
                                   attention_backend=config.attention_backend)
@@ -180,7 +184,10 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        t0 = time.perf_counter()
         sampled = self.runner.execute(out)
+        if self.step_cost is not None:
+            self.step_cost.observe(out.num_tokens, time.perf_counter() - t0)
         self.scheduler.post_step(out)
         outputs = [self._process(s.request, s.token_id, s.logprob) for s in sampled]
         if self.tiers is not None:
@@ -189,7 +196,7 @@ class Engine:
         return outputs
 
     def _process(self, req: Request, token: int, logprob: Any) -> RequestOutput:
-        req.all_token_ids.append(token)
+        req.append_token(token)
         self.generation_tokens_total += 1
         if req.logprobs is not None and logprob is not None:
             req.logprobs.append(logprob)
@@ -214,21 +221,31 @@ class Engine:
         return self._output(req, num_new=1)
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:
+        """The request's output after this step: O(num_new) work, whatever its length."""
         finished = req.is_finished
-        new_text = req.detokenizer.take_new_text(finished)
+        detok = req.detokenizer
+        new_text = detok.take_new_text(finished)
+        ids, lps, p = req.all_token_ids, req.logprobs, req.num_prompt_tokens
+        if finished:   # nothing changes any more: one copy of the ids, the rest as they are
+            token_ids, logprobs, text = ids[p:], lps, detok.emitted_text
+        else:
+            token_ids = ListView(ids, p, len(ids))
+            logprobs = ListView(lps, 0, len(lps)) if lps is not None else None
+            text = detok.emitted_view()
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             cached_tokens=req.num_cached_tokens or 0,
-            token_ids=req.output_token_ids,
-            text=req.detokenizer.emitted_text,
-            new_token_ids=req.all_token_ids[-num_new:] if num_new else [],
+            token_ids=token_ids,
+            text_view=text,
+            new_token_ids=ids[-num_new:] if num_new else [],
             new_text=new_text,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            logprobs=logprobs,
             finished=finished,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             cached_tokens_by_tier=req.cached_tokens_by_tier,
+            new_logprobs=lps[-num_new:] if (lps is not None and num_new) else ([] if lps is not None else None),
         )
 
     # -- cache and stats -------------------------------------------------------------------------

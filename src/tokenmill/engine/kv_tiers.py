@@ -471,7 +471,7 @@ def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any
         raise ValueError("the host and storage cache tiers need the prefix cache")
     kv_caches = runner.kv_caches
     first = kv_caches[0]
-    layout = f"{type(runner.attn).__name__}|{[tuple(t.shape[:1]) + tuple(t.shape[2:]) for t in kv_caches]}|" \
+    layout = f"{[tuple(t.shape[:1]) + tuple(t.shape[2:]) for t in kv_caches]}|" \
              f"{kv_spec.layers!r}"
     identity = f"{model_name}|{model_fingerprint(runner.model)}"
     namespace = make_namespace(identity, layout, str(first.dtype).removeprefix("torch."), config.page_size)
