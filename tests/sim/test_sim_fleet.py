@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench.workload import load_mooncake_trace, theoretical_hit_rate_hash_ids
+from tokenmill.workload import load_mooncake_trace, theoretical_hit_rate_hash_ids
 from tokenmill.sim.config import AutoscaleRule, PopulationChange, ScaleEvent, SimConfig
 from tokenmill.sim.fleet import FleetSimulator
 from tokenmill.sim.profiles import get_preset

@@ -130,6 +130,9 @@ class RadixCache:
     def _init_tree(self) -> None:
         self.root.children = {}
         self._heap: list[tuple[int, int, RadixNode]] = []
+        # Protected leaves put aside by evict, keyed by the time their protection ends (it can
+        # only be extended later), so that tier 1 does not walk over them again on every call.
+        self._deferred: list[tuple[float, tuple[int, int, RadixNode]]] = []
         self._num_nodes = 0  # non-root
         self._num_locks = 0  # outstanding lock() calls on non-root nodes
         self.num_cached_pages = 0
@@ -274,23 +277,35 @@ class RadixCache:
             return 0
         now = self._clock()
         freed = 0
-        deferred: list[tuple[int, int, RadixNode]] = []
         heap = self._heap
+        deferred = self._deferred
+        while deferred and deferred[0][0] <= now:    # protection over: a candidate again
+            heapq.heappush(heap, heapq.heappop(deferred)[1])
         while freed < num_pages and heap:
             entry = heapq.heappop(heap)
             node = entry[2]
             if not self._is_candidate(node, entry[0]):
                 continue
-            if node.sessions and self._protected(node, now):
-                deferred.append(entry)
-                continue
+            if node.sessions:
+                until = self._protected_until(node, now)
+                if until > now:
+                    heapq.heappush(deferred, (until, entry))
+                    continue
             freed += self._evict_from_leaf(node, num_pages - freed)
-        for entry in deferred:
-            heapq.heappush(heap, entry)
-        while freed < num_pages and heap:
-            entry = heapq.heappop(heap)
-            if self._is_candidate(entry[2], entry[0]):
-                freed += self._evict_from_leaf(entry[2], num_pages - freed)
+        if freed < num_pages:
+            # Tier 2: every leaf, protected or not, oldest first (the put-aside ones and any
+            # that eviction just exposed), merged by (tick, seq); the rest stay put aside.
+            aside = [(entry, until) for until, entry in deferred]
+            heapq.heapify(aside)
+            while freed < num_pages and (heap or aside):
+                if aside and (not heap or aside[0][0] < heap[0]):
+                    entry = heapq.heappop(aside)[0]
+                else:
+                    entry = heapq.heappop(heap)
+                if self._is_candidate(entry[2], entry[0]):
+                    freed += self._evict_from_leaf(entry[2], num_pages - freed)
+            self._deferred = [(until, entry) for entry, until in aside]
+            heapq.heapify(self._deferred)
         return freed
 
     def _is_candidate(self, node: RadixNode, tick: int) -> bool:
@@ -332,13 +347,15 @@ class RadixCache:
         until = self._retained_until.get(session_id)
         return until is not None and until > self._clock()
 
-    def _protected(self, node: RadixNode, now: float) -> bool:
+    def _protected_until(self, node: RadixNode, now: float) -> float:
+        """When the last open retention window among ``node``'s sessions closes (``now`` if none)."""
         retained = self._retained_until
+        end = now
         for s in node.sessions or ():
             until = retained.get(s)
-            if until is not None and until > now:
-                return True
-        return False
+            if until is not None and until > end:
+                end = until
+        return end
 
     def _tag(self, path: list[RadixNode], session_id: str) -> None:
         now = -1.0
@@ -441,7 +458,7 @@ class RadixCache:
 
     def _push(self, node: RadixNode) -> None:
         heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
-        if len(self._heap) > 4 * self._num_nodes + 64:
+        if len(self._heap) + len(self._deferred) > 4 * self._num_nodes + 64:
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
@@ -455,6 +472,7 @@ class RadixCache:
                 heap.append((node.last_access, next(self._seq), node))
         heapq.heapify(heap)
         self._heap = heap
+        self._deferred = []
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:

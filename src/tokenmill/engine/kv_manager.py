@@ -12,6 +12,11 @@ Life of a request's pages::
                 switches to the canonical page ids and its lock moves to the deeper node
     leaving     release(): cache_computed() once more, unlock, free the request-only tail
 
+Cache keys come from :meth:`Request.cache_key`: by default the request's own token ids, in a
+cache whose ``page_size`` is this manager's (the engine). A request may instead key each page by
+one element (the fleet simulator keys a page by its block id), in a cache of ``page_size`` 1;
+the manager counts matches in pages either way, so the two behave alike.
+
 Lower tiers (optional ``tiers``, see :mod:`tokenmill.engine.kv_tiers`; duck-typed, so this
 module stays torch-free and the simulator can plug in its own model): at admission the L1
 match continues through pages that L2/L3 can supply; they are copied into fresh L1 pages and
@@ -79,14 +84,16 @@ class KVManager:
         if self.cache is None or req.page_table:
             return 0
         P = self.page_size
-        tokens = req.all_token_ids[:-1]
-        m = self.cache.match_prefix(tokens)
+        per = self.cache.page_size   # key elements per page (P for the engine, 1 in the sim)
+        max_pages = (req.num_tokens - 1) // P
+        key = req.cache_key(max_pages * per)
+        m = self.cache.match_prefix(key[:max_pages * per])
         pages = list(m.pages)
         node = m.node
         self.cache.lock(node)
         loaded = {"l2": 0, "l3": 0}
         if self.tiers is not None:
-            plan = self.tiers.plan(req, len(pages), len(tokens) // P)
+            plan = self.tiers.plan(req, len(pages), max_pages)
             if len(plan):
                 fresh = self.pool.alloc(len(plan))
                 if fresh is None:
@@ -97,7 +104,7 @@ class KVManager:
                     k = loaded["l2"] + loaded["l3"]
                     self.pool.free(fresh[k:])
                     if k:
-                        res = self.cache.insert(tokens[:(len(pages) + k) * P], pages + fresh[:k],
+                        res = self.cache.insert(key[:(len(pages) + k) * per], pages + fresh[:k],
                                                 session_id=req.session_id)
                         self.cache.lock(res.node)
                         self.cache.unlock(node)
@@ -123,7 +130,9 @@ class KVManager:
         leaves cache recency alone (for cache-aware admission)."""
         if self.cache is None or req.page_table:
             return 0
-        return self.cache.cached_prefix_length(req.all_token_ids, req.num_tokens - 1)
+        per_page = self.cache.page_size
+        n = (req.num_tokens - 1) // self.page_size * per_page
+        return self.cache.cached_prefix_length(req.cache_key(n), n) // per_page * self.page_size
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grow ``req.page_table`` to hold ``num_tokens`` tokens, evicting cached pages if needed.
@@ -149,8 +158,8 @@ class KVManager:
         full = req.num_computed_tokens // self.page_size
         if full <= req.num_tree_pages:
             return
-        res = self.cache.insert(req.all_token_ids[: full * self.page_size], req.page_table[:full],
-                                session_id=req.session_id)
+        n = full * self.cache.page_size
+        res = self.cache.insert(req.cache_key(n)[:n], req.page_table[:full], session_id=req.session_id)
         req.page_table[:full] = res.pages
         if self.tiers is not None:
             self.tiers.on_computed(req, req.num_tree_pages, full)

@@ -104,6 +104,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def cache_key(self, num_elements: int) -> Sequence[Any]:
+        """A sequence whose first ``num_elements`` items are this request's prefix-cache key
+        (read in place, not copied): its own token ids.
+
+        A subclass may key each page by one element instead (the simulator's block ids), for a
+        cache of ``page_size`` 1 (see :mod:`tokenmill.engine.kv_manager`).
+        """
+        return self.all_token_ids
+
 
 class ListView(Sequence):
     """Items ``[start, stop)`` of a list that only grows: O(1) to make, a stable snapshot to read.

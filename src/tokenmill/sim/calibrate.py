@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from tokenmill.bench.client import iter_sse_json
+from tokenmill.utils.sse import iter_sse_json
 from tokenmill.sim.profiles import DecodeModel, PrefillModel, ReplicaProfile
 
 

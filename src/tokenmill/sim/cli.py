@@ -117,7 +117,7 @@ def _policy_options(items: list[str]) -> dict[str, Any]:
 
 def build_config(args: argparse.Namespace) -> SimConfig:
     """SimConfig from parsed ``tokenmill sim`` arguments (raises ValueError on bad input)."""
-    from tokenmill.bench.workload import AgenticWorkloadConfig, load_mooncake_trace
+    from tokenmill.workload import AgenticWorkloadConfig, load_mooncake_trace
     from tokenmill.sim.profiles import load_profile
 
     profile = load_profile(args.profile)

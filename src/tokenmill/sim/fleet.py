@@ -5,13 +5,14 @@ Everything that decides something is shared with the live system:
 - placement: ``tokenmill.router.policies.make_policy(name)``, called as the router calls it
   (``choose(meta, views)`` per request, ``on_finish(meta, replica_id)`` once per request), with
   ``ReplicaView``s built from the simulated replicas;
-- caching: each replica holds a real ``RadixCache`` over a ``PagePool`` (see ``replica.py``);
-- workload: sessions come from ``tokenmill.bench.workload.make_session`` (the benchmark's own
+- serving: each replica runs the engine's own ``Scheduler`` and ``KVManager`` over a real
+  ``RadixCache`` and ``PagePool``, with a cost model for step time (see ``replica.py``);
+- workload: sessions come from ``tokenmill.workload.make_session`` (the benchmark's own
   generator) and run closed loop; or Mooncake records replay open loop.
 
 Events (a heap of ``(time, seq, kind, a, b)``; stale replica events are skipped by version)::
 
-    REPLICA  a chunk ends / a decode finishes on replica a (version b)
+    REPLICA  a step (or a run of decode steps) ends on replica a, or one is to be planned (version b)
     TURN     session a sends its next turn (after its think time)
     TRACE    trace request number a arrives
     SAMPLE   per-replica loads are recorded
@@ -30,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tokenmill.bench.workload import SessionScript, TraceReplayConfig, make_session, trace_requests
+from tokenmill.workload import SessionScript, TraceReplayConfig, make_session, trace_requests
 from tokenmill.router.base import NoReplicaAvailable, ReplicaView, RequestMeta
 from tokenmill.router.policies import make_policy
 from tokenmill.sim.config import SimConfig
@@ -255,8 +256,7 @@ class FleetSimulator:
         out = max(1, rec.output_length)
         n_prompt = min(prompt // self.block, len(rec.hash_ids))
         key = list(rec.hash_ids[:n_prompt])
-        req = SimRequest(self._next_rid, treq.session_id, key, prompt, out, self.now, owner=None,
-                         insert_key_len=n_prompt)
+        req = SimRequest(self._next_rid, treq.session_id, key, prompt, out, self.now, owner=None)
         self._next_rid += 1
         self._route(req)
 

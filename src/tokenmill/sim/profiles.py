@@ -18,7 +18,13 @@ A profile is a small JSON document. The simulator reads four things from it:
   A step that also carries a prefill chunk costs ``decode_step_s + prefill_chunk_s``: this is how
   the batch enters the prefill time, and how prefill slows down the decodes beside it.
 - **kv_capacity_tokens**: the KV pool, in tokens; ``page_size`` its page.
-- **max_running_requests** and **max_prefill_tokens** (the chunk size of chunked prefill).
+- **max_running_requests** and **max_prefill_tokens** (the engine's per-step token budget: the
+  chunk size of chunked prefill, shared with the decodes of the step).
+- **decode_slowdown** (optional): the engine's bound on prefill in steps that carry decodes
+  (``EngineConfig.decode_slowdown``, learned from the modelled step times); None leaves it off.
+
+The replica runs the engine's own scheduler (``sim/replica.py``), so what a step holds is the
+engine's choice; the profile only says how long it takes.
 
 Presets describe larger systems from published figures; each lists its assumptions in the
 profile itself (``assumptions``), so a JSON dump of a preset documents where its numbers came
@@ -108,6 +114,7 @@ class ReplicaProfile:
     max_running_requests: int
     page_size: int = 16
     max_prefill_tokens: int = 8192
+    decode_slowdown: float | None = None
     interactivity_target_tok_s: float | None = None
     description: str = ""
     assumptions: tuple[str, ...] = ()
@@ -121,6 +128,10 @@ class ReplicaProfile:
             value = getattr(self, attr)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"profile.{attr} must be a positive integer, got {value!r}")
+        if self.decode_slowdown is not None and not (
+                isinstance(self.decode_slowdown, (int, float)) and math.isfinite(self.decode_slowdown)
+                and self.decode_slowdown > 1.0):
+            raise ValueError(f"profile.decode_slowdown must be > 1 (or null), got {self.decode_slowdown!r}")
         if self.kv_capacity_tokens < self.page_size:
             raise ValueError(f"kv_capacity_tokens ({self.kv_capacity_tokens}) is below one page ({self.page_size})")
         if self.interactivity_target_tok_s is not None:
@@ -248,13 +259,14 @@ _PRESETS: dict[str, dict[str, Any]] = {
         prefill=dict(fixed_s=0.01, per_token_s=4.5e-3, per_token_context_s=1.0e-6),
         decode=dict(fixed_s=0.060, per_request_s=0.004, per_context_token_s=2.0e-6, tokens_per_step=1.0),
         kv_capacity_tokens=65_536, max_running_requests=64, page_size=16, max_prefill_tokens=512,
-        interactivity_target_tok_s=5.0,
+        decode_slowdown=2.0, interactivity_target_tok_s=5.0,
         assumptions=(
             "Decode of fp32 weights (540 MB) at ~8.6 GB/s memory bandwidth: ~62 ms per step at batch 1, "
             "i.e. ~16 tokens/s (PEERS.md: vLLM CPU reaches this bound).",
             "Prefill ~200 tokens/s at 1k tokens (PEERS.md, vLLM CPU fp32): ~4.5 ms per token plus attention.",
             "KV: 30 layers x 3 KV heads x 64 x 2 x 4 bytes = 46 KB per token; 3 GiB of KV = 65k tokens.",
-            "Page size 16, chunked prefill of 512 tokens, 64 running requests (EngineConfig defaults).",
+            "Page size 16, chunked prefill of 512 tokens, 64 running requests, prefill bounded to keep a "
+            "decode step within 2x while decodes run (EngineConfig defaults).",
         ),
     ),
     "tiny-random-cpu": dict(
@@ -264,7 +276,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         prefill=dict(fixed_s=0.00445, per_token_s=1.8e-5, per_token_context_s=0.0),
         decode=dict(fixed_s=0.00158, per_request_s=0.00105, per_context_token_s=0.0, tokens_per_step=1.0),
         kv_capacity_tokens=16_384, max_running_requests=64, page_size=16, max_prefill_tokens=512,
-        interactivity_target_tok_s=None,
+        decode_slowdown=2.0, interactivity_target_tok_s=None,
         assumptions=(
             "Fitted by `tokenmill sim calibrate` (prompts 32..1536 tokens, batches 1..8, 3 repeats) on a "
             "replica sharing the machine with a second one being calibrated at the same time, under a load "
