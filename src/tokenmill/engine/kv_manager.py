@@ -110,11 +110,12 @@ class KVManager:
                         self.cache.unlock(node)
                         node, pages = res.node, list(res.pages)
         if req.num_cached_tokens is None:
-            by_tier = {"l1": len(m.pages), **loaded}
+            # Pages an earlier, failed admission try loaded are L1 hits now; keep their tier.
+            prev = req.cached_tokens_by_tier or {}
+            carried = {t: prev.get(t, 0) // P for t in ("l2", "l3")}
+            by_tier = {"l1": max(len(m.pages) - carried["l2"] - carried["l3"], 0),
+                       "l2": carried["l2"] + loaded["l2"], "l3": carried["l3"] + loaded["l3"]}
             req.cached_tokens_by_tier = {t: n * P for t, n in by_tier.items()}
-            if self.tiers is not None:
-                req.page_table = pages   # record_hits reads the page ids
-                self.tiers.record_hits(req, by_tier)
         if not pages:
             self.cache.unlock(node)
             req.page_table = []
@@ -124,6 +125,11 @@ class KVManager:
         req.num_tree_pages = len(pages)
         req.num_computed_tokens = len(pages) * P
         return len(pages) * P
+
+    def admitted(self, req: Request) -> None:
+        """``req`` was admitted for the first time: count its hits per tier."""
+        if self.tiers is not None and req.cached_tokens_by_tier is not None:
+            self.tiers.record_hits(req, {t: n // self.page_size for t, n in req.cached_tokens_by_tier.items()})
 
     def cached_prefix_tokens(self, req: Request) -> int:
         """Tokens :meth:`match` would reuse for ``req`` now: a probe that locks nothing and
