@@ -32,9 +32,9 @@ POLICIES = (
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cells", default="10:57,25:144,50:288,25:200",
-                    help="comma list of REPLICAS:SESSIONS (default: ~5.75 sessions per replica at 3 sizes, and a busier fleet)")
-    ap.add_argument("--duration", default="5m")
+    ap.add_argument("--cells", default="10:57,20:115,50:288",
+                    help="comma list of REPLICAS:SESSIONS (default: ~5.75 sessions per replica at 3 fleet sizes)")
+    ap.add_argument("--duration", default="20m")
     ap.add_argument("--profile", default="kimi-k2.6-b200-tp4-l3")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)

@@ -65,7 +65,7 @@ class AgenticConfig:
     # Fleets with a shared L3 cache tier (docs/kv-tiers.md): a session's prefix is found on any
     # replica, so an idle session's next turn may move to a less loaded replica (rule 4a).
     shared_cache: bool = False
-    shared_move_margin: int = 1       # move when home has at least this many more active requests
+    shared_move_margin: int = 2       # move when home has at least this many more active requests
 
     def __post_init__(self) -> None:
         if not isinstance(self.session_max_inflight, int) or self.session_max_inflight < 1:
