@@ -37,6 +37,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +314,7 @@ class StorageWorker:
         self.retry_s = retry_s
         self.down_until = 0.0
         self._prefetches: queue.SimpleQueue[Prefetch] = queue.SimpleQueue()
-        self._writes: queue.Queue[list[tuple[bytes, bytes]]] = queue.Queue(max_queued_writes)
+        self._writes: queue.Queue[tuple[list[tuple[bytes, Any]], bool]] = queue.Queue(max_queued_writes)
         self._calls: queue.SimpleQueue[tuple[Callable[[], object], queue.SimpleQueue]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -340,8 +341,12 @@ class StorageWorker:
         self._wake.set()
         return pf
 
-    def write(self, items: list[tuple[bytes, bytes]]) -> bool:
-        """Queue records for writing; False (dropped, counted) when the queue is full or L3 is down."""
+    def write(self, items: Sequence[tuple[bytes, Any]], *, encoded: bool = True) -> bool:
+        """Queue pages for writing; False (dropped, counted) when the queue is full or L3 is down.
+
+        ``encoded=False``: the items are (key, payload) with any bytes-like payload (a row of a
+        snapshot array); the worker builds the records (copy + checksum) off the engine thread.
+        """
         if not items:
             return True
         if not self.available:
@@ -349,7 +354,7 @@ class StorageWorker:
             return False
         try:
             self._idle.clear()
-            self._writes.put_nowait(items)
+            self._writes.put_nowait((list(items), encoded))
         except queue.Full:
             self.dropped_writes += len(items)
             return False
@@ -402,10 +407,10 @@ class StorageWorker:
                     self._do_prefetch(self._prefetches.get())
                     continue
                 try:
-                    items = self._writes.get_nowait()
+                    items, encoded = self._writes.get_nowait()
                 except queue.Empty:
                     break
-                self._do_write(items)
+                self._do_write(items, encoded)
             if self._queues_empty():
                 self._idle.set()
 
@@ -452,13 +457,16 @@ class StorageWorker:
             pf.finished_at = time.monotonic()
             pf.done.set()
 
-    def _do_write(self, items: list[tuple[bytes, bytes]]) -> None:
+    def _do_write(self, items: list[tuple[bytes, Any]], encoded: bool) -> None:
         if not self.available:
             self.dropped_writes += len(items)
             return
+        ns = self.backend.namespace
         try:
             for i in range(0, len(items), self.BATCH):
                 batch = items[i:i + self.BATCH]
+                if not encoded:
+                    batch = [(k, encode_page(ns, k, bytes(p))) for k, p in batch]
                 written = self.backend.put_many(batch)
                 self.on_io("write", sum(len(r) for _, r in batch), written)
                 self.on_io("present", 0, len(batch) - written)

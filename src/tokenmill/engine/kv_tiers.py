@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokenmill.cache.storage import StorageBackend, StorageWorker, encode_page
+from tokenmill.cache.storage import StorageBackend, StorageWorker
 from tokenmill.cache.tiers import HostIndex, PageKeyer, TierStats
 
 if TYPE_CHECKING:
@@ -385,10 +385,11 @@ class TieredKV:
         self._send(keys, data)
 
     def _send(self, keys: list[bytes], data: torch.Tensor) -> None:
+        # ``data`` is a fresh snapshot owned by nobody else: the worker reads its rows in place
+        # and builds the records (copy + checksum) off the engine thread.
         raw = data.contiguous().view(torch.uint8).reshape(len(keys), -1).numpy()
-        ns = self.keyer.namespace
-        records = [(k, encode_page(ns, k, raw[i].tobytes())) for i, k in enumerate(keys)]
-        if self.worker is not None and self.worker.write(records):
+        if self.worker is not None and self.worker.write([(k, raw[i]) for i, k in enumerate(keys)],
+                                                         encoded=False):
             for k in keys:
                 self._remember_l3(k)
 
