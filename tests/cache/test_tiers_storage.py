@@ -135,6 +135,16 @@ def test_file_backend_full_disk(tmp_path: Any) -> None:
         assert 0 < run < len(keys)
         for rec, k in zip(b.get_many(keys[:run]), keys):   # every stored page is whole
             decode_page(NS, k, rec, 4000)
+        # through the worker (as the engine writes): counted as 'full', the worker goes on
+        errors: list[str] = []
+        w = StorageWorker(b, on_error=lambda kind, msg: errors.append(kind), on_io=lambda *a: None)
+        more = PageKeyer(NS, 4).keys(list(range(1000, 1000 + 4 * 8)))
+        assert w.write([(k, os.urandom(4000)) for k in more], encoded=False)
+        assert w.drain(10)
+        assert errors == ["full"]
+        pf = w.prefetch(keys[:run], 4000)
+        assert pf.done.wait(10) and len(pf.payloads) == run      # reads still work
+        w.close()
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
 
