@@ -196,7 +196,7 @@ class TieredKV:
         if usable <= 0:
             return
         keys = self.keys_for(req, usable)
-        l1 = self.cache.match_prefix(req.all_token_ids[:usable * P], touch=False).num_tokens // P
+        l1 = self.cache.cached_prefix_length(req.all_token_ids, usable * P) // P   # a pure probe
         start = l1 + (self.host.leading_run(keys[l1:]) if self.host is not None else 0)
         if usable - start < self.prefetch_min_pages:
             return
