@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tokenmill.cache.page_pool import PagePool
-from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens
+from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens, resolve_kv_dtype
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.model_runner import ModelRunner
@@ -46,6 +46,9 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions: int = 0
     kv_pages_cached: int = 0
+    kv_cache_dtype: str = ""         # storage dtype of the pool (float32, bfloat16, float8_e4m3fn, ...)
+    kv_bytes_per_token: int = 0      # KVCacheSpec.bytes_per_token(), fp8 scales included
+    kv_capacity_tokens: int = 0      # pages x page size
     tiers: Any = None               # cache.tiers.TierStats when lower tiers are configured
 
     @property
@@ -105,22 +108,28 @@ class Engine:
     def _init_kv(self) -> None:
         cfg = self.config
         spec = self.loaded.model.kv_cache_spec()
-        if cfg.kv_cache_dtype != "auto":
-            spec = spec.with_dtype(cfg.kv_cache_dtype)
+        spec = spec.with_dtype(resolve_kv_dtype(cfg.kv_cache_dtype, spec.dtype))
         self.kv_spec = spec
         bytes_per_token = spec.bytes_per_token()
+        ps = cfg.page_size
         if cfg.kv_cache_tokens is not None:
-            tokens = cfg.kv_cache_tokens
+            tokens = cfg.kv_cache_tokens // ps * ps
         elif cfg.kv_cache_memory_gib is not None:
-            tokens = int(cfg.kv_cache_memory_gib * 2**30 // bytes_per_token)
+            tokens = spec.capacity_tokens(cfg.kv_cache_memory_gib * 2**30, ps)
+            if tokens < ps:
+                raise ValueError(
+                    f"--kv-cache-memory {cfg.kv_cache_memory_gib:g} GiB is too small for one request: at "
+                    f"{bytes_per_token} B/token ({spec.dtype}) it holds {tokens} tokens, less than one page of "
+                    f"{ps}; give at least {ps * bytes_per_token / 2**30:.6f} GiB")
         else:
             import psutil
 
             tokens = default_kv_cache_tokens(self.max_model_len, bytes_per_token,
-                                             psutil.virtual_memory().available)
-        num_pages = tokens // cfg.page_size
+                                             psutil.virtual_memory().available) // ps * ps
+        num_pages = tokens // ps
         if num_pages < 1:
-            raise ValueError(f"the KV cache holds {tokens} tokens, less than one page of {cfg.page_size}")
+            raise ValueError(f"the KV cache holds {tokens} tokens, less than one page of {ps}: too small for "
+                             f"one request")
         pool = PagePool(num_pages)
         cache = None
         if cfg.enable_prefix_cache:
@@ -128,9 +137,11 @@ class Engine:
 
             cache = RadixCache(pool, cfg.page_size, session_retention_s=cfg.session_retention_s)
         self.kv = KVManager(pool, cfg.page_size, cache)
-        log.info("KV cache: %s, %d B/token, %d pages of %d tokens = %d tokens (%.2f GiB)", spec.dtype,
-                 bytes_per_token, num_pages, cfg.page_size, num_pages * cfg.page_size,
-                 num_pages * cfg.page_size * bytes_per_token / 2**30)
+        self.kv_capacity_tokens = num_pages * ps
+        fp32 = spec.with_dtype("float32").bytes_per_token()
+        log.info("KV cache: %s, %d B/token (%.2fx the tokens of fp32 at equal memory), %d pages of %d tokens "
+                 "= %d tokens (%.4f GiB)", spec.dtype, bytes_per_token, fp32 / bytes_per_token, num_pages, ps,
+                 self.kv_capacity_tokens, self.kv_capacity_tokens * bytes_per_token / 2**30)
 
     def _init_tiers(self) -> None:
         from tokenmill.engine.kv_tiers import build_tiers
@@ -292,5 +303,8 @@ class Engine:
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions=s.num_preemptions,
             kv_pages_cached=self.kv.cache.num_cached_pages if self.kv.cache is not None else 0,
+            kv_cache_dtype=self.kv_spec.dtype,
+            kv_bytes_per_token=self.kv_spec.bytes_per_token(),
+            kv_capacity_tokens=self.kv_capacity_tokens,
             tiers=self.tiers.snapshot_stats() if self.tiers is not None else None,
         )
