@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -87,7 +88,7 @@ class LoadPlan:
 
 
 class TieredKV:
-    def __init__(self, kv_caches: list[torch.Tensor], keyer: PageKeyer, cache: RadixCache, *,
+    def __init__(self, kv_caches: list[Any], keyer: PageKeyer, cache: RadixCache, num_pages: int, *,
                  host_pages: int = 0, host_dtype: torch.dtype | None = None,
                  storage: StorageBackend | None = None, write_policy: str = "write_through",
                  write_min_hits: int = 2, prefetch_timeout_s: float = 1.0,
@@ -102,25 +103,24 @@ class TieredKV:
         self.prefetch_min_pages = max(prefetch_min_pages, 1)
         self.stats = TierStats()
         self._lock = threading.Lock()   # stats written by the worker thread too
-        first = kv_caches[0]
+        self.leaves = page_leaves(kv_caches, num_pages)
+        first = self.leaves[0].tensor
         self.device = first.device
         self.kv_dtype = first.dtype
-        # per page and layer: kv[:, page] has shape kv.shape[:1] + kv.shape[2:]
-        self._page_shapes = [tuple(kv.shape[:1]) + tuple(kv.shape[2:]) for kv in kv_caches]
-        if len(set(self._page_shapes)) != 1 or len({kv.dtype for kv in kv_caches}) != 1:
-            raise ValueError("the tiered KV cache needs one page shape and dtype in every layer")
-        self._page_shape = self._page_shapes[0]
         self.num_layers = len(kv_caches)
-        self.payload_bytes = self.num_layers * first[:, 0].numel() * first.element_size()
-        # L2
+        self.payload_bytes = sum(leaf.page_bytes for leaf in self.leaves)
+        # L2: one host tensor per leaf, [slots, *page_shape]; a narrower host dtype applies to
+        # floating-point leaves of a single-tensor layout only (never to fp8 bytes or scales)
         self.host: HostIndex | None = None
         self.host_kv: list[torch.Tensor] = []
-        self.host_dtype = host_dtype or self.kv_dtype
+        plain = all(leaf.tensor.dtype.is_floating_point for leaf in self.leaves) and \
+            len(self.leaves) == len(kv_caches)
+        self.host_dtype = host_dtype if (host_dtype is not None and plain) else None
         if host_pages > 0:
             self.host = HostIndex(host_pages)
             pin = self.device.type == "cuda"
-            self.host_kv = [torch.zeros((host_pages, *self._page_shape), dtype=self.host_dtype,
-                                        pin_memory=pin) for _ in kv_caches]
+            self.host_kv = [torch.zeros((host_pages, *leaf.page_shape), dtype=self.host_dtype or leaf.tensor.dtype,
+                                        pin_memory=pin) for leaf in self.leaves]
             self.stats.pages_l2_capacity = host_pages
         # L3
         self.storage = storage
@@ -136,7 +136,7 @@ class TieredKV:
 
     @property
     def host_page_bytes(self) -> int:
-        return self.num_layers * self.host_kv[0][0].numel() * self.host_kv[0].element_size() if self.host_kv else 0
+        return sum(h[0].numel() * h.element_size() for h in self.host_kv)
 
     # ---------------------------------------------------------------- stats (thread-safe)
     def _on_storage_error(self, kind: str, message: str) -> None:
@@ -380,14 +380,15 @@ class TieredKV:
         self._pending_host = []
         keys = [k for k, _ in items]
         idx = torch.tensor([s for _, s in items], dtype=torch.long)
-        # [n, L, ...] in the L1 dtype: the L3 record format does not depend on the host dtype
-        data = torch.stack([h.index_select(0, idx) for h in self.host_kv], dim=1).to(self.kv_dtype)
-        self._send(keys, data)
+        # the L3 record holds the L1 dtype, whatever the host dtype
+        parts = [h.index_select(0, idx).to(leaf.tensor.dtype) for h, leaf in zip(self.host_kv, self.leaves)]
+        self._send(keys, _as_bytes(parts))
 
     def _send(self, keys: list[bytes], data: torch.Tensor) -> None:
+        """``data``: [n, payload_bytes] uint8 on the CPU, a fresh snapshot."""
         # ``data`` is a fresh snapshot owned by nobody else: the worker reads its rows in place
         # and builds the records (copy + checksum) off the engine thread.
-        raw = data.contiguous().view(torch.uint8).reshape(len(keys), -1).numpy()
+        raw = data.numpy()
         if self.worker is not None and self.worker.write([(k, raw[i]) for i, k in enumerate(keys)],
                                                          encoded=False):
             for k in keys:
@@ -395,15 +396,17 @@ class TieredKV:
 
     # ---------------------------------------------------------------- copies
     def _gather_payload(self, pages: list[int]) -> torch.Tensor:
-        """[n, L, *page_shape] on the CPU, in the L1 dtype."""
+        """[n, payload_bytes] uint8 on the CPU: every leaf's page, in leaf order, as stored."""
         idx = torch.tensor(pages, dtype=torch.long, device=self.device)
-        return torch.stack([kv.index_select(1, idx).transpose(0, 1) for kv in self.kv_caches], dim=1).cpu()
+        return _as_bytes([leaf.tensor.index_select(leaf.page_dim, idx).movedim(leaf.page_dim, 0).cpu()
+                          for leaf in self.leaves])
 
     def _copy_to_host(self, pages: list[int], slots: list[int]) -> None:
         idx = torch.tensor(pages, dtype=torch.long, device=self.device)
         sidx = torch.tensor(slots, dtype=torch.long)
-        for kv, host in zip(self.kv_caches, self.host_kv):
-            host.index_copy_(0, sidx, kv.index_select(1, idx).transpose(0, 1).to("cpu", self.host_dtype))
+        for leaf, host in zip(self.leaves, self.host_kv):
+            src = leaf.tensor.index_select(leaf.page_dim, idx).movedim(leaf.page_dim, 0)
+            host.index_copy_(0, sidx, src.to("cpu", host.dtype))
         with self._lock:
             self.stats.bytes_written["l2"] += len(pages) * self.host_page_bytes
             self.stats.pages_written["l2"] += len(pages)
@@ -411,17 +414,20 @@ class TieredKV:
     def _copy_from_host(self, slots: list[int], pages: list[int]) -> None:
         idx = torch.tensor(pages, dtype=torch.long, device=self.device)
         sidx = torch.tensor(slots, dtype=torch.long)
-        for kv, host in zip(self.kv_caches, self.host_kv):
-            src = host.index_select(0, sidx).to(self.device, self.kv_dtype, non_blocking=True)
-            kv.index_copy_(1, idx, src.transpose(0, 1))
+        for leaf, host in zip(self.leaves, self.host_kv):
+            src = host.index_select(0, sidx).to(self.device, leaf.tensor.dtype, non_blocking=True)
+            leaf.tensor.index_copy_(leaf.page_dim, idx, src.movedim(0, leaf.page_dim))
 
     def _write_payloads(self, payloads: list[bytes], pages: list[int]) -> None:
-        buf = bytearray(b"".join(payloads))
-        data = torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_dtype)
-        data = data.reshape(len(pages), self.num_layers, *self._page_shape)
+        n = len(pages)
+        data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).reshape(n, self.payload_bytes)
         idx = torch.tensor(pages, dtype=torch.long, device=self.device)
-        for layer, kv in enumerate(self.kv_caches):
-            kv.index_copy_(1, idx, data[:, layer].to(self.device).transpose(0, 1))
+        off = 0
+        for leaf in self.leaves:
+            part = data[:, off:off + leaf.page_bytes].contiguous().view(leaf.tensor.dtype)
+            part = part.reshape(n, *leaf.page_shape).to(self.device)
+            leaf.tensor.index_copy_(leaf.page_dim, idx, part.movedim(0, leaf.page_dim))
+            off += leaf.page_bytes
 
     # ---------------------------------------------------------------- admin
     def flush_host(self) -> None:
@@ -454,6 +460,51 @@ class TieredKV:
                 self.worker = None
 
 
+@dataclass
+class PageLeaf:
+    """One tensor of the KV pool with a page dimension (a layer's K/V, MLA latent, fp8 scales)."""
+
+    tensor: torch.Tensor
+    page_dim: int
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        shape = list(self.tensor.shape)
+        del shape[self.page_dim]
+        return tuple(shape)
+
+    @property
+    def page_bytes(self) -> int:
+        return math.prod(self.page_shape) * self.tensor.element_size()
+
+
+def page_leaves(kv_caches: list[Any], num_pages: int) -> list[PageLeaf]:
+    """The pool's tensors and their page dimension: dense K/V ``[2, N, P, H, D]`` (dim 1), MLA
+    latents ``[N, P, E]`` (dim 0); fp8 pages are (bytes, scales) pairs with the same rule."""
+    leaves: list[PageLeaf] = []
+    for entry in kv_caches:
+        tensors = [entry] if isinstance(entry, torch.Tensor) else list(entry)
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"the tiered KV cache cannot copy pages of a {type(t).__name__}")
+            if t.dim() >= 4 and t.shape[0] == 2 and t.shape[1] == num_pages:
+                dim = 1                       # [2 (K, V), N, ...]
+            elif t.dim() >= 2 and t.shape[0] == num_pages:
+                dim = 0
+            else:
+                raise ValueError(f"cannot find the page dimension of a KV tensor of shape {tuple(t.shape)}")
+            leaves.append(PageLeaf(t, dim))
+    if not leaves:
+        raise ValueError("the KV pool has no tensors")
+    return leaves
+
+
+def _as_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[n, ...] tensors -> one [n, sum of bytes per row] uint8 tensor (a fresh copy)."""
+    n = parts[0].shape[0]
+    return torch.cat([p.contiguous().view(torch.uint8).reshape(n, -1) for p in parts], dim=1)
+
+
 def _chain(keyer: PageKeyer, parent: bytes, tokens: list[int]) -> list[bytes]:
     """Keys of ``tokens``' whole pages continuing the chain after ``parent``."""
     sub = PageKeyer(parent, keyer.page_size)
@@ -471,15 +522,18 @@ def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any
     if kv.cache is None:
         raise ValueError("the host and storage cache tiers need the prefix cache")
     kv_caches = runner.kv_caches
-    first = kv_caches[0]
-    layout = f"{[tuple(t.shape[:1]) + tuple(t.shape[2:]) for t in kv_caches]}|" \
-             f"{kv_spec.layers!r}"
+    num_pages = kv.pool.num_pages
+    leaves = page_leaves(kv_caches, num_pages)
+    layout = "|".join(f"{tuple(l.page_shape)}:{l.page_dim}:{l.tensor.dtype}" for l in leaves) + \
+        f"|{kv_spec.layers!r}"
     identity = f"{model_name}|{model_fingerprint(runner.model)}"
-    namespace = make_namespace(identity, layout, str(first.dtype).removeprefix("torch."), config.page_size)
+    namespace = make_namespace(identity, layout, str(kv_spec.dtype), config.page_size)
     keyer = PageKeyer(namespace, config.page_size)
     host_dtype = None if config.host_cache_dtype == "auto" else getattr(torch, config.host_cache_dtype)
-    itemsize = torch.empty((), dtype=host_dtype or first.dtype).element_size()
-    host_page_bytes = sum(t[:, 0].numel() for t in kv_caches) * itemsize
+    plain = all(l.tensor.dtype.is_floating_point for l in leaves) and len(leaves) == len(kv_caches)
+    host_page_bytes = sum(math.prod(l.page_shape) * (torch.empty((), dtype=host_dtype).element_size()
+                                                     if (host_dtype is not None and plain) else l.tensor.element_size())
+                          for l in leaves)
     host_pages = int(config.host_cache_memory_gib * 2**30 // host_page_bytes)
     if config.host_cache_memory_gib > 0 and host_pages < 1:
         raise ValueError(f"host_cache_memory_gib={config.host_cache_memory_gib} holds no page of "
@@ -490,13 +544,13 @@ def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any
         storage = open_storage(storage_spec, namespace, timeout_s=config.cache_storage_timeout_s)
     except StorageError as e:
         raise ValueError(f"--cache-storage {storage_spec}: {e}") from None
-    tiers = TieredKV(kv_caches, keyer, kv.cache, host_pages=host_pages, host_dtype=host_dtype,
+    tiers = TieredKV(kv_caches, keyer, kv.cache, num_pages, host_pages=host_pages, host_dtype=host_dtype,
                      storage=storage, write_policy=config.cache_write_policy,
                      write_min_hits=config.cache_write_min_hits,
                      prefetch_timeout_s=config.cache_prefetch_timeout_s,
                      prefetch_min_pages=config.cache_prefetch_min_pages)
     log.info("KV tiers: L2 %d host pages (%s, %.2f GiB), L3 %s, policy %s, namespace %s",
-             host_pages, str(tiers.host_dtype).removeprefix("torch."),
+             host_pages, str(tiers.host_dtype or tiers.kv_dtype).removeprefix("torch."),
              host_pages * host_page_bytes / 2**30, storage.url if storage else "none",
              config.cache_write_policy, namespace.hex()[:12])
     return tiers
