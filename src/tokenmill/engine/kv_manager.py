@@ -80,8 +80,9 @@ class KVManager:
         With lower tiers, the match continues through pages loaded from L2/L3 into L1.
         Returns the number of tokens matched (all tiers); on first admission also sets
         ``req.cached_tokens_by_tier``.
+        A request asking for prompt logprobs matches nothing (its prompt rows must all be computed).
         """
-        if self.cache is None or req.page_table:
+        if self.cache is None or req.page_table or req.prompt_logprobs is not None:
             return 0
         P = self.page_size
         per = self.cache.page_size   # key elements per page (P for the engine, 1 in the sim)
@@ -134,7 +135,7 @@ class KVManager:
     def cached_prefix_tokens(self, req: Request) -> int:
         """Tokens :meth:`match` would reuse for ``req`` now: a probe that locks nothing and
         leaves cache recency alone (for cache-aware admission)."""
-        if self.cache is None or req.page_table:
+        if self.cache is None or req.page_table or req.prompt_logprobs is not None:
             return 0
         per_page = self.cache.page_size
         n = (req.num_tokens - 1) // self.page_size * per_page
