@@ -39,6 +39,13 @@ Page ownership
 
     Invariant: ``pool.num_free() + num_cached_pages + pages held only by requests
     == pool.num_pages``.
+
+Lower tiers
+    ``evict_hook(prefix_tokens, pages)``, when set, is called just before evicted pages return
+    to the pool: ``prefix_tokens`` runs from the root to the end of the evicted pages, which hold
+    its last ``len(pages) * page_size`` tokens. The tiered cache uses it to demote the pages to
+    host memory (their content is still intact when the hook runs). The tree itself holds only
+    L1 pages; :class:`~tokenmill.cache.tiers.TierDirectory` continues a path into L2 and L3.
 """
 from __future__ import annotations
 
@@ -111,6 +118,7 @@ class RadixCache:
         self.page_size = page_size
         self.session_retention_s = float(session_retention_s)
         self._clock = clock
+        self.evict_hook: Callable[[tuple[int, ...], list[int]], None] | None = None
         self._tick = 0
         self._seq = itertools.count()
         # Retention windows are session state, not cache content: they survive reset().
@@ -321,6 +329,8 @@ class RadixCache:
     def _evict_from_leaf(self, node: RadixNode, want: int) -> int:
         """Free the last ``want`` pages of an unlocked leaf (all of it if it has fewer)."""
         n = len(node.pages)
+        if self.evict_hook is not None:
+            self.evict_hook(self._path_tokens(node), node.pages[max(n - want, 0):])
         if want < n:
             freed_pages = node.pages[n - want:]
             del node.pages[n - want:]
@@ -394,6 +404,14 @@ class RadixCache:
         self._init_tree()
 
     # ------------------------------------------------------------------ internals
+    def _path_tokens(self, node: RadixNode) -> tuple[int, ...]:
+        """Tokens from the root to the end of ``node``."""
+        parts = []
+        while node is not self.root:
+            parts.append(node.key)
+            node = node.parent  # type: ignore[assignment]
+        return tuple(t for part in reversed(parts) for t in part)
+
     def _descend(self, key: tuple[int, ...]) -> tuple[list[RadixNode], int]:
         """Walk ``key`` (whole pages) from the root; split the last edge at the match end.
 

@@ -51,6 +51,7 @@ class EngineStats:
     kv_cache_dtype: str = ""         # storage dtype of the pool (float32, bfloat16, float8_e4m3fn, ...)
     kv_bytes_per_token: int = 0      # KVCacheSpec.bytes_per_token(), fp8 scales included
     kv_capacity_tokens: int = 0      # pages x page size
+    tiers: Any = None               # cache.tiers.TierStats when lower tiers are configured
 
     @property
     def cache_hit_rate(self) -> float:
@@ -73,6 +74,7 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
                                   self.vocab_size, device=self.device, kv_spec=self.kv_spec,
                                   attention_backend=config.attention_backend)
+        self._init_tiers()
         self.generation_tokens_total = 0
         self._arrivals = 0
         self._grammar_compiler: GrammarCompiler | None = None
@@ -146,6 +148,12 @@ class Engine:
                  "= %d tokens (%.4f GiB)", spec.dtype, bytes_per_token, fp32 / bytes_per_token, num_pages, ps,
                  self.kv_capacity_tokens, self.kv_capacity_tokens * bytes_per_token / 2**30)
 
+    def _init_tiers(self) -> None:
+        from tokenmill.engine.kv_tiers import build_tiers
+
+        self.tiers = build_tiers(self.config, self.runner, self.kv, self.model_name, self.kv_spec)
+        self.kv.tiers = self.tiers
+
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     session_id: str | None = None) -> None:
@@ -183,6 +191,8 @@ class Engine:
                 raise ValueError(str(future.exception()))
             req.grammar = self.grammar_compiler.matcher(future.result())
         self.scheduler.add_request(req)
+        if self.tiers is not None:
+            self.tiers.on_arrival(req)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -216,6 +226,8 @@ class Engine:
             self.step_cost.observe(out.num_tokens, time.perf_counter() - t0)
         self.scheduler.post_step(out)
         outputs = failed + [self._process(s.request, s.token_id, s.logprob) for s in sampled]
+        if self.tiers is not None:
+            self.tiers.end_step()
         self._maybe_check_idle()
         return outputs
 
@@ -285,6 +297,7 @@ class Engine:
             finished=finished,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
+            cached_tokens_by_tier=req.cached_tokens_by_tier,
             new_logprobs=lps[-num_new:] if (lps is not None and num_new) else ([] if lps is not None else None),
             prompt_logprobs=req.prompt_logprobs,   # complete once the prompt is computed
         )
@@ -296,6 +309,16 @@ class Engine:
             return False
         self.kv.flush()
         return True
+
+    def flush_storage_cache(self) -> int:
+        """Delete what this model wrote to the L3 storage tier; returns pages deleted."""
+        return self.tiers.flush_storage() if self.tiers is not None else 0
+
+    def close(self) -> None:
+        """Finish queued L3 writes and stop the storage worker (the engine stays usable
+        for L1/L2 only)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def check_pages(self) -> None:
         """Assert page accounting (free + cached + request-only == total)."""
@@ -326,4 +349,5 @@ class Engine:
             kv_cache_dtype=self.kv_spec.dtype,
             kv_bytes_per_token=self.kv_spec.bytes_per_token(),
             kv_capacity_tokens=self.kv_capacity_tokens,
+            tiers=self.tiers.snapshot_stats() if self.tiers is not None else None,
         )

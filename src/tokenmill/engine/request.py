@@ -59,6 +59,8 @@ class Request:
     num_tree_pages: int = 0
     cache_node: Any = None            # locked radix node, or None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    cached_tokens_by_tier: dict[str, int] | None = None  # that hit split by tier (l1, l2, l3)
+    tier_state: Any = None            # lower-tier bookkeeping (engine.kv_tiers.TierState)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -180,6 +182,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     stop_reason: str | int | None = None
+    cached_tokens_by_tier: dict[str, int] | None = None
     new_logprobs: list[TokenLogprob] | None = None   # logprobs of new_token_ids
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs only
 

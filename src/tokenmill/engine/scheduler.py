@@ -161,6 +161,7 @@ class Scheduler:
                 req.num_cached_tokens = matched
                 self.prompt_tokens_total += req.num_prompt_tokens
                 self.cached_tokens_total += matched
+                self.kv.admitted(req)
             plan.add(req, n)
 
     def _next_waiting(self) -> Request:

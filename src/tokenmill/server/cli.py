@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = Engine(engine_config)
     except (ModelNotFoundError, ValueError) as e:
-        print(f"tokenmill serve: cannot load model {args.model!r}: {e}", file=sys.stderr)
+        print(f"tokenmill serve: cannot start with model {args.model!r}: {e}", file=sys.stderr)
         return 2
     async_engine = AsyncEngine(engine)
     state = ServerState.create(async_engine, server_config, prefix_cache_enabled=engine_config.enable_prefix_cache)

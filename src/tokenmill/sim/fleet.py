@@ -37,6 +37,7 @@ from tokenmill.router.policies import make_policy
 from tokenmill.sim.config import SimConfig
 from tokenmill.sim.metrics import Recorder, ScaleRecord, summarise
 from tokenmill.sim.replica import SimReplica, SimRequest
+from tokenmill.sim.tiers import SharedStore
 
 REPLICA, TURN, TRACE, SAMPLE, SCALE, AUTOSCALE, REPORT, POPULATION = range(8)
 _FRESH_BASE = 1 << 60          # block ids of thick-session branch suffixes and trace outputs
@@ -81,6 +82,9 @@ class FleetSimulator:
         self.cfg = config
         self.profile = config.profile
         self.block = config.resolved_block_tokens()
+        # the fleet's L3, shared by every replica (profile.storage_tokens; see sim/tiers.py)
+        self.store: SharedStore | None = (SharedStore(max(self.profile.storage_tokens // self.block, 1))
+                                          if self.profile.storage_tokens > 0 else None)
         self.policy = make_policy(config.policy, **config.policy_options)
         self.rng = random.Random(f"sim:{config.seed}")
         self.now = 0.0
@@ -126,7 +130,8 @@ class FleetSimulator:
             rid = f"r{self._next_replica:03d}"
             self._next_replica += 1
             rep = SimReplica(rid, self.profile, self.block, self.clock,
-                             session_retention_s=self.cfg.session_retention_s, created_at=self.now)
+                             session_retention_s=self.cfg.session_retention_s, created_at=self.now,
+                             store=self.store)
             self.replicas[rid] = rep
             self.views[rid] = ReplicaView(rid, True, 0)
             self.assigned.setdefault(rid, 0)
@@ -407,6 +412,14 @@ class FleetSimulator:
         summary["preemptions"] = self._gone_preemptions + sum(r.num_preemptions for r in self.replicas.values())
         summary["scale_events"] = [r.to_dict() for r in self.scale_records]
         summary["decisions"] = dict(sorted(self.policy.counters.items()))
+        tiers = [r.tiers for r in self.replicas.values() if r.tiers is not None]
+        if tiers:   # hits over the whole run, by tier, on the replicas alive at the end
+            summary["tiers"] = {
+                "hit_tokens": {k: sum(t.hit_tokens[k] for t in tiers) for k in ("l1", "l2", "l3")},
+                "load_s": sum(t.load_s for t in tiers),
+                "storage_pages": len(self.store) if self.store is not None else 0,
+                "storage_pages_written": self.store.pages_written if self.store is not None else 0,
+            }
         summary["config"] = self.describe()
         summary["sim_wall_s"] = time.perf_counter() - wall0
         result = SimResult(summary)

@@ -37,6 +37,7 @@ from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.step_cost import StepCost
 from tokenmill.sim.profiles import ReplicaProfile
+from tokenmill.sim.tiers import SimTiers
 
 _TOKEN_ID_MASK = (1 << 31) - 1
 
@@ -218,7 +219,7 @@ class SimReplica:
 
     def __init__(self, replica_id: str, profile: ReplicaProfile, block_tokens: int,
                  clock: Callable[[], float], *, session_retention_s: float = 60.0,
-                 created_at: float = 0.0, fast_forward: bool = True) -> None:
+                 created_at: float = 0.0, fast_forward: bool = True, store: Any = None) -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         num_pages = profile.kv_capacity_tokens // block_tokens
@@ -230,6 +231,12 @@ class SimReplica:
         self.pool = PagePool(num_pages)
         self.cache = RadixCache(self.pool, 1, session_retention_s=session_retention_s, clock=clock)
         self.kv = KVManager(self.pool, block_tokens, self.cache)
+        self.tiers: SimTiers | None = None
+        tp = profile.tier_profile()
+        if tp.host_cache_tokens > 0 or store is not None:
+            self.tiers = SimTiers(tp, block_tokens, store)
+            self.kv.tiers = self.tiers
+            self.cache.evict_hook = self.tiers.on_evict
         step_cost = StepCost(profile.decode_slowdown) if profile.decode_slowdown is not None else None
         self.scheduler = Scheduler(self.kv, max_batch_tokens=profile.max_prefill_tokens,
                                    max_running_requests=profile.max_running_requests, step_cost=step_cost)
@@ -359,6 +366,8 @@ class SimReplica:
                 sim.t_admit = now
                 sim.cached_tokens = s.request.num_cached_tokens or 0
         dt = step_seconds(self.profile, out)
+        if self.tiers is not None:   # pages loaded from L2/L3 at admission, copied before the forward
+            dt += self.tiers.take_load_seconds()
         self._step = out
         self._step_s = dt
         self._busy_until = now + dt
