@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DenseLinear", "LinearMethod", "as_linear", "cat_linears"]
+__all__ = ["DenseLinear", "LinearMethod", "as_linear"]
 
 
 class LinearMethod(nn.Module, abc.ABC):
@@ -124,23 +124,3 @@ def as_linear(w: "torch.Tensor | LinearMethod", dtype: torch.dtype) -> LinearMet
     if isinstance(w, LinearMethod):
         return w
     return DenseLinear(w.to(dtype))
-
-
-def cat_linears(parts: Sequence["torch.Tensor | LinearMethod"], dtype: torch.dtype) -> LinearMethod:
-    """One linear method stacking the rows of ``parts`` (fused q/k/v, gate/up).
-
-    Parts in one format are concatenated exactly. Mixed formats (a GGUF file may store q and v in
-    different types) fall back to the most precise representation that holds all of them: dense
-    ``dtype`` when any part is dense, else 8-bit groups of 32 (``Int8Linear.from_float``).
-    """
-    methods = [as_linear(p, dtype) for p in parts]
-    first = methods[0]
-    if len(methods) == 1:
-        return first
-    if all(first.can_cat(m) for m in methods[1:]):
-        return type(first).cat_rows(methods)
-    if any(isinstance(m, DenseLinear) for m in methods):
-        return DenseLinear(torch.cat([m.dequantize().to(dtype) for m in methods], dim=0))
-    from tokenmill.layers.quant.packed import Int8Linear
-
-    return Int8Linear.from_float(torch.cat([m.dequantize() for m in methods], dim=0), group_size=32)

@@ -18,7 +18,8 @@ from torch import nn
 
 from tokenmill.contracts.errors import ModelLoadError
 from tokenmill.layers.attention import ForwardContext
-from tokenmill.layers.linear import DenseLinear, as_linear, cat_linears
+from tokenmill.layers.linear import DenseLinear, as_linear
+from tokenmill.layers.quant.methods import cat_linears
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import CosSin, RotaryEmbedding, apply_rotary
 from tokenmill.models.base import CausalLM, KVCacheSpec, ModelArgs

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from tokenmill._native import quant as native
-from tokenmill.layers.linear import DenseLinear, LinearMethod
+from tokenmill.layers.linear import DenseLinear, LinearMethod, as_linear
 from tokenmill.layers.quant.packed import Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
@@ -119,3 +119,21 @@ def weight_bytes(model: nn.Module) -> int:
             seen.add(id(m))
             total += m.weight_bytes()
     return total
+
+
+def cat_linears(parts: Sequence["torch.Tensor | LinearMethod"], dtype: torch.dtype) -> LinearMethod:
+    """One linear method stacking the rows of ``parts`` (fused q/k/v, gate/up).
+
+    Parts in one format are concatenated exactly. Mixed formats (a GGUF file may store q and v in
+    different types) fall back to the most precise representation that holds all of them: dense
+    ``dtype`` when any part is dense, else 8-bit groups of 32 (``Int8Linear.from_float``).
+    """
+    methods = [as_linear(p, dtype) for p in parts]
+    first = methods[0]
+    if len(methods) == 1:
+        return first
+    if all(first.can_cat(m) for m in methods[1:]):
+        return type(first).cat_rows(methods)
+    if any(isinstance(m, DenseLinear) for m in methods):
+        return DenseLinear(torch.cat([m.dequantize().to(dtype) for m in methods], dim=0))
+    return Int8Linear.from_float(torch.cat([m.dequantize() for m in methods], dim=0), group_size=32)
