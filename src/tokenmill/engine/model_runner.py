@@ -9,11 +9,15 @@ allocate the KV pool, and make the sampler's random stream on the device.
 :class:`~tokenmill.contracts.batch.ForwardBatch` (sequences concatenated in scheduling order),
 builds the backend's per-step metadata once (:class:`~tokenmill.layers.attention.ForwardContext`),
 runs the model, and samples one token for each request whose step reaches the end of its
-tokens. Logits are computed only for those rows.
+tokens. Logits are computed only for those rows, except that a request carrying speculative
+drafts gets logits for its last token and every draft (``k + 1`` rows), which
+:func:`~tokenmill.layers.speculative.verify` checks; it then emits 1 to ``k + 1`` tokens.
+When the engine sets ``capture_layers`` (a learned drafter), the target's hidden states after
+those layers come back with the step (:class:`StepResult`), at no extra pass.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -23,15 +27,31 @@ from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import ForwardContext, select_attention_backend
 from tokenmill.layers.sampling import Sampler, SamplingInputs
+from tokenmill.layers.speculative import VerifyInputs, verify
 
 if TYPE_CHECKING:
     from tokenmill.models.base import CausalLM
 
 
-class SampledToken(NamedTuple):
+class SampledTokens(NamedTuple):
+    """What one request got this step: 1 token, or accepted drafts plus one more."""
+
     request: Request
-    token_id: int
-    logprob: TokenLogprob | None
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    num_draft: int = 0       # drafts verified
+    num_accepted: int = 0    # drafts accepted (the first ``num_accepted`` of ``token_ids``)
+
+
+class StepResult(NamedTuple):
+    sampled: list[SampledTokens]
+    # hidden states of ``capture_layers`` for every token of the step, [T, hidden] per layer
+    captured: dict[int, torch.Tensor]
+    query_start: list[int]   # row of each scheduled request's first token (scheduling order)
+
+
+def _token_logprob(tok: int, lp: Any) -> TokenLogprob:
+    return TokenLogprob(tok, lp[0], [TopLogprob(t, v) for t, v in lp[1]])
 
 
 class ModelRunner:
@@ -46,6 +66,7 @@ class ModelRunner:
         self.attn = select_attention_backend(self.kv_spec, self.device, model.dtype, attention_backend)
         self.kv_caches = self.attn.allocate(num_pages, page_size)
         self.sampler = Sampler(seed, device=self.device)
+        self.capture_layers: frozenset[int] = frozenset()   # set by a learned drafter
 
     def make_generator(self, seed: int | None) -> torch.Generator | None:
         """A request's own random stream (seeded requests only; others share the sampler's)."""
@@ -56,7 +77,10 @@ class ModelRunner:
         return g
 
     def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
-        """The step's ForwardBatch, and the requests that sample (in logits-row order)."""
+        """The step's ForwardBatch, and the requests that sample (in logits-row order).
+
+        A request with drafts contributes its uncomputed token then the drafts, and ``k + 1``
+        logits rows."""
         ps = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -72,13 +96,15 @@ class ModelRunner:
                 input_ids.append(req.all_token_ids[start])
                 positions.append(start)
             else:
-                input_ids.extend(req.all_token_ids[start:end])
+                input_ids.extend(req.all_token_ids[start:end - s.num_draft])
+                if s.num_draft:
+                    input_ids.extend(s.draft_token_ids)
                 positions.extend(range(start, end))
             q_start.append(q_start[-1] + n)
             seq_lens.append(end)
             tables.append(req.page_table)
             if s.samples:
-                logit_rows.append(q_start[-1] - 1)
+                logit_rows.extend(range(q_start[-1] - 1 - s.num_draft, q_start[-1]))
                 samplers.append(req)
         width = max(len(t) for t in tables)
         dev = self.device
@@ -110,11 +136,16 @@ class ModelRunner:
         return ctx
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         batch, samplers = self.build_batch(out)
-        logits = self.forward(batch).logits
+        ctx = self.forward(batch, self.capture_layers)
+        logits = ctx.logits
+        q_start = batch.query_start_loc.tolist() if ctx.captured else []
         if not samplers:
-            return []
+            return StepResult([], ctx.captured, q_start)
+        drafts = {s.request: s for s in out.scheduled if s.num_draft}
+        if drafts:
+            return StepResult(self._verify(logits, samplers, drafts), ctx.captured, q_start)
         inputs = SamplingInputs(
             params=[r.params for r in samplers],
             prompt_token_ids=[r.prompt_token_ids for r in samplers],
@@ -124,8 +155,28 @@ class ModelRunner:
         result = self.sampler(logits, inputs)
         sampled = []
         for req, tok, lp in zip(samplers, result.token_ids, result.logprobs):
-            logprob = None
-            if lp is not None:
-                logprob = TokenLogprob(tok, lp[0], [TopLogprob(t, v) for t, v in lp[1]])
-            sampled.append(SampledToken(req, tok, logprob))
+            logprobs = [_token_logprob(tok, lp)] if lp is not None else None
+            sampled.append(SampledTokens(req, [tok], logprobs))
+        return StepResult(sampled, ctx.captured, q_start)
+
+    def _verify(self, logits: torch.Tensor, samplers: list[Request], drafts: dict) -> list[SampledTokens]:
+        draft_ids = [drafts[r].draft_token_ids if r in drafts else () for r in samplers]
+        probs = []
+        for r, d in zip(samplers, draft_ids):
+            q = r.spec_probs if d else None
+            probs.append(q[: len(d)] if q is not None else None)
+        inputs = VerifyInputs(
+            params=[r.params for r in samplers],
+            prompt_token_ids=[r.prompt_token_ids for r in samplers],
+            output_token_ids=[r.output_token_ids if r.params.uses_penalties else () for r in samplers],
+            generators=[r.generator for r in samplers],
+            draft_token_ids=draft_ids,
+            draft_probs=probs,
+        )
+        sampled = []
+        for req, d, res in zip(samplers, draft_ids, verify(self.sampler, logits, inputs)):
+            lps = None
+            if res.logprobs is not None:
+                lps = [_token_logprob(t, lp) for t, lp in zip(res.token_ids, res.logprobs)]
+            sampled.append(SampledTokens(req, res.token_ids, lps, len(d), res.num_accepted))
         return sampled
