@@ -27,7 +27,7 @@ from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.model_runner import ModelRunner, SampledTokens
-from tokenmill.engine.request import Request, RequestOutput
+from tokenmill.engine.request import ListView, Request, RequestOutput
 from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_cost import StepCost
@@ -226,7 +226,7 @@ class Engine:
 
     def _append(self, req: Request, token: int, logprob: Any, computed: bool = False) -> bool:
         """Append one token and check the stop conditions; True when the request finished."""
-        req.all_token_ids.append(token)
+        req.append_token(token)
         if computed:
             req.num_computed_tokens += 1
         self.generation_tokens_total += 1
@@ -256,20 +256,30 @@ class Engine:
         return False
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:
+        """The request's output after this step: O(num_new) work, whatever its length."""
         finished = req.is_finished
-        new_text = req.detokenizer.take_new_text(finished)
+        detok = req.detokenizer
+        new_text = detok.take_new_text(finished)
+        ids, lps, p = req.all_token_ids, req.logprobs, req.num_prompt_tokens
+        if finished:   # nothing changes any more: one copy of the ids, the rest as they are
+            token_ids, logprobs, text = ids[p:], lps, detok.emitted_text
+        else:
+            token_ids = ListView(ids, p, len(ids))
+            logprobs = ListView(lps, 0, len(lps)) if lps is not None else None
+            text = detok.emitted_view()
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             cached_tokens=req.num_cached_tokens or 0,
-            token_ids=req.output_token_ids,
-            text=req.detokenizer.emitted_text,
-            new_token_ids=req.all_token_ids[-num_new:] if num_new else [],
+            token_ids=token_ids,
+            text_view=text,
+            new_token_ids=ids[-num_new:] if num_new else [],
             new_text=new_text,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            logprobs=logprobs,
             finished=finished,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
+            new_logprobs=lps[-num_new:] if (lps is not None and num_new) else ([] if lps is not None else None),
             num_accepted_draft_tokens=req.num_accepted_draft_tokens,
         )
 

@@ -26,7 +26,7 @@ from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import ForwardContext, select_attention_backend
-from tokenmill.layers.sampling import Sampler, SamplingInputs
+from tokenmill.layers.sampling import PenaltyState, Sampler, SamplingInputs
 from tokenmill.layers.speculative import VerifyInputs, verify
 
 if TYPE_CHECKING:
@@ -75,6 +75,16 @@ class ModelRunner:
         g = torch.Generator(device=self.device)
         g.manual_seed(seed)
         return g
+
+    def _penalty_state(self, req: Request) -> PenaltyState | None:
+        """The request's incremental penalty counts (made on first use; O(1) per token after)."""
+        if not req.params.uses_penalties:
+            return None
+        st = req.penalty_state
+        if st is None or st.num_output != req.num_output_tokens:
+            st = req.penalty_state = PenaltyState(self.vocab_size, req.prompt_token_ids, req.output_token_ids,
+                                                  self.device)
+        return st
 
     def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
         """The step's ForwardBatch, and the requests that sample (in logits-row order).
@@ -146,13 +156,18 @@ class ModelRunner:
         drafts = {s.request: s for s in out.scheduled if s.num_draft}
         if drafts:
             return StepResult(self._verify(logits, samplers, drafts), ctx.captured, q_start)
+        states = [self._penalty_state(r) for r in samplers]
         inputs = SamplingInputs(
             params=[r.params for r in samplers],
             prompt_token_ids=[r.prompt_token_ids for r in samplers],
             output_token_ids=[r.output_token_ids if r.params.uses_penalties else () for r in samplers],
             generators=[r.generator for r in samplers],
+            penalty_states=states,
         )
         result = self.sampler(logits, inputs)
+        for st, tok in zip(states, result.token_ids):
+            if st is not None:
+                st.add(tok)
         sampled = []
         for req, tok, lp in zip(samplers, result.token_ids, result.logprobs):
             logprobs = [_token_logprob(tok, lp)] if lp is not None else None
@@ -175,6 +190,10 @@ class ModelRunner:
         )
         sampled = []
         for req, d, res in zip(samplers, draft_ids, verify(self.sampler, logits, inputs)):
+            st = self._penalty_state(req)
+            if st is not None:
+                for tok in res.token_ids:
+                    st.add(tok)
             lps = None
             if res.logprobs is not None:
                 lps = [_token_logprob(t, lp) for t, lp in zip(res.token_ids, res.logprobs)]
