@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds a finished session's KV is kept ahead of LRU eviction (default: 60)")
     g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     g.add_argument("--debug-checks", action="store_true", help="check page accounting whenever the engine idles")
+    from tokenmill.engine.cli import add_speculative_arguments
+
+    add_speculative_arguments(parser)
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -56,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="largest accepted request body; bigger ones get 413 (default: 32 MiB)")
     s.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
+    s.add_argument("--log-token-ids", default=None, metavar="DIR",
+                   help="write one JSONL record per finished request (prompt and output token ids, "
+                        "model, sampling settings) under DIR, e.g. to train a drafter")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -63,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.cli import speculative_kwargs
     from tokenmill.engine.engine import Engine
     from tokenmill.loader.resolve import ModelNotFoundError
     from tokenmill.server.app import build_app
@@ -74,14 +81,14 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_tokens=args.kv_cache_tokens, max_batch_tokens=args.max_batch_tokens,
             max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
             enable_prefix_cache=not args.no_prefix_cache, session_retention_s=args.session_retention_s,
-            dtype=args.dtype, debug_checks=args.debug_checks,
+            dtype=args.dtype, debug_checks=args.debug_checks, **speculative_kwargs(args),
         )
         chat_template = Path(args.chat_template).read_text() if args.chat_template else None
         server_config = ServerConfig(
             served_model_names=tuple(args.served_model_name or [args.model]), max_n=args.max_n,
             max_request_bytes=args.max_request_bytes, api_key=args.api_key or None,
             tool_call_parser=args.tool_call_parser, chat_template=chat_template,
-            shutdown_grace_s=args.shutdown_grace_s,
+            shutdown_grace_s=args.shutdown_grace_s, log_token_ids=args.log_token_ids,
         )
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")

@@ -42,6 +42,7 @@ class ServerConfig:
     tool_call_parser: str | None = None
     chat_template: str | None = None     # Jinja text overriding the tokenizer's template
     shutdown_grace_s: float = 30.0
+    log_token_ids: str | None = None     # directory of the token-id log (server/token_log.py)
 
     def __post_init__(self) -> None:
         if not self.served_model_names or any(not n for n in self.served_model_names):
@@ -72,6 +73,7 @@ class ServerState:
     max_model_len: int
     metrics: ServerMetrics
     tool_parser: HermesToolParser | None = None
+    token_log: Any = None               # TokenLog, when --log-token-ids is given
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
 
     @classmethod
@@ -81,7 +83,13 @@ class ServerState:
             max_model_len=int(engine.engine.max_model_len),
             metrics=ServerMetrics(config.model_name, prefix_cache_enabled=prefix_cache_enabled),
             tool_parser=get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None,
+            token_log=_token_log(config),
         )
+
+    @property
+    def speculative(self) -> bool:
+        """The engine speculates (responses carry ``usage.accepted_draft_tokens``)."""
+        return self.engine.engine.spec is not None
 
     @property
     def vocab_limit(self) -> int:
@@ -105,6 +113,14 @@ class ServerState:
 
 
 _BYTE_DECODER: dict[str, int] | None = None
+
+
+def _token_log(config: ServerConfig) -> Any:
+    if config.log_token_ids is None:
+        return None
+    from tokenmill.server.token_log import TokenLog
+
+    return TokenLog(config.log_token_ids, config.model_name)
 
 
 def _raw_token_bytes(tokenizer: Any, token_id: int) -> bytes | None:
@@ -174,7 +190,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
             seed=None if req.seed is None else req.seed + choice,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, stop=stop, stop_token_ids=list(req.stop_token_ids),
-            ignore_eos=req.ignore_eos, logprobs=logprobs,
+            ignore_eos=req.ignore_eos, logprobs=logprobs, speculative=req.speculative,
         )
     except ValueError as e:
         raise bad_request(str(e)) from None
@@ -273,6 +289,9 @@ class Generation:
         self.timers[i].on_tokens(len(out.new_token_ids), now)
         if out.finished:
             self.timers[i].on_finish(out.finish_reason, now)
+            if self.state.token_log is not None:
+                self.state.token_log.write(out.request_id, self.prompts[i], out.token_ids,
+                                           out.finish_reason, self.params[i])
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -322,10 +341,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          accepted_draft_tokens: int | None = None) -> dict[str, Any]:
+    """The usage block; ``accepted_draft_tokens`` (extension) when the engine speculates."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens,
+                           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if accepted_draft_tokens is not None:
+        out["accepted_draft_tokens"] = accepted_draft_tokens
+    return out
 
 
 def _lp(v: float) -> float:

@@ -84,7 +84,8 @@ async def create_completion(state: ServerState, request: Request, body: dict[str
     return JSONResponse({
         "id": request_id, "object": "text_completion", "created": int(time.time()),
         "model": req.model or state.config.model_name, "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens, cached),
+        "usage": usage(prompt_tokens, completion_tokens, cached,
+                       sum(o.num_accepted_draft_tokens for o in finals) if state.speculative else None),
     })
 
 
@@ -94,6 +95,7 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, p
     model = req.model or state.config.model_name
     num = len(gen.prompts)
     completion_tokens = [0] * num
+    accepted = [0] * num
     cached = [0] * num
     offsets = [len(echo_texts[i // req.n]) for i in range(num)]
     reasons: list[str | None] = [None] * num
@@ -115,6 +117,7 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, p
                 yield chunk(i, echo_texts[i // req.n], extra=extra)
         async for index, out in gen:
             completion_tokens[index] = len(out.token_ids)
+            accepted[index] = out.num_accepted_draft_tokens
             cached[index] = out.cached_tokens
             logprobs = None
             if req.logprobs is not None and out.logprobs is not None and out.new_token_ids:
@@ -133,7 +136,8 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, p
             prompt_tokens = sum(len(p) for p in prompts)
             hits = sum(cached[k * req.n] for k in range(len(prompts)))
             yield sse({"id": gen.request_id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens), hits)})
+                       "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens), hits,
+                                             sum(accepted) if state.speculative else None)})
         log_finished("completion-stream", gen.request_id, gen.session_id, sum(len(p) for p in prompts),
                      sum(cached[k * req.n] for k in range(len(prompts))), sum(completion_tokens),
                      gen.timers[0].arrival, reasons)
