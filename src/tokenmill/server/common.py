@@ -7,6 +7,7 @@ import asyncio
 import copy
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -63,13 +64,38 @@ class ServerConfig:
         return self.served_model_names[0]
 
 
+class TokenizerPool:
+    """One tokenizer per thread, copied from a prototype on the thread's first use.
+
+    A fast (Rust) tokenizer refuses to be used by two threads at once ("Already borrowed"), and
+    one shared instance behind a lock would serialise every request's tokenization. Handlers
+    tokenize long prompts on worker threads (``asyncio.to_thread``), so each worker, and the
+    event-loop thread, gets its own copy: at most one per thread of the default executor.
+    """
+
+    def __init__(self, prototype: Any) -> None:
+        self._prototype = prototype
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self.num_copies = 0
+
+    def get(self) -> Any:
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            with self._lock:  # deepcopy reads the prototype; never two copies at once
+                tok = copy.deepcopy(self._prototype)
+                self.num_copies += 1
+            self._local.tokenizer = tok
+        return tok
+
+
 @dataclass
 class ServerState:
     """Everything a handler needs; one per app."""
 
     engine: AsyncEngine
     config: ServerConfig
-    tokenizer: Any                      # the server's own copy: HF tokenizers are not thread-safe
+    tokenizers: TokenizerPool           # the server's own copies: one per thread (see TokenizerPool)
     max_model_len: int
     metrics: ServerMetrics
     tool_parser: HermesToolParser | None = None
@@ -79,7 +105,7 @@ class ServerState:
     @classmethod
     def create(cls, engine: AsyncEngine, config: ServerConfig, *, prefix_cache_enabled: bool = True) -> ServerState:
         return cls(
-            engine=engine, config=config, tokenizer=copy.deepcopy(engine.engine.tokenizer),
+            engine=engine, config=config, tokenizers=TokenizerPool(engine.engine.tokenizer),
             max_model_len=int(engine.engine.max_model_len),
             metrics=ServerMetrics(config.model_name, prefix_cache_enabled=prefix_cache_enabled),
             tool_parser=get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None,
@@ -90,6 +116,11 @@ class ServerState:
     def speculative(self) -> bool:
         """The engine speculates (responses carry ``usage.accepted_draft_tokens``)."""
         return self.engine.engine.spec is not None
+
+    @property
+    def tokenizer(self) -> Any:
+        """This thread's tokenizer (safe to use from any thread, handlers and workers alike)."""
+        return self.tokenizers.get()
 
     @property
     def vocab_limit(self) -> int:

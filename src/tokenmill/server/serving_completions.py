@@ -4,6 +4,7 @@ With several prompts and ``n`` choices each, choice ``p * n + j`` is the j-th sa
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -42,7 +43,10 @@ async def create_completion(state: ServerState, request: Request, body: dict[str
     check_common(req, max_n=state.config.max_n)
     check_completion(req)
     requested = requested_max_tokens(req.max_tokens, "max_tokens")
-    prompts = tokenize_prompts(state, req)
+    # Text prompts are tokenized on a worker thread (with its own tokenizer copy), so a long
+    # prompt neither blocks the event loop nor waits behind another request's tokenization.
+    text = isinstance(req.prompt, str) or any(isinstance(x, str) for x in req.prompt)
+    prompts = await asyncio.to_thread(tokenize_prompts, state, req) if text else tokenize_prompts(state, req)
     if any(not p for p in prompts):
         raise APIError(400, "prompt must hold at least one token", param="prompt", code="empty_prompt")
     flat_prompts: list[list[int]] = []
