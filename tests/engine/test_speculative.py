@@ -312,3 +312,66 @@ def test_default_model_agent_prompt_identical_and_accepting(smollm) -> None:
         st = llm.engine.stats().spec
         assert st.mean_acceptance_length > 1.5, (method, st)   # the answer copies the prompt
         assert out.num_accepted_draft_tokens == st.accepted or out.finish_reason == "stop"
+
+
+# -- the DFlash drafter ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_drafter(tiny_llama, tmp_path_factory):
+    """A random-weight drafter for the tiny model, written by the real save path."""
+    from tokenmill.models.dflash import DrafterConfig, init_drafter, save_drafter
+
+    a = tiny_llama[0].model.args
+    cfg = DrafterConfig(target_hidden_size=a.hidden_size, vocab_size=a.vocab_size, target_layers=[0, a.num_layers - 1],
+                        hidden_size=a.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+                        head_dim=a.head_dim, intermediate_size=64, block_size=5, context_window=16)
+    out = tmp_path_factory.mktemp("drafter")
+    save_drafter(init_drafter(cfg, seed=1), out)
+    return out
+
+
+def test_dflash_greedy_identical_alone_chunked_preempted(tiny_llama, prompts, expected, tiny_drafter) -> None:
+    lm, _ = tiny_llama
+    for kw in ({}, {"max_batch_tokens": 7}, {"kv_cache_tokens": 320, "page_size": 8}):
+        llm = _llm(lm, speculative_method="dflash", speculative_model=str(tiny_drafter),
+                   speculative_adaptive=False, **kw)
+        assert [list(o.token_ids) for o in llm.generate(prompts, GREEDY)] == expected, kw
+        st = llm.engine.stats().spec
+        assert st.method == "dflash" and st.proposed > 0
+        assert sum(st.position_proposed[4:]) == 0   # block 5: at most 4 drafts per step
+    assert llm.engine.num_preemptions > 0
+
+
+def _broken_copy(src, dst, *, config=None, drop=None, reshape=None):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if config:
+        raw = json.loads((dst / "config.json").read_text())
+        raw.update(config)
+        (dst / "config.json").write_text(json.dumps(raw))
+    if drop or reshape:
+        w = load_file(str(dst / "model.safetensors"))
+        if drop:
+            del w[drop]
+        if reshape:
+            w[reshape] = w[reshape][:-1].contiguous()
+        save_file(w, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("broken,message", [
+    ({"config": {"target_hidden_size": 99}}, "hidden size"),
+    ({"config": {"vocab_size": 1000}}, "vocabulary size 1000"),
+    ({"config": {"target_layers": [0, 40]}}, "target_layers [40]"),
+    ({"drop": "fc.weight"}, "missing tensor(s) fc.weight"),
+    ({"reshape": "layers.0.q_proj.weight"}, "tensor layers.0.q_proj.weight has shape"),
+])
+def test_bad_drafter_checkpoint_refused_naming_the_problem(tiny_llama, tiny_drafter, tmp_path, broken, message) -> None:
+    lm, _ = tiny_llama
+    bad = _broken_copy(tiny_drafter, tmp_path / "bad", **broken)
+    with pytest.raises(ValueError) as e:
+        _llm(lm, speculative_method="dflash", speculative_model=str(bad))
+    assert message in str(e.value)
