@@ -333,7 +333,7 @@ def test_dflash_greedy_identical_alone_chunked_preempted(tiny_llama, prompts, ex
     lm, _ = tiny_llama
     for kw in ({}, {"max_batch_tokens": 7}, {"kv_cache_tokens": 320, "page_size": 8}):
         llm = _llm(lm, speculative_method="dflash", speculative_model=str(tiny_drafter),
-                   speculative_adaptive=False, **kw)
+                   speculative_adaptive=False, num_speculative_tokens=8, **kw)
         assert [list(o.token_ids) for o in llm.generate(prompts, GREEDY)] == expected, kw
         st = llm.engine.stats().spec
         assert st.method == "dflash" and st.proposed > 0
