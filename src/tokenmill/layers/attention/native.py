@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.profiler import record_function
 
 from tokenmill._native import attention as kernel
 from tokenmill.contracts.batch import ForwardBatch
@@ -65,8 +66,9 @@ class NativePagedAttention(TorchPagedAttention):
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
         out = torch.empty(t, hq * d, dtype=q.dtype, device=q.device)
-        kernel.paged_attention(
-            q.data_ptr(), q.stride(0), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-            meta.block_tables.data_ptr(), meta.block_tables.stride(0), meta.query_start_loc.data_ptr(),
-            meta.seq_lens.data_ptr(), meta.num_seqs, meta.page_size, hq, hkv, d, scale, meta.threads)
+        with record_function("tokenmill::native_paged_attention"):   # visible in torch.profiler
+            kernel.paged_attention(
+                q.data_ptr(), q.stride(0), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                meta.block_tables.data_ptr(), meta.block_tables.stride(0), meta.query_start_loc.data_ptr(),
+                meta.seq_lens.data_ptr(), meta.num_seqs, meta.page_size, hq, hkv, d, scale, meta.threads)
         return out
