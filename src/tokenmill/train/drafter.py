@@ -309,7 +309,8 @@ def run(args: argparse.Namespace) -> int:
     after = acceptance_length(drafter, embed, lm_head, ho_seqs, eval_anchors, w)
     print(f"held-out acceptance length before: {before:.3f}  after: {after:.3f}  "
           f"({len(eval_anchors)} anchors, block {c.block_size}, greedy)", file=sys.stderr)
-    c.training = {"traces": [str(t) for t in args.traces], "init": args.init, "steps": args.steps,
+    c.training = {"traces": [Path(t).name for t in args.traces],
+                  "init": Path(args.init).name if args.init else None, "steps": args.steps,
                   "lr": args.lr, "gamma": args.gamma, "top_k": args.top_k,
                   "heldout_acceptance_before": round(before, 4), "heldout_acceptance_after": round(after, 4),
                   "train_traces": len(train), "heldout_traces": len(held),
