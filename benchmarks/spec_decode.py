@@ -9,7 +9,7 @@ Two workloads on SmolLM2-135M-Instruct, greedy:
 * prose: free writing on topics absent from the training prompts.
 
 Per configuration and workload: single-stream decode tok/s ((tokens - 1) / (last - first token
-time), each prompt alone, mean over prompts), acceptance length (output tokens per decode step),
+time), each of the first ``--single`` prompts alone, mean), acceptance length (output tokens per decode step),
 and total output tok/s with the prompts at concurrency 4. tokenmill runs in-process (offline
 engine); vLLM through its OpenAI server (streaming), started by ``benchmarks/peers.py``.
 
@@ -50,7 +50,7 @@ def workloads(n: int, tokenizer) -> dict[str, list[list[int]]]:
     return {"agent": agent, "prose": prose}
 
 
-def run_tokenmill(loaded, prompts: list[list[int]], max_tokens: int, **spec) -> dict:
+def run_tokenmill(loaded, prompts: list[list[int]], max_tokens: int, single: int, **spec) -> dict:
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(loaded=loaded, kv_cache_tokens=16384, **spec)
@@ -58,7 +58,7 @@ def run_tokenmill(loaded, prompts: list[list[int]], max_tokens: int, **spec) -> 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     rates, tokens, steps, outs = [], 0, 0, []
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts[:single]):
         eng.flush_cache()
         eng.add_request(f"s{i}", p, params)
         first = last = None
@@ -91,7 +91,7 @@ def run_tokenmill(loaded, prompts: list[list[int]], max_tokens: int, **spec) -> 
             "total_tok_s_c4": sum(len(o.token_ids) for o in batch) / wall, "outputs": outs}
 
 
-def run_vllm(prompts: dict[str, list[list[int]]], max_tokens: int, spec: dict | None) -> dict:
+def run_vllm(prompts: dict[str, list[list[int]]], max_tokens: int, spec: dict | None, single: int) -> dict:
     import httpx
     from peers import PeerNotInstalled, PeerStartError, start_vllm
 
@@ -125,7 +125,7 @@ def run_vllm(prompts: dict[str, list[list[int]]], max_tokens: int, spec: dict | 
             for name, ps in prompts.items():
                 before = _vllm_spec_counts(c)
                 rates = []
-                for p in ps:
+                for p in ps[:single]:
                     c.post("/reset_prefix_cache")
                     n, a, b = one(p)
                     if n > 1 and b and a and b > a:
@@ -138,7 +138,7 @@ def run_vllm(prompts: dict[str, list[list[int]]], max_tokens: int, spec: dict | 
 
                 c.post("/reset_prefix_cache")
                 t0 = time.perf_counter()
-                with cf.ThreadPoolExecutor(4) as ex:
+                with cf.ThreadPoolExecutor(len(ps)) as ex:
                     ns = [r[0] for r in ex.map(one, ps)]
                 wall = time.perf_counter() - t0
                 results[name] = {"decode_tok_s": statistics.mean(rates) if rates else None,
@@ -160,7 +160,8 @@ def _vllm_spec_counts(c) -> tuple[float, float] | None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=112)
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per workload (= the concurrency level)")
+    ap.add_argument("--single", type=int, default=3, help="of which run single-stream")
     ap.add_argument("--base-drafter", default=str(ROOT / "drafters" / "smollm2-135m-dflash-base"))
     ap.add_argument("--drafter", default=str(ROOT / "drafters" / "smollm2-135m-dflash"))
     ap.add_argument("--no-vllm", action="store_true")
@@ -182,7 +183,7 @@ def main() -> int:
     for label, spec in configs.items():
         results[label] = {}
         for wname, ps in prompts.items():
-            r = run_tokenmill(loaded, ps, args.max_tokens, **spec)
+            r = run_tokenmill(loaded, ps, args.max_tokens, args.single, **spec)
             results[label][wname] = r
             print(f"{label:12s} {wname:6s} decode {r['decode_tok_s']:6.1f} tok/s  acceptance "
                   f"{r['acceptance_length'] or 1:5.2f}  c4 total {r['total_tok_s_c4']:6.1f} tok/s", flush=True)
@@ -193,15 +194,15 @@ def main() -> int:
     if not args.no_vllm:
         print(f"load average before vLLM: {open('/proc/loadavg').read().strip()}", flush=True)
         spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
-        v = run_vllm(prompts, args.max_tokens, spec)
+        v = run_vllm(prompts, args.max_tokens, spec, args.single)
         if "error" in v and len(v) == 1:
             print(f"vLLM CPU refused n-gram speculation:\n{v['error']}\n-- comparing with vLLM plain")
-            results["vllm-plain"] = run_vllm(prompts, args.max_tokens, None)
+            results["vllm-plain"] = run_vllm(prompts, args.max_tokens, None, args.single)
         else:
             results["vllm-ngram"] = v
     print(f"\nload average at end: {open('/proc/loadavg').read().strip()}")
     print(f"\n{'config':12s} {'workload':8s} {'decode tok/s':>12s} {'x none':>7s} {'accept len':>10s} "
-          f"{'c4 tok/s':>9s} {'x none':>7s}")
+          f"{'c' + str(args.prompts) + ' tok/s':>9s} {'x none':>7s}")
     for label, per in results.items():
         for w in prompts:
             r = per.get(w)
