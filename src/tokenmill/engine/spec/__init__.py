@@ -78,6 +78,7 @@ class SpeculativeDecoder:
                 req = s.request
                 self.scheduler.rollback(req)
                 self.stats.record(s.num_draft, s.num_accepted)
+                req.num_draft_tokens += s.num_draft
                 rate = s.num_accepted / s.num_draft
                 req.spec_accept_rate += EMA_WEIGHT * (rate - req.spec_accept_rate)
         if result.captured:
