@@ -165,6 +165,7 @@ def main() -> int:
     ap.add_argument("--base-drafter", default=str(ROOT / "drafters" / "smollm2-135m-dflash-base"))
     ap.add_argument("--drafter", default=str(ROOT / "drafters" / "smollm2-135m-dflash"))
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--configs", default=None, help="comma-separated subset of none,ngram,suffix,dflash-base,dflash-ft")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     import torch
@@ -179,6 +180,9 @@ def main() -> int:
     for label, path in (("dflash-base", args.base_drafter), ("dflash-ft", args.drafter)):
         if Path(path, "config.json").is_file():
             configs[label] = {"speculative_method": "dflash", "speculative_model": path}
+    if args.configs:
+        keep = set(args.configs.split(",")) | {"none"}
+        configs = {k: v for k, v in configs.items() if k in keep}
     results: dict[str, dict] = {}
     for label, spec in configs.items():
         results[label] = {}
