@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv clean drafter
+.PHONY: serve test venv clean redis drafter
 
 $(STAMP): pyproject.toml setup.py $(wildcard src/tokenmill/_native/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,7 +30,13 @@ drafter: $(STAMP)
 	$(VENV)/bin/tokenmill train-drafter --init drafters/smollm2-135m-dflash-base --traces $(DRAFTER_DATA)/agent.jsonl \
 		--out drafters/smollm2-135m-dflash --steps 300 --lr 1e-3 --checkpoint-every 100 --eval-anchors 300
 
-test: $(STAMP)
+# The L3 cache tier's tests start a real redis-server (Debian's package) on loopback.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server (Debian package)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
+
+test: $(STAMP) redis
 	$(PY) -m pytest -q tests
 
 clean:

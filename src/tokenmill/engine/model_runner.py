@@ -14,6 +14,9 @@ drafts gets logits for its last token and every draft (``k + 1`` rows), which
 :func:`~tokenmill.layers.speculative.verify` checks; it then emits 1 to ``k + 1`` tokens.
 When the engine sets ``capture_layers`` (a learned drafter), the target's hidden states after
 those layers come back with the step (:class:`StepResult`), at no extra pass.
+tokens. Logits are computed only for those rows, plus the prompt rows of
+requests that ask for prompt logprobs (engine/prompt_logprobs.py). Rows of constrained requests
+are masked by their grammar before sampling (engine/structured.py).
 """
 from __future__ import annotations
 
@@ -21,11 +24,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from tokenmill.engine.prompt_logprobs import PromptRows, plan_prompt_rows, record_prompt_logprobs
 from tokenmill.engine.request import Request, TokenLogprob, TopLogprob
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import ForwardContext, select_attention_backend
+from tokenmill.engine.structured import apply_grammar_masks
 from tokenmill.layers.sampling import PenaltyState, Sampler, SamplingInputs
 from tokenmill.layers.speculative import VerifyInputs, verify
 
@@ -50,6 +55,12 @@ class StepResult(NamedTuple):
     query_start: list[int]   # row of each scheduled request's first token (scheduling order)
 
 
+class _NoGrammar:
+    """Stands for a draft row in the grammar-mask row list (drafts are never constrained)."""
+
+    grammar = None
+
+
 def _token_logprob(tok: int, lp: Any) -> TokenLogprob:
     return TokenLogprob(tok, lp[0], [TopLogprob(t, v) for t, v in lp[1]])
 
@@ -67,6 +78,7 @@ class ModelRunner:
         self.kv_caches = self.attn.allocate(num_pages, page_size)
         self.sampler = Sampler(seed, device=self.device)
         self.capture_layers: frozenset[int] = frozenset()   # set by a learned drafter
+        self.prompt_rows: list[PromptRows] = []
 
     def make_generator(self, seed: int | None) -> torch.Generator | None:
         """A request's own random stream (seeded requests only; others share the sampler's)."""
@@ -90,7 +102,9 @@ class ModelRunner:
         """The step's ForwardBatch, and the requests that sample (in logits-row order).
 
         A request with drafts contributes its uncomputed token then the drafts, and ``k + 1``
-        logits rows."""
+        logits rows. Logit rows: those of the sampling requests first, then the prompt-logprob rows of
+        ``self.prompt_rows`` (set here for :meth:`execute`).
+        """
         ps = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -116,6 +130,8 @@ class ModelRunner:
             if s.samples:
                 logit_rows.extend(range(q_start[-1] - 1 - s.num_draft, q_start[-1]))
                 samplers.append(req)
+        extra_rows, self.prompt_rows = plan_prompt_rows(out.scheduled, q_start)
+        logit_rows.extend(extra_rows)
         width = max(len(t) for t in tables)
         dev = self.device
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
@@ -151,11 +167,16 @@ class ModelRunner:
         ctx = self.forward(batch, self.capture_layers)
         logits = ctx.logits
         q_start = batch.query_start_loc.tolist() if ctx.captured else []
+        n_rows = sum(1 + s.num_draft for s in out.scheduled if s.samples)   # sampling rows first
+        if self.prompt_rows:
+            record_prompt_logprobs(logits[n_rows:], self.prompt_rows)
+            logits = logits[:n_rows]
         if not samplers:
             return StepResult([], ctx.captured, q_start)
         drafts = {s.request: s for s in out.scheduled if s.num_draft}
         if drafts:
             return StepResult(self._verify(logits, samplers, drafts), ctx.captured, q_start)
+        logits = apply_grammar_masks(logits, samplers)
         states = [self._penalty_state(r) for r in samplers]
         inputs = SamplingInputs(
             params=[r.params for r in samplers],
@@ -176,6 +197,10 @@ class ModelRunner:
 
     def _verify(self, logits: torch.Tensor, samplers: list[Request], drafts: dict) -> list[SampledTokens]:
         draft_ids = [drafts[r].draft_token_ids if r in drafts else () for r in samplers]
+        if any(r.grammar is not None for r in samplers):   # constrained rows carry no drafts
+            unconstrained = _NoGrammar()
+            row_reqs = [x for r, d in zip(samplers, draft_ids) for x in [r] + [unconstrained] * len(d)]
+            logits = apply_grammar_masks(logits, row_reqs)
         probs = []
         for r, d in zip(samplers, draft_ids):
             q = r.spec_probs if d else None

@@ -108,6 +108,9 @@ class ServerMetrics:
         sample("kv_cache_usage_perc", "gauge", "Fraction of KV-cache pages in use (1 = full).", stats.kv_cache_usage)
         sample("kv_pages_total", "gauge", "KV-cache pages in the pool.", stats.kv_pages_total)
         sample("kv_pages_free", "gauge", "KV-cache pages on the free list.", stats.kv_pages_free)
+        sample("kv_cache_capacity_tokens", "gauge", "Tokens the KV-cache pool holds.", stats.kv_capacity_tokens)
+        sample("kv_cache_bytes_per_token", "gauge", "KV bytes per token over all layers (fp8 scales included).",
+               stats.kv_bytes_per_token)
         queries = stats.prompt_tokens_total if self.prefix_cache_enabled else 0
         sample("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", queries)
         sample("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
@@ -126,6 +129,10 @@ class ServerMetrics:
             lines.extend(hist.render(lab))
         if stats.spec is not None:
             lines.extend(_spec_lines(stats.spec, lab))
+        if stats.tiers is not None:
+            from tokenmill.server.tier_metrics import render_tier_metrics
+
+            lines.extend(render_tier_metrics(stats.tiers, stats.kv_pages_cached, stats.kv_pages_total, lab))
         return "\n".join(lines) + "\n"
 
 

@@ -106,6 +106,8 @@ class SpeculativeDecoder:
         for req in self.scheduler.running:
             if req.num_uncomputed_tokens != 1 or not req.params.speculative:
                 continue
+            if req.grammar is not None:
+                continue   # constrained decoding does not speculate (see docs/speculative.md)
             k = self._draft_len(req)
             # never draft past max_tokens or the context limit (the step emits up to k + 1)
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1,
