@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv clean redis
+.PHONY: serve test venv clean redis drafter
 
 $(STAMP): pyproject.toml setup.py $(wildcard src/tokenmill/_native/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,18 @@ venv: $(STAMP)
 
 serve: $(STAMP)
 	$(VENV)/bin/tokenmill serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000
+
+# The shipped DFlash drafter for SmolLM2-135M-Instruct (docs/speculative.md): record token-id
+# traces from the target, train a base drafter on a general mix, fine-tune it on agent traces.
+DRAFTER_DATA := out/drafter-data
+drafter: $(STAMP)
+	$(PY) -m tokenmill.train.traces --set agent -n 112 --max-tokens 160 --out $(DRAFTER_DATA)/agent.jsonl
+	$(PY) -m tokenmill.train.traces --set general -n 64 --max-tokens 96 --out $(DRAFTER_DATA)/general.jsonl
+	$(PY) -m tokenmill.train.traces --set stdlib -n 64 --max-tokens 256 --out $(DRAFTER_DATA)/stdlib.jsonl
+	$(VENV)/bin/tokenmill train-drafter --traces $(DRAFTER_DATA)/general.jsonl $(DRAFTER_DATA)/stdlib.jsonl \
+		--out drafters/smollm2-135m-dflash-base --steps 300 --lr 2e-3 --checkpoint-every 100 --eval-anchors 300
+	$(VENV)/bin/tokenmill train-drafter --init drafters/smollm2-135m-dflash-base --traces $(DRAFTER_DATA)/agent.jsonl \
+		--out drafters/smollm2-135m-dflash --steps 300 --lr 1e-3 --checkpoint-every 100 --eval-anchors 300
 
 # The L3 cache tier's tests start a real redis-server (Debian's package) on loopback.
 redis:

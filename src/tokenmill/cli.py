@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "route": ("tokenmill.router.cli", "KV-aware router in front of many replicas"),
     "bench": ("tokenmill.bench.cli", "closed-loop agentic benchmark against an OpenAI-compatible server"),
     "sim": ("tokenmill.sim.cli", "discrete-event fleet simulator driven by the router's policies"),
+    "train-drafter": ("tokenmill.train.drafter", "train a DFlash-style drafter for speculative decoding from token-id traces"),
     "plan": ("tokenmill.plan.cli", "capacity planner: memory, KV capacity and roofline bounds"),
 }
 

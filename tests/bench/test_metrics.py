@@ -133,3 +133,16 @@ def test_bad_arguments() -> None:
     m = compute_run_metrics([], concurrency=1)
     assert m["valid"] is False and m["num_requests"] == 0
     assert not math.isnan(m["output_tokens_per_s"])
+
+
+def test_acceptance_length_from_accepted_drafts() -> None:
+    from tokenmill.bench.metrics import acceptance_length
+
+    def rec(out: int, accepted: int | None) -> RequestRecord:
+        r = RequestRecord(session_id="s", turn=0, branch=0, send_time=0.0, end_time=1.0)
+        r.output_tokens, r.accepted_draft_tokens = out, accepted
+        return r
+
+    assert acceptance_length([rec(30, None)]) is None          # the server does not speculate
+    assert acceptance_length([rec(30, 20), rec(10, 0)]) == pytest.approx(40 / 20)
+    assert compute_run_metrics([rec(30, 15)], concurrency=1)["acceptance_length"] == pytest.approx(2.0)

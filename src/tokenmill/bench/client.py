@@ -193,6 +193,8 @@ class BenchClient:
             details = usage.get("prompt_tokens_details") or {}
             if details.get("cached_tokens") is not None:
                 rec.cached_tokens = int(details["cached_tokens"])
+            if usage.get("accepted_draft_tokens") is not None:
+                rec.accepted_draft_tokens = int(usage["accepted_draft_tokens"])
         elif payload.local_ids is not None:
             rec.prompt_tokens = len(payload.local_ids)
         if rec.first_token_time is None:

@@ -45,6 +45,7 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int | None = None
+    accepted_draft_tokens: int | None = None   # usage.accepted_draft_tokens (speculating servers)
     output_tokens: int = 0
     planned_output_tokens: int = 0
     error: str | None = None
@@ -117,6 +118,17 @@ def cache_hit_rate(records: Iterable[RequestRecord]) -> float | None:
     return cached / prompt if prompt else None
 
 
+def acceptance_length(records: Iterable[RequestRecord]) -> float | None:
+    """Output tokens per decode step with speculative decoding: sum(output) / sum(output -
+    accepted drafts), over successful requests whose server reported accepted drafts."""
+    out = steps = 0
+    for r in records:
+        if r.ok and r.accepted_draft_tokens is not None and r.output_tokens:
+            out += r.output_tokens
+            steps += max(r.output_tokens - r.accepted_draft_tokens, 1)
+    return out / steps if steps else None
+
+
 def littles_law_concurrency(num_requests: int, window_s: float, mean_latency_s: float) -> float:
     """L = lambda * W with lambda = num_requests / window_s."""
     if window_s <= 0:
@@ -178,6 +190,7 @@ def compute_run_metrics(records: Sequence[RequestRecord], *, concurrency: int, d
         "planned_output_tokens": sum(r.planned_output_tokens for r in ok),
         "cache_hit_rate": cache_hit_rate(ok),
         "cache_hit_rate_theoretical": theoretical_hit_rate,
+        "acceptance_length": acceptance_length(ok),
         "littles_law_concurrency": (littles_law_concurrency(len(ok), window, e2e.mean)
                                     if window > 0 and e2e.mean is not None else None),
         "session_header_echo_rate": (sum(echoes) / len(echoes)) if echoes else None,

@@ -24,7 +24,8 @@ THROUGHPUT = "total_tokens_per_s_per_device"
 CSV_SKIP = {"ttft_samples_s", "error_examples"}
 
 COMPARE_FIELDS = ("output_tokens_per_s", "total_tokens_per_s", "output_tokens_per_s_per_user",
-                  "ttft_p50_s", "tpot_mean_s", "e2e_latency_p50_s", "cache_hit_rate")
+                  "ttft_p50_s", "tpot_mean_s", "e2e_latency_p50_s", "cache_hit_rate",
+                  "acceptance_length")
 
 
 def write_results(out_dir: str | Path, doc: dict[str, Any],

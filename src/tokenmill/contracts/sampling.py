@@ -12,6 +12,9 @@ Semantics, applied in this order by :class:`tokenmill.layers.sampling.Sampler`:
 4. one draw from what is left, using the request's own random stream (``seed``), so a seeded
    request gives the same tokens whatever else is in the batch.
 
+``speculative`` (default True) lets the engine speculate for this request when speculative
+decoding is configured; False turns it off for this request (its output is the same either way).
+
 ``logprobs`` (None: none; 0: the chosen token only; N: chosen plus the top N) are the log-softmax
 of the logits after step 1 and 2 (penalties and temperature), before truncation.
 
@@ -80,6 +83,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    speculative: bool = True
     prompt_logprobs: int | None = None
     structured: StructuredOutputs | None = None
 
@@ -110,6 +114,8 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:

@@ -6,7 +6,7 @@ import sys
 from dataclasses import fields
 
 from tokenmill.engine.config import (ATTENTION_BACKENDS, CACHE_WRITE_POLICIES, HOST_CACHE_DTYPES,
-                                     KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig)
+                                     KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig)
 from tokenmill.loader.resolve import DEFAULT_MODEL
 
 
@@ -51,7 +51,43 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="int4: symmetric groups (scale only, zero exact) instead of scale + min")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="paged-attention implementation (auto: the fastest that supports the model here)")
+    add_speculative_arguments(parser)
     add_cache_tier_arguments(parser)
+
+
+SPECULATIVE_FIELDS = ("speculative_method", "num_speculative_tokens", "speculative_model",
+                      "speculative_adaptive", "speculative_max_draft_tokens", "prompt_lookup_min",
+                      "prompt_lookup_max", "suffix_max_depth", "suffix_cache_tokens", "suffix_min_prob")
+
+
+def speculative_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields of the speculative flags."""
+    return {name: getattr(args, name) for name in SPECULATIVE_FIELDS}
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of speculative decoding (shared by generate and serve)."""
+    d = EngineConfig()
+    sp = parser.add_argument_group("speculative decoding (docs/speculative.md)")
+    sp.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
+                    help="draft tokens with n-gram prompt lookup, suffix speculation, or a DFlash drafter "
+                         "(default: off)")
+    sp.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                    help="most draft tokens per request per step")
+    sp.add_argument("--speculative-model", default=None, metavar="PATH",
+                    help="drafter directory for --speculative-method dflash (from tokenmill train-drafter)")
+    sp.add_argument("--no-speculative-adaptive", dest="speculative_adaptive", action="store_false",
+                    help="always draft the full number of tokens (no per-request adaptive k)")
+    sp.add_argument("--speculative-max-draft-tokens", type=int, default=d.speculative_max_draft_tokens,
+                    help="most draft tokens in one step over all requests (compute-bound cap)")
+    sp.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min, help="ngram: shortest match")
+    sp.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max, help="ngram: longest match")
+    sp.add_argument("--suffix-max-depth", type=int, default=d.suffix_max_depth,
+                    help="suffix: longest indexed window (pattern + continuation)")
+    sp.add_argument("--suffix-cache-tokens", type=int, default=d.suffix_cache_tokens,
+                    help="suffix: output tokens kept in the global index of recent requests")
+    sp.add_argument("--suffix-min-prob", type=float, default=d.suffix_min_prob,
+                    help="suffix: stop a draft when its estimated probability drops below this")
 
 
 def add_cache_tier_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bf16", "fp16", "fp32", "fp8", "float8_e4
                    "float32")
 assert set(KV_CACHE_DTYPES) == {"auto", *KV_DTYPE_NAMES}
 ATTENTION_BACKENDS = ("auto", "torch", "native")
+SPECULATIVE_METHODS = ("ngram", "suffix", "dflash")
 HOST_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the KV pool's dtype
 CACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DEFAULT_KV_SESSIONS = 4          # full-length sequences the default pool holds
@@ -65,6 +66,17 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     quantization: str = "auto"       # weight format, see tokenmill.layers.quant.methods.QuantConfig
     quant_group_size: int = 128      # int4: inputs per scale group (a multiple of 32)
     quant_symmetric: bool = False    # int4: symmetric (scale only) instead of scale + min
+    # speculative decoding (docs/speculative.md); None: off
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4      # most draft tokens per request per step (k)
+    speculative_model: str | None = None  # drafter checkpoint directory (dflash)
+    speculative_adaptive: bool = True    # shrink k per request when acceptance is poor
+    speculative_max_draft_tokens: int = 64  # most draft tokens in one step (compute-bound cap)
+    prompt_lookup_min: int = 2           # ngram: shortest suffix to match
+    prompt_lookup_max: int = 5           # ngram: longest suffix to match
+    suffix_max_depth: int = 16           # suffix: longest indexed pattern + continuation
+    suffix_cache_tokens: int = 20_000    # suffix: output tokens kept in the global index
+    suffix_min_prob: float = 0.1         # suffix: stop a draft when its estimated probability drops below
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -100,6 +112,27 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quant_group_size <= 0 or self.quant_group_size % 32:
             raise ValueError(f"quant_group_size must be a positive multiple of 32, got {self.quant_group_size}")
+        if self.speculative_method is not None:
+            if self.speculative_method not in SPECULATIVE_METHODS:
+                raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, "
+                                 f"got {self.speculative_method!r}")
+            if self.speculative_method == "dflash" and not self.speculative_model:
+                raise ValueError("speculative_method 'dflash' needs speculative_model (a drafter directory)")
+        if self.speculative_model and self.speculative_method not in (None, "dflash"):
+            raise ValueError(f"speculative_model is used by the dflash method only, not {self.speculative_method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {self.num_speculative_tokens!r}")
+        if self.speculative_max_draft_tokens < 1:
+            raise ValueError(f"speculative_max_draft_tokens must be >= 1, got {self.speculative_max_draft_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.suffix_max_depth < 2:
+            raise ValueError(f"suffix_max_depth must be >= 2, got {self.suffix_max_depth}")
+        if self.suffix_cache_tokens < 0:
+            raise ValueError(f"suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}")
+        if not 0.0 <= self.suffix_min_prob < 1.0:
+            raise ValueError(f"suffix_min_prob must be in [0, 1), got {self.suffix_min_prob}")
         if self.host_cache_memory_gib < 0:
             raise ValueError(f"host_cache_memory_gib must be >= 0, got {self.host_cache_memory_gib}")
         if self.host_cache_dtype not in HOST_CACHE_DTYPES:

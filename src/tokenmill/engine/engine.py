@@ -1,12 +1,16 @@
 """The engine loop: one model replica, single-threaded.
 
 ``Engine.step()`` = schedule -> forward + sample (ModelRunner) -> count computed tokens ->
-append each sampled token, check stop conditions, detokenize -> RequestOutputs.
+append each sampled token, check stop conditions, detokenize -> RequestOutputs; with
+speculative decoding, a step may append several tokens per request (accepted drafts, then one
+more), stopping at the first that ends the request, and then
+:class:`~tokenmill.engine.spec.SpeculativeDecoder` rolls back rejected drafts and proposes
+the next ones.
 :class:`~tokenmill.engine.async_engine.AsyncEngine` drives it from a background thread; the
 offline :class:`~tokenmill.engine.llm.LLM` drives it in a loop.
 
 Constructor steps (in order): load the model, size the KV pool, build the page pool and prefix
-cache, the scheduler, and the model runner.
+cache, the scheduler, the model runner, and the speculative decoder (when configured).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from tokenmill.cache.page_pool import PagePool
 from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens, resolve_kv_dtype
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
-from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.model_runner import ModelRunner, SampledTokens
 from tokenmill.engine.request import ListView, Request, RequestOutput, RequestStatus
 from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
@@ -31,6 +35,7 @@ from tokenmill.engine.step_cost import StepCost
 from tokenmill.engine.structured import GrammarCompiler, GrammarWaitRoom
 
 if TYPE_CHECKING:
+    from tokenmill.engine.spec.base import SpecStats
     from tokenmill.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -48,6 +53,7 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions: int = 0
     kv_pages_cached: int = 0
+    spec: SpecStats | None = None     # speculative decoding counters (None: off)
     kv_cache_dtype: str = ""         # storage dtype of the pool (float32, bfloat16, float8_e4m3fn, ...)
     kv_bytes_per_token: int = 0      # KVCacheSpec.bytes_per_token(), fp8 scales included
     kv_capacity_tokens: int = 0      # pages x page size
@@ -80,6 +86,7 @@ class Engine:
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         self._compiling = GrammarWaitRoom()
+        self._init_speculative()
 
     # -- construction ----------------------------------------------------------------------------
     def _init_device(self) -> None:
@@ -158,6 +165,23 @@ class Engine:
         self.tiers = build_tiers(self.config, self.runner, self.kv, self.model_name, self.kv_spec)
         self.kv.tiers = self.tiers
 
+    def _init_speculative(self) -> None:
+        cfg = self.config
+        self.spec = None
+        if cfg.speculative_method is None:
+            return
+        from tokenmill.engine.spec import SpeculativeDecoder, make_proposer
+
+        proposer = make_proposer(cfg, self.loaded.model)
+        self.spec = SpeculativeDecoder(proposer, self.scheduler,
+                                       num_speculative_tokens=cfg.num_speculative_tokens,
+                                       max_model_len=self.max_model_len,
+                                       adaptive=cfg.speculative_adaptive,
+                                       max_draft_tokens=cfg.speculative_max_draft_tokens)
+        self.runner.capture_layers = frozenset(proposer.capture_layers)
+        log.info("speculative decoding: %s, up to %d draft tokens per step", proposer.name,
+                 cfg.num_speculative_tokens)
+
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     session_id: str | None = None) -> None:
@@ -209,7 +233,9 @@ class Engine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its pages; unknown or finished ids are ignored."""
         self._compiling.remove(request_id)
-        self.scheduler.abort(request_id)
+        req = self.scheduler.abort(request_id)
+        if req is not None and self.spec is not None:
+            self.spec.request_finished(req)
         self._maybe_check_idle()
 
     def has_unfinished_requests(self) -> bool:
@@ -225,11 +251,13 @@ class Engine:
                 self._compiling.wait(0.05)
             return failed
         t0 = time.perf_counter()
-        sampled = self.runner.execute(out)
+        result = self.runner.execute(out)
         if self.step_cost is not None:
             self.step_cost.observe(out.num_tokens, time.perf_counter() - t0)
         self.scheduler.post_step(out)
-        outputs = failed + [self._process(s.request, s.token_id, s.logprob) for s in sampled]
+        outputs = failed + [self._process_sampled(s) for s in result.sampled]
+        if self.spec is not None:
+            self.spec.after_step(out, result)
         if self.tiers is not None:
             self.tiers.end_step()
         self._maybe_check_idle()
@@ -247,8 +275,24 @@ class Engine:
             outputs.append(self._output(req, num_new=0))
         return outputs
 
-    def _process(self, req: Request, token: int, logprob: Any) -> RequestOutput:
+    def _process_sampled(self, s: SampledTokens) -> RequestOutput:
+        """Append a request's tokens of this step, in order, until one ends the request."""
+        req = s.request
+        n = 0
+        for j, token in enumerate(s.token_ids):
+            n += 1
+            accepted_draft = j < s.num_accepted
+            if accepted_draft:   # its K/V was written by this step
+                req.num_accepted_draft_tokens += 1
+            if self._append(req, token, s.logprobs[j] if s.logprobs is not None else None, accepted_draft):
+                break
+        return self._output(req, num_new=n)
+
+    def _append(self, req: Request, token: int, logprob: Any, computed: bool = False) -> bool:
+        """Append one token and check the stop conditions; True when the request finished."""
         req.append_token(token)
+        if computed:
+            req.num_computed_tokens += 1
         grammar_ok = req.grammar is None or req.grammar.accept(token)
         self.generation_tokens_total += 1
         if req.logprobs is not None and logprob is not None:
@@ -275,7 +319,10 @@ class Engine:
             if not isinstance(stop_reason, str):
                 req.detokenizer.flush()
             self.scheduler.finish(req, reason, stop_reason)
-        return self._output(req, num_new=1)
+            if self.spec is not None:
+                self.spec.request_finished(req)
+            return True
+        return False
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:
         """The request's output after this step: O(num_new) work, whatever its length."""
@@ -304,6 +351,7 @@ class Engine:
             cached_tokens_by_tier=req.cached_tokens_by_tier,
             new_logprobs=lps[-num_new:] if (lps is not None and num_new) else ([] if lps is not None else None),
             prompt_logprobs=req.prompt_logprobs,   # complete once the prompt is computed
+            num_accepted_draft_tokens=req.num_accepted_draft_tokens,
         )
 
     # -- cache and stats -------------------------------------------------------------------------
@@ -350,6 +398,7 @@ class Engine:
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions=s.num_preemptions,
             kv_pages_cached=self.kv.cache.num_cached_pages if self.kv.cache is not None else 0,
+            spec=self.spec.stats.snapshot() if self.spec is not None else None,
             kv_cache_dtype=self.kv_spec.dtype,
             kv_bytes_per_token=self.kv_spec.bytes_per_token(),
             kv_capacity_tokens=self.kv_capacity_tokens,

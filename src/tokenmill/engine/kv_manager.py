@@ -158,6 +158,18 @@ class KVManager:
         req.page_table.extend(pages)
         return True
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free ``req``'s request-only pages past the first ``num_tokens`` tokens.
+
+        Used after speculative verification: rejected drafts' K/V sits past the request's
+        new end. Pages shared with the tree are never freed here (they hold only computed,
+        accepted tokens, since :meth:`cache_computed` inserts whole computed pages only).
+        """
+        keep = max(self.pages_for(num_tokens), req.num_tree_pages)
+        if len(req.page_table) > keep:
+            self.pool.free(req.page_table[keep:])
+            del req.page_table[keep:]
+
     def cache_computed(self, req: Request) -> None:
         """Insert ``req``'s whole computed pages into the cache and adopt the canonical pages."""
         if self.cache is None:

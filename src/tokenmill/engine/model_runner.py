@@ -9,13 +9,18 @@ allocate the KV pool, and make the sampler's random stream on the device.
 :class:`~tokenmill.contracts.batch.ForwardBatch` (sequences concatenated in scheduling order),
 builds the backend's per-step metadata once (:class:`~tokenmill.layers.attention.ForwardContext`),
 runs the model, and samples one token for each request whose step reaches the end of its
+tokens. Logits are computed only for those rows, except that a request carrying speculative
+drafts gets logits for its last token and every draft (``k + 1`` rows), which
+:func:`~tokenmill.layers.speculative.verify` checks; it then emits 1 to ``k + 1`` tokens.
+When the engine sets ``capture_layers`` (a learned drafter), the target's hidden states after
+those layers come back with the step (:class:`StepResult`), at no extra pass.
 tokens. Logits are computed only for those rows, plus the prompt rows of
 requests that ask for prompt logprobs (engine/prompt_logprobs.py). Rows of constrained requests
 are masked by their grammar before sampling (engine/structured.py).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -27,15 +32,37 @@ from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import ForwardContext, select_attention_backend
 from tokenmill.engine.structured import apply_grammar_masks
 from tokenmill.layers.sampling import PenaltyState, Sampler, SamplingInputs
+from tokenmill.layers.speculative import VerifyInputs, verify
 
 if TYPE_CHECKING:
     from tokenmill.models.base import CausalLM
 
 
-class SampledToken(NamedTuple):
+class SampledTokens(NamedTuple):
+    """What one request got this step: 1 token, or accepted drafts plus one more."""
+
     request: Request
-    token_id: int
-    logprob: TokenLogprob | None
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    num_draft: int = 0       # drafts verified
+    num_accepted: int = 0    # drafts accepted (the first ``num_accepted`` of ``token_ids``)
+
+
+class StepResult(NamedTuple):
+    sampled: list[SampledTokens]
+    # hidden states of ``capture_layers`` for every token of the step, [T, hidden] per layer
+    captured: dict[int, torch.Tensor]
+    query_start: list[int]   # row of each scheduled request's first token (scheduling order)
+
+
+class _NoGrammar:
+    """Stands for a draft row in the grammar-mask row list (drafts are never constrained)."""
+
+    grammar = None
+
+
+def _token_logprob(tok: int, lp: Any) -> TokenLogprob:
+    return TokenLogprob(tok, lp[0], [TopLogprob(t, v) for t, v in lp[1]])
 
 
 class ModelRunner:
@@ -50,6 +77,7 @@ class ModelRunner:
         self.attn = select_attention_backend(self.kv_spec, self.device, model.dtype, attention_backend)
         self.kv_caches = self.attn.allocate(num_pages, page_size)
         self.sampler = Sampler(seed, device=self.device)
+        self.capture_layers: frozenset[int] = frozenset()   # set by a learned drafter
         self.prompt_rows: list[PromptRows] = []
 
     def make_generator(self, seed: int | None) -> torch.Generator | None:
@@ -73,7 +101,8 @@ class ModelRunner:
     def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
         """The step's ForwardBatch, and the requests that sample (in logits-row order).
 
-        Logit rows: one per sampling request first, then the prompt-logprob rows of
+        A request with drafts contributes its uncomputed token then the drafts, and ``k + 1``
+        logits rows. Logit rows: those of the sampling requests first, then the prompt-logprob rows of
         ``self.prompt_rows`` (set here for :meth:`execute`).
         """
         ps = self.page_size
@@ -91,13 +120,15 @@ class ModelRunner:
                 input_ids.append(req.all_token_ids[start])
                 positions.append(start)
             else:
-                input_ids.extend(req.all_token_ids[start:end])
+                input_ids.extend(req.all_token_ids[start:end - s.num_draft])
+                if s.num_draft:
+                    input_ids.extend(s.draft_token_ids)
                 positions.extend(range(start, end))
             q_start.append(q_start[-1] + n)
             seq_lens.append(end)
             tables.append(req.page_table)
             if s.samples:
-                logit_rows.append(q_start[-1] - 1)
+                logit_rows.extend(range(q_start[-1] - 1 - s.num_draft, q_start[-1]))
                 samplers.append(req)
         extra_rows, self.prompt_rows = plan_prompt_rows(out.scheduled, q_start)
         logit_rows.extend(extra_rows)
@@ -131,14 +162,20 @@ class ModelRunner:
         return ctx
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         batch, samplers = self.build_batch(out)
-        logits = self.forward(batch).logits
+        ctx = self.forward(batch, self.capture_layers)
+        logits = ctx.logits
+        q_start = batch.query_start_loc.tolist() if ctx.captured else []
+        n_rows = sum(1 + s.num_draft for s in out.scheduled if s.samples)   # sampling rows first
         if self.prompt_rows:
-            record_prompt_logprobs(logits[len(samplers):], self.prompt_rows)
-            logits = logits[:len(samplers)]
+            record_prompt_logprobs(logits[n_rows:], self.prompt_rows)
+            logits = logits[:n_rows]
         if not samplers:
-            return []
+            return StepResult([], ctx.captured, q_start)
+        drafts = {s.request: s for s in out.scheduled if s.num_draft}
+        if drafts:
+            return StepResult(self._verify(logits, samplers, drafts), ctx.captured, q_start)
         logits = apply_grammar_masks(logits, samplers)
         states = [self._penalty_state(r) for r in samplers]
         inputs = SamplingInputs(
@@ -154,8 +191,36 @@ class ModelRunner:
                 st.add(tok)
         sampled = []
         for req, tok, lp in zip(samplers, result.token_ids, result.logprobs):
-            logprob = None
-            if lp is not None:
-                logprob = TokenLogprob(tok, lp[0], [TopLogprob(t, v) for t, v in lp[1]])
-            sampled.append(SampledToken(req, tok, logprob))
+            logprobs = [_token_logprob(tok, lp)] if lp is not None else None
+            sampled.append(SampledTokens(req, [tok], logprobs))
+        return StepResult(sampled, ctx.captured, q_start)
+
+    def _verify(self, logits: torch.Tensor, samplers: list[Request], drafts: dict) -> list[SampledTokens]:
+        draft_ids = [drafts[r].draft_token_ids if r in drafts else () for r in samplers]
+        if any(r.grammar is not None for r in samplers):   # constrained rows carry no drafts
+            unconstrained = _NoGrammar()
+            row_reqs = [x for r, d in zip(samplers, draft_ids) for x in [r] + [unconstrained] * len(d)]
+            logits = apply_grammar_masks(logits, row_reqs)
+        probs = []
+        for r, d in zip(samplers, draft_ids):
+            q = r.spec_probs if d else None
+            probs.append(q[: len(d)] if q is not None else None)
+        inputs = VerifyInputs(
+            params=[r.params for r in samplers],
+            prompt_token_ids=[r.prompt_token_ids for r in samplers],
+            output_token_ids=[r.output_token_ids if r.params.uses_penalties else () for r in samplers],
+            generators=[r.generator for r in samplers],
+            draft_token_ids=draft_ids,
+            draft_probs=probs,
+        )
+        sampled = []
+        for req, d, res in zip(samplers, draft_ids, verify(self.sampler, logits, inputs)):
+            st = self._penalty_state(req)
+            if st is not None:
+                for tok in res.token_ids:
+                    st.add(tok)
+            lps = None
+            if res.logprobs is not None:
+                lps = [_token_logprob(t, lp) for t, lp in zip(res.token_ids, res.logprobs)]
+            sampled.append(SampledTokens(req, res.token_ids, lps, len(d), res.num_accepted))
         return sampled

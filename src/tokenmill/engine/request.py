@@ -8,6 +8,11 @@ A request's progress is two counters over one token list (``all_token_ids`` = pr
 Everything else is derived: a request still prefilling has ``num_tokens - num_computed_tokens > 1``;
 a decoding one has exactly 1 (its last sampled token, whose K/V is written by the next step).
 A step that brings ``num_computed_tokens`` up to ``num_tokens`` samples one new token.
+Speculative decoding adds draft tokens *beside* that list (``spec_token_ids``): a decoding
+request with ``k`` drafts is scheduled ``1 + k`` tokens; after verification the accepted drafts
+and one more token are appended, and ``num_computed_tokens`` counts the accepted drafts (their
+K/V was written by the step), so the request is again exactly one token behind. Rejected drafts
+never enter ``all_token_ids``.
 After preemption ``num_computed_tokens`` drops back (to the cached prefix, or 0) and the same rule
 recomputes prompt + output so far.
 
@@ -69,6 +74,17 @@ class Request:
     generator: Any = None             # the request's random stream (owned by the model runner)
     penalty_state: Any = None         # incremental penalty counts (owned by the model runner)
     detokenizer: Any = None           # incremental detokenizer (owned by the engine)
+    # speculative decoding (engine/spec): drafts for the next step, and their draft
+    # distribution ([len(drafts), vocab] tensor) when the proposer has one
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: Any = None
+    spec_accept_rate: float = 0.5     # moving average of the per-draft acceptance (adaptive k)
+    spec_steps_off: int = 0           # steps since the adaptive rule last let this request draft
+    num_draft_tokens: int = 0         # drafts verified for this request so far
+    num_accepted_draft_tokens: int = 0
+    # Hook for constrained decoding: called with (request, drafts), returns the prefix of the
+    # drafts that the request's constraint (e.g. a grammar) allows; None: every draft allowed.
+    draft_validator: Any = None
     grammar: Any = None               # GrammarState of a constrained request (engine/structured.py)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, first is None
 
@@ -184,6 +200,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     cached_tokens_by_tier: dict[str, int] | None = None
     new_logprobs: list[TokenLogprob] | None = None   # logprobs of new_token_ids
+    num_accepted_draft_tokens: int = 0   # speculative drafts accepted over the request so far
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs only
 
     @property

@@ -7,7 +7,10 @@ behind; a long prompt is a request many tokens behind and gets a chunk of what i
 
 Order within a step:
 
-1. running requests one token behind (decodes), in priority order;
+1. running requests one token behind (decodes), in priority order; a decode with speculative
+   drafts (``req.spec_token_ids``) is given ``1 + k`` tokens (drafts are just more tokens
+   behind, and count as decode tokens for the prefill bound); drafts are cut to what the
+   budget allows, and dropped rather than preempting anyone for their pages;
 2. running requests further behind (prefill chunks), in priority order; when the step already
    carries decodes, prefill (this and admission) gets only the budget of
    :meth:`~tokenmill.engine.step_cost.StepCost.prefill_budget`, so a decode's next token is not
@@ -40,6 +43,11 @@ class ScheduledRequest(NamedTuple):
     start: int        # num_computed_tokens before this step: first position computed
     num_tokens: int   # tokens computed this step
     samples: bool     # the step reaches the request's last token, so a new token is sampled
+    draft_token_ids: tuple[int, ...] = ()  # speculative drafts scheduled after the last token
+
+    @property
+    def num_draft(self) -> int:
+        return len(self.draft_token_ids)
 
 
 @dataclass
@@ -119,7 +127,7 @@ class Scheduler:
         plan = _StepPlan(self.max_batch_tokens)
         decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
         prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
-        self._schedule_running(decodes, plan)
+        drafts = self._schedule_decodes(decodes, plan)
         num_decode = sum(plan.tokens.values())
         if num_decode and self.step_cost is not None and plan.budget > 0:
             # Prefill shares this step with decodes: give it only what keeps them moving.
@@ -127,9 +135,32 @@ class Scheduler:
         self._schedule_running(prefills, plan)
         if not plan.preempted:
             self._admit(plan)
-        scheduled = [ScheduledRequest(r, r.num_computed_tokens, n, r.num_computed_tokens + n == r.num_tokens)
-                     for r, n in plan.tokens.items()]
+        scheduled = []
+        for r, n in plan.tokens.items():
+            d = drafts.get(r, ())
+            scheduled.append(ScheduledRequest(r, r.num_computed_tokens, n,
+                                              r.num_computed_tokens + n - len(d) == r.num_tokens, d))
         return SchedulerOutput(scheduled, plan.preempted)
+
+    def _schedule_decodes(self, reqs: list[Request], plan: _StepPlan) -> dict[Request, tuple[int, ...]]:
+        """Schedule decodes (with their drafts where pages and budget allow); returns the drafts."""
+        drafts: dict[Request, tuple[int, ...]] = {}
+        for req in reqs:
+            if plan.budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            d = req.spec_token_ids[: plan.budget - 1]
+            if d and self.kv.allocate(req, req.num_tokens + len(d)):
+                drafts[req] = tuple(d)
+                plan.add(req, 1 + len(d))
+            elif self._allocate_or_preempt(req, req.num_tokens, plan):
+                plan.add(req, 1)
+        for req in reqs:   # drafts not scheduled now are stale next step
+            if req not in drafts:
+                req.spec_token_ids = []
+                req.spec_probs = None
+        return drafts
 
     def _schedule_running(self, reqs: list[Request], plan: _StepPlan) -> None:
         for req in reqs:
@@ -256,20 +287,31 @@ class Scheduler:
         self.running.remove(req)
         self.kv.release(req, keep_in_cache=True)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.spec_probs = None
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def post_step(self, out: SchedulerOutput) -> None:
-        """After the forward pass: count the computed tokens; cache whole prefill pages."""
+        """After the forward pass: count the computed tokens; cache whole prefill pages.
+
+        Drafts are not counted here: the engine counts each accepted one as it appends it, and
+        then :meth:`rollback` frees the pages past the new end.
+        """
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens = s.start + s.num_tokens
-            if s.num_tokens > 1 or not s.samples:
+            req.num_computed_tokens = s.start + s.num_tokens - s.num_draft
+            if s.num_tokens - s.num_draft > 1 or not s.samples:
                 # a prefill chunk, the last one included: publish its whole pages at once, so
                 # requests sharing the prompt reuse them (decode pages join at release)
                 self.kv.cache_computed(req)
+
+    def rollback(self, req: Request) -> None:
+        """After verification: free ``req``'s pages past its tokens (rejected drafts' K/V)."""
+        if req.status is RequestStatus.RUNNING:
+            self.kv.trim(req, req.num_tokens)
 
     def finish(self, req: Request, finish_reason: str, stop_reason: str | int | None = None) -> None:
         """Request is done (its last sampled token appended): cache its pages and drop it."""

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="largest accepted request body; bigger ones get 413 (default: 32 MiB)")
     s.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
+    s.add_argument("--log-token-ids", default=None, metavar="DIR",
+                   help="write one JSONL record per finished request (prompt and output token ids, "
+                        "model, sampling settings) under DIR, e.g. to train a drafter")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -62,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
             served_model_names=tuple(args.served_model_name or [args.model]), max_n=args.max_n,
             max_request_bytes=args.max_request_bytes, api_key=args.api_key or None,
             tool_call_parser=args.tool_call_parser, chat_template=chat_template,
-            shutdown_grace_s=args.shutdown_grace_s, max_stored_responses=args.max_stored_responses,
+            shutdown_grace_s=args.shutdown_grace_s, log_token_ids=args.log_token_ids,
+            max_stored_responses=args.max_stored_responses,
         )
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")

@@ -44,6 +44,7 @@ class ServerConfig:
     tool_call_parser: str | None = None
     chat_template: str | None = None     # Jinja text overriding the tokenizer's template
     shutdown_grace_s: float = 30.0
+    log_token_ids: str | None = None     # directory of the token-id log (server/token_log.py)
     max_stored_responses: int = 1024     # Responses API store (previous_response_id)
 
     def __post_init__(self) -> None:
@@ -102,6 +103,7 @@ class ServerState:
     max_model_len: int
     metrics: ServerMetrics
     tool_parser: HermesToolParser | None = None
+    token_log: Any = None               # TokenLog, when --log-token-ids is given
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(1024))
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     _grammar_compiler: Any = None
@@ -130,8 +132,14 @@ class ServerState:
             max_model_len=int(engine.engine.max_model_len),
             metrics=ServerMetrics(config.model_name, prefix_cache_enabled=prefix_cache_enabled),
             tool_parser=get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None,
+            token_log=_token_log(config),
             responses=ResponseStore(config.max_stored_responses),
         )
+
+    @property
+    def speculative(self) -> bool:
+        """The engine speculates (responses carry ``usage.accepted_draft_tokens``)."""
+        return self.engine.engine.spec is not None
 
     @property
     def tokenizer(self) -> Any:
@@ -160,6 +168,14 @@ class ServerState:
 
 
 _BYTE_DECODER: dict[str, int] | None = None
+
+
+def _token_log(config: ServerConfig) -> Any:
+    if config.log_token_ids is None:
+        return None
+    from tokenmill.server.token_log import TokenLog
+
+    return TokenLog(config.log_token_ids, config.model_name)
 
 
 def _raw_token_bytes(tokenizer: Any, token_id: int) -> bytes | None:
@@ -232,7 +248,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, stop=stop, stop_token_ids=list(req.stop_token_ids),
             ignore_eos=req.ignore_eos, logprobs=logprobs, structured=structured,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, speculative=req.speculative,
         )
     except ValueError as e:
         raise bad_request(str(e)) from None
@@ -331,6 +347,9 @@ class Generation:
         self.timers[i].on_tokens(len(out.new_token_ids), now)
         if out.finished:
             self.timers[i].on_finish(out.finish_reason, now)
+            if self.state.token_log is not None:
+                self.state.token_log.write(out.request_id, self.prompts[i], out.token_ids,
+                                           out.finish_reason, self.params[i])
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -381,9 +400,11 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-          tiers: list[dict[str, int] | None] | None = None) -> dict[str, Any]:
+          tiers: list[dict[str, int] | None] | None = None,
+          accepted_draft_tokens: int | None = None) -> dict[str, Any]:
     """OpenAI usage; ``tiers`` (one split per prompt) adds the extension field
-    ``prompt_tokens_details.cached_tokens_by_tier`` = {"l1", "l2", "l3"}, summing to cached_tokens."""
+    ``prompt_tokens_details.cached_tokens_by_tier`` = {"l1", "l2", "l3"}, summing to cached_tokens;
+    ``accepted_draft_tokens`` (extension) is given when the engine speculates."""
     details: dict[str, Any] = {"cached_tokens": cached_tokens}
     if tiers:
         split = {"l1": 0, "l2": 0, "l3": 0}
@@ -391,8 +412,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
             for k, v in (t or {}).items():
                 split[k] = split.get(k, 0) + v
         details["cached_tokens_by_tier"] = split
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": details}
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": details}
+    if accepted_draft_tokens is not None:
+        out["accepted_draft_tokens"] = accepted_draft_tokens
+    return out
 
 
 def _lp(v: float) -> float:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter as _Counter
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine import EngineStats
@@ -127,11 +127,42 @@ class ServerMetrics:
             lines.append(f"{name}{_labels({**lab, 'status': str(code)})} {self.http_errors[code]}")
         for hist in (self.ttft, self.itl, self.e2e):
             lines.extend(hist.render(lab))
+        if stats.spec is not None:
+            lines.extend(_spec_lines(stats.spec, lab))
         if stats.tiers is not None:
             from tokenmill.server.tier_metrics import render_tier_metrics
 
             lines.extend(render_tier_metrics(stats.tiers, stats.kv_pages_cached, stats.kv_pages_total, lab))
         return "\n".join(lines) + "\n"
+
+
+def _spec_lines(spec: Any, lab: dict[str, str]) -> list[str]:
+    """Speculative decoding: drafts proposed/accepted, acceptance length, per-position rate."""
+    from tokenmill.engine.spec.base import ACCEPT_LENGTH_BUCKETS
+
+    sl = {**lab, "method": spec.method}
+    lines: list[str] = []
+    for name, help, value in (
+            ("spec_decode_num_draft_tokens_total", "Draft tokens verified.", spec.proposed),
+            ("spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", spec.accepted),
+            ("spec_decode_num_drafts_total", "Request-steps that verified drafts.", spec.verify_steps)):
+        full = PREFIX + name
+        lines += [f"# HELP {full} {help}", f"# TYPE {full} counter", f"{full}{_labels(sl)} {value}"]
+    full = PREFIX + "spec_decode_acceptance_length"
+    lines += [f"# HELP {full} Tokens emitted per verified request-step (accepted drafts + 1).",
+              f"# TYPE {full} histogram"]
+    cumulative = 0
+    for bound, n in zip(ACCEPT_LENGTH_BUCKETS, spec.length_counts):
+        cumulative += n
+        lines.append(f"{full}_bucket{_labels({**sl, 'le': _fmt(bound)})} {cumulative}")
+    lines.append(f"{full}_bucket{_labels({**sl, 'le': '+Inf'})} {spec.verify_steps}")
+    lines.append(f"{full}_sum{_labels(sl)} {spec.emitted}")
+    lines.append(f"{full}_count{_labels(sl)} {spec.verify_steps}")
+    full = PREFIX + "spec_decode_position_acceptance_rate"
+    lines += [f"# HELP {full} Share of drafts at each position that were accepted.", f"# TYPE {full} gauge"]
+    for j, (prop, acc) in enumerate(zip(spec.position_proposed, spec.position_accepted)):
+        lines.append(f"{full}{_labels({**sl, 'position': str(j)})} {_fmt(acc / prop if prop else 0.0)}")
+    return lines
 
 
 class RequestTimer:

@@ -7,6 +7,7 @@ Responses are built as plain dicts in ``serving_*.py`` (they go straight to JSON
 
 tokenmill extensions accepted in both endpoints: ``return_token_ids`` (raw prompt and completion
 token ids in the response), ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``, ``speculative`` (false: no speculative decoding for this request).
 ``stop_token_ids``, ``prompt_logprobs`` (log-probabilities of the prompt tokens), and the output
 constraints ``regex``, ``choice``, ``grammar`` (see server/structured.py; ``response_format`` is
 the OpenAI one).
@@ -96,6 +97,7 @@ class SamplingFields(_Model):
     repetition_penalty: float = 1.0
     ignore_eos: StrictBool = False
     stop_token_ids: list[int] = Field(default_factory=list)
+    speculative: StrictBool = True
     prompt_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     regex: StrictStr | None = None

@@ -111,7 +111,8 @@ async def create_completion(state: ServerState, request: Request, body: dict[str
         "id": request_id, "object": "text_completion", "created": int(time.time()),
         "model": req.model or state.config.model_name, "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens, cached,
-                       [finals[k * req.n].cached_tokens_by_tier for k in range(len(prompts))]),
+                       [finals[k * req.n].cached_tokens_by_tier for k in range(len(prompts))],
+                       sum(o.num_accepted_draft_tokens for o in finals) if state.speculative else None),
     })
 
 
@@ -121,6 +122,7 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, p
     model = req.model or state.config.model_name
     num = len(gen.prompts)
     completion_tokens = [0] * num
+    accepted = [0] * num
     cached = [0] * num
     tiers: list[dict[str, int] | None] = [None] * num
     offsets = [len(echo_texts[i // req.n]) for i in range(num)]
@@ -164,6 +166,7 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, p
                 if needs_output:
                     yield first_chunk(index, out)
             completion_tokens[index] = len(out.token_ids)
+            accepted[index] = out.num_accepted_draft_tokens
             cached[index] = out.cached_tokens
             tiers[index] = out.cached_tokens_by_tier
             logprobs = None
@@ -184,7 +187,8 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, p
             hits = sum(cached[k * req.n] for k in range(len(prompts)))
             yield sse({"id": gen.request_id, "object": "text_completion", "created": created, "model": model,
                        "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens), hits,
-                                                  [tiers[k * req.n] for k in range(len(prompts))])})
+                                                  [tiers[k * req.n] for k in range(len(prompts))],
+                                                  sum(accepted) if state.speculative else None)})
         log_finished("completion-stream", gen.request_id, gen.session_id, sum(len(p) for p in prompts),
                      sum(cached[k * req.n] for k in range(len(prompts))), sum(completion_tokens),
                      gen.timers[0].arrival, reasons)

@@ -1,0 +1,230 @@
+"""Speculative decoding side by side: none / ngram / suffix / dflash (base) / dflash (fine-tuned),
+and vLLM's CPU build with its n-gram speculator, on the same prompts in one run.
+
+Two workloads on SmolLM2-135M-Instruct, greedy:
+
+* agent: turns whose answer reuses the context (rename a function and show it, add a docstring,
+  return a JSON record with one field changed, explain a traceback that quotes the code), over
+  standard-library functions chosen with a seed the drafter's training traces did not use;
+* prose: free writing on topics absent from the training prompts.
+
+Per configuration and workload: single-stream decode tok/s ((tokens - 1) / (last - first token
+time), each of the first ``--single`` prompts alone, mean), acceptance length (output tokens per decode step),
+and total output tok/s with the prompts at concurrency 4. tokenmill runs in-process (offline
+engine); vLLM through its OpenAI server (streaming), started by ``benchmarks/peers.py``.
+
+    python benchmarks/spec_decode.py [--max-tokens 112] [--prompts 4] [--no-vllm]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+PROSE = ["Write a short story about a clockmaker who loses her keys.",
+         "Describe a thunderstorm over a mountain village.",
+         "Write a letter from a sailor to his sister about the first week at sea.",
+         "Explain why people enjoy walking in autumn forests.",
+         "Write a fable about a fox and a heron who share a river.",
+         "Describe the morning market of a small coastal town."]
+
+
+def workloads(n: int, tokenizer) -> dict[str, list[list[int]]]:
+    from tokenmill.train.traces import agent_prompts
+
+    def enc(conv):
+        text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    agent = [enc(c) for c in agent_prompts(n, seed=4242)]
+    prose = [enc([{"role": "user", "content": p}]) for p in PROSE[:n]]
+    return {"agent": agent, "prose": prose}
+
+
+def run_tokenmill(loaded, prompts: list[list[int]], max_tokens: int, single: int, **spec) -> dict:
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(loaded=loaded, kv_cache_tokens=16384, **spec)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    rates, tokens, steps, outs = [], 0, 0, []
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    for i, p in enumerate(prompts[:single]):
+        eng.flush_cache()
+        eng.add_request(f"s{i}", p, params)
+        first = last = None
+        n_steps = 0
+        final = None
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    n_steps += 1
+                last = now
+                if o.finished:
+                    final = o
+        n = len(final.token_ids)
+        outs.append(list(final.token_ids))
+        if n > 1 and last > first:
+            rates.append((n - 1) / (last - first))
+            tokens += n - 1
+            steps += n_steps
+    # concurrency 4 on a fresh engine: the suffix index must not know these answers already
+    llm = LLM(loaded=loaded, kv_cache_tokens=16384, **spec)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
+    llm.engine.flush_cache()
+    t0 = time.perf_counter()
+    batch = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    return {"decode_tok_s": statistics.mean(rates), "acceptance_length": tokens / steps if steps else None,
+            "total_tok_s_c4": sum(len(o.token_ids) for o in batch) / wall, "outputs": outs}
+
+
+def run_vllm(prompts: dict[str, list[list[int]]], max_tokens: int, spec: dict | None, single: int) -> dict:
+    import httpx
+    from peers import PeerNotInstalled, PeerStartError, start_vllm
+
+    extra = ["--speculative-config", json.dumps(spec)] if spec else []
+    try:
+        srv = start_vllm(extra_args=extra, threads=2)
+    except (PeerNotInstalled, PeerStartError) as e:
+        return {"error": str(e)[-1500:]}
+    results = {}
+    try:
+        with srv, httpx.Client(base_url=srv.base_url, timeout=600) as c:
+            def one(p):
+                t_first = t_last = None
+                n = 0
+                with c.stream("POST", "/v1/completions", json={
+                        "model": srv.model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
+                        "stream": True, "stream_options": {"include_usage": True}}) as r:
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            n = chunk["usage"]["completion_tokens"]
+                        if chunk.get("choices") and chunk["choices"][0].get("text"):
+                            now = time.perf_counter()
+                            t_first = t_first or now
+                            t_last = now
+                return n, t_first, t_last
+
+            one(prompts["agent"][0][:32])   # warm-up
+            for name, ps in prompts.items():
+                before = _vllm_spec_counts(c)
+                rates = []
+                for p in ps[:single]:
+                    c.post("/reset_prefix_cache")
+                    n, a, b = one(p)
+                    if n > 1 and b and a and b > a:
+                        rates.append((n - 1) / (b - a))
+                after = _vllm_spec_counts(c)
+                acc = None
+                if after and before and after[1] > before[1]:
+                    acc = 1 + (after[0] - before[0]) / (after[1] - before[1])
+                import concurrent.futures as cf
+
+                c.post("/reset_prefix_cache")
+                t0 = time.perf_counter()
+                with cf.ThreadPoolExecutor(len(ps)) as ex:
+                    ns = [r[0] for r in ex.map(one, ps)]
+                wall = time.perf_counter() - t0
+                results[name] = {"decode_tok_s": statistics.mean(rates) if rates else None,
+                                 "acceptance_length": acc, "total_tok_s_c4": sum(ns) / wall}
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        results["error"] = f"{type(e).__name__}: {e}"
+    return results
+
+
+def _vllm_spec_counts(c) -> tuple[float, float] | None:
+    text = c.get("/metrics").text
+    acc = re.findall(r"^vllm:spec_decode_num_accepted_tokens_total\{[^}]*\} ([0-9.e+]+)", text, re.M)
+    drafts = re.findall(r"^vllm:spec_decode_num_drafts_total\{[^}]*\} ([0-9.e+]+)", text, re.M)
+    if not acc or not drafts:
+        return None
+    return float(acc[0]), float(drafts[0])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-tokens", type=int, default=112)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per workload (= the concurrency level)")
+    ap.add_argument("--single", type=int, default=3, help="of which run single-stream")
+    ap.add_argument("--base-drafter", default=str(ROOT / "drafters" / "smollm2-135m-dflash-base"))
+    ap.add_argument("--drafter", default=str(ROOT / "drafters" / "smollm2-135m-dflash"))
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--configs", default=None, help="comma-separated subset of none,ngram,suffix,dflash-base,dflash-ft")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    import torch
+
+    from tokenmill.loader import load_model
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    print(f"load average at start: {open('/proc/loadavg').read().strip()}")
+    loaded = load_model("smollm2-135m-instruct")
+    prompts = workloads(args.prompts, loaded.tokenizer)
+    configs = {"none": {}, "ngram": {"speculative_method": "ngram"}, "suffix": {"speculative_method": "suffix"}}
+    for label, path in (("dflash-base", args.base_drafter), ("dflash-ft", args.drafter)):
+        if Path(path, "config.json").is_file():
+            configs[label] = {"speculative_method": "dflash", "speculative_model": path}
+    if args.configs:
+        keep = set(args.configs.split(",")) | {"none"}
+        configs = {k: v for k, v in configs.items() if k in keep}
+    results: dict[str, dict] = {}
+    for label, spec in configs.items():
+        results[label] = {}
+        for wname, ps in prompts.items():
+            r = run_tokenmill(loaded, ps, args.max_tokens, args.single, **spec)
+            results[label][wname] = r
+            print(f"{label:12s} {wname:6s} decode {r['decode_tok_s']:6.1f} tok/s  acceptance "
+                  f"{r['acceptance_length'] or 1:5.2f}  c4 total {r['total_tok_s_c4']:6.1f} tok/s", flush=True)
+    ref = {w: results["none"][w]["outputs"] for w in prompts}
+    for label in results:
+        same = all(results[label][w]["outputs"] == ref[w] for w in prompts)
+        print(f"{label}: outputs identical to no speculation: {same}")
+    if not args.no_vllm:
+        print(f"load average before vLLM: {open('/proc/loadavg').read().strip()}", flush=True)
+        spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
+        v = run_vllm(prompts, args.max_tokens, spec, args.single)
+        if "error" in v and len(v) == 1:
+            print(f"vLLM CPU refused n-gram speculation:\n{v['error']}\n-- comparing with vLLM plain")
+            results["vllm-plain"] = run_vllm(prompts, args.max_tokens, None, args.single)
+        else:
+            results["vllm-ngram"] = v
+    print(f"\nload average at end: {open('/proc/loadavg').read().strip()}")
+    print(f"\n{'config':12s} {'workload':8s} {'decode tok/s':>12s} {'x none':>7s} {'accept len':>10s} "
+          f"{'c' + str(args.prompts) + ' tok/s':>9s} {'x none':>7s}")
+    for label, per in results.items():
+        for w in prompts:
+            r = per.get(w)
+            if not r:
+                print(f"{label:12s} {w:8s} {per.get('error', 'no result')[:80]}")
+                continue
+            base = results["none"][w]
+            d, c4 = r.get("decode_tok_s"), r.get("total_tok_s_c4")
+            print(f"{label:12s} {w:8s} {d or 0:12.1f} {(d or 0) / base['decode_tok_s']:7.2f} "
+                  f"{r.get('acceptance_length') or 1:10.2f} {c4 or 0:9.1f} {(c4 or 0) / base['total_tok_s_c4']:7.2f}")
+    if args.json:
+        for per in results.values():
+            for r in per.values():
+                if isinstance(r, dict):
+                    r.pop("outputs", None)
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The DFlash proposer: runs :class:`~tokenmill.models.dflash.DFlashDrafter` for every
+decoding request in one batched pass per step.
+
+Per request it keeps the fused target hidden states of its last ``context_window`` computed
+tokens (fed by :meth:`DFlashProposer.observe` from the target forward's captures, so no extra
+target pass). A request whose context does not reach its last computed token (just admitted
+after a preemption, for instance) gets no draft until it does. Drafts are the drafter's argmax
+per block position, verified as point masses (lossless for greedy and sampled requests alike).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenmill.engine.spec.base import Draft, Proposer
+from tokenmill.models.dflash import DFlashDrafter, load_drafter
+
+if TYPE_CHECKING:
+    from tokenmill.engine.request import Request
+
+
+class _Context:
+    """Fused features of positions ``[end - len(feats), end)`` of one request."""
+
+    __slots__ = ("feats", "end")
+
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        self.feats = torch.empty(0, hidden, dtype=dtype)
+        self.end = 0
+
+
+class DFlashProposer(Proposer):
+    name = "dflash"
+
+    def __init__(self, drafter: DFlashDrafter, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
+        self.drafter = drafter
+        self.config = drafter.config
+        self.capture_layers = frozenset(self.config.target_layers)
+        self.layer_order = sorted(self.config.target_layers)
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        self.dtype = next(drafter.parameters()).dtype
+        self._ctx: dict[str, _Context] = {}
+
+    @classmethod
+    def load(cls, path: str, target: Any) -> DFlashProposer:
+        args = target.args
+        drafter = load_drafter(path, target_hidden_size=args.hidden_size, vocab_size=args.vocab_size,
+                               target_num_layers=args.num_layers)
+        if drafter.config.target_layers != sorted(drafter.config.target_layers):
+            drafter.config.target_layers = sorted(drafter.config.target_layers)
+        return cls(drafter, target.embed_tokens, target.lm_head)
+
+    @torch.inference_mode()
+    def observe(self, request: Request, start: int, hidden: torch.Tensor) -> None:
+        st = self._ctx.get(request.request_id)
+        if st is None:
+            st = self._ctx[request.request_id] = _Context(self.config.hidden_size, self.dtype)
+        if start != st.end:   # recomputed from an earlier position (preemption), or a gap
+            begin = st.end - st.feats.shape[0]
+            st.feats = st.feats[: start - begin] if begin <= start < st.end else st.feats[:0]
+        fused = self.drafter.fuse(hidden.to(self.dtype))
+        st.feats = torch.cat([st.feats, fused])[-self.config.context_window:]
+        st.end = start + hidden.shape[0]
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[Draft]:
+        c = self.config
+        rows: list[int] = []
+        for i, req in enumerate(requests):
+            st = self._ctx.get(req.request_id)
+            # the context must end right before the last (verified, uncomputed) token
+            if num_tokens[i] > 0 and st is not None and st.end == req.num_tokens - 1 and st.feats.shape[0]:
+                rows.append(i)
+        drafts = [Draft([]) for _ in requests]
+        if not rows:
+            return drafts
+        w = max(self._ctx[requests[i].request_id].feats.shape[0] for i in rows)
+        ctx = torch.zeros(len(rows), w, c.hidden_size, dtype=self.dtype)
+        valid = torch.zeros(len(rows), w, dtype=torch.bool)
+        for j, i in enumerate(rows):
+            f = self._ctx[requests[i].request_id].feats
+            ctx[j, w - f.shape[0]:] = f
+            valid[j, w - f.shape[0]:] = True
+        last = torch.tensor([requests[i].all_token_ids[-1] for i in rows])
+        start = torch.tensor([requests[i].num_tokens - 1 for i in rows])
+        first = self.embed_tokens[last].to(self.dtype)
+        kmax = max(num_tokens[i] for i in rows)
+        h = self.drafter(ctx, valid, first, start)[:, 1:1 + kmax]          # [R, k, hidden]
+        logits = torch.matmul(h.to(self.lm_head.dtype), self.lm_head.t())
+        best = logits.argmax(dim=-1).tolist()
+        for j, i in enumerate(rows):
+            drafts[i] = Draft(best[j][: num_tokens[i]])
+        return drafts
+
+    def request_finished(self, request: Request) -> None:
+        self._ctx.pop(request.request_id, None)
