@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -141,6 +142,13 @@ def _block_inputs(drafter, embed, seqs: list[SeqData], picks: list[tuple[int, li
 
 
 @torch.no_grad()
+def dense(weight: Any) -> torch.Tensor:
+    """A weight as a plain fp32 tensor (a quantized linear method is dequantized once)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.detach().float()
+    return weight.dequantize().float()
+
+
 def acceptance_length(drafter, embed, lm_head, seqs: list[SeqData], anchors: list[tuple[int, int]],
                       w: int, batch: int = 64) -> float:
     """1 + mean drafts accepted by greedy verification (full-vocabulary argmax drafts)."""
@@ -250,8 +258,7 @@ def run(args: argparse.Namespace) -> int:
     drafter.requires_grad_(True).train()
     c = drafter.config
     w = c.context_window
-    embed = target.embed_tokens.detach().float()
-    lm_head = target.lm_head.detach().float()
+    embed, lm_head = dense(target.embed_tokens), dense(target.lm_head)
 
     held = [t for i, t in enumerate(traces) if _heldout(i, args.seed, args.heldout_fraction)]
     train = [t for i, t in enumerate(traces) if not _heldout(i, args.seed, args.heldout_fraction)]

@@ -34,7 +34,8 @@ class _Context:
 class DFlashProposer(Proposer):
     name = "dflash"
 
-    def __init__(self, drafter: DFlashDrafter, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
+    def __init__(self, drafter: DFlashDrafter, embed_tokens: Any, lm_head: Any) -> None:
+        """``embed_tokens`` / ``lm_head``: the target's (tensors, or its linear methods)."""
         self.drafter = drafter
         self.config = drafter.config
         self.capture_layers = frozenset(self.config.target_layers)
@@ -86,10 +87,15 @@ class DFlashProposer(Proposer):
             valid[j, w - f.shape[0]:] = True
         last = torch.tensor([requests[i].all_token_ids[-1] for i in rows])
         start = torch.tensor([requests[i].num_tokens - 1 for i in rows])
-        first = self.embed_tokens[last].to(self.dtype)
+        emb = self.embed_tokens
+        first = (emb[last] if isinstance(emb, torch.Tensor) else emb.embedding(last, self.dtype)).to(self.dtype)
         kmax = max(num_tokens[i] for i in rows)
         h = self.drafter(ctx, valid, first, start)[:, 1:1 + kmax]          # [R, k, hidden]
-        logits = torch.matmul(h.to(self.lm_head.dtype), self.lm_head.t())
+        head = self.lm_head
+        if isinstance(head, torch.Tensor):
+            logits = torch.matmul(h.to(head.dtype), head.t())
+        else:   # the target's linear method (quantized or dense): its own matmul
+            logits = head(h.reshape(-1, h.shape[-1]).to(head.dtype)).reshape(*h.shape[:-1], -1)
         best = logits.argmax(dim=-1).tolist()
         for j, i in enumerate(rows):
             drafts[i] = Draft(best[j][: num_tokens[i]])
