@@ -50,6 +50,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     attention_backend: str = "auto"  # see tokenmill.layers.attention.select_attention_backend
     decode_slowdown: float | None = 2.0  # bound on a decode step's time while prefill shares it
                                           # (x the decodes-only step; None: prefill fills the step)
+    tensor_parallel_size: int = 1    # worker ranks, each holding a shard of weights and KV (1: in process)
+    tp_pin_cores: bool = False       # CPU tensor parallelism: pin rank r to one core (r mod cores)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -81,6 +83,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.device or not (self.device == "cpu" or self.device.startswith(("cuda", "mps", "xpu"))):
             raise ValueError(f"device must be cpu or a torch accelerator such as cuda or cuda:1, got {self.device!r}")
 

@@ -28,7 +28,8 @@ class LLM:
     """A synchronous engine that generates for a list of prompts at once (continuous batching).
 
     ``engine_kwargs`` are :class:`~tokenmill.engine.config.EngineConfig` fields; ``loaded``
-    reuses an already loaded model.
+    reuses an already loaded model. With ``tensor_parallel_size=N`` the model runs on N worker
+    processes; call :meth:`close` (or use the LLM as a context manager) to stop them.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, loaded: LoadedModel | None = None,
@@ -36,6 +37,16 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, **engine_kwargs), loaded=loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's worker ranks (with ``tensor_parallel_size > 1``; harmless otherwise)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -123,8 +123,12 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         batch, samplers = self.build_batch(out)
         logits = self.forward(batch).logits
-        if not samplers:
+        if not samplers or logits is None:  # None: a tensor-parallel rank other than 0
             return []
+        return self.sample(logits, samplers)
+
+    def sample(self, logits: torch.Tensor, samplers: list[Request]) -> list[SampledToken]:
+        """One token (and its logprobs) per row of ``logits`` for the requests in ``samplers``."""
         states = [self._penalty_state(r) for r in samplers]
         inputs = SamplingInputs(
             params=[r.params for r in samplers],
