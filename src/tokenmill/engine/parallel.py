@@ -51,7 +51,7 @@ STOP_GRACE_S = 3.0
 class WorkerSpec:
     """What a worker rank needs to build its shard (picklable)."""
 
-    model: str                 # name or path, as given to load_model
+    model: str                 # name or path (for logs; the weights come from the scheduler process)
     dtype: str
     tp: int
     num_pages: int
@@ -84,8 +84,10 @@ def check_tensor_parallel_devices(tp: int, device: str) -> None:
 class ParallelRunner:
     """The scheduler process's handle on ``tp`` worker ranks (same ``execute`` as ModelRunner)."""
 
-    def __init__(self, spec: WorkerSpec, *, start_timeout_s: float = START_TIMEOUT_S) -> None:
+    def __init__(self, spec: WorkerSpec, model: Any, *, start_timeout_s: float = START_TIMEOUT_S) -> None:
         import torch.multiprocessing as mp
+
+        from tokenmill.models.tensor_parallel import shard_llama_weights
 
         self.spec = spec
         self.tp = spec.tp
@@ -104,11 +106,21 @@ class ParallelRunner:
             self._procs.append(p)
         self._finalizer = weakref.finalize(self, _stop_workers, self._conns, self._procs)
         try:
+            # the sharded load: slice the HF-named weights here, hand each rank its part through
+            # shared memory (torch.multiprocessing), so no rank reads or holds the whole checkpoint
+            full = model.hf_state_dict()
+            shards = []
+            for rank in range(spec.tp):
+                part = {k: v.contiguous().share_memory_()
+                        for k, v in shard_llama_weights(full, model.args, rank, spec.tp).items()}
+                shards.append(part)
+                self._conns[rank].send(("weights", model.args, part))
             for rank in range(spec.tp):
                 msg = self._recv(rank, start_timeout_s, what="start")
                 if msg[0] != "ready":
                     raise ReplicaFailedError(f"tensor-parallel rank {rank} failed to start: {msg[1]}")
                 self.rank_info.append(msg[1])
+            del shards, full
         except BaseException:
             self.close()
             raise
@@ -243,7 +255,7 @@ def new_init_method() -> str:
 # ----------------------------------------------------------------------------------------- worker side
 def _worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
     try:
-        runner, mirror = _worker_setup(rank, spec)
+        runner, mirror = _worker_setup(rank, spec, conn)
     except BaseException as e:  # noqa: BLE001 - reported to the scheduler, then exit non-zero
         _send(conn, ("error", f"{type(e).__name__}: {e}"))
         logging.getLogger(__name__).error("rank %d failed to start:\n%s", rank, traceback.format_exc())
@@ -292,15 +304,13 @@ def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
         pass
 
 
-def _worker_setup(rank: int, spec: WorkerSpec) -> tuple[Any, _Mirror]:
+def _worker_setup(rank: int, spec: WorkerSpec, conn: Connection) -> tuple[Any, _Mirror]:
     import datetime
 
     import torch
     import torch.distributed as dist
 
     from tokenmill.engine.model_runner import ModelRunner
-    from tokenmill.loader import load_model
-    from tokenmill.models.llama import LlamaForCausalLM
     from tokenmill.models.tensor_parallel import TPLlamaForCausalLM
 
     if spec.device == "cpu":
@@ -318,14 +328,12 @@ def _worker_setup(rank: int, spec: WorkerSpec) -> tuple[Any, _Mirror]:
     dist.init_process_group(backend, init_method=spec.init_method, rank=rank, world_size=spec.tp,
                             timeout=datetime.timedelta(seconds=120))
     dtype = getattr(torch, spec.dtype)
-    loaded = load_model(spec.model, dtype=dtype)
-    full = loaded.model
-    if not isinstance(full, LlamaForCausalLM):
-        raise ValueError(f"tensor parallelism supports Llama-family models (Llama, Qwen2, Qwen3, SmolLM); "
-                         f"{type(full).__name__} runs with tensor_parallel_size=1")
-    shard = TPLlamaForCausalLM(full.args, rank, spec.tp, dtype=dtype)
-    shard.load_full_weights(full.hf_state_dict())
-    del loaded, full
+    kind, full_args, weights = conn.recv()
+    if kind != "weights":
+        raise RuntimeError(f"expected this rank's weights first, got {kind!r}")
+    shard = TPLlamaForCausalLM(full_args, rank, spec.tp, dtype=dtype)
+    shard.load_weights(weights)
+    del weights
     kv_spec = shard.kv_cache_spec().with_dtype(spec.kv_dtype)
     runner = ModelRunner(shard, spec.num_pages, spec.page_size, shard.full_args.vocab_size, device=device,
                          seed=spec.seed, kv_spec=kv_spec, attention_backend=spec.attention_backend)
