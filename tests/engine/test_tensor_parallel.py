@@ -207,3 +207,23 @@ def test_dead_rank_fails_the_step_quickly(tiny_gqa: Path) -> None:
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5))
     finally:
         llm.close()
+
+
+def test_tp2_deepseek_v3_mla_moe_matches_one_rank(tiny_dir) -> None:
+    """MLA (latent replicated, heads split) + MoE (TP inside the experts, shared expert split)."""
+    path = str(tiny_dir("DeepseekV3ForCausalLM"))
+    loaded = load_model(path)
+    one = LLM(path, loaded=loaded, **KW)
+    ref = _run(one)
+    with LLM(path, loaded=loaded, tensor_parallel_size=2, **KW) as two:
+        info = two.engine.runner.rank_info
+        assert [i["num_heads"] for i in info] == [loaded.model.args.num_heads // 2] * 2
+        assert two.engine.kv_spec == loaded.model.kv_cache_spec()     # the full latent on every rank
+        got = _run(two)
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        turn1 = two.generate([LONG[:70]], params)[0]
+        turn2 = LONG[:70] + list(turn1.token_ids) + [9, 8, 7]
+        second = two.generate([turn2], params)[0]
+        assert second.cached_tokens >= 64
+        assert list(second.token_ids) == list(one.generate([turn2], params)[0].token_ids)
+    _assert_same(ref, got)

@@ -121,18 +121,10 @@ class Engine:
         model, tp = self.loaded.model, self.config.tensor_parallel_size
         if tp == 1:
             return model.kv_cache_spec()
-        from tokenmill.models.llama import LlamaForCausalLM
-        from tokenmill.models.tensor_parallel import check_tensor_parallel, kv_heads_per_rank
+        from tokenmill.models.tensor_parallel import rank_kv_cache_spec
 
-        if not isinstance(model, LlamaForCausalLM):
-            raise ValueError(f"tensor_parallel_size={tp}: tensor parallelism supports Llama-family models "
-                             f"(Llama, Qwen2, Qwen3, SmolLM); {type(model).__name__} runs with "
-                             f"tensor_parallel_size=1")
-        check_tensor_parallel(model.args, tp)
         check_tensor_parallel_devices(tp, self.config.device)
-        a = model.args
-        return KVCacheSpec.dense(a.num_layers, kv_heads_per_rank(a.num_kv_heads, tp), a.head_dim,
-                                 str(model.dtype).removeprefix("torch."))
+        return rank_kv_cache_spec(model, tp)
 
     def close(self) -> None:
         """Stop the worker ranks (tensor parallelism); a no-op for the in-process runner."""

@@ -87,7 +87,7 @@ class ParallelRunner:
     def __init__(self, spec: WorkerSpec, model: Any, *, start_timeout_s: float = START_TIMEOUT_S) -> None:
         import torch.multiprocessing as mp
 
-        from tokenmill.models.tensor_parallel import shard_llama_weights
+        from tokenmill.models.tensor_parallel import shard_weights
 
         self.spec = spec
         self.tp = spec.tp
@@ -108,19 +108,18 @@ class ParallelRunner:
         try:
             # the sharded load: slice the HF-named weights here, hand each rank its part through
             # shared memory (torch.multiprocessing), so no rank reads or holds the whole checkpoint
-            full = model.hf_state_dict()
             shards = []
             for rank in range(spec.tp):
-                part = {k: v.contiguous().share_memory_()
-                        for k, v in shard_llama_weights(full, model.args, rank, spec.tp).items()}
+                kind, full_args, part = shard_weights(model, rank, spec.tp)
+                part = {k: v.contiguous().share_memory_() for k, v in part.items()}
                 shards.append(part)
-                self._conns[rank].send(("weights", model.args, part))
+                self._conns[rank].send(("weights", kind, full_args, part))
             for rank in range(spec.tp):
                 msg = self._recv(rank, start_timeout_s, what="start")
                 if msg[0] != "ready":
                     raise ReplicaFailedError(f"tensor-parallel rank {rank} failed to start: {msg[1]}")
                 self.rank_info.append(msg[1])
-            del shards, full
+            del shards
         except BaseException:
             self.close()
             raise
@@ -265,7 +264,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
 
     _send(conn, ("ready", {"rank": rank, "kv_bytes_per_token": runner.kv_spec.bytes_per_token(),
                            "num_heads": runner.model.args.num_heads,
-                           "num_kv_heads": runner.model.args.num_kv_heads}))
+                           "num_kv_heads": getattr(runner.model.args, "num_kv_heads", None)}))
     steps = 0
     try:
         while True:
@@ -311,7 +310,7 @@ def _worker_setup(rank: int, spec: WorkerSpec, conn: Connection) -> tuple[Any, _
     import torch.distributed as dist
 
     from tokenmill.engine.model_runner import ModelRunner
-    from tokenmill.models.tensor_parallel import TPLlamaForCausalLM
+    from tokenmill.models.tensor_parallel import build_shard
 
     if spec.device == "cpu":
         if spec.pin_cores and hasattr(os, "sched_setaffinity"):
@@ -328,11 +327,10 @@ def _worker_setup(rank: int, spec: WorkerSpec, conn: Connection) -> tuple[Any, _
     dist.init_process_group(backend, init_method=spec.init_method, rank=rank, world_size=spec.tp,
                             timeout=datetime.timedelta(seconds=120))
     dtype = getattr(torch, spec.dtype)
-    kind, full_args, weights = conn.recv()
-    if kind != "weights":
-        raise RuntimeError(f"expected this rank's weights first, got {kind!r}")
-    shard = TPLlamaForCausalLM(full_args, rank, spec.tp, dtype=dtype)
-    shard.load_weights(weights)
+    what, kind, full_args, weights = conn.recv()
+    if what != "weights":
+        raise RuntimeError(f"expected this rank's weights first, got {what!r}")
+    shard = build_shard(kind, full_args, rank, spec.tp, dtype, weights)
     del weights
     kv_spec = shard.kv_cache_spec().with_dtype(spec.kv_dtype)
     runner = ModelRunner(shard, spec.num_pages, spec.page_size, shard.full_args.vocab_size, device=device,

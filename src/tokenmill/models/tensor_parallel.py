@@ -1,4 +1,4 @@
-"""Tensor-parallel shards of Llama-family models over a torch.distributed process group.
+"""Tensor-parallel shards of Llama-family and DeepSeek-V3 models over a torch.distributed group.
 
 One rank of ``tp`` holds:
 
@@ -12,6 +12,15 @@ One rank of ``tp`` holds:
   gathers them; the other ranks return ``None``);
 * norms and rotary tables are replicated.
 
+DeepSeek-V3 (MLA + MoE): the query heads split (``q_proj``/``q_b_proj`` and ``kv_b_proj`` rows,
+``o_proj`` columns, its bias added by rank 0 only); the latent projections ``q_a_proj`` and
+``kv_a_proj_with_mqa`` are replicated, so every rank caches the full latent of every token (as
+``tokenmill plan`` assumes). The MoE is **tensor parallel inside the experts**: the router is
+replicated (every rank picks the same experts for every token), each expert's intermediate
+dimension and the shared expert's are split, and the MLP's one all-reduce sums the partial
+outputs. No token dispatch is needed and every rank does 1/tp of every expert's work; expert
+parallelism (whole experts per rank, tokens exchanged by all-to-all) is not built.
+
 Sharding works on HF-named weights (:func:`shard_llama_weights`): the shard is an ordinary
 :class:`~tokenmill.models.llama.LlamaForCausalLM` built from the per-rank sizes
 (:func:`shard_args`) and loaded through its own ``load_weights``; :class:`TPLlamaForCausalLM`
@@ -21,19 +30,24 @@ order from one device's matmul, so logits agree with ``tp=1`` to float rounding,
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+import re
+import time
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import ForwardContext
 from tokenmill.models.base import CausalLM, ModelArgs
+from tokenmill.models.deepseek_v3 import DeepseekV3Args, DeepseekV3ForCausalLM
 from tokenmill.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.layers.rotary import CosSin, apply_rotary
 
-__all__ = ["TPLlamaForCausalLM", "check_tensor_parallel", "kv_heads_per_rank", "shard_args", "shard_llama_weights"]
+__all__ = ["TPDeepseekV3ForCausalLM", "TPLlamaForCausalLM", "build_shard", "check_model_tensor_parallel",
+           "check_tensor_parallel", "kv_heads_per_rank", "rank_kv_cache_spec", "shard_args", "shard_weights"]
 
 
 def check_tensor_parallel(args: ModelArgs, tp: int) -> None:
@@ -64,6 +78,14 @@ def _vocab_per_rank(vocab: int, tp: int) -> int:
     return -(-vocab // tp)
 
 
+def _vocab_rows(w: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    vp = _vocab_per_rank(w.shape[0], tp)
+    part = w[rank * vp:(rank + 1) * vp]
+    if part.shape[0] < vp:  # the last slice of a vocabulary tp does not divide: zero rows
+        part = torch.cat([part, part.new_zeros(vp - part.shape[0], *part.shape[1:])])
+    return part
+
+
 def shard_args(args: ModelArgs, tp: int) -> ModelArgs:
     """The sizes one rank's shard is built with (vocabulary padded to ``tp`` equal slices)."""
     check_tensor_parallel(args, tp)
@@ -90,18 +112,11 @@ def shard_llama_weights(weights: Mapping[str, torch.Tensor], args: ModelArgs, ra
     kv_rows = slice(kv_first * d, (kv_first + hk) * d)
     inter = args.intermediate_size // tp
     i_rows = slice(rank * inter, (rank + 1) * inter)
-    vp = _vocab_per_rank(args.vocab_size, tp)
-
-    def vocab_rows(w: torch.Tensor) -> torch.Tensor:
-        part = w[rank * vp:(rank + 1) * vp]
-        if part.shape[0] < vp:  # the last slice of a vocabulary tp does not divide: zero rows
-            part = torch.cat([part, part.new_zeros(vp - part.shape[0], *part.shape[1:])])
-        return part
 
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            out[name] = vocab_rows(w)
+            out[name] = _vocab_rows(w, rank, tp)
         elif name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             out[name] = w[q_rows]
         elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias",
@@ -118,30 +133,28 @@ def shard_llama_weights(weights: Mapping[str, torch.Tensor], args: ModelArgs, ra
     return out
 
 
-class TPLlamaForCausalLM(CausalLM):
-    """One rank's shard of a Llama-family model; the forward runs the collectives over ``group``."""
+class _TensorParallelLM(CausalLM):
+    """One rank's shard; subclasses build ``self.local`` (the shard-sized model) and its layers."""
 
-    def __init__(self, full_args: ModelArgs, rank: int, tp: int, dtype: torch.dtype = torch.float32,
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, full_args, rank: int, tp: int, dtype: torch.dtype, group: dist.ProcessGroup | None) -> None:
         super().__init__()
         self.full_args = full_args
-        self.args = shard_args(full_args, tp)
         self.rank, self.tp, self.group = rank, tp, group
         self.dtype = dtype
-        self.local = LlamaForCausalLM(self.args, dtype=dtype)
-        self.vocab_start = rank * self.args.vocab_size
         self.allreduce_s = 0.0        # time spent in all-reduce (and the logits gather) so far
-        self.comm_bytes = 0           # bytes this rank contributed to collectives so far
+        self.comm_bytes = 0           # payload bytes this rank put into collectives so far
+
+    def _init_local(self, local: CausalLM) -> None:
+        self.local = local
+        self.args = local.args
+        self.vocab_start = self.rank * local.args.vocab_size
+        self.full_vocab = self.full_args.vocab_size
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return self.local.kv_cache_spec()
 
-    def load_full_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Slice the full HF-named checkpoint and load this rank's part."""
-        self.local.load_weights(shard_llama_weights(weights, self.full_args, self.rank, self.tp))
-
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Load already sliced weights (shapes of :func:`shard_args`)."""
+        """Load already sliced weights (see :func:`shard_weights`)."""
         self.local.load_weights(weights)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
@@ -149,8 +162,6 @@ class TPLlamaForCausalLM(CausalLM):
 
     # ---- collectives -----------------------------------------------------------------------
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        import time
-
         t0 = time.perf_counter()
         dist.all_reduce(x, group=self.group)
         self.allreduce_s += time.perf_counter() - t0
@@ -167,17 +178,41 @@ class TPLlamaForCausalLM(CausalLM):
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor | None:
         part = F.linear(h, self.local.lm_head).float().contiguous()
         if part.shape[0] == 0:
-            return part.new_zeros(0, self.full_args.vocab_size) if self.rank == 0 else None
-        import time
-
+            return part.new_zeros(0, self.full_vocab) if self.rank == 0 else None
         t0 = time.perf_counter()
         parts = [torch.empty_like(part) for _ in range(self.tp)] if self.rank == 0 else None
-        dist.gather(part, parts, dst=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        dst = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.gather(part, parts, dst=dst, group=self.group)
         self.allreduce_s += time.perf_counter() - t0
         self.comm_bytes += part.numel() * part.element_size()
         if parts is None:
             return None
-        return torch.cat(parts, dim=-1)[:, : self.full_args.vocab_size]
+        return torch.cat(parts, dim=-1)[:, : self.full_vocab]
+
+    def _layer(self, layer: nn.Module, h: torch.Tensor, cs: CosSin, kv_cache: Any,
+               ctx: ForwardContext) -> torch.Tensor:
+        raise TypeError(f"{type(self).__name__} must define _layer")
+
+    @torch.no_grad()
+    def forward(self, ctx: ForwardContext) -> torch.Tensor | None:  # type: ignore[override]
+        """Logits ``[rows, full vocab]`` on rank 0; ``None`` on the other ranks."""
+        m, batch = self.local, ctx.batch
+        cs = m.rotary.lookup(batch.positions, self.dtype, batch.max_seq_len)
+        h = self._embed(batch.input_ids)
+        ctx.capture(-1, h)
+        for i, (layer, cache) in enumerate(zip(m.layers, ctx.kv_caches)):
+            h = self._layer(layer, h, cs, cache, ctx)
+            ctx.capture(i, h)
+        return self._lm_head(m.norm(h[batch.logits_indices]))
+
+
+class TPLlamaForCausalLM(_TensorParallelLM):
+    """One rank's shard of a Llama-family model; the forward runs the collectives over ``group``."""
+
+    def __init__(self, full_args: ModelArgs, rank: int, tp: int, dtype: torch.dtype = torch.float32,
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(full_args, rank, tp, dtype, group)
+        self._init_local(LlamaForCausalLM(shard_args(full_args, tp), dtype=dtype))
 
     def _layer(self, layer: LlamaDecoderLayer, h: torch.Tensor, cs: CosSin, kv_cache: torch.Tensor,
                ctx: ForwardContext) -> torch.Tensor:
@@ -200,14 +235,121 @@ class TPLlamaForCausalLM(CausalLM):
         gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
         return h + self._all_reduce(F.linear(F.silu(gate) * up, layer.down_proj))
 
-    @torch.no_grad()
-    def forward(self, ctx: ForwardContext) -> torch.Tensor | None:  # type: ignore[override]
-        """Logits ``[rows, full vocab]`` on rank 0; ``None`` on the other ranks."""
-        m, batch = self.local, ctx.batch
-        cs = m.rotary.lookup(batch.positions, self.dtype, batch.max_seq_len)
-        h = self._embed(batch.input_ids)
-        ctx.capture(-1, h)
-        for i, (layer, cache) in enumerate(zip(m.layers, ctx.kv_caches)):
-            h = self._layer(layer, h, cs, cache, ctx)
-            ctx.capture(i, h)
-        return self._lm_head(m.norm(h[batch.logits_indices]))
+
+class TPDeepseekV3ForCausalLM(_TensorParallelLM):
+    """One rank's shard of DeepSeek-V3: MLA heads split (latent replicated), experts TP-sharded."""
+
+    def __init__(self, full_args: DeepseekV3Args, rank: int, tp: int, dtype: torch.dtype = torch.float32,
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(full_args, rank, tp, dtype, group)
+        self._init_local(DeepseekV3ForCausalLM(shard_deepseek_args(full_args, tp), dtype=dtype))
+
+    def _layer(self, layer: nn.Module, h: torch.Tensor, cs: CosSin, kv_cache: Any,
+               ctx: ForwardContext) -> torch.Tensor:
+        # MLA over this rank's heads -> o_proj slice (bias on rank 0 only) -> one all-reduce
+        h = h + self._all_reduce(layer.self_attn(layer.input_layernorm(h), cs, kv_cache, ctx))
+        # routed experts (router replicated, each expert's intermediate split) + shared expert
+        # slice, or the dense MLP slice -> one all-reduce
+        return h + self._all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
+
+
+def check_deepseek_tensor_parallel(args: DeepseekV3Args, tp: int) -> None:
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if tp == 1:
+        return
+    if args.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {args.num_heads} attention "
+                         f"heads; choose a divisor of {args.num_heads}")
+    for name in ("intermediate_size", "moe_intermediate_size"):
+        if getattr(args, name) % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={getattr(args, name)}")
+
+
+def shard_deepseek_args(args: DeepseekV3Args, tp: int) -> DeepseekV3Args:
+    check_deepseek_tensor_parallel(args, tp)
+    return dataclasses.replace(args, num_heads=args.num_heads // tp, intermediate_size=args.intermediate_size // tp,
+                               moe_intermediate_size=args.moe_intermediate_size // tp,
+                               vocab_size=_vocab_per_rank(args.vocab_size, tp), num_mtp_layers=0)
+
+
+def shard_deepseek_weights(weights: Mapping[str, torch.Tensor], args: DeepseekV3Args, rank: int,
+                           tp: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s slices of DeepSeek-V3's HF-named weights (fused experts, as hf_state_dict)."""
+    check_deepseek_tensor_parallel(args, tp)
+    hl = args.num_heads // tp
+
+    def rows(w: torch.Tensor, per: int) -> torch.Tensor:
+        return w[rank * per:(rank + 1) * per]
+
+    f = args.moe_intermediate_size
+    fl = f // tp
+    out: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        if re.match(r"^model\.layers\.(\d+)\.", name) and int(name.split(".")[2]) >= args.num_layers:
+            continue  # MTP layers: not run by the engine
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            out[name] = _vocab_rows(w, rank, tp)
+        elif name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+            out[name] = rows(w, hl * args.qk_head_dim)
+        elif name.endswith("self_attn.kv_b_proj.weight"):
+            out[name] = rows(w, hl * (args.qk_nope_head_dim + args.v_head_dim))
+        elif name.endswith("self_attn.o_proj.weight"):
+            out[name] = w[:, rank * hl * args.v_head_dim:(rank + 1) * hl * args.v_head_dim]
+        elif name.endswith("self_attn.o_proj.bias"):
+            out[name] = w if rank == 0 else torch.zeros_like(w)   # added once by the all-reduce
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            out[name] = torch.cat([w[:, rank * fl:(rank + 1) * fl], w[:, f + rank * fl:f + (rank + 1) * fl]], dim=1)
+        elif name.endswith("mlp.experts.down_proj"):
+            out[name] = w[:, :, rank * fl:(rank + 1) * fl]
+        elif name.endswith(("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight")):
+            out[name] = rows(w, w.shape[0] // tp)
+        elif name.endswith("shared_experts.down_proj.weight"):
+            per = w.shape[1] // tp
+            out[name] = w[:, rank * per:(rank + 1) * per]
+        elif name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            out[name] = rows(w, args.intermediate_size // tp)
+        elif name.endswith("mlp.down_proj.weight"):
+            per = args.intermediate_size // tp
+            out[name] = w[:, rank * per:(rank + 1) * per]
+        else:  # q_a/kv_a projections (the latent), norms, router and its bias: replicated
+            out[name] = w
+    return out
+
+
+def check_model_tensor_parallel(model: CausalLM, tp: int) -> None:
+    """Raise ValueError when ``model`` cannot run over ``tp`` ranks."""
+    if isinstance(model, LlamaForCausalLM):
+        check_tensor_parallel(model.args, tp)
+    elif isinstance(model, DeepseekV3ForCausalLM):
+        check_deepseek_tensor_parallel(model.args, tp)  # type: ignore[arg-type]
+    else:
+        raise ValueError(f"tensor parallelism supports Llama-family (Llama, Qwen2, Qwen3, SmolLM) and "
+                         f"DeepSeek-V3 models; {type(model).__name__} runs with tensor_parallel_size=1")
+
+
+def rank_kv_cache_spec(model: CausalLM, tp: int) -> KVCacheSpec:
+    """What one rank stores per token: its KV heads' share, or the whole (replicated) MLA latent."""
+    check_model_tensor_parallel(model, tp)
+    if isinstance(model, LlamaForCausalLM):
+        a = model.args
+        return KVCacheSpec.dense(a.num_layers, kv_heads_per_rank(a.num_kv_heads, tp), a.head_dim,
+                                 str(model.dtype).removeprefix("torch."))
+    return model.kv_cache_spec()
+
+
+def shard_weights(model: CausalLM, rank: int, tp: int) -> tuple[str, Any, dict[str, torch.Tensor]]:
+    """``(kind, full args, rank's HF-named weights)`` for :func:`build_shard` on that rank."""
+    check_model_tensor_parallel(model, tp)
+    full = model.hf_state_dict()
+    if isinstance(model, LlamaForCausalLM):
+        return "llama", model.args, shard_llama_weights(full, model.args, rank, tp)
+    return "deepseek_v3", model.args, shard_deepseek_weights(full, model.args, rank, tp)  # type: ignore[arg-type]
+
+
+def build_shard(kind: str, full_args: Any, rank: int, tp: int, dtype: torch.dtype,
+                weights: Mapping[str, torch.Tensor]) -> _TensorParallelLM:
+    cls = {"llama": TPLlamaForCausalLM, "deepseek_v3": TPDeepseekV3ForCausalLM}[kind]
+    shard = cls(full_args, rank, tp, dtype=dtype)
+    shard.load_weights(weights)
+    return shard
