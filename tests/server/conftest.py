@@ -53,8 +53,10 @@ def client(server: ServiceProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def async_client(server: ServiceProcess) -> openai.AsyncOpenAI:
+    # one per test: each test runs its own event loop (asyncio.run), and a client's connection
+    # pool belongs to the loop that first used it
     return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 

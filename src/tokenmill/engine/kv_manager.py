@@ -62,9 +62,10 @@ class KVManager:
 
         Matches ``all_token_ids[:-1]`` so at least one token is left to compute (its logits give
         the next token). Locks the matched node; sets the page table and ``num_computed_tokens``.
-        Returns the number of tokens matched.
+        Returns the number of tokens matched. A request asking for prompt logprobs matches nothing
+        (its prompt rows must all be computed).
         """
-        if self.cache is None or req.page_table:
+        if self.cache is None or req.page_table or req.prompt_logprobs is not None:
             return 0
         m = self.cache.match_prefix(req.all_token_ids[:-1])
         if m.num_tokens == 0:
@@ -79,7 +80,7 @@ class KVManager:
     def cached_prefix_tokens(self, req: Request) -> int:
         """Tokens :meth:`match` would reuse for ``req`` now: a probe that locks nothing and
         leaves cache recency alone (for cache-aware admission)."""
-        if self.cache is None or req.page_table:
+        if self.cache is None or req.page_table or req.prompt_logprobs is not None:
             return 0
         return self.cache.cached_prefix_length(req.all_token_ids, req.num_tokens - 1)
 

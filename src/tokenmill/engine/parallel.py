@@ -10,12 +10,14 @@ of pages as the scheduler's page pool, so page ids mean the same on every rank.
 Per step the scheduler pickles one small step description and sends the same bytes to every
 rank over its pipe: for each scheduled request its id, first position, token count, whether it
 samples, the token ids the ranks have not seen yet (the whole prompt on first sight, then one
-token per decode), its page table, and (first sight only) its sampling parameters; plus the ids
-of requests that have left. Every rank mirrors the requests (the same :class:`Request` objects
+token per decode), its page table, (first sight only) its sampling parameters, for a constrained
+request the next-token bitmask its grammar allows (grammars advance in the scheduler process), and
+for prompt logprobs how many it already holds; plus the ids of requests that have left. Every rank mirrors the requests (the same :class:`Request` objects
 the single-process runner reads), builds the same batch and runs its shard; the all-reduces
 inside the model keep the ranks in lockstep. Only rank 0 gets logits (vocabulary-parallel LM
 head gathered to it), samples, and sends back ``(token, logprob)`` per sampling request, so
-seeded sampling is the one-process code path with one random stream per request.
+seeded sampling is the one-process code path with one random stream per request; prompt logprobs
+computed by rank 0 come back with the tokens.
 
 Failure: the scheduler waits for rank 0's answer *and* every rank's process sentinel. A rank that
 dies (or reports an exception) makes :meth:`ParallelRunner.execute` raise
@@ -91,6 +93,7 @@ class ParallelRunner:
 
         self.spec = spec
         self.tp = spec.tp
+        self.vocab_size = int(model.args.vocab_size)
         ctx = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
@@ -145,9 +148,13 @@ class ParallelRunner:
         msg = self._recv(0, None, what="step")
         if msg[0] != "ok":
             self._fail(f"rank 0: {msg[1]}")
-        results = msg[1]
+        results, prompt_lps = msg[1], msg[2]
         if len(results) != len(samplers):
             self._fail(f"rank 0 returned {len(results)} tokens for {len(samplers)} sampling requests")
+        for s in out.scheduled:
+            new = prompt_lps.get(s.request.request_id)
+            if new and s.request.prompt_logprobs is not None:
+                s.request.prompt_logprobs.extend(new)
         return [SampledToken(req, tok, lp) for req, (tok, lp) in zip(samplers, results)]
 
     def stats(self) -> list[dict[str, Any]]:
@@ -182,10 +189,20 @@ class ParallelRunner:
                 new, have = None, known[1]
             delta = req.all_token_ids[have:end] if end > have else []
             self._sent[req.request_id] = (req, max(have, end))
-            items.append((req.request_id, s.start, s.num_tokens, s.samples, delta, req.page_table, new))
+            # a constrained request's allowed tokens: its grammar lives here, rank 0 applies the mask
+            mask = self._grammar_mask(req) if s.samples and req.grammar is not None else None
+            plp = len(req.prompt_logprobs) if req.prompt_logprobs is not None else None
+            items.append((req.request_id, s.start, s.num_tokens, s.samples, delta, req.page_table, new, mask, plp))
             if s.samples:
                 samplers.append(req)
         return {"drop": drops, "items": items}, samplers
+
+    def _grammar_mask(self, req: Request) -> Any:
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        req.grammar.fill_mask(bitmask, 0)
+        return bitmask[0]
 
     def _recv(self, rank: int, timeout: float | None, *, what: str) -> tuple[Any, ...]:
         """Rank ``rank``'s next message; raise ReplicaFailedError as soon as any rank dies."""
@@ -284,7 +301,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
                 sampled = runner.execute(out)
             steps += 1
             if rank == 0:
-                _send(conn, ("ok", [(s.token_id, s.logprob) for s in sampled]))
+                _send(conn, ("ok", [(s.token_id, s.logprob) for s in sampled], mirror.new_prompt_logprobs()))
     except BaseException as e:  # noqa: BLE001
         logging.getLogger(__name__).error("rank %d failed:\n%s", rank, traceback.format_exc())
         _send(conn, ("error", f"rank {rank}: {type(e).__name__}: {e}"))
@@ -344,12 +361,23 @@ class _Mirror:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.requests: dict[str, Request] = {}
+        self._plp_before: dict[str, int] = {}
+
+    def new_prompt_logprobs(self) -> dict[str, list[Any]]:
+        """Prompt logprobs recorded by the last step (rank 0), per request id."""
+        out = {}
+        for rid, n in self._plp_before.items():
+            lps = self.requests[rid].prompt_logprobs
+            if lps is not None and len(lps) > n:
+                out[rid] = lps[n:]
+        return out
 
     def apply(self, desc: dict[str, Any]) -> SchedulerOutput:
         for rid in desc["drop"]:
             self.requests.pop(rid, None)
         scheduled = []
-        for rid, start, n, samples, delta, page_table, new in desc["items"]:
+        self._plp_before = {}
+        for rid, start, n, samples, delta, page_table, new, mask, plp in desc["items"]:
             if new is not None:
                 prompt, params = new
                 req = Request(rid, list(prompt), params)
@@ -359,5 +387,23 @@ class _Mirror:
             req = self.requests[rid]
             req.all_token_ids.extend(delta)
             req.page_table = page_table
+            req.grammar = _ShippedMask(mask) if mask is not None else None
+            if plp is not None:
+                # the scheduler's count decides which prompt rows this step computes, on every
+                # rank alike (ranks other than 0 keep placeholders: only rank 0 has logits)
+                lps = req.prompt_logprobs if req.prompt_logprobs is not None else []
+                req.prompt_logprobs = (lps + [None] * plp)[:plp]
+                self._plp_before[rid] = plp
             scheduled.append(ScheduledRequest(req, start, n, samples))
         return SchedulerOutput(scheduled=scheduled)
+
+
+class _ShippedMask:
+    """The next-token bitmask of a constrained request, filled by its grammar in the scheduler
+    process (where the grammar advances); rank 0 applies it like a local grammar's."""
+
+    def __init__(self, row: Any) -> None:
+        self.row = row
+
+    def fill_mask(self, bitmask: Any, row: int) -> None:
+        bitmask[row] = self.row

@@ -67,12 +67,16 @@ class Request:
     generator: Any = None             # the request's random stream (owned by the model runner)
     penalty_state: Any = None         # incremental penalty counts (owned by the model runner)
     detokenizer: Any = None           # incremental detokenizer (owned by the engine)
+    grammar: Any = None               # GrammarState of a constrained request (engine/structured.py)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, first is None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -168,6 +172,7 @@ class RequestOutput:
     finish_reason: str | None
     stop_reason: str | int | None = None
     new_logprobs: list[TokenLogprob] | None = None   # logprobs of new_token_ids
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs only
 
     @property
     def text(self) -> str:

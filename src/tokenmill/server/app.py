@@ -2,10 +2,14 @@
 
 Routes (see docs/server.md):
     POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+    POST /v1/messages, POST /v1/messages/count_tokens (Anthropic Messages API),
+    POST /v1/responses, GET /v1/responses/{id} (OpenAI Responses API),
     GET /health, GET /metrics, GET /v1/loads, POST /flush_cache
 
-Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status;
-no client input can stop the server. Handlers never call the engine directly: they go through
+Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status
+(``{"type": "error", "error": {"type", "message"}}`` on the Anthropic routes); no client input
+can stop the server. The API key is accepted as ``Authorization: Bearer`` or ``x-api-key``.
+Handlers never call the engine directly: they go through
 the :class:`~tokenmill.engine.async_engine.AsyncEngine` in ``ServerState``.
 """
 from __future__ import annotations
@@ -25,7 +29,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.server.common import ServerState, read_json_body
 from tokenmill.server.errors import APIError
 from tokenmill.server.serving_chat import create_chat_completion
+from tokenmill.server.protocol_anthropic import anthropic_error_body
 from tokenmill.server.serving_completions import create_completion
+from tokenmill.server.serving_messages import count_tokens, create_message
+from tokenmill.server.serving_responses import create_response, delete_response, retrieve_response
 from tokenmill.session import RESPONSE_HEADER, extract_session_id
 
 logger = logging.getLogger("tokenmill.server")
@@ -51,11 +58,15 @@ def build_app(state: ServerState) -> FastAPI:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+            return
+        other = request.headers.get("x-api-key")
+        if other is not None and hmac.compare_digest(other.strip().encode(), key.encode()):
+            return
+        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                       code="invalid_api_key")
 
-    async def run_generation(request: Request, handler: Handler) -> Response:
+    async def run_generation(request: Request, handler: Handler, *, anthropic: bool = False) -> Response:
         arrival = time.monotonic()
         session_id: str | None = extract_session_id(request.headers)
         try:
@@ -64,11 +75,12 @@ def build_app(state: ServerState) -> FastAPI:
             session_id = extract_session_id(request.headers, body)
             response: Response = await handler(state, request, body, session_id, arrival)
         except APIError as e:
-            return _error_response(state, e, session_id)
+            return _error_response(state, e, session_id, anthropic=anthropic)
         except Exception as e:  # noqa: BLE001 - a bug must cost one request, never the server
             logger.exception("unexpected error on %s", request.url.path)
             return _error_response(state, APIError(500, f"internal server error: {type(e).__name__}: {e}",
-                                                   type="server_error", code="internal_error"), session_id)
+                                                   type="server_error", code="internal_error"), session_id,
+                                   anthropic=anthropic)
         if session_id:
             response.headers[RESPONSE_HEADER] = session_id
         return response
@@ -80,6 +92,28 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await run_generation(request, create_completion)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await run_generation(request, create_message, anthropic=True)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Response:
+        return await run_generation(request, count_tokens, anthropic=True)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await run_generation(request, create_response)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        check_auth(request)
+        return await retrieve_response(state, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(request: Request, response_id: str) -> Response:
+        check_auth(request)
+        return await delete_response(state, response_id)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -145,7 +179,8 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _error_response(state: ServerState, err: APIError, session_id: str | None) -> Response:
+def _error_response(state: ServerState, err: APIError, session_id: str | None, *,
+                    anthropic: bool = False) -> Response:
     state.metrics.http_errors[err.status_code] += 1
     if err.status_code >= 500:
         logger.error("error %d: %s", err.status_code, err.message)
@@ -154,4 +189,6 @@ def _error_response(state: ServerState, err: APIError, session_id: str | None) -
     headers = {RESPONSE_HEADER: session_id} if session_id else None
     if err.status_code == 401:
         headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
+    if anthropic:
+        return JSONResponse(anthropic_error_body(err), status_code=err.status_code, headers=headers)
     return err.response(headers)

@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Jinja chat template file to use instead of the tokenizer's")
     s.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY, or no key)")
+    s.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="responses kept for previous_response_id and GET /v1/responses/{id} (default: 1024)")
     s.add_argument("--max-n", type=int, default=8, help="largest accepted 'n' (default: 8)")
     s.add_argument("--max-request-bytes", type=int, default=32 * 2**20,
                    help="largest accepted request body; bigger ones get 413 (default: 32 MiB)")
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             served_model_names=tuple(args.served_model_name or [args.model]), max_n=args.max_n,
             max_request_bytes=args.max_request_bytes, api_key=args.api_key or None,
             tool_call_parser=args.tool_call_parser, chat_template=chat_template,
-            shutdown_grace_s=args.shutdown_grace_s,
+            shutdown_grace_s=args.shutdown_grace_s, max_stored_responses=args.max_stored_responses,
         )
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
