@@ -96,6 +96,38 @@ def test_tp2_seeded_sampling_matches_one_rank(gqa_pair) -> None:
     assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in ref]
 
 
+def test_tp2_structured_output_and_prompt_logprobs(gqa_pair) -> None:
+    """Grammar masks (grammars advance in the scheduler process) and prompt logprobs (computed by
+    rank 0, chunked by max_batch_tokens) give what one process gives."""
+    import json
+    import re
+
+    from tokenmill.contracts.sampling import StructuredOutputs
+
+    one, two = gqa_pair
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured=StructuredOutputs.json(schema))
+              for i in range(2)] + [SamplingParams(max_tokens=20, temperature=0,
+                                                   structured=StructuredOutputs("regex", r"[a-z]{2,5}-[0-9]{3}"))]
+    prompts = PROMPTS[1:]
+    ref = one.generate(prompts, params)
+    got = two.generate(prompts, params)
+    assert [o.text for o in got] == [o.text for o in ref]
+    for o in got[:2]:
+        assert set(json.loads(o.text)) == {"n"}
+    assert re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", got[2].text)
+
+    plp = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    ref = one.generate(PROMPTS[:2], plp)
+    got = two.generate(PROMPTS[:2], plp)
+    for r, g, ids in zip(ref, got, PROMPTS[:2]):
+        assert g.prompt_logprobs is not None and len(g.prompt_logprobs) == len(ids) and g.prompt_logprobs[0] is None
+        for er, eg in zip(r.prompt_logprobs[1:], g.prompt_logprobs[1:]):
+            assert eg.token_id == er.token_id and abs(eg.logprob - er.logprob) <= 1e-5
+            assert [t.token_id for t in eg.top_logprobs] == [t.token_id for t in er.top_logprobs]
+
+
 def test_tp2_preemption_matches_one_rank(tiny_gqa: Path) -> None:
     """A pool too small for the batch: requests are preempted and recomputed, tokens unchanged."""
     loaded = load_model(str(tiny_gqa))
