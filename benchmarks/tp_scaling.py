@@ -122,6 +122,7 @@ def main() -> None:
     for tp, threads in ((1, 1), (1, 2), (3, 1)):
         runs.append(("smollm2-135m", measure("smollm2-135m-instruct", default, tp, threads,
                                              args.prompt_tokens, args.decode_tokens)))
+        print(runs[-1], flush=True)
     del default
     if args.shape_model:
         from tokenmill.loader.tiny import build_tiny_checkpoint
@@ -133,6 +134,7 @@ def main() -> None:
             for tp, threads in ((1, 1), (1, 2), (2, 1)):
                 runs.append(("smollm2-shape-8h", measure(str(path), shaped, tp, threads,
                                                          args.prompt_tokens, args.decode_tokens)))
+                print(runs[-1], flush=True)
     print(f"load average after: {open('/proc/loadavg').read().strip()}")
     print(f"\n{'model':18} {'config':12} {'decode tok/s':>12} {'prefill tok/s':>13} {'comm s/step':>11} "
           f"{'B/token r0':>10} {'B/token r1':>10}")
