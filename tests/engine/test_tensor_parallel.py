@@ -259,3 +259,10 @@ def test_tp2_deepseek_v3_mla_moe_matches_one_rank(tiny_dir) -> None:
         assert second.cached_tokens >= 64
         assert list(second.token_ids) == list(one.generate([turn2], params)[0].token_ids)
     _assert_same(ref, got)
+
+
+def test_a_rank_failing_to_start_is_reported(tiny_dir) -> None:
+    """The native backend has no MLA: each rank fails building its runner; the error says so."""
+    path = str(tiny_dir("DeepseekV3ForCausalLM"))
+    with pytest.raises(ReplicaFailedError, match=r"rank \d failed to start: .*(MLA|native|latent)"):
+        LLM(path, tensor_parallel_size=2, attention_backend="native", **{k: v for k, v in KW.items()})

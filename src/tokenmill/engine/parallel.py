@@ -116,7 +116,10 @@ class ParallelRunner:
                 kind, full_args, part = shard_weights(model, rank, spec.tp)
                 part = {k: v.contiguous().share_memory_() for k, v in part.items()}
                 shards.append(part)
-                self._conns[rank].send(("weights", kind, full_args, part))
+                try:
+                    self._conns[rank].send(("weights", kind, full_args, part))
+                except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                    self._fail(f"tensor-parallel rank failed to start: {self._dead_ranks_message() or 'pipe closed'}")
             for rank in range(spec.tp):
                 msg = self._recv(rank, start_timeout_s, what="start")
                 if msg[0] != "ready":
