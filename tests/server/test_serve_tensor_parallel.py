@@ -1,6 +1,8 @@
-"""`tokenmill serve --tensor-parallel-size 2`: serves like one rank; a killed rank ends the server."""
+"""`tokenmill serve --tensor-parallel-size 2`: serves like one rank; a killed rank ends the server,
+and a router in front of it sees the replica leave."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -31,14 +33,16 @@ def test_serve_tp2_then_a_killed_rank_stops_the_server(tiny_checkpoint: Path, tm
         ref = openai.OpenAI(base_url=one.base_url + "/v1", api_key="x", max_retries=0).completions.create(
             model="tiny", prompt=prompt, max_tokens=8, temperature=0)
     server = ServiceProcess(argv, log_path=tmp_path / "tp.log")
-    with server:
+    with server, contextlib.ExitStack() as stack:
         assert server.proc is not None
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
         got = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
         assert got.choices[0].text == ref.choices[0].text
         ranks = _rank_pids(server.proc.pid)
         assert len(ranks) == 2
-
+        router = stack.enter_context(ServiceProcess(
+            ["route", "--health-interval", "0.3", "--failure-threshold", "1", "--recovery-threshold", "1",
+             "--log-level", "warning", "--replica", server.base_url], start_timeout=60, log_path=tmp_path / "router.log"))
         killed: list[float] = []
 
         def kill() -> None:
@@ -61,3 +65,7 @@ def test_serve_tp2_then_a_killed_rank_stops_the_server(tiny_checkpoint: Path, tm
         log = server.log_tail()
         assert "rank 1 exited with code -9" in log
         assert not psutil.pid_exists(ranks[0]) or psutil.Process(ranks[0]).status() == psutil.STATUS_ZOMBIE
+        deadline = time.monotonic() + 15   # the router sees the replica leave
+        while httpx.get(router.base_url + "/health", timeout=5).json()["healthy_replicas"] != 0:
+            assert time.monotonic() < deadline, router.log_tail()
+            time.sleep(0.2)
