@@ -54,6 +54,7 @@ class EngineStats:
     kv_bytes_per_token: int = 0      # KVCacheSpec.bytes_per_token(), fp8 scales included
     kv_capacity_tokens: int = 0      # pages x page size (per rank with tensor parallelism: each rank
                                      # holds its KV heads' share of every token)
+    tiers: Any = None               # cache.tiers.TierStats when lower tiers are configured
     tensor_parallel_size: int = 1
 
     @property
@@ -82,10 +83,13 @@ class Engine:
                 device=self.device.type, kv_dtype=self.kv_spec.dtype, attention_backend=config.attention_backend,
                 num_threads=config.num_threads, pin_cores=config.tp_pin_cores, init_method=new_init_method()),
                 self.loaded.model)
+            self.tiers = None                # refused with tensor parallelism by EngineConfig
+            self.kv.tiers = None
         else:
             self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
                                       self.vocab_size, device=self.device, kv_spec=self.kv_spec,
                                       attention_backend=config.attention_backend)
+            self._init_tiers()
         self.generation_tokens_total = 0
         self._arrivals = 0
         self._grammar_compiler: GrammarCompiler | None = None
@@ -131,12 +135,6 @@ class Engine:
         check_tensor_parallel_devices(tp, self.config.device)
         return rank_kv_cache_spec(model, tp)
 
-    def close(self) -> None:
-        """Stop the worker ranks (tensor parallelism); a no-op for the in-process runner."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
-
     def _init_kv(self) -> None:
         cfg = self.config
         spec = self._rank_kv_spec()
@@ -176,6 +174,12 @@ class Engine:
                  "= %d tokens (%.4f GiB)", f" per rank (tp={tp})" if tp > 1 else "", spec.dtype, bytes_per_token, fp32 / bytes_per_token, num_pages, ps,
                  self.kv_capacity_tokens, self.kv_capacity_tokens * bytes_per_token / 2**30)
 
+    def _init_tiers(self) -> None:
+        from tokenmill.engine.kv_tiers import build_tiers
+
+        self.tiers = build_tiers(self.config, self.runner, self.kv, self.model_name, self.kv_spec)
+        self.kv.tiers = self.tiers
+
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     session_id: str | None = None) -> None:
@@ -213,6 +217,8 @@ class Engine:
                 raise ValueError(str(future.exception()))
             req.grammar = self.grammar_compiler.matcher(future.result())
         self.scheduler.add_request(req)
+        if self.tiers is not None:
+            self.tiers.on_arrival(req)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -246,6 +252,8 @@ class Engine:
             self.step_cost.observe(out.num_tokens, time.perf_counter() - t0)
         self.scheduler.post_step(out)
         outputs = failed + [self._process(s.request, s.token_id, s.logprob) for s in sampled]
+        if self.tiers is not None:
+            self.tiers.end_step()
         self._maybe_check_idle()
         return outputs
 
@@ -315,6 +323,7 @@ class Engine:
             finished=finished,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
+            cached_tokens_by_tier=req.cached_tokens_by_tier,
             new_logprobs=lps[-num_new:] if (lps is not None and num_new) else ([] if lps is not None else None),
             prompt_logprobs=req.prompt_logprobs,   # complete once the prompt is computed
         )
@@ -326,6 +335,20 @@ class Engine:
             return False
         self.kv.flush()
         return True
+
+    def flush_storage_cache(self) -> int:
+        """Delete what this model wrote to the L3 storage tier; returns pages deleted."""
+        return self.tiers.flush_storage() if self.tiers is not None else 0
+
+    def close(self) -> None:
+        """Finish queued L3 writes and stop the storage worker (the engine stays usable
+        for L1/L2 only); with tensor parallelism, stop the worker ranks (the engine cannot step
+        after that)."""
+        if self.tiers is not None:
+            self.tiers.close()
+        close_runner = getattr(self.runner, "close", None)
+        if close_runner is not None:
+            close_runner()
 
     def check_pages(self) -> None:
         """Assert page accounting (free + cached + request-only == total)."""
@@ -357,4 +380,5 @@ class Engine:
             kv_bytes_per_token=self.kv_spec.bytes_per_token(),
             kv_capacity_tokens=self.kv_capacity_tokens,
             tensor_parallel_size=self.config.tensor_parallel_size,
+            tiers=self.tiers.snapshot_stats() if self.tiers is not None else None,
         )

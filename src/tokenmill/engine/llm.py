@@ -38,16 +38,6 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def close(self) -> None:
-        """Stop the engine's worker ranks (with ``tensor_parallel_size > 1``; harmless otherwise)."""
-        self.engine.close()
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, session_ids: Sequence[str | None] | None = None) -> list[RequestOutput]:
@@ -79,6 +69,17 @@ class LLM:
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
         token_lists = [self.encode_chat(c) for c in convs]  # type: ignore[arg-type]
         return self.generate(token_lists, params)
+
+    def close(self) -> None:
+        """Write out queued pages of the storage cache tier and stop its worker thread; stop the
+        worker ranks of ``tensor_parallel_size > 1``."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def encode_chat(self, conversation: Sequence[Message]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:

@@ -59,6 +59,8 @@ class Request:
     num_tree_pages: int = 0
     cache_node: Any = None            # locked radix node, or None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    cached_tokens_by_tier: dict[str, int] | None = None  # that hit split by tier (l1, l2, l3)
+    tier_state: Any = None            # lower-tier bookkeeping (engine.kv_tiers.TierState)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -105,6 +107,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def cache_key(self, num_elements: int) -> Sequence[Any]:
+        """A sequence whose first ``num_elements`` items are this request's prefix-cache key
+        (read in place, not copied): its own token ids.
+
+        A subclass may key each page by one element instead (the simulator's block ids), for a
+        cache of ``page_size`` 1 (see :mod:`tokenmill.engine.kv_manager`).
+        """
+        return self.all_token_ids
 
 
 class ListView(Sequence):
@@ -171,6 +182,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     stop_reason: str | int | None = None
+    cached_tokens_by_tier: dict[str, int] | None = None
     new_logprobs: list[TokenLogprob] | None = None   # logprobs of new_token_ids
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs only
 

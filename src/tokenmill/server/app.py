@@ -4,7 +4,8 @@ Routes (see docs/server.md):
     POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
     POST /v1/messages, POST /v1/messages/count_tokens (Anthropic Messages API),
     POST /v1/responses, GET /v1/responses/{id} (OpenAI Responses API),
-    GET /health, GET /metrics, GET /v1/loads, POST /flush_cache
+    GET /health, GET /metrics, GET /v1/loads, POST /flush_cache (L1 + L2),
+    POST /flush_cache/storage (this model's L3 pages)
 
 Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status
 (``{"type": "error", "error": {"type", "message"}}`` on the Anthropic routes); no client input
@@ -155,6 +156,20 @@ def build_app(state: ServerState) -> FastAPI:
         if not await state.engine.flush_cache():
             raise APIError(409, "the prefix cache was not flushed: requests are running", code="engine_busy")
         return JSONResponse({"flushed": True})
+
+    @app.post("/flush_cache/storage")
+    async def flush_storage_cache(request: Request) -> Response:
+        """Admin: delete the pages this model wrote to the L3 storage tier (shared by replicas)."""
+        check_auth(request)
+        if state.engine.stats().tiers is None:
+            raise APIError(409, "this server has no cache storage tier (--cache-storage none)",
+                           code="no_storage_tier")
+        try:
+            deleted = await state.engine.call(lambda e: e.flush_storage_cache())
+        except Exception as e:  # noqa: BLE001 - a storage failure is the backend's, not the server's
+            raise APIError(503, f"flushing the storage tier failed: {e}", type="server_error",
+                           code="storage_unavailable") from None
+        return JSONResponse({"flushed": True, "pages_deleted": deleted})
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> Response:

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = Engine(engine_config)
     except (ModelNotFoundError, ValueError) as e:
-        print(f"tokenmill serve: cannot load model {args.model!r}: {e}", file=sys.stderr)
+        print(f"tokenmill serve: cannot start with model {args.model!r}: {e}", file=sys.stderr)
         return 2
     except ReplicaFailedError as e:
         print(f"tokenmill serve: {e}", file=sys.stderr)

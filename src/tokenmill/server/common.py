@@ -380,10 +380,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          tiers: list[dict[str, int] | None] | None = None) -> dict[str, Any]:
+    """OpenAI usage; ``tiers`` (one split per prompt) adds the extension field
+    ``prompt_tokens_details.cached_tokens_by_tier`` = {"l1", "l2", "l3"}, summing to cached_tokens."""
+    details: dict[str, Any] = {"cached_tokens": cached_tokens}
+    if tiers:
+        split = {"l1": 0, "l2": 0, "l3": 0}
+        for t in tiers:
+            for k, v in (t or {}).items():
+                split[k] = split.get(k, 0) + v
+        details["cached_tokens_by_tier"] = split
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": details}
 
 
 def _lp(v: float) -> float:

@@ -127,6 +127,10 @@ class ServerMetrics:
             lines.append(f"{name}{_labels({**lab, 'status': str(code)})} {self.http_errors[code]}")
         for hist in (self.ttft, self.itl, self.e2e):
             lines.extend(hist.render(lab))
+        if stats.tiers is not None:
+            from tokenmill.server.tier_metrics import render_tier_metrics
+
+            lines.extend(render_tier_metrics(stats.tiers, stats.kv_pages_cached, stats.kv_pages_total, lab))
         return "\n".join(lines) + "\n"
 
 

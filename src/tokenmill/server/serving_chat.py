@@ -162,7 +162,7 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, request_id: s
     resp: dict[str, Any] = {
         "id": request_id, "object": "chat.completion", "created": int(time.time()),
         "model": req.model or state.config.model_name, "choices": choices,
-        "usage": usage(len(prompt), completion_tokens, cached),
+        "usage": usage(len(prompt), completion_tokens, cached, [finals[0].cached_tokens_by_tier] if finals else None),
     }
     if req.return_token_ids:
         resp["prompt_token_ids"] = list(prompt)
@@ -202,6 +202,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generatio
         tool_parser.stream() if tool_parser is not None else None for _ in range(n)]
     completion_tokens = [0] * n
     cached = [0] * n
+    tiers: list[dict[str, int] | None] = [None] * n
     reasons: list[str | None] = [None] * n
     sent_prompt_logprobs = False
 
@@ -223,6 +224,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generatio
         async for index, out in gen:
             completion_tokens[index] = len(out.token_ids)
             cached[index] = out.cached_tokens
+            tiers[index] = out.cached_tokens_by_tier
             logprobs = None
             if req.logprobs and out.logprobs is not None and out.new_token_ids:
                 start = len(out.token_ids) - len(out.new_token_ids)
@@ -254,7 +256,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generatio
         if include_usage:
             total = sum(completion_tokens)
             yield sse({"id": gen.request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [], "usage": usage(len(prompt), total, cached[0])})
+                       "choices": [], "usage": usage(len(prompt), total, cached[0], tiers[:1])})
         log_finished("chat-stream", gen.request_id, gen.session_id, len(prompt), cached[0], sum(completion_tokens),
                      gen.timers[0].arrival, reasons)
     except EngineStepError as e:

@@ -110,7 +110,8 @@ async def create_completion(state: ServerState, request: Request, body: dict[str
     return JSONResponse({
         "id": request_id, "object": "text_completion", "created": int(time.time()),
         "model": req.model or state.config.model_name, "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens, cached),
+        "usage": usage(prompt_tokens, completion_tokens, cached,
+                       [finals[k * req.n].cached_tokens_by_tier for k in range(len(prompts))]),
     })
 
 
@@ -121,6 +122,7 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, p
     num = len(gen.prompts)
     completion_tokens = [0] * num
     cached = [0] * num
+    tiers: list[dict[str, int] | None] = [None] * num
     offsets = [len(echo_texts[i // req.n]) for i in range(num)]
     reasons: list[str | None] = [None] * num
 
@@ -163,6 +165,7 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, p
                     yield first_chunk(index, out)
             completion_tokens[index] = len(out.token_ids)
             cached[index] = out.cached_tokens
+            tiers[index] = out.cached_tokens_by_tier
             logprobs = None
             if req.logprobs is not None and out.logprobs is not None and out.new_token_ids:
                 start = len(out.token_ids) - len(out.new_token_ids)
@@ -180,7 +183,8 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, p
             prompt_tokens = sum(len(p) for p in prompts)
             hits = sum(cached[k * req.n] for k in range(len(prompts)))
             yield sse({"id": gen.request_id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens), hits)})
+                       "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens), hits,
+                                                  [tiers[k * req.n] for k in range(len(prompts))])})
         log_finished("completion-stream", gen.request_id, gen.session_id, sum(len(p) for p in prompts),
                      sum(cached[k * req.n] for k in range(len(prompts))), sum(completion_tokens),
                      gen.timers[0].arrival, reasons)
