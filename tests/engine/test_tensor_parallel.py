@@ -191,6 +191,10 @@ def test_bad_settings_are_refused_at_startup(tiny_gqa: Path, smollm) -> None:
         LLM("smollm2-135m-instruct", loaded=smollm, kv_cache_tokens=256, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         LLM(str(tiny_gqa), kv_cache_tokens=256, tensor_parallel_size=0)
+    from tokenmill.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="cache tiers run with tensor_parallel_size=1 only"):
+        EngineConfig(model=str(tiny_gqa), tensor_parallel_size=2, host_cache_memory_gib=0.1)
     too_many = torch.cuda.device_count() + 1
     with pytest.raises(ValueError, match=f"needs {too_many} CUDA devices"):
         check_tensor_parallel_devices(too_many, "cuda")
