@@ -29,6 +29,7 @@ order from one device's matmul, so logits agree with ``tp=1`` to float rounding,
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import re
 import time
@@ -189,9 +190,10 @@ class _TensorParallelLM(CausalLM):
             return None
         return torch.cat(parts, dim=-1)[:, : self.full_vocab]
 
+    @abc.abstractmethod
     def _layer(self, layer: nn.Module, h: torch.Tensor, cs: CosSin, kv_cache: Any,
                ctx: ForwardContext) -> torch.Tensor:
-        raise TypeError(f"{type(self).__name__} must define _layer")
+        """One decoder layer over this rank's shard, with its two all-reduces."""
 
     @torch.no_grad()
     def forward(self, ctx: ForwardContext) -> torch.Tensor | None:  # type: ignore[override]
