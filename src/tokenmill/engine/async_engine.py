@@ -15,7 +15,11 @@ Contract:
 * Leaving a stream before it finished (``aclose()``, or the consuming task being cancelled while
   it iterates :meth:`AsyncEngine.generate`) aborts the request, which frees its pages.
 * An exception raised by ``Engine.step()`` fails the requests that were in flight with an
-  :class:`EngineStepError` and the loop keeps serving new requests.
+  :class:`EngineStepError` and the loop keeps serving new requests, except a
+  :class:`~tokenmill.contracts.errors.ReplicaFailedError` (a tensor-parallel rank died): then the
+  in-flight requests fail, the loop stops (new requests get :class:`EngineStoppedError`),
+  :attr:`AsyncEngine.fatal_error` holds the error and ``on_fatal`` is called with it, from the
+  engine thread (the server uses it to shut down and exit non-zero).
 * :meth:`AsyncEngine.stats` returns a snapshot refreshed by the engine thread after every step
   and every batch of commands, so reading it never waits for a step.
 """
@@ -30,6 +34,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from tokenmill.contracts.errors import ReplicaFailedError
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine import Engine, EngineStats
@@ -143,8 +149,11 @@ class RequestStream:
 class AsyncEngine:
     """Runs an :class:`Engine` on a background thread; see the module docstring for the contract."""
 
-    def __init__(self, engine: Engine, *, name: str = "tokenmill-engine") -> None:
+    def __init__(self, engine: Engine, *, name: str = "tokenmill-engine",
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self.on_fatal = on_fatal
+        self.fatal_error: BaseException | None = None
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -307,6 +316,14 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except ReplicaFailedError as e:  # the replica is gone: fail everything and stop the loop
+            logger.critical("%s; failing %d in-flight request(s) and stopping the engine", e, len(self._streams))
+            self.fatal_error = e
+            self._stopping.set()
+            self._abort_all(EngineStepError(f"engine step failed: {e}"))
+            if self.on_fatal is not None:
+                self.on_fatal(e)
+            return
         except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep the loop
             logger.exception("engine step failed; failing %d in-flight request(s)", len(self._streams))
             self._abort_all(EngineStepError(f"engine step failed: {e}"))

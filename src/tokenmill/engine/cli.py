@@ -37,6 +37,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-slowdown", type=float, default=d.decode_slowdown,
                    help="while decodes run, prefill chunks get only the tokens that keep a step within "
                         "this many times the decodes-only step time (learned online); 0 turns it off")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                   help="worker ranks sharing the model (torch.distributed: gloo on cpu, NCCL on cuda)")
+    g.add_argument("--tp-pin-cores", action="store_true",
+                   help="CPU tensor parallelism: pin each rank to one core")
     g.add_argument("--device", default=d.device, help="torch device of the model runner (default: cpu)")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="KV pool storage: auto (the model's dtype), fp8_e4m3 (float8_e4m3fn + fp32 scales per "
@@ -144,20 +148,21 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm import LLM
     from tokenmill.contracts.sampling import SamplingParams
     from tokenmill.contracts.errors import ModelLoadError
+    from tokenmill.contracts.errors import ReplicaFailedError
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                 seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
         config = engine_config_from_args(args)
-        llm = LLM(loaded=None, **{f.name: getattr(config, f.name) for f in fields(EngineConfig)})
-        if args.chat:
-            messages = ([{"role": "system", "content": args.system}] if args.system else [])
-            messages.append({"role": "user", "content": args.prompt})
-            out = llm.chat(messages, params)[0]
-        else:
-            out = llm.generate([args.prompt], params)[0]
-    except (ValueError, ModelLoadError) as e:
+        with LLM(loaded=None, **{f.name: getattr(config, f.name) for f in fields(EngineConfig)}) as llm:
+            if args.chat:
+                messages = ([{"role": "system", "content": args.system}] if args.system else [])
+                messages.append({"role": "user", "content": args.prompt})
+                out = llm.chat(messages, params)[0]
+            else:
+                out = llm.generate([args.prompt], params)[0]
+    except (ValueError, ModelLoadError, ReplicaFailedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(out.text)

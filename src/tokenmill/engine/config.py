@@ -77,6 +77,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     suffix_max_depth: int = 16           # suffix: longest indexed pattern + continuation
     suffix_cache_tokens: int = 20_000    # suffix: output tokens kept in the global index
     suffix_min_prob: float = 0.1         # suffix: stop a draft when its estimated probability drops below
+    tensor_parallel_size: int = 1    # worker ranks, each holding a shard of weights and KV (1: in process)
+    tp_pin_cores: bool = False       # CPU tensor parallelism: pin rank r to one core (r mod cores)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -151,6 +153,15 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"cache_prefetch_min_pages must be >= 1, got {self.cache_prefetch_min_pages}")
         if not self.enable_prefix_cache and (self.host_cache_memory_gib > 0 or self.cache_storage not in ("", "none")):
             raise ValueError("the host and storage cache tiers need the prefix cache (drop --no-prefix-cache)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and (self.host_cache_memory_gib > 0
+                                              or self.cache_storage not in ("", "none")):
+            raise ValueError("the host and storage cache tiers run with tensor_parallel_size=1 only (their page "
+                             "moves would have to reach every rank's KV shard)")
+        if self.tensor_parallel_size > 1 and self.speculative_method is not None:
+            raise ValueError("speculative decoding runs with tensor_parallel_size=1 only for now (the ranks do not "
+                             "verify drafts or capture hidden states)")
         if not self.device or not (self.device == "cpu" or self.device.startswith(("cuda", "mps", "xpu"))):
             raise ValueError(f"device must be cpu or a torch accelerator such as cuda or cuda:1, got {self.device!r}")
 

@@ -28,7 +28,9 @@ from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens, resol
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.model_runner import ModelRunner, SampledTokens
+from tokenmill.engine.parallel import ParallelRunner, WorkerSpec, check_tensor_parallel_devices, new_init_method
 from tokenmill.engine.request import ListView, Request, RequestOutput, RequestStatus
+from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_cost import StepCost
@@ -56,8 +58,10 @@ class EngineStats:
     spec: SpecStats | None = None     # speculative decoding counters (None: off)
     kv_cache_dtype: str = ""         # storage dtype of the pool (float32, bfloat16, float8_e4m3fn, ...)
     kv_bytes_per_token: int = 0      # KVCacheSpec.bytes_per_token(), fp8 scales included
-    kv_capacity_tokens: int = 0      # pages x page size
+    kv_capacity_tokens: int = 0      # pages x page size (per rank with tensor parallelism: each rank
+                                     # holds its KV heads' share of every token)
     tiers: Any = None               # cache.tiers.TierStats when lower tiers are configured
+    tensor_parallel_size: int = 1
 
     @property
     def cache_hit_rate(self) -> float:
@@ -77,10 +81,21 @@ class Engine:
         self.scheduler = Scheduler(self.kv, max_batch_tokens=config.max_batch_tokens,
                                    max_running_requests=config.max_running_requests,
                                    step_cost=self.step_cost)
-        self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
-                                  self.vocab_size, device=self.device, kv_spec=self.kv_spec,
-                                  attention_backend=config.attention_backend)
-        self._init_tiers()
+        self.runner: ModelRunner | ParallelRunner
+        if config.tensor_parallel_size > 1:
+            self.runner = ParallelRunner(WorkerSpec(
+                model=str(self.loaded.source) if loaded is not None else config.model, dtype=config.dtype,
+                tp=config.tensor_parallel_size, num_pages=self.kv.num_pages, page_size=config.page_size,
+                device=self.device.type, kv_dtype=self.kv_spec.dtype, attention_backend=config.attention_backend,
+                num_threads=config.num_threads, pin_cores=config.tp_pin_cores, init_method=new_init_method()),
+                self.loaded.model)
+            self.tiers = None                # refused with tensor parallelism by EngineConfig
+            self.kv.tiers = None
+        else:
+            self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
+                                      self.vocab_size, device=self.device, kv_spec=self.kv_spec,
+                                      attention_backend=config.attention_backend)
+            self._init_tiers()
         self.generation_tokens_total = 0
         self._arrivals = 0
         self._grammar_compiler: GrammarCompiler | None = None
@@ -121,9 +136,19 @@ class Engine:
                              f"{loaded.max_model_len}")
         self.max_model_len = limit or loaded.max_model_len
 
+    def _rank_kv_spec(self) -> KVCacheSpec:
+        """What one rank stores per token: the whole model's spec, or one tensor-parallel shard's."""
+        model, tp = self.loaded.model, self.config.tensor_parallel_size
+        if tp == 1:
+            return model.kv_cache_spec()
+        from tokenmill.models.tensor_parallel import rank_kv_cache_spec
+
+        check_tensor_parallel_devices(tp, self.config.device)
+        return rank_kv_cache_spec(model, tp)
+
     def _init_kv(self) -> None:
         cfg = self.config
-        spec = self.loaded.model.kv_cache_spec()
+        spec = self._rank_kv_spec()
         spec = spec.with_dtype(resolve_kv_dtype(cfg.kv_cache_dtype, spec.dtype))
         self.kv_spec = spec
         bytes_per_token = spec.bytes_per_token()
@@ -155,8 +180,9 @@ class Engine:
         self.kv = KVManager(pool, cfg.page_size, cache)
         self.kv_capacity_tokens = num_pages * ps
         fp32 = spec.with_dtype("float32").bytes_per_token()
-        log.info("KV cache: %s, %d B/token (%.2fx the tokens of fp32 at equal memory), %d pages of %d tokens "
-                 "= %d tokens (%.4f GiB)", spec.dtype, bytes_per_token, fp32 / bytes_per_token, num_pages, ps,
+        tp = cfg.tensor_parallel_size
+        log.info("KV cache%s: %s, %d B/token (%.2fx the tokens of fp32 at equal memory), %d pages of %d tokens "
+                 "= %d tokens (%.4f GiB)", f" per rank (tp={tp})" if tp > 1 else "", spec.dtype, bytes_per_token, fp32 / bytes_per_token, num_pages, ps,
                  self.kv_capacity_tokens, self.kv_capacity_tokens * bytes_per_token / 2**30)
 
     def _init_tiers(self) -> None:
@@ -368,9 +394,13 @@ class Engine:
 
     def close(self) -> None:
         """Finish queued L3 writes and stop the storage worker (the engine stays usable
-        for L1/L2 only)."""
+        for L1/L2 only); with tensor parallelism, stop the worker ranks (the engine cannot step
+        after that)."""
         if self.tiers is not None:
             self.tiers.close()
+        close_runner = getattr(self.runner, "close", None)
+        if close_runner is not None:
+            close_runner()
 
     def check_pages(self) -> None:
         """Assert page accounting (free + cached + request-only == total)."""
@@ -402,5 +432,6 @@ class Engine:
             kv_cache_dtype=self.kv_spec.dtype,
             kv_bytes_per_token=self.kv_spec.bytes_per_token(),
             kv_capacity_tokens=self.kv_capacity_tokens,
+            tensor_parallel_size=self.config.tensor_parallel_size,
             tiers=self.tiers.snapshot_stats() if self.tiers is not None else None,
         )

@@ -28,7 +28,8 @@ class LLM:
     """A synchronous engine that generates for a list of prompts at once (continuous batching).
 
     ``engine_kwargs`` are :class:`~tokenmill.engine.config.EngineConfig` fields; ``loaded``
-    reuses an already loaded model.
+    reuses an already loaded model. With ``tensor_parallel_size=N`` the model runs on N worker
+    processes; call :meth:`close` (or use the LLM as a context manager) to stop them.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, loaded: LoadedModel | None = None,
@@ -70,7 +71,8 @@ class LLM:
         return self.generate(token_lists, params)
 
     def close(self) -> None:
-        """Write out queued pages of the storage cache tier and stop its worker thread."""
+        """Write out queued pages of the storage cache tier and stop its worker thread; stop the
+        worker ranks of ``tensor_parallel_size > 1``."""
         self.engine.close()
 
     def __enter__(self) -> LLM:

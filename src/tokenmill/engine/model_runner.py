@@ -167,6 +167,8 @@ class ModelRunner:
         ctx = self.forward(batch, self.capture_layers)
         logits = ctx.logits
         q_start = batch.query_start_loc.tolist() if ctx.captured else []
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
+            return StepResult([], ctx.captured, q_start)
         n_rows = sum(1 + s.num_draft for s in out.scheduled if s.samples)   # sampling rows first
         if self.prompt_rows:
             record_prompt_logprobs(logits[n_rows:], self.prompt_rows)

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.engine import Engine
+    from tokenmill.contracts.errors import ReplicaFailedError
     from tokenmill.loader.resolve import ModelNotFoundError
     from tokenmill.server.app import build_app
     from tokenmill.server.common import ServerConfig, ServerState
@@ -78,7 +79,19 @@ def run(args: argparse.Namespace) -> int:
     except (ModelNotFoundError, ValueError) as e:
         print(f"tokenmill serve: cannot start with model {args.model!r}: {e}", file=sys.stderr)
         return 2
-    async_engine = AsyncEngine(engine)
+    except ReplicaFailedError as e:
+        print(f"tokenmill serve: {e}", file=sys.stderr)
+        return 1
+    server: _Server | None = None
+
+    def on_fatal(exc: BaseException) -> None:  # engine thread: stop the HTTP server, exit non-zero
+        if server is not None:
+            server.should_exit = True
+            timer = threading.Timer(5.0, lambda: setattr(server, "force_exit", True))
+            timer.daemon = True
+            timer.start()
+
+    async_engine = AsyncEngine(engine, on_fatal=on_fatal)
     state = ServerState.create(async_engine, server_config, prefix_cache_enabled=engine_config.enable_prefix_cache)
     logger.info("serving %s as %s on http://%s:%d (max_model_len=%d)", args.model,
                 ", ".join(server_config.served_model_names), args.host, args.port, state.max_model_len)
@@ -90,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
         server.run()
     finally:
         async_engine.shutdown()
+    if async_engine.fatal_error is not None:
+        print(f"tokenmill serve: the model replica failed, shutting down: {async_engine.fatal_error}",
+              file=sys.stderr)
+        return 1
     if not server.started:
         print(f"tokenmill serve: could not start the HTTP server on {args.host}:{args.port}", file=sys.stderr)
         return 1

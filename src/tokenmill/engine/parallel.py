@@ -1,0 +1,414 @@
+"""Tensor parallelism: one scheduler process drives ``tp`` worker ranks (torch.distributed).
+
+The engine process keeps the scheduler, the KV manager and the prefix cache (all torch-free) and
+talks to the ranks through :class:`ParallelRunner`, which has the :class:`ModelRunner` interface.
+Each worker rank is a process started with ``torch.multiprocessing`` (spawn). It joins a gloo
+(CPU) or NCCL (CUDA) process group, loads the checkpoint, keeps only its shard
+(:mod:`tokenmill.models.tensor_parallel`) and allocates its share of the KV pool: the same number
+of pages as the scheduler's page pool, so page ids mean the same on every rank.
+
+Per step the scheduler pickles one small step description and sends the same bytes to every
+rank over its pipe: for each scheduled request its id, first position, token count, whether it
+samples, the token ids the ranks have not seen yet (the whole prompt on first sight, then one
+token per decode), its page table, (first sight only) its sampling parameters, for a constrained
+request the next-token bitmask its grammar allows (grammars advance in the scheduler process), and
+for prompt logprobs how many it already holds; plus the ids of requests that have left. Every rank mirrors the requests (the same :class:`Request` objects
+the single-process runner reads), builds the same batch and runs its shard; the all-reduces
+inside the model keep the ranks in lockstep. Only rank 0 gets logits (vocabulary-parallel LM
+head gathered to it), samples, and sends back ``(token, logprob)`` per sampling request, so
+seeded sampling is the one-process code path with one random stream per request; prompt logprobs
+computed by rank 0 come back with the tokens.
+
+Failure: the scheduler waits for rank 0's answer *and* every rank's process sentinel. A rank that
+dies (or reports an exception) makes :meth:`ParallelRunner.execute` raise
+:class:`ReplicaFailedError` at once; the runner then terminates the other ranks (kill after a
+short grace), so nothing waits on a collective that can never complete. A rank that fails to
+start is reported the same way at construction, with the rank's own error message.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import tempfile
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from tokenmill.contracts.errors import ReplicaFailedError
+from tokenmill.engine.model_runner import SampledTokens, StepResult
+from tokenmill.engine.request import Request
+from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 300.0      # loading a checkpoint on a crowded machine can be slow
+STOP_GRACE_S = 3.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker rank needs to build its shard (picklable)."""
+
+    model: str                 # name or path (for logs; the weights come from the scheduler process)
+    dtype: str
+    tp: int
+    num_pages: int
+    page_size: int
+    device: str                # "cpu" or "cuda" (rank r uses cuda:r)
+    kv_dtype: str              # storage dtype of the KV pool
+    attention_backend: str
+    num_threads: int | None
+    pin_cores: bool            # CPU: pin rank r to core r % cpu_count
+    init_method: str
+    seed: int | None = None
+
+
+def check_tensor_parallel_devices(tp: int, device: str) -> None:
+    """Raise ValueError when ``tp`` ranks cannot each get a device of type ``device``."""
+    import torch
+
+    if device.startswith("cuda"):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if tp > n:
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} CUDA devices, {n} visible")
+        if device not in ("cuda", "cuda:0"):
+            raise ValueError(f"with tensor_parallel_size > 1 give device 'cuda' (rank r uses cuda:r), "
+                             f"not {device!r}")
+    elif device != "cpu":
+        raise ValueError(f"tensor parallelism runs on cpu (gloo) or cuda (NCCL), not {device!r}")
+
+
+# ------------------------------------------------------------------------------------- scheduler side
+class ParallelRunner:
+    """The scheduler process's handle on ``tp`` worker ranks (same ``execute`` as ModelRunner)."""
+
+    def __init__(self, spec: WorkerSpec, model: Any, *, start_timeout_s: float = START_TIMEOUT_S) -> None:
+        import torch.multiprocessing as mp
+
+        from tokenmill.models.tensor_parallel import shard_weights
+
+        self.spec = spec
+        self.tp = spec.tp
+        self.vocab_size = int(model.args.vocab_size)
+        ctx = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        self._sent: dict[str, tuple[Request, int]] = {}   # request id -> (request, tokens the ranks hold)
+        self._closed = False
+        self.rank_info: list[dict[str, Any]] = []
+        for rank in range(spec.tp):
+            parent, child = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=_worker_main, args=(rank, spec, child), name=f"tokenmill-tp{rank}", daemon=True)
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+        self._finalizer = weakref.finalize(self, _stop_workers, self._conns, self._procs)
+        try:
+            # the sharded load: slice the HF-named weights here, hand each rank its part through
+            # shared memory (torch.multiprocessing), so no rank reads or holds the whole checkpoint
+            shards = []
+            for rank in range(spec.tp):
+                kind, full_args, part = shard_weights(model, rank, spec.tp)
+                part = {k: v.contiguous().share_memory_() for k, v in part.items()}
+                shards.append(part)
+                try:
+                    self._conns[rank].send(("weights", kind, full_args, part))
+                except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                    self._fail(f"tensor-parallel rank failed to start: {self._dead_ranks_message() or 'pipe closed'}")
+            for rank in range(spec.tp):
+                msg = self._recv(rank, start_timeout_s, what="start")
+                if msg[0] != "ready":
+                    raise ReplicaFailedError(f"tensor-parallel rank {rank} failed to start: {msg[1]}")
+                self.rank_info.append(msg[1])
+            del shards
+        except BaseException:
+            self.close()
+            raise
+        log.info("tensor parallel: %d ranks ready (%s), KV per rank: %d pages x %d tokens, %d B/token",
+                 spec.tp, "gloo" if spec.device == "cpu" else "nccl", spec.num_pages, spec.page_size,
+                 self.rank_info[0]["kv_bytes_per_token"])
+
+    # ---- the ModelRunner interface -------------------------------------------------------------
+    def make_generator(self, seed: int | None) -> None:
+        """Seeded streams live on rank 0 (made when it first sees the request)."""
+        return None
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        if self._closed:
+            raise ReplicaFailedError("the tensor-parallel replica has shut down")
+        desc, samplers = self._describe(out)
+        payload = pickle.dumps(("step", desc), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            self._fail(self._dead_ranks_message() or "a rank's pipe broke while sending the step")
+        msg = self._recv(0, None, what="step")
+        if msg[0] != "ok":
+            self._fail(f"rank 0: {msg[1]}")
+        results, prompt_lps = msg[1], msg[2]
+        if len(results) != len(samplers):
+            self._fail(f"rank 0 returned {len(results)} tokens for {len(samplers)} sampling requests")
+        for s in out.scheduled:
+            new = prompt_lps.get(s.request.request_id)
+            if new and s.request.prompt_logprobs is not None:
+                s.request.prompt_logprobs.extend(new)
+        return StepResult([SampledTokens(req, [tok], [lp] if lp is not None else None)
+                           for req, (tok, lp) in zip(samplers, results)], {}, [])
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each rank's counters: all-reduce seconds, collective bytes, steps."""
+        for conn in self._conns:
+            conn.send_bytes(pickle.dumps(("stats", None)))
+        return [self._recv(r, 60.0, what="stats")[1] for r in range(self.tp)]
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _describe(self, out: SchedulerOutput) -> tuple[dict[str, Any], list[Request]]:
+        drops = [rid for rid, (req, _) in self._sent.items() if req.is_finished]
+        for rid in drops:
+            del self._sent[rid]
+        items = []
+        samplers: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            end = s.start + s.num_tokens
+            known = self._sent.get(req.request_id)
+            if known is not None and known[0] is not req:  # an id reused after the old request left
+                drops.append(req.request_id)
+                known = None
+            if known is None:
+                new = (req.prompt_token_ids, req.params)
+                have = 0
+            else:
+                new, have = None, known[1]
+            delta = req.all_token_ids[have:end] if end > have else []
+            self._sent[req.request_id] = (req, max(have, end))
+            # a constrained request's allowed tokens: its grammar lives here, rank 0 applies the mask
+            mask = self._grammar_mask(req) if s.samples and req.grammar is not None else None
+            plp = len(req.prompt_logprobs) if req.prompt_logprobs is not None else None
+            items.append((req.request_id, s.start, s.num_tokens, s.samples, delta, req.page_table, new, mask, plp))
+            if s.samples:
+                samplers.append(req)
+        return {"drop": drops, "items": items}, samplers
+
+    def _grammar_mask(self, req: Request) -> Any:
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        req.grammar.fill_mask(bitmask, 0)
+        return bitmask[0]
+
+    def _recv(self, rank: int, timeout: float | None, *, what: str) -> tuple[Any, ...]:
+        """Rank ``rank``'s next message; raise ReplicaFailedError as soon as any rank dies."""
+        conn = self._conns[rank]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait([conn, *sentinels], timeout=left)
+            if conn in ready:
+                try:
+                    return pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    pass  # the rank is gone; its sentinel tells which
+            dead = self._dead_ranks_message()
+            if dead:
+                self._fail(dead if what != "start" else f"tensor-parallel rank failed to start: {dead}")
+            if deadline is not None and time.monotonic() >= deadline:
+                self._fail(f"tensor-parallel rank {rank} did not answer ({what}) within {timeout:.0f} s")
+
+    def _dead_ranks_message(self) -> str:
+        dead = []
+        for r, p in enumerate(self._procs):
+            p.join(timeout=0)
+            if p.exitcode is not None:
+                dead.append(f"rank {r} exited with code {p.exitcode}")
+        # a dead rank usually makes the others fail in their collective: report the first death
+        return "; ".join(dead)
+
+    def _fail(self, why: str) -> None:
+        log.error("tensor-parallel replica failed: %s; stopping all %d ranks", why, self.tp)
+        self.close()
+        raise ReplicaFailedError(f"tensor-parallel replica failed: {why}")
+
+
+def _stop_workers(conns: list[Connection], procs: list[Any]) -> None:
+    """Ask every rank to exit, then terminate, then kill whatever is left (never blocks long)."""
+    for conn in conns:
+        try:
+            conn.send_bytes(pickle.dumps(("shutdown", None)))
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            pass
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=STOP_GRACE_S)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=STOP_GRACE_S)
+    for conn in conns:
+        conn.close()
+
+
+def new_init_method() -> str:
+    """A file:// rendezvous for one replica's process group (the file is removed by the ranks)."""
+    fd, path = tempfile.mkstemp(prefix="tokenmill-tp-")
+    os.close(fd)
+    os.unlink(path)
+    return f"file://{path}"
+
+
+# ----------------------------------------------------------------------------------------- worker side
+def _worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
+    try:
+        runner, mirror = _worker_setup(rank, spec, conn)
+    except BaseException as e:  # noqa: BLE001 - reported to the scheduler, then exit non-zero
+        _send(conn, ("error", f"{type(e).__name__}: {e}"))
+        logging.getLogger(__name__).error("rank %d failed to start:\n%s", rank, traceback.format_exc())
+        os._exit(1)
+    import torch
+    import torch.distributed as dist
+
+    _send(conn, ("ready", {"rank": rank, "kv_bytes_per_token": runner.kv_spec.bytes_per_token(),
+                           "num_heads": runner.model.args.num_heads,
+                           "num_kv_heads": getattr(runner.model.args, "num_kv_heads", None)}))
+    steps = 0
+    try:
+        while True:
+            try:
+                kind, body = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):  # the scheduler is gone
+                break
+            if kind == "shutdown":
+                break
+            if kind == "stats":
+                m = runner.model
+                _send(conn, ("stats", {"rank": rank, "steps": steps, "allreduce_s": m.allreduce_s,
+                                       "comm_bytes": m.comm_bytes}))
+                continue
+            out = mirror.apply(body)
+            with torch.inference_mode():
+                sampled = runner.execute(out)
+            steps += 1
+            if rank == 0:
+                _send(conn, ("ok", [(s.token_ids[0], s.logprobs[0] if s.logprobs else None) for s in sampled.sampled],
+                                 mirror.new_prompt_logprobs()))
+    except BaseException as e:  # noqa: BLE001
+        logging.getLogger(__name__).error("rank %d failed:\n%s", rank, traceback.format_exc())
+        _send(conn, ("error", f"rank {rank}: {type(e).__name__}: {e}"))
+        os._exit(1)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the group may already be broken at shutdown
+        pass
+    os._exit(0)
+
+
+def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
+    try:
+        conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+        pass
+
+
+def _worker_setup(rank: int, spec: WorkerSpec, conn: Connection) -> tuple[Any, _Mirror]:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from tokenmill.engine.model_runner import ModelRunner
+    from tokenmill.models.tensor_parallel import build_shard
+
+    if spec.device == "cpu":
+        if spec.pin_cores and hasattr(os, "sched_setaffinity"):
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[rank % len(cores)]})
+        threads = spec.num_threads or max(1, (os.cpu_count() or 1) // spec.tp)
+        torch.set_num_threads(threads)
+        device = torch.device("cpu")
+        backend = "gloo"
+    else:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=spec.init_method, rank=rank, world_size=spec.tp,
+                            timeout=datetime.timedelta(seconds=120))
+    dtype = getattr(torch, spec.dtype)
+    what, kind, full_args, weights = conn.recv()
+    if what != "weights":
+        raise RuntimeError(f"expected this rank's weights first, got {what!r}")
+    shard = build_shard(kind, full_args, rank, spec.tp, dtype, weights)
+    del weights
+    kv_spec = shard.kv_cache_spec().with_dtype(spec.kv_dtype)
+    runner = ModelRunner(shard, spec.num_pages, spec.page_size, shard.full_args.vocab_size, device=device,
+                         seed=spec.seed, kv_spec=kv_spec, attention_backend=spec.attention_backend)
+    return runner, _Mirror(runner)
+
+
+class _Mirror:
+    """A rank's copy of the requests it has seen: the fields the model runner reads."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.requests: dict[str, Request] = {}
+        self._plp_before: dict[str, int] = {}
+
+    def new_prompt_logprobs(self) -> dict[str, list[Any]]:
+        """Prompt logprobs recorded by the last step (rank 0), per request id."""
+        out = {}
+        for rid, n in self._plp_before.items():
+            lps = self.requests[rid].prompt_logprobs
+            if lps is not None and len(lps) > n:
+                out[rid] = lps[n:]
+        return out
+
+    def apply(self, desc: dict[str, Any]) -> SchedulerOutput:
+        for rid in desc["drop"]:
+            self.requests.pop(rid, None)
+        scheduled = []
+        self._plp_before = {}
+        for rid, start, n, samples, delta, page_table, new, mask, plp in desc["items"]:
+            if new is not None:
+                prompt, params = new
+                req = Request(rid, list(prompt), params)
+                req.all_token_ids = []
+                req.generator = self.runner.make_generator(params.seed)
+                self.requests[rid] = req
+            req = self.requests[rid]
+            req.all_token_ids.extend(delta)
+            req.page_table = page_table
+            req.grammar = _ShippedMask(mask) if mask is not None else None
+            if plp is not None:
+                # the scheduler's count decides which prompt rows this step computes, on every
+                # rank alike (ranks other than 0 keep placeholders: only rank 0 has logits)
+                lps = req.prompt_logprobs if req.prompt_logprobs is not None else []
+                req.prompt_logprobs = (lps + [None] * plp)[:plp]
+                self._plp_before[rid] = plp
+            scheduled.append(ScheduledRequest(req, start, n, samples))
+        return SchedulerOutput(scheduled=scheduled)
+
+
+class _ShippedMask:
+    """The next-token bitmask of a constrained request, filled by its grammar in the scheduler
+    process (where the grammar advances); rank 0 applies it like a local grammar's."""
+
+    def __init__(self, row: Any) -> None:
+        self.row = row
+
+    def fill_mask(self, bitmask: Any, row: int) -> None:
+        bitmask[row] = self.row

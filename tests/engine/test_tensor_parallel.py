@@ -1,0 +1,272 @@
+"""Tensor parallelism (gloo on CPU): N worker ranks give the tokens and logprobs of one process.
+
+Each engine with ``tensor_parallel_size > 1`` starts real worker processes; they are built once per
+module (fixtures) and always closed, so no rank outlives the tests.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.contracts.errors import ReplicaFailedError
+from tokenmill.loader import load_model
+from tokenmill.loader.tiny import build_tiny_checkpoint
+from tokenmill.models.tensor_parallel import check_tensor_parallel, shard_args
+
+# a mixed batch: a long prompt (prefilled in chunks of max_batch_tokens), short ones that decode
+# while it prefills, and one that shares its first 40 tokens with the long one
+LONG = [(7 * i + 3) % 5000 + 10 for i in range(90)]
+PROMPTS = [LONG, [5, 6, 7, 8, 9], [300, 301] * 6, LONG[:40] + [11, 12, 13]]
+# decode_slowdown off: the step plan must not depend on measured step times
+KW = dict(kv_cache_tokens=1024, page_size=16, max_batch_tokens=32, num_threads=1, decode_slowdown=None)
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=20)
+
+
+def _run(llm: LLM, prompts=PROMPTS, params=GREEDY):
+    return llm.generate(prompts, params)
+
+
+def _assert_same(ref, got, tol: float = 1e-5) -> None:
+    for r, g in zip(ref, got):
+        assert list(g.token_ids) == list(r.token_ids)
+        for lr, lg in zip(r.logprobs, g.logprobs):
+            assert lg.token_id == lr.token_id
+            assert abs(lg.logprob - lr.logprob) <= tol
+            top_r = dict(lr.top_logprobs)
+            top_g = dict(lg.top_logprobs)
+            shared = top_r.keys() & top_g.keys()
+            assert len(shared) >= 18   # ties at the edge of the top 20 may swap
+            for t in shared:
+                assert abs(top_r[t] - top_g[t]) <= tol, (t, top_r[t], top_g[t])
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 query / 2 KV heads: at N=2 each rank holds 2 query heads and 1 KV head."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tp-gqa"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_mqa(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 query heads / 1 KV head, vocab not divisible by 3: at N=3 the KV head is replicated and
+    the last vocabulary slice is padded."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tp-mqa"), seed=2, hidden_size=96,
+                                 intermediate_size=192, num_attention_heads=6, num_key_value_heads=1,
+                                 vocab_size=49153)
+
+
+@pytest.fixture(scope="module")
+def gqa_pair(tiny_gqa: Path) -> Iterator[tuple[LLM, LLM]]:
+    loaded = load_model(str(tiny_gqa))
+    one = LLM(str(tiny_gqa), loaded=loaded, **KW)
+    with LLM(str(tiny_gqa), loaded=loaded, tensor_parallel_size=2, **KW) as two:
+        yield one, two
+
+
+def test_tp2_greedy_and_logprobs_match_one_rank(gqa_pair) -> None:
+    one, two = gqa_pair
+    ref = _run(one)
+    got = _run(two)
+    _assert_same(ref, got)
+    assert two.engine.scheduler.num_preemptions == one.engine.scheduler.num_preemptions
+
+
+def test_tp2_prefix_cache_hit_on_turn_two(gqa_pair) -> None:
+    one, two = gqa_pair
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    convo = LONG[:70]
+    first = two.generate([convo], params)[0]
+    turn2 = convo + list(first.token_ids) + [42, 43, 44]
+    second = two.generate([turn2], params)[0]
+    assert second.cached_tokens >= 64          # whole pages of turn 1 came from the cache
+    ref = one.generate([turn2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert list(second.token_ids) == list(ref.token_ids)
+
+
+def test_tp2_seeded_sampling_matches_one_rank(gqa_pair) -> None:
+    one, two = gqa_pair
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True,
+                             repetition_penalty=1.2) for s in (1, 2, 3, 4)]
+    ref = one.generate(PROMPTS, params)
+    got = two.generate(PROMPTS, params)
+    assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in ref]
+
+
+def test_tp2_structured_output_and_prompt_logprobs(gqa_pair) -> None:
+    """Grammar masks (grammars advance in the scheduler process) and prompt logprobs (computed by
+    rank 0, chunked by max_batch_tokens) give what one process gives."""
+    import json
+    import re
+
+    from tokenmill.contracts.sampling import StructuredOutputs
+
+    one, two = gqa_pair
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured=StructuredOutputs.json(schema))
+              for i in range(2)] + [SamplingParams(max_tokens=20, temperature=0,
+                                                   structured=StructuredOutputs("regex", r"[a-z]{2,5}-[0-9]{3}"))]
+    prompts = PROMPTS[1:]
+    ref = one.generate(prompts, params)
+    got = two.generate(prompts, params)
+    assert [o.text for o in got] == [o.text for o in ref]
+    for o in got[:2]:
+        assert set(json.loads(o.text)) == {"n"}
+    assert re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", got[2].text)
+
+    plp = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    ref = one.generate(PROMPTS[:2], plp)
+    got = two.generate(PROMPTS[:2], plp)
+    for r, g, ids in zip(ref, got, PROMPTS[:2]):
+        assert g.prompt_logprobs is not None and len(g.prompt_logprobs) == len(ids) and g.prompt_logprobs[0] is None
+        for er, eg in zip(r.prompt_logprobs[1:], g.prompt_logprobs[1:]):
+            assert eg.token_id == er.token_id and abs(eg.logprob - er.logprob) <= 1e-5
+            assert [t.token_id for t in eg.top_logprobs] == [t.token_id for t in er.top_logprobs]
+
+
+def test_tp2_preemption_matches_one_rank(tiny_gqa: Path) -> None:
+    """A pool too small for the batch: requests are preempted and recomputed, tokens unchanged."""
+    loaded = load_model(str(tiny_gqa))
+    kw = dict(KW, kv_cache_tokens=160)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompts = [[i + 20] * 40 for i in range(4)]
+    one = LLM(str(tiny_gqa), loaded=loaded, **kw)
+    ref = one.generate(prompts, params)
+    assert one.engine.num_preemptions > 0
+    with LLM(str(tiny_gqa), loaded=loaded, tensor_parallel_size=2, **kw) as two:
+        got = two.generate(prompts, params)
+        assert two.engine.num_preemptions > 0
+    assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in ref]
+
+
+def test_tp3_replicated_kv_head_and_padded_vocab(tiny_mqa: Path) -> None:
+    loaded = load_model(str(tiny_mqa))
+    ref = _run(LLM(str(tiny_mqa), loaded=loaded, **KW))
+    with LLM(str(tiny_mqa), loaded=loaded, tensor_parallel_size=3, **KW) as three:
+        info = three.engine.runner.rank_info
+        assert [(i["num_heads"], i["num_kv_heads"]) for i in info] == [(2, 1)] * 3
+        got = _run(three)
+    _assert_same(ref, got)
+
+
+def test_default_model_tp3_greedy_matches_one_rank(smollm) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=20)
+    kw = dict(kv_cache_tokens=512, num_threads=1)
+    ref = LLM("smollm2-135m-instruct", loaded=smollm, **kw).generate(prompts, params)
+    with LLM("smollm2-135m-instruct", loaded=smollm, tensor_parallel_size=3, **kw) as three:
+        got = three.generate(prompts, params)
+    _assert_same(ref, got, tol=1e-4)   # 30 layers of fp32 all-reduce reordering
+
+
+def test_kv_capacity_per_rank_matches_plan(tiny_gqa: Path) -> None:
+    """The per-rank KV layout and the pool size agree with ``tokenmill plan`` at the same TP."""
+    from tokenmill.engine.engine import Engine
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.plan.capacity import Deployment, kv_cache_spec
+    from tokenmill.plan.models import load_model as plan_model
+
+    loaded = load_model(str(tiny_gqa))
+    gib = 0.001
+    for tp in (1, 2):
+        plan_spec = kv_cache_spec(plan_model(str(tiny_gqa)), Deployment(tp=tp, kv_dtype="fp32"))
+        cfg = EngineConfig(model=str(tiny_gqa), kv_cache_memory_gib=gib, tensor_parallel_size=tp)
+        eng = Engine.__new__(Engine)   # the sizing steps only: no ranks are started here
+        eng.config, eng.loaded, eng.max_model_len = cfg, loaded, 1024
+        eng._init_kv()
+        assert eng.kv_spec == plan_spec
+        assert eng.kv_capacity_tokens == plan_spec.capacity_tokens(gib * 2**30, cfg.page_size)
+    one_rank = kv_cache_spec(plan_model(str(tiny_gqa)), Deployment(tp=1, kv_dtype="fp32"))
+    assert plan_spec.bytes_per_token() * 2 == one_rank.bytes_per_token()
+
+
+def test_bad_settings_are_refused_at_startup(tiny_gqa: Path, smollm) -> None:
+    from tokenmill.engine.parallel import check_tensor_parallel_devices
+
+    with pytest.raises(ValueError, match="does not divide the model's 9 attention heads"):
+        LLM("smollm2-135m-instruct", loaded=smollm, kv_cache_tokens=256, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        LLM(str(tiny_gqa), kv_cache_tokens=256, tensor_parallel_size=0)
+    from tokenmill.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="cache tiers run with tensor_parallel_size=1 only"):
+        EngineConfig(model=str(tiny_gqa), tensor_parallel_size=2, host_cache_memory_gib=0.1)
+    too_many = torch.cuda.device_count() + 1
+    with pytest.raises(ValueError, match=f"needs {too_many} CUDA devices"):
+        check_tensor_parallel_devices(too_many, "cuda")
+
+
+def test_sharding_arithmetic() -> None:
+    import dataclasses
+
+    from tokenmill.models.base import ModelArgs
+
+    a = ModelArgs(vocab_size=10, hidden_size=8, intermediate_size=12, num_layers=1, num_heads=4,
+                  num_kv_heads=2, head_dim=2, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64)
+    s = shard_args(a, 4)   # 2 KV heads over 4 ranks: one (replicated) KV head each; vocab 10 -> 3 x 4
+    assert (s.num_heads, s.num_kv_heads, s.intermediate_size, s.vocab_size) == (1, 1, 3, 3)
+    with pytest.raises(ValueError, match="does not divide the MLP intermediate size"):
+        check_tensor_parallel(dataclasses.replace(a, num_heads=8, num_kv_heads=8), 8)
+    with pytest.raises(ValueError, match="does not divide the model's 3 KV heads"):
+        check_tensor_parallel(dataclasses.replace(a, num_heads=6, num_kv_heads=3), 2)
+    with pytest.raises(ValueError, match="is not a multiple of the model's 2 KV heads"):
+        check_tensor_parallel(dataclasses.replace(a, num_heads=6, num_kv_heads=2, intermediate_size=6), 3)
+
+
+def test_dead_rank_fails_the_step_quickly(tiny_gqa: Path) -> None:
+    """SIGKILL one rank while a request decodes: the step raises within seconds, all ranks stop."""
+    import os
+    import signal
+    import threading
+    import time
+
+    loaded = load_model(str(tiny_gqa))
+    llm = LLM(str(tiny_gqa), loaded=loaded, tensor_parallel_size=2, **KW)
+    try:
+        procs = llm.engine.runner._procs
+        killed: list[float] = []
+
+        def kill() -> None:
+            killed.append(time.monotonic())
+            os.kill(procs[1].pid, signal.SIGKILL)
+
+        threading.Timer(1.0, kill).start()
+        with pytest.raises(ReplicaFailedError, match="rank 1 exited with code -9"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1000, ignore_eos=True))
+        assert killed and time.monotonic() - killed[0] < 10
+        assert all(not p.is_alive() for p in procs)     # the surviving rank was stopped too
+        with pytest.raises(ReplicaFailedError, match="shut down"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5))
+    finally:
+        llm.close()
+
+
+def test_tp2_deepseek_v3_mla_moe_matches_one_rank(tiny_dir) -> None:
+    """MLA (latent replicated, heads split) + MoE (TP inside the experts, shared expert split)."""
+    path = str(tiny_dir("DeepseekV3ForCausalLM"))
+    loaded = load_model(path)
+    one = LLM(path, loaded=loaded, **KW)
+    ref = _run(one)
+    with LLM(path, loaded=loaded, tensor_parallel_size=2, **KW) as two:
+        info = two.engine.runner.rank_info
+        assert [i["num_heads"] for i in info] == [loaded.model.args.num_heads // 2] * 2
+        assert two.engine.kv_spec == loaded.model.kv_cache_spec()     # the full latent on every rank
+        got = _run(two)
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        turn1 = two.generate([LONG[:70]], params)[0]
+        turn2 = LONG[:70] + list(turn1.token_ids) + [9, 8, 7]
+        second = two.generate([turn2], params)[0]
+        assert second.cached_tokens >= 64
+        assert list(second.token_ids) == list(one.generate([turn2], params)[0].token_ids)
+    _assert_same(ref, got)
+
+
+def test_a_rank_failing_to_start_is_reported(tiny_dir) -> None:
+    """The native backend has no MLA: each rank fails building its runner; the error says so."""
+    path = str(tiny_dir("DeepseekV3ForCausalLM"))
+    with pytest.raises(ReplicaFailedError, match=r"rank \d failed to start: .*(MLA|native|latent)"):
+        LLM(path, tensor_parallel_size=2, attention_backend="native", **{k: v for k, v in KW.items()})
