@@ -232,9 +232,21 @@ class ParallelRunner:
         for r, p in enumerate(self._procs):
             p.join(timeout=0)
             if p.exitcode is not None:
-                dead.append(f"rank {r} exited with code {p.exitcode}")
+                dead.append(f"rank {r} exited with code {p.exitcode}{self._last_words(r)}")
         # a dead rank usually makes the others fail in their collective: report the first death
         return "; ".join(dead)
+
+    def _last_words(self, rank: int) -> str:
+        """The error a dead rank sent before it exited, if it is still in the pipe."""
+        conn = self._conns[rank]
+        try:
+            while conn.poll(0):
+                msg = pickle.loads(conn.recv_bytes())
+                if msg and msg[0] == "error":
+                    return f" ({msg[1]})"
+        except (EOFError, OSError, pickle.UnpicklingError):
+            pass
+        return ""
 
     def _fail(self, why: str) -> None:
         log.error("tensor-parallel replica failed: %s; stopping all %d ranks", why, self.tp)

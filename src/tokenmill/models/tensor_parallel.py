@@ -172,12 +172,12 @@ class _TensorParallelLM(CausalLM):
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.args.vocab_size)
-        h = F.embedding(local.masked_fill(outside, 0), self.local.embed_tokens)
+        h = _embedding(self.local.embed_tokens, local.masked_fill(outside, 0), self.local.dtype)
         h = h.masked_fill(outside.unsqueeze(-1), 0.0)
         return self._all_reduce(h)
 
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor | None:
-        part = F.linear(h, self.local.lm_head).float().contiguous()
+        part = _linear(h, self.local.lm_head).float().contiguous()
         if part.shape[0] == 0:
             return part.new_zeros(0, self.full_vocab) if self.rank == 0 else None
         t0 = time.perf_counter()
@@ -220,7 +220,7 @@ class TPLlamaForCausalLM(_TensorParallelLM):
                ctx: ForwardContext) -> torch.Tensor:
         t = h.shape[0]
         x = layer.input_layernorm(h)
-        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
+        qkv = _linear(x, layer.qkv_proj, layer.qkv_bias)
         if layer.q_norm is not None and layer.k_norm is not None:
             q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
             q = layer.q_norm(q.view(t, layer.num_heads, layer.head_dim))
@@ -232,10 +232,10 @@ class TPLlamaForCausalLM(_TensorParallelLM):
             v = qkv[:, layer.q_size + layer.kv_size:]
         v = v.view(t, layer.num_kv_heads, layer.head_dim)
         o = ctx.attn.forward(q, k, v, kv_cache, ctx.meta, layer.scale)
-        h = h + self._all_reduce(F.linear(o, layer.o_proj))
+        h = h + self._all_reduce(_linear(o, layer.o_proj))
         x = layer.post_attention_layernorm(h)
-        gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
-        return h + self._all_reduce(F.linear(F.silu(gate) * up, layer.down_proj))
+        gate, up = _linear(x, layer.gate_up_proj).chunk(2, dim=-1)
+        return h + self._all_reduce(_linear(F.silu(gate) * up, layer.down_proj))
 
 
 class TPDeepseekV3ForCausalLM(_TensorParallelLM):
@@ -355,3 +355,16 @@ def build_shard(kind: str, full_args: Any, rank: int, tp: int, dtype: torch.dtyp
     shard = cls(full_args, rank, tp, dtype=dtype)
     shard.load_weights(weights)
     return shard
+
+
+def _linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for a plain weight or a linear method (``layers.linear``)."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    return w(x, bias) if bias is not None else w(x)
+
+
+def _embedding(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(w, torch.Tensor):
+        return F.embedding(ids, w)
+    return w.embedding(ids, dtype)
