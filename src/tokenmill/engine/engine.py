@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tokenmill.cache.page_pool import PagePool
+from tokenmill.engine import admission
 from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
@@ -44,6 +46,7 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions: int = 0
     kv_pages_cached: int = 0
+    kv_pages_in_use: int = 0       # pages owned by requests alone (not in the prefix cache)
 
     @property
     def cache_hit_rate(self) -> float:
@@ -64,6 +67,7 @@ class Engine:
                                   self.vocab_size)
         self.generation_tokens_total = 0
         self._arrivals = 0
+        self._num_timed = 0   # requests added with a deadline (expiry is skipped while there are none)
 
     # -- construction ----------------------------------------------------------------------------
     def _init_model(self, loaded: LoadedModel | None) -> None:
@@ -110,8 +114,13 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    session_id: str | None = None) -> None:
-        """Queue a request; raise ValueError if it is malformed or can never fit."""
+                    session_id: str | None = None, *, deadline: float | None = None,
+                    queue_deadline: float | None = None) -> None:
+        """Queue a request; raise ValueError if it is malformed or can never fit, and
+        :class:`~tokenmill.engine.admission.QueueFullError` when the waiting queue is full.
+
+        ``deadline`` / ``queue_deadline``: ``time.monotonic()`` times by which the request must
+        finish / be first admitted (see engine/admission.py)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         try:
@@ -132,7 +141,11 @@ class Engine:
                              f"exceeds the KV cache capacity of {self.kv.capacity_tokens} tokens")
         if self.scheduler.get(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, ids, params, session_id=session_id, arrival_index=self._arrivals)
+        admission.check_queue(self.scheduler, self.config.max_waiting_requests)
+        req = Request(request_id, ids, params, session_id=session_id, arrival_index=self._arrivals,
+                      deadline=deadline, queue_deadline=queue_deadline)
+        if deadline is not None or queue_deadline is not None:
+            self._num_timed += 1
         self._arrivals += 1
         req.generator = self.runner.make_generator(params.seed)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
@@ -149,14 +162,21 @@ class Engine:
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return outputs of the requests that produced a token."""
+        expired: list[RequestOutput] = []
+        if self._num_timed:
+            expired = [self._output(r, num_new=0) for r in admission.expire(self.scheduler, time.monotonic())]
+            if not any(r.deadline is not None or r.queue_deadline is not None
+                       for r in self.scheduler.requests.values()):
+                self._num_timed = 0
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            self._maybe_check_idle()
+            return expired
         sampled = self.runner.execute(out)
         self.scheduler.post_step(out)
         outputs = [self._process(s.request, s.token_id, s.logprob) for s in sampled]
         self._maybe_check_idle()
-        return outputs
+        return expired + outputs
 
     def _process(self, req: Request, token: int, logprob: Any) -> RequestOutput:
         req.all_token_ids.append(token)
@@ -234,4 +254,5 @@ class Engine:
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions=s.num_preemptions,
             kv_pages_cached=self.kv.cache.num_cached_pages if self.kv.cache is not None else 0,
+            kv_pages_in_use=sum(len(r.page_table) - r.num_tree_pages for r in s.running),
         )

@@ -94,6 +94,7 @@ class SamplingFields(_Model):
     repetition_penalty: float = 1.0
     ignore_eos: StrictBool = False
     stop_token_ids: list[int] = Field(default_factory=list)
+    deadline_s: float | None = None   # finish within this many seconds of arrival (finish_reason "deadline")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -142,6 +143,8 @@ def check_common(req: SamplingFields, *, max_n: int) -> None:
             raise bad_request("stop strings must be non-empty", "stop")
         if len(stops) > 16:
             raise bad_request(f"at most 16 stop strings are accepted, got {len(stops)}", "stop")
+    if req.deadline_s is not None and not (math.isfinite(req.deadline_s) and req.deadline_s > 0):
+        raise bad_request(f"deadline_s must be a number of seconds > 0, got {req.deadline_s}", "deadline_s")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 

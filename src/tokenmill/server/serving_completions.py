@@ -4,6 +4,7 @@ With several prompts and ``n`` choices each, choice ``p * n + j`` is the j-th sa
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,8 +24,11 @@ from tokenmill.server.protocol import CompletionRequest, check_common, check_com
 def tokenize_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
     p = req.prompt
     if isinstance(p, str):
+        state.check_text_fits(p, "prompt")
         return [list(state.tokenizer.encode(p))]
     if all(isinstance(x, str) for x in p):
+        for i, x in enumerate(p):
+            state.check_text_fits(x, f"prompt.{i}")  # type: ignore[arg-type]
         return [list(state.tokenizer.encode(x)) for x in p]  # type: ignore[arg-type]
     if all(isinstance(x, int) for x in p):
         ids = [list(p)]  # type: ignore[arg-type]
@@ -42,7 +46,11 @@ async def create_completion(state: ServerState, request: Request, body: dict[str
     check_common(req, max_n=state.config.max_n)
     check_completion(req)
     requested = requested_max_tokens(req.max_tokens, "max_tokens")
-    prompts = tokenize_prompts(state, req)
+    chars = len(req.prompt) if isinstance(req.prompt, str) else sum(len(x) for x in req.prompt if isinstance(x, str))
+    if chars > 16_384:   # long texts are tokenized off the event loop
+        prompts = await asyncio.to_thread(tokenize_prompts, state, req)
+    else:
+        prompts = tokenize_prompts(state, req)
     if any(not p for p in prompts):
         raise APIError(400, "prompt must hold at least one token", param="prompt", code="empty_prompt")
     flat_prompts: list[list[int]] = []
@@ -54,10 +62,14 @@ async def create_completion(state: ServerState, request: Request, body: dict[str
             params.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, choice=j))
 
     request_id = new_id("cmpl")
-    gen = Generation(state, request_id, flat_prompts, params, session_id, arrival)
+    gen = Generation(state, request_id, flat_prompts, params, session_id, arrival, req.deadline_s)
     await gen.start()
     echo_texts = [state.tokenizer.decode(p) if req.echo else "" for p in prompts]
     if req.stream:
+        try:
+            await gen.wait_first(request)
+        except ClientGone:
+            return JSONResponse({}, status_code=499)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(state, req, gen, prompts, echo_texts, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
