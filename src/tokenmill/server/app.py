@@ -34,7 +34,7 @@ from tokenmill.server.limits import BodyLimits
 from tokenmill.server.metrics import CONTENT_TYPE
 from tokenmill.server.serving_chat import create_chat_completion
 from tokenmill.server.serving_completions import create_completion
-from tokenmill.session import RESPONSE_HEADER, extract_session_id
+from tokenmill.session import RESPONSE_HEADER, extract_session_id, header_safe
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -98,8 +98,8 @@ def build_app(state: ServerState) -> FastAPI:
             logger.exception("unexpected error on %s", request.url.path)
             return _error_response(state, APIError(500, f"internal server error: {type(e).__name__}: {e}",
                                                    type="server_error", code="internal_error"), session_id)
-        if session_id:
-            response.headers[RESPONSE_HEADER] = session_id
+        if header_safe(session_id):
+            response.headers[RESPONSE_HEADER] = session_id  # type: ignore[assignment]
         return response
 
     @app.post("/v1/chat/completions")
@@ -185,7 +185,7 @@ def _error_response(state: ServerState, err: APIError, session_id: str | None) -
         logger.info("client error %d: %s", err.status_code, err.message)
     else:   # the message may quote the request: only its kind unless requests are logged
         logger.info("client error %d: code=%s param=%s", err.status_code, err.code, err.param)
-    headers = {RESPONSE_HEADER: session_id} if session_id else None
+    headers = {RESPONSE_HEADER: session_id} if header_safe(session_id) else None
     if err.status_code == 401:
         headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return err.response(headers)
