@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve test venv clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py $(wildcard src/tokenmill/_native/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'

@@ -7,12 +7,14 @@
 #
 #   benchmarks/agentic_vs_peers.sh                 # run every system that is installed
 #   benchmarks/agentic_vs_peers.sh install vllm    # install a peer into peers/<name> (own venv)
-#   benchmarks/agentic_vs_peers.sh install llamacpp
+#   benchmarks/agentic_vs_peers.sh install llamacpp      # llama-cpp-python's server (one request at a time)
+#   benchmarks/agentic_vs_peers.sh install llamaserver   # llama.cpp's C++ llama-server (parallel slots)
+#   benchmarks/agentic_vs_peers.sh install hfdir         # the HF directory vLLM serves
 #   SYSTEMS="tokenmill" benchmarks/agentic_vs_peers.sh
 #
 # Environment knobs: OUT (results root, default out/agentic_vs_peers), CONCURRENCY (1,2,4),
 # SESSIONS (sessions per level), BENCH_ARGS (extra workload flags), SYSTEMS, THREADS (2),
-# LLAMA_THREADS (1).
+# LLAMA_THREADS (1), LLAMA_SLOTS (4: llama-server's parallel slots of 8192 tokens each).
 # Peers live in the git-ignored folder peers/. A peer that is not installed or fails to start
 # is skipped with the reason printed; the compare table then covers the systems that ran.
 set -u -o pipefail
@@ -28,11 +30,14 @@ THREADS="${THREADS:-2}"
 # llama.cpp's OpenMP threads spin at barriers: with 2 threads on 2 busy cores decode fell to
 # 0.2 tokens/s here, so it gets 1 thread unless told otherwise.
 LLAMA_THREADS="${LLAMA_THREADS:-1}"
-SYSTEMS="${SYSTEMS:-tokenmill vllm llamacpp}"
+SYSTEMS="${SYSTEMS:-tokenmill vllm llamacpp llamaserver}"
+LLAMA_SLOTS="${LLAMA_SLOTS:-4}"
 BENCH_ARGS="${BENCH_ARGS:---turns 4 --first-turn-tokens 256 --new-tokens 64 --output-tokens 16 --shared-prompt-tokens 64}"
 MODEL_NAME="smollm2-135m-instruct"
 GGUF="$("$PY" -c 'from tokenmill.loader.resolve import resolve_model_path, DEFAULT_MODEL; print(resolve_model_path(DEFAULT_MODEL))')"
 HF_DIR="$PEERS/smollm2-135m-instruct-hf"
+LLAMA_CPP_PY_VERSION="0.3.36"
+LLAMA_SERVER="$PEERS/llama.cpp-build/bin/llama-server"
 
 log() { echo "[agentic_vs_peers] $*" >&2; }
 
@@ -58,7 +63,8 @@ print("\n".join(out))
 EOF
 )" || return 1
   echo "$reqs" > "$PEERS/vllm-requirements.txt"
-  "$pip" install -q -r "$PEERS/vllm-requirements.txt" || return 1
+  # torch pinned again so that no requirement can swap the build on disk
+  "$pip" install -q -r "$PEERS/vllm-requirements.txt" "torch==2.13.0" || return 1
 }
 
 install_llamacpp() {
@@ -67,15 +73,34 @@ install_llamacpp() {
   CMAKE_BUILD_PARALLEL_LEVEL="$THREADS" "$PEERS/llamacpp/bin/pip" install -q "llama-cpp-python[server]==0.3.36" || return 1
 }
 
-if [[ "${1:-}" == "install" ]]; then
-  mkdir -p "$PEERS"
-  case "${2:-}" in
-    vllm) install_vllm ;;
-    llamacpp) install_llamacpp ;;
-    *) echo "usage: $0 install vllm|llamacpp" >&2; exit 2 ;;
-  esac
-  exit $?
-fi
+install_llamaserver() {
+  # llama.cpp's C++ server from the llama.cpp source that the llama-cpp-python sdist carries under
+  # vendor/llama.cpp: CPU only, tuned for this CPU, only the llama-server target (~15 min on 2 cores).
+  # Static libraries, so the binary needs no LD_LIBRARY_PATH. The web UI is neither built nor fetched.
+  # physical paths: CMake keys its build tree on the source path, so reaching peers/ through a
+  # symlink (a worktree's peers -> the main checkout's) must not look like a new tree and rebuild
+  local real
+  real="$(cd "$PEERS" && pwd -P)" || return 1
+  local src="$real/src" build="$real/llama.cpp-build"
+  if [[ -z "${REBUILD:-}" && -x "$build/bin/llama-server" ]] && "$build/bin/llama-server" --version >/dev/null 2>&1; then
+    log "llamaserver: $build/bin/llama-server is already built (REBUILD=1 to build again)"
+    return 0
+  fi
+  mkdir -p "$src" || return 1
+  local tarball="$src/llama_cpp_python-$LLAMA_CPP_PY_VERSION.tar.gz"
+  if [[ ! -f "$tarball" ]]; then
+    "$ROOT/.venv/bin/pip" download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PY_VERSION" \
+      -d "$src" || return 1
+  fi
+  local vendor="$src/llama_cpp_python-$LLAMA_CPP_PY_VERSION/vendor/llama.cpp"
+  [[ -f "$vendor/CMakeLists.txt" ]] || tar -xzf "$tarball" -C "$src" || return 1
+  nice -n 5 cmake -S "$vendor" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF \
+    >/dev/null || return 1
+  nice -n 5 cmake --build "$build" --target llama-server -j"$THREADS" || return 1
+  [[ -x "$LLAMA_SERVER" ]]
+}
 
 export_hf_dir() {
   # vLLM needs a plain HF directory: export tokenmill's fp32 weights of the same GGUF.
@@ -90,6 +115,18 @@ loaded.tokenizer.save_pretrained(sys.argv[1])
 EOF
 }
 
+if [[ "${1:-}" == "install" ]]; then
+  mkdir -p "$PEERS"
+  case "${2:-}" in
+    vllm) install_vllm ;;
+    llamacpp) install_llamacpp ;;
+    llamaserver) install_llamaserver ;;
+    hfdir) export_hf_dir ;;
+    *) echo "usage: $0 install vllm|llamacpp|llamaserver|hfdir" >&2; exit 2 ;;
+  esac
+  exit $?
+fi
+
 SERVER_PID=""
 stop_server() {
   if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
@@ -101,11 +138,11 @@ stop_server() {
 }
 trap stop_server EXIT
 
-wait_ready() {  # wait_ready URL TIMEOUT_S
-  local url="$1" deadline=$((SECONDS + $2))
+wait_ready() {  # wait_ready URL TIMEOUT_S [PATH]
+  local url="$1" deadline=$((SECONDS + $2)) path="${3:-/v1/models}"
   while (( SECONDS < deadline )); do
     kill -0 "$SERVER_PID" 2>/dev/null || return 1
-    curl -sf "$url/v1/models" >/dev/null 2>&1 && return 0
+    curl -sf "$url$path" >/dev/null 2>&1 && return 0
     sleep 2
   done
   return 1
@@ -162,7 +199,19 @@ for sys in $SYSTEMS; do
       # request interrupts the running one (outputs cut to 1 token), hence --interrupt_requests false above
       if wait_ready "$url" 300; then run_bench llamacpp "$url" --no-return-token-ids; else log "llamacpp: failed to start, see $OUT/llamacpp.log"; fi
       stop_server ;;
-    *) log "unknown system $sys (known: tokenmill vllm llamacpp)" ;;
+    llamaserver)
+      if [[ ! -x "$LLAMA_SERVER" ]]; then
+        log "llamaserver: skipped: $LLAMA_SERVER not built (run: $0 install llamaserver; ~15 min)"
+        continue
+      fi
+      log "llamaserver: starting llama-server ($LLAMA_SLOTS slots of 8192 tokens) on $GGUF"
+      "$LLAMA_SERVER" -m "$GGUF" -a smollm2 -c $((8192 * LLAMA_SLOTS)) -np "$LLAMA_SLOTS" -t "$LLAMA_THREADS" \
+        --cache-reuse 256 --no-webui --host 127.0.0.1 --port "$port" > "$OUT/llamaserver.log" 2>&1 &
+      SERVER_PID=$!
+      # /v1/models answers while the model still loads; /health turns 200 once it can serve
+      if wait_ready "$url" 300 /health; then run_bench llamaserver "$url" --no-return-token-ids; else log "llamaserver: failed to start, see $OUT/llamaserver.log"; fi
+      stop_server ;;
+    *) log "unknown system $sys (known: tokenmill vllm llamacpp llamaserver)" ;;
   esac
 done
 

@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from tokenmill.layers.attention import ForwardBatch, allocate_kv_cache
+from tokenmill.contracts.batch import ForwardBatch
+from tokenmill.layers.attention import ForwardContext, select_attention_backend
 from tokenmill.loader import load_model
 
 
@@ -59,18 +60,28 @@ class HFDecoder:
         return time.perf_counter() - t
 
 
+def make_kv(model, num_pages: int, page_size: int, backend: str = "auto"):
+    """(attention backend, KV pool) the way the model runner makes them."""
+    attn = select_attention_backend(model.kv_cache_spec(), "cpu", model.dtype, backend)
+    return attn, attn.allocate(num_pages, page_size)
+
+
+def run(model, attn, batch: ForwardBatch, kv):
+    return model(ForwardContext.prepare(attn, batch, kv))
+
+
 def batched_decode(model, batch: int, context: int, steps: int, page_size: int) -> list[float]:
     """Seconds of each decode step of ``batch`` sequences of ``context`` tokens (after warm-up)."""
     ps = page_size
     per_seq = (context + steps + 8 + ps - 1) // ps
-    kv = allocate_kv_cache(model.kv_cache_spec(), batch * per_seq + 1, ps)
+    attn, kv = make_kv(model, batch * per_seq + 1, ps)
     tables = torch.arange(1, batch * per_seq + 1).view(batch, per_seq)
     gen = torch.Generator().manual_seed(1)
     for i in range(batch):  # prefill each sequence
         toks = torch.randint(0, model.args.vocab_size, (context,), generator=gen)
         pos = torch.arange(context)
-        model(ForwardBatch(toks, pos, tables[i][pos // ps] * ps + pos % ps, torch.tensor([0, context]),
-                           torch.tensor([context]), tables[i:i + 1], torch.tensor([context - 1]), ps), kv)
+        run(model, attn, ForwardBatch(toks, pos, tables[i][pos // ps] * ps + pos % ps, torch.tensor([0, context]),
+                                      torch.tensor([context]), tables[i:i + 1], torch.tensor([context - 1]), ps), kv)
     tok = torch.zeros(batch, dtype=torch.long)
     times = []
     for step in range(steps + 4):
@@ -78,7 +89,7 @@ def batched_decode(model, batch: int, context: int, steps: int, page_size: int) 
         slots = tables[torch.arange(batch), pos // ps] * ps + pos % ps
         fb = ForwardBatch(tok, pos, slots, torch.arange(batch + 1), pos + 1, tables, torch.arange(batch), ps)
         t = time.perf_counter()
-        tok = model(fb, kv).argmax(-1)
+        tok = run(model, attn, fb, kv).argmax(-1)
         if step >= 4:
             times.append(time.perf_counter() - t)
     return sorted(times)
@@ -102,7 +113,7 @@ def main() -> None:
     ps = args.page_size
     total = args.context + args.steps + 8
     num_pages = (total + ps - 1) // ps + 1
-    kv = allocate_kv_cache(model.kv_cache_spec(), num_pages, ps)
+    attn, kv = make_kv(model, num_pages, ps)
     pages = torch.arange(1, num_pages)  # page 0 unused, as an engine's padding page would be
     table = pages[None, :]
     gen = torch.Generator().manual_seed(0)
@@ -115,7 +126,7 @@ def main() -> None:
                             torch.tensor([start + n]), table, torch.tensor([n - 1]), ps)
 
     t = time.perf_counter()
-    logits = model(batch_for(prompt, 0), kv)
+    logits = run(model, attn, batch_for(prompt, 0), kv)
     prefill_s = time.perf_counter() - t
     cur = args.context
     tok = logits.argmax(-1)
@@ -124,7 +135,7 @@ def main() -> None:
     for i in range(args.steps + 4):  # the first 4 steps warm up; HF steps interleave with ours
         b = batch_for(tok, cur)
         t = time.perf_counter()
-        tok = model(b, kv).argmax(-1)
+        tok = run(model, attn, b, kv).argmax(-1)
         if i >= 4:
             times.append(time.perf_counter() - t)
         cur += 1

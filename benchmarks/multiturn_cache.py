@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.engine import Engine
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.loader import load_model
 from tokenmill.loader.resolve import DEFAULT_MODEL
 

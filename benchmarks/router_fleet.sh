@@ -34,7 +34,7 @@ wait_up() {
 }
 
 MODEL_DIR="$OUT/tiny-model"
-[ -f "$MODEL_DIR/config.json" ] || "$PY" -c "from tokenmill.models.tiny import build_tiny_checkpoint as b; b('$MODEL_DIR')" >/dev/null 2>&1
+[ -f "$MODEL_DIR/config.json" ] || "$PY" -c "from tokenmill.loader.tiny import build_tiny_checkpoint as b; b('$MODEL_DIR')" >/dev/null 2>&1
 URLS=()
 for i in $(seq 1 "$REPLICAS"); do
   P=$(port)

@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from tokenmill.models.tiny import build_tiny_checkpoint
+from tokenmill.loader.tiny import build_tiny_checkpoint
 from tokenmill.utils.proc import ServiceProcess
 
 

@@ -38,7 +38,7 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 async def run_inprocess(ae, batch: list[list[int]], out_tokens: int) -> RunResult:
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.contracts.sampling import SamplingParams
 
     ttft, itl = [], []
 
@@ -112,7 +112,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     model = args.model
     if model == "tiny":
-        from tokenmill.models.tiny import build_tiny_checkpoint
+        from tokenmill.loader.tiny import build_tiny_checkpoint
 
         model = str(build_tiny_checkpoint(Path(tmp.name) / "tiny"))
     kv_tokens = max(16384, 2 * args.concurrency * (args.prompt_tokens + args.output_tokens))

@@ -69,7 +69,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model is None:
-        from tokenmill.models.tiny import build_tiny_checkpoint
+        from tokenmill.loader.tiny import build_tiny_checkpoint
 
         model = tempfile.mkdtemp(prefix="tiny-")
         build_tiny_checkpoint(model, arch="LlamaForCausalLM", seed=0)

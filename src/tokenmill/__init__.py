@@ -12,7 +12,7 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.contracts.sampling import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from tokenmill.engine.sampling_params import SamplingParams
+        from tokenmill.contracts.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")

@@ -11,7 +11,7 @@ from tokenmill.utils.proc import ServiceProcess
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tokenmill.models.tiny import build_tiny_checkpoint
+    from tokenmill.loader.tiny import build_tiny_checkpoint
 
     d = tmp_path_factory.mktemp("bench-tiny")
     build_tiny_checkpoint(d)

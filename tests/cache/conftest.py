@@ -10,7 +10,7 @@ import pytest
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A tiny random-weight Llama through tokenmill's real loader (LoadedModel)."""
     from tokenmill.loader import load_model
-    from tokenmill.models.tiny import build_tiny_checkpoint
+    from tokenmill.loader.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(tmp_path_factory.mktemp("cache-tiny") / "llama",
                                  "LlamaForCausalLM", seed=3)

@@ -6,7 +6,7 @@ from tokenmill.cache.page_pool import PagePool
 from tokenmill.cache.radix import RadixCache
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.request import Request
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 
 PAGE = 4

@@ -219,3 +219,24 @@ def test_bad_arguments() -> None:
         RadixCache(PagePool(4), 0)
     with pytest.raises(ValueError):
         RadixCache(PagePool(4), 4, session_retention_s=-1)
+
+
+def test_prefix_length_probe_agrees_with_match_and_changes_nothing() -> None:
+    import random
+
+    rng = random.Random(5)
+    pool, cache, _ = make(num_pages=400, page_size=4)
+    base = [rng.randrange(6) for _ in range(40)]
+    for _ in range(25):   # branching sequences with shared prefixes of every length
+        cut = rng.randrange(len(base))
+        put(pool, cache, base[:cut] + [rng.randrange(6) for _ in range(rng.randrange(1, 30))])
+    for _ in range(200):
+        cut = rng.randrange(len(base) + 1)
+        probe = base[:cut] + [rng.randrange(6) for _ in range(rng.randrange(0, 20))]
+        limit = rng.choice([None, rng.randrange(len(probe) + 1)])
+        nodes, pages = cache.num_nodes, cache.num_cached_pages
+        got = cache.cached_prefix_length(probe, limit)
+        assert (cache.num_nodes, cache.num_cached_pages) == (nodes, pages)   # no split
+        want = cache.match_prefix(probe if limit is None else probe[:limit], touch=False).num_tokens
+        assert got == want
+    cache.check_invariants()

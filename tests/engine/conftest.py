@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenmill.loader import LoadedModel, build_hf_reference, load_model
-from tokenmill.models.tiny import build_tiny_checkpoint
+from tokenmill.loader.tiny import build_tiny_checkpoint
 
 # The test machine's cores are shared by many processes; one intra-op thread avoids the
 # spin-wait collapse of oversubscribed thread pools (results do not depend on it).

@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
-from tokenmill.models.tiny import build_tiny_checkpoint
+from tokenmill.loader.tiny import build_tiny_checkpoint
 
 
 @pytest.fixture(autouse=True, scope="module")

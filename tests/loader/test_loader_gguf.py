@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 from tokenmill.loader.gguf import dequantize_tensor, read_gguf
-from tokenmill.models.tiny import build_tiny_checkpoint
+from tokenmill.loader.tiny import build_tiny_checkpoint
 
 QK_K = 256
 

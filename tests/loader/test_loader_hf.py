@@ -50,7 +50,7 @@ def test_sharded_safetensors_with_index(tiny_copy):
 def test_bfloat16_load_casts_weights_and_kv(tiny_llama_dir):
     loaded = load_model(str(tiny_llama_dir), dtype=torch.bfloat16)
     assert loaded.model.layers[1].down_proj.dtype == torch.bfloat16
-    assert loaded.model.kv_cache_spec().dtype == torch.bfloat16
+    assert loaded.model.kv_cache_spec().dtype == "bfloat16"
     assert loaded.model.kv_cache_spec().bytes_per_token() == 2 * 2 * 2 * 16 * 2
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tokenmill.loader import LoadedModel, build_hf_reference, load_model
-from tokenmill.models.tiny import TINY_ARCHS, build_tiny_checkpoint
+from tokenmill.loader.tiny import TINY_ARCHS, build_tiny_checkpoint
 
 
 @pytest.fixture(autouse=True, scope="module")

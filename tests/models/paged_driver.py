@@ -6,7 +6,8 @@ from typing import Any, Sequence
 
 import torch
 
-from tokenmill.layers.attention import ForwardBatch, allocate_kv_cache
+from tokenmill.contracts.batch import ForwardBatch
+from tokenmill.layers.attention import ForwardContext, select_attention_backend
 from tokenmill.models.base import CausalLM
 
 
@@ -16,10 +17,12 @@ class PagedDriver:
     Pages are handed out in a shuffled order so that a sequence's pages are never contiguous.
     """
 
-    def __init__(self, model: CausalLM, num_pages: int = 96, page_size: int = 4, seed: int = 0) -> None:
+    def __init__(self, model: CausalLM, num_pages: int = 96, page_size: int = 4, seed: int = 0,
+                 backend: str = "auto") -> None:
         self.model = model
         self.page_size = page_size
-        self.kv = allocate_kv_cache(model.kv_cache_spec(), num_pages, page_size)
+        self.attn = select_attention_backend(model.kv_cache_spec(), "cpu", model.dtype, backend)
+        self.kv = self.attn.allocate(num_pages, page_size)
         self.free = list(range(num_pages))
         random.Random(seed).shuffle(self.free)
         self.pages: dict[str, list[int]] = {}
@@ -58,8 +61,8 @@ class PagedDriver:
             input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(pos, dtype=torch.long),
             slot_mapping=torch.tensor(slots, dtype=torch.long), query_start_loc=torch.tensor(qsl, dtype=torch.long),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long), block_tables=bt,
-            logits_indices=torch.tensor(rows, dtype=torch.long), page_size=ps)
-        return self.model(batch, self.kv)
+            logits_indices=torch.tensor(rows, dtype=torch.long), page_size=ps, max_seq_len=max(seq_lens))
+        return self.model(ForwardContext.prepare(self.attn, batch, self.kv))
 
 
 def hf_logits(ref: Any, tokens: Sequence[int]) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from paged_driver import PagedDriver, hf_logits
 
 from tokenmill.loader import build_hf_reference, load_model
-from tokenmill.models.tiny import TINY_ARCHS, build_tiny_checkpoint
+from tokenmill.loader.tiny import TINY_ARCHS, build_tiny_checkpoint
 
 ARCHS = list(TINY_ARCHS)
 
@@ -73,7 +73,7 @@ def test_llama3_rope_scaling_and_untied_head(tmp_path):
 def test_kv_cache_spec_and_write_location(tiny_pairs):
     loaded, _ = tiny_pairs["Qwen3ForCausalLM"]
     spec = loaded.model.kv_cache_spec()
-    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype) == (2, 2, 16, torch.float32)
+    assert (spec.num_layers, spec.layers[0].num_kv_heads, spec.layers[0].head_dim, spec.dtype) == (2, 2, 16, "float32")
     assert spec.bytes_per_token() == 2 * 2 * 2 * 16 * 4
     drv = PagedDriver(loaded.model, num_pages=8, page_size=4)
     drv.step([("s", _tokens(6, 5))])

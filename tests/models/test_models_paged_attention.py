@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import ForwardBatch, TorchPagedAttention, select_attention_backend
 
 HQ, HKV, D = 6, 2, 8
@@ -22,8 +23,12 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     return torch.einsum("hqk,khd->qhd", probs, vv).reshape(n, HQ * D)
 
 
+BACKENDS = ["torch", "native"]
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("page_size", [1, 3, 16])
-def test_mixed_step_matches_plain_attention(page_size):
+def test_mixed_step_matches_plain_attention(page_size, backend_name):
     gen = torch.Generator().manual_seed(page_size)
     rng = random.Random(page_size)
     # (cached tokens before the step, tokens in the step): decodes, a fresh prefill, a chunk after context
@@ -59,10 +64,11 @@ def test_mixed_step_matches_plain_attention(page_size):
         slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor(seq_lens),
         block_tables=torch.tensor([p + [0] * (width - len(p)) for p in tables]),
         logits_indices=torch.tensor([x - 1 for x in qsl[1:]]), page_size=page_size)
-    backend = select_attention_backend("cpu")
-    assert isinstance(backend, TorchPagedAttention)
-    meta = backend.build_metadata(batch, torch.float32)
-    assert meta.num_decode == 3 and len(meta.prefill) == 3
+    backend = select_attention_backend(KVCacheSpec.dense(1, HKV, D), "cpu", torch.float32, backend_name)
+    assert backend.name == backend_name
+    meta = backend.build_metadata(batch)
+    if backend_name == "torch":
+        assert meta.num_decode == 3 and len(meta.prefill) == 3
     out = backend.forward(torch.cat(q_all), torch.cat(k_all), torch.cat(v_all), kv, meta, scale)
     expected = torch.cat(refs).float()
     assert out.shape == (t, HQ * D)
@@ -76,4 +82,4 @@ def test_too_narrow_block_table_is_rejected():
     batch = ForwardBatch(torch.zeros(1, dtype=torch.long), torch.tensor([20]), torch.tensor([4]),
                          torch.tensor([0, 1]), torch.tensor([21]), torch.tensor([[1, 2]]), torch.tensor([0]), 4)
     with pytest.raises(ValueError, match="too few for a context of 21 tokens"):
-        TorchPagedAttention().build_metadata(batch, torch.float32)
+        TorchPagedAttention(KVCacheSpec.dense(1, 1, 4), torch.device("cpu"), torch.float32).build_metadata(batch)

@@ -29,7 +29,7 @@ def test_default_model_loads_from_gguf(smollm2):
     assert loaded.eos_token_ids == [loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")]
     assert "<|im_start|>" in loaded.tokenizer.chat_template
     spec = loaded.model.kv_cache_spec()
-    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (30, 3, 64)
+    assert (spec.num_layers, spec.layers[0].num_kv_heads, spec.layers[0].head_dim) == (30, 3, 64)
 
 
 def test_prefill_and_greedy_decode_match_hf(smollm2):

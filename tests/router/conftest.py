@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from router_fleet import Fleet
-from tokenmill.models.tiny import build_tiny_checkpoint
+from tokenmill.loader.tiny import build_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ MAX_REQUEST_BYTES = 256 * 1024
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tokenmill.models.tiny import build_tiny_checkpoint
+    from tokenmill.loader.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), arch="LlamaForCausalLM", seed=0)
 

@@ -9,7 +9,7 @@ import pytest
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineStepError, EngineStoppedError
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.contracts.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

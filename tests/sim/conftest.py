@@ -24,7 +24,7 @@ def agentic_workload() -> Callable[..., AgenticWorkloadConfig]:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tokenmill.models.tiny import build_tiny_checkpoint
+    from tokenmill.loader.tiny import build_tiny_checkpoint
 
     path = tmp_path_factory.mktemp("sim-tiny")
     build_tiny_checkpoint(path, arch="LlamaForCausalLM", seed=0)

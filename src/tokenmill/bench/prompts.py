@@ -37,7 +37,7 @@ def load_tokenizer(path: str | None) -> Any:
     from transformers import AutoTokenizer
 
     if path is None:
-        from tokenmill.models.tiny import default_tokenizer_dir
+        from tokenmill.loader.tiny import default_tokenizer_dir
 
         path = str(default_tokenizer_dir())
     try:

@@ -155,6 +155,32 @@ class RadixCache:
             self._touch(path)
         return MatchResult(end, pos, pages)
 
+    def cached_prefix_length(self, tokens: Sequence[int], limit: int | None = None) -> int:
+        """Tokens of ``tokens[:limit]`` that :meth:`match_prefix` would match, as a pure probe.
+
+        Unlike ``match_prefix(..., touch=False)`` it changes nothing (no edge is split, no
+        recency touched) and reads the tokens in place, one edge at a time, instead of copying
+        the whole sequence first. For cache-aware admission and routing scores.
+        """
+        P = self.page_size
+        n = len(tokens) if limit is None else min(limit, len(tokens))
+        n -= n % P
+        node, pos = self.root, 0
+        while pos < n:
+            child = node.children.get(tuple(tokens[pos:pos + P]))
+            if child is None:
+                break
+            ck, klen = child.key, len(child.key)
+            m = P
+            limit_here = min(klen, n - pos)
+            while m < limit_here and tuple(tokens[pos + m:pos + m + P]) == ck[m:m + P]:
+                m += P
+            pos += m
+            if m < klen:
+                break
+            node = child
+        return pos
+
     # ------------------------------------------------------------------ pinning
     def lock(self, node: RadixNode) -> None:
         """Pin ``node`` and its ancestors: none of their pages can be evicted until unlock."""

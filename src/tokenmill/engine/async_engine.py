@@ -36,7 +36,7 @@ from tokenmill.engine.admission import QueueFullError
 if TYPE_CHECKING:
     from tokenmill.engine.engine import Engine, EngineStats
     from tokenmill.engine.request import RequestOutput
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.contracts.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +116,14 @@ class RequestStream:
             raise item
         if not item.finished and self._items and not isinstance(self._items[0], BaseException):
             token_ids, texts = list(item.new_token_ids), [item.new_text]
+            lps = list(item.new_logprobs) if item.new_logprobs is not None else None
             while self._items and not isinstance(self._items[0], BaseException) and not item.finished:
                 item = self._items.popleft()  # type: ignore[assignment]
                 token_ids += item.new_token_ids
                 texts.append(item.new_text)
-            item = dataclasses.replace(item, new_token_ids=token_ids, new_text="".join(texts))
+                if lps is not None and item.new_logprobs is not None:
+                    lps += item.new_logprobs
+            item = dataclasses.replace(item, new_token_ids=token_ids, new_text="".join(texts), new_logprobs=lps)
         if item.finished:
             self.finished = True
         return item

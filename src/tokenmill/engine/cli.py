@@ -5,7 +5,7 @@ import argparse
 import sys
 from dataclasses import fields
 
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig
 from tokenmill.loader.resolve import DEFAULT_MODEL
 
 
@@ -33,11 +33,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--debug-checks", action="store_true", help="check page accounting when idle")
     g.add_argument("--threads", dest="num_threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
+    g.add_argument("--decode-slowdown", type=float, default=d.decode_slowdown,
+                   help="while decodes run, prefill chunks get only the tokens that keep a step within "
+                        "this many times the decodes-only step time (learned online); 0 turns it off")
+    g.add_argument("--device", default=d.device, help="torch device of the model runner (default: cpu)")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="storage dtype of the KV pool (auto: the model's dtype)")
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
+                   help="paged-attention implementation (auto: the fastest that supports the model here)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    values = {k: v for k, v in vars(args).items() if k in names}
+    if not values.get("decode_slowdown", 1):   # 0 on the command line: no bound
+        values["decode_slowdown"] = None
+    return EngineConfig(**values)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,8 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm import LLM
-    from tokenmill.engine.sampling_params import SamplingParams
-    from tokenmill.loader.errors import ModelLoadError
+    from tokenmill.contracts.sampling import SamplingParams
+    from tokenmill.contracts.errors import ModelLoadError
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

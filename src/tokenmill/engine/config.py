@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")   # auto: the model's dtype
+ATTENTION_BACKENDS = ("auto", "torch", "native")
 DEFAULT_KV_SESSIONS = 4          # full-length sequences the default pool holds
 DEFAULT_KV_MEMORY_SHARE = 0.25   # at most this share of available memory by default
 DEFAULT_KV_MEMORY_CAP_GIB = 4.0  # and never more than this by default
@@ -39,6 +41,11 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     debug_checks: bool = False
     num_threads: int | None = None   # torch intra-op threads (process-wide); None: torch's default
     max_waiting_requests: int | None = None  # bounded waiting queue (engine/admission.py); None: unbounded
+    device: str = "cpu"              # torch device the model runner owns ("cpu", "cuda", "cuda:1")
+    kv_cache_dtype: str = "auto"     # storage dtype of the KV pool; auto = the model's dtype
+    attention_backend: str = "auto"  # see tokenmill.layers.attention.select_attention_backend
+    decode_slowdown: float | None = 2.0  # bound on a decode step's time while prefill shares it
+                                          # (x the decodes-only step; None: prefill fills the step)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -66,6 +73,14 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.decode_slowdown is not None and not self.decode_slowdown > 1.0:
+            raise ValueError(f"decode_slowdown must be > 1 (or None to turn the bound off), got {self.decode_slowdown}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not self.device or not (self.device == "cpu" or self.device.startswith(("cuda", "mps", "xpu"))):
+            raise ValueError(f"device must be cpu or a torch accelerator such as cuda or cuda:1, got {self.device!r}")
 
 
 def default_kv_cache_tokens(max_model_len: int, bytes_per_token: int, available_bytes: int) -> int:

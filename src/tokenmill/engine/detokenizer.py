@@ -9,6 +9,10 @@ Stop strings are searched in the full output text as it grows, so a stop string 
 tokens is still found; the text from the stop string on is cut. While a request runs, text that
 could be the start of a stop string is held back (not yet emitted); it is released as soon as it
 cannot be, or when the request finishes.
+
+Text is stored as the list of emitted pieces plus a short pending tail (new text not yet
+handed out, or held back). A step costs time in the size of its new text only: the full text
+is joined when someone asks for it (:attr:`text`, :meth:`emitted_view`).
 """
 from __future__ import annotations
 
@@ -29,8 +33,8 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
         self._stop = list(stop)
         self._max_stop = max((len(s) for s in self._stop), default=0)
-        self.text = ""        # output text so far (cut at a stop string once found)
-        self._emitted = 0     # chars of self.text already handed out
+        self._pieces: list[str] = []   # text handed out so far, one piece per take_new_text
+        self._pending = ""             # text after that (cut at a stop string once found)
         self.stopped_by: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
@@ -45,8 +49,8 @@ class IncrementalDetokenizer:
         full = self._decode(self._tokens[self._prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None  # nothing new yet, or an incomplete multi-byte character
-        old_len = len(self.text)
-        self.text += full[len(prefix):]
+        old_len = len(self._pending)
+        self._pending += full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
         if self._stop:
             return self._find_stop(old_len)
@@ -63,24 +67,26 @@ class IncrementalDetokenizer:
         prefix = self._decode(self._tokens[self._prefix_offset:self._read_offset])
         full = self._decode(self._tokens[self._prefix_offset:])
         if len(full) > len(prefix):
-            self.text += full[len(prefix):]
+            self._pending += full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
 
     def _find_stop(self, old_len: int) -> str | None:
+        # A stop string can only start in the pending text: emitted text never ends with the
+        # start of one (that part is held back), so the search never looks further back.
         best: tuple[int, str] | None = None
         for s in self._stop:
-            idx = self.text.find(s, max(0, old_len - len(s) + 1))
+            idx = self._pending.find(s, max(0, old_len - len(s) + 1))
             if idx >= 0 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:
             return None
-        self.text = self.text[: best[0]]
+        self._pending = self._pending[: best[0]]
         self.stopped_by = best[1]
         return best[1]
 
     def _held_back(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of some stop string."""
-        text = self.text
+        """Length of the longest pending suffix that is a proper prefix of some stop string."""
+        text = self._pending
         for k in range(min(self._max_stop - 1, len(text)), 0, -1):
             tail = text[-k:]
             if any(s.startswith(tail) for s in self._stop):
@@ -89,12 +95,36 @@ class IncrementalDetokenizer:
 
     def take_new_text(self, finished: bool) -> str:
         """Text not handed out yet; while running, a possible stop-string start stays held back."""
-        end = len(self.text) if (finished or not self._stop) else len(self.text) - self._held_back()
-        end = max(end, self._emitted)
-        new = self.text[self._emitted:end]
-        self._emitted = end
+        keep = 0 if (finished or not self._stop) else self._held_back()
+        new = self._pending[: len(self._pending) - keep]
+        if new:
+            self._pieces.append(new)
+            self._pending = self._pending[len(new):]
         return new
 
     @property
+    def text(self) -> str:
+        """All output text so far, held-back text included (cut at a stop string)."""
+        return "".join(self._pieces) + self._pending
+
+    @property
     def emitted_text(self) -> str:
-        return self.text[: self._emitted]
+        return "".join(self._pieces)
+
+    def emitted_view(self) -> TextView:
+        """The emitted text as of now, joined only if read (O(1) to take)."""
+        return TextView(self._pieces, len(self._pieces))
+
+
+class TextView:
+    """A snapshot of a growing list of text pieces: the first ``n`` of them, joined on demand."""
+
+    __slots__ = ("_pieces", "_n", "_joined")
+
+    def __init__(self, pieces: list[str], n: int) -> None:
+        self._pieces, self._n, self._joined = pieces, n, None
+
+    def __str__(self) -> str:
+        if self._joined is None:
+            self._joined = "".join(self._pieces[: self._n])
+        return self._joined

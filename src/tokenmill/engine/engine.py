@@ -24,9 +24,10 @@ from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.engine.request import Request, RequestOutput
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.request import ListView, Request, RequestOutput
+from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.step_cost import StepCost
 
 if TYPE_CHECKING:
     from tokenmill.loader import LoadedModel
@@ -59,17 +60,32 @@ class Engine:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        self._init_device()
         self._init_model(loaded)
         self._init_kv()
+        self.step_cost = StepCost(config.decode_slowdown) if config.decode_slowdown else None
         self.scheduler = Scheduler(self.kv, max_batch_tokens=config.max_batch_tokens,
-                                   max_running_requests=config.max_running_requests)
+                                   max_running_requests=config.max_running_requests,
+                                   step_cost=self.step_cost)
         self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
-                                  self.vocab_size)
+                                  self.vocab_size, device=self.device, kv_spec=self.kv_spec,
+                                  attention_backend=config.attention_backend)
         self.generation_tokens_total = 0
         self._arrivals = 0
         self._num_timed = 0   # requests added with a deadline (expiry is skipped while there are none)
 
     # -- construction ----------------------------------------------------------------------------
+    def _init_device(self) -> None:
+        device = torch.device(self.config.device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.config.device!r} was asked for, but this torch build "
+                                 f"({torch.__version__}) sees no CUDA device")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(f"device {self.config.device!r} does not exist: "
+                                 f"{torch.cuda.device_count()} CUDA device(s) visible")
+        self.device = device
+
     def _init_model(self, loaded: LoadedModel | None) -> None:
         dtype = getattr(torch, self.config.dtype)
         if loaded is None:
@@ -89,7 +105,11 @@ class Engine:
 
     def _init_kv(self) -> None:
         cfg = self.config
-        bytes_per_token = self.loaded.model.kv_cache_spec().bytes_per_token()
+        spec = self.loaded.model.kv_cache_spec()
+        if cfg.kv_cache_dtype != "auto":
+            spec = spec.with_dtype(cfg.kv_cache_dtype)
+        self.kv_spec = spec
+        bytes_per_token = spec.bytes_per_token()
         if cfg.kv_cache_tokens is not None:
             tokens = cfg.kv_cache_tokens
         elif cfg.kv_cache_memory_gib is not None:
@@ -109,7 +129,8 @@ class Engine:
 
             cache = RadixCache(pool, cfg.page_size, session_retention_s=cfg.session_retention_s)
         self.kv = KVManager(pool, cfg.page_size, cache)
-        log.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages, cfg.page_size,
+        log.info("KV cache: %s, %d B/token, %d pages of %d tokens = %d tokens (%.2f GiB)", spec.dtype,
+                 bytes_per_token, num_pages, cfg.page_size, num_pages * cfg.page_size,
                  num_pages * cfg.page_size * bytes_per_token / 2**30)
 
     # -- requests --------------------------------------------------------------------------------
@@ -172,14 +193,17 @@ class Engine:
         if out.is_empty:
             self._maybe_check_idle()
             return expired
+        t0 = time.perf_counter()
         sampled = self.runner.execute(out)
+        if self.step_cost is not None:
+            self.step_cost.observe(out.num_tokens, time.perf_counter() - t0)
         self.scheduler.post_step(out)
         outputs = [self._process(s.request, s.token_id, s.logprob) for s in sampled]
         self._maybe_check_idle()
         return expired + outputs
 
     def _process(self, req: Request, token: int, logprob: Any) -> RequestOutput:
-        req.all_token_ids.append(token)
+        req.append_token(token)
         self.generation_tokens_total += 1
         if req.logprobs is not None and logprob is not None:
             req.logprobs.append(logprob)
@@ -204,20 +228,30 @@ class Engine:
         return self._output(req, num_new=1)
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:
+        """The request's output after this step: O(num_new) work, whatever its length."""
         finished = req.is_finished
-        new_text = req.detokenizer.take_new_text(finished)
+        detok = req.detokenizer
+        new_text = detok.take_new_text(finished)
+        ids, lps, p = req.all_token_ids, req.logprobs, req.num_prompt_tokens
+        if finished:   # nothing changes any more: one copy of the ids, the rest as they are
+            token_ids, logprobs, text = ids[p:], lps, detok.emitted_text
+        else:
+            token_ids = ListView(ids, p, len(ids))
+            logprobs = ListView(lps, 0, len(lps)) if lps is not None else None
+            text = detok.emitted_view()
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             cached_tokens=req.num_cached_tokens or 0,
-            token_ids=req.output_token_ids,
-            text=req.detokenizer.emitted_text,
-            new_token_ids=req.all_token_ids[-num_new:] if num_new else [],
+            token_ids=token_ids,
+            text_view=text,
+            new_token_ids=ids[-num_new:] if num_new else [],
             new_text=new_text,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            logprobs=logprobs,
             finished=finished,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
+            new_logprobs=lps[-num_new:] if (lps is not None and num_new) else ([] if lps is not None else None),
         )
 
     # -- cache and stats -------------------------------------------------------------------------

@@ -81,7 +81,7 @@ class KVManager:
         leaves cache recency alone (for cache-aware admission)."""
         if self.cache is None or req.page_table:
             return 0
-        return self.cache.match_prefix(req.all_token_ids[:-1], touch=False).num_tokens
+        return self.cache.cached_prefix_length(req.all_token_ids, req.num_tokens - 1)
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grow ``req.page_table`` to hold ``num_tokens`` tokens, evicting cached pages if needed.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Union
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import RequestOutput
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.loader.resolve import DEFAULT_MODEL
 
 if TYPE_CHECKING:

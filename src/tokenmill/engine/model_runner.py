@@ -1,9 +1,15 @@
-"""The only engine module that touches torch: weights, KV tensors, one forward + sample per step.
+"""The only engine module that touches torch: it owns the device, the weights, the KV pool and
+the attention backend.
+
+Construction (in order): move the model to the device, choose the attention backend for the
+model's KV spec (:func:`~tokenmill.layers.attention.select_attention_backend`), let the backend
+allocate the KV pool, and make the sampler's random stream on the device.
 
 :meth:`ModelRunner.execute` turns a :class:`~tokenmill.engine.scheduler.SchedulerOutput` into a
-:class:`~tokenmill.layers.attention.ForwardBatch` (sequences concatenated in scheduling order),
-runs the model over the paged KV cache, and samples one token for each request whose step
-reaches the end of its tokens. Logits are computed only for those rows.
+:class:`~tokenmill.contracts.batch.ForwardBatch` (sequences concatenated in scheduling order),
+builds the backend's per-step metadata once (:class:`~tokenmill.layers.attention.ForwardContext`),
+runs the model, and samples one token for each request whose step reaches the end of its
+tokens. Logits are computed only for those rows.
 """
 from __future__ import annotations
 
@@ -13,8 +19,10 @@ import torch
 
 from tokenmill.engine.request import Request, TokenLogprob, TopLogprob
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.layers.attention import ForwardBatch, allocate_kv_cache
-from tokenmill.layers.sampling import Sampler, SamplingInputs
+from tokenmill.contracts.batch import ForwardBatch
+from tokenmill.contracts.kv import KVCacheSpec
+from tokenmill.layers.attention import ForwardContext, select_attention_backend
+from tokenmill.layers.sampling import PenaltyState, Sampler, SamplingInputs
 
 if TYPE_CHECKING:
     from tokenmill.models.base import CausalLM
@@ -28,14 +36,16 @@ class SampledToken(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_pages: int, page_size: int, vocab_size: int,
-                 device: torch.device | str = "cpu", seed: int | None = None) -> None:
-        self.model = model
+                 device: torch.device | str = "cpu", seed: int | None = None, *,
+                 kv_spec: KVCacheSpec | None = None, attention_backend: str = "auto") -> None:
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
         self.page_size = page_size
         self.vocab_size = vocab_size
-        self.device = torch.device(device)
-        self.kv_spec = model.kv_cache_spec()
-        self.kv_caches = allocate_kv_cache(self.kv_spec, num_pages, page_size, device=self.device)
-        self.sampler = Sampler(seed)
+        self.kv_spec = kv_spec or model.kv_cache_spec()
+        self.attn = select_attention_backend(self.kv_spec, self.device, model.dtype, attention_backend)
+        self.kv_caches = self.attn.allocate(num_pages, page_size)
+        self.sampler = Sampler(seed, device=self.device)
 
     def make_generator(self, seed: int | None) -> torch.Generator | None:
         """A request's own random stream (seeded requests only; others share the sampler's)."""
@@ -44,6 +54,16 @@ class ModelRunner:
         g = torch.Generator(device=self.device)
         g.manual_seed(seed)
         return g
+
+    def _penalty_state(self, req: Request) -> PenaltyState | None:
+        """The request's incremental penalty counts (made on first use; O(1) per token after)."""
+        if not req.params.uses_penalties:
+            return None
+        st = req.penalty_state
+        if st is None or st.num_output != req.num_output_tokens:
+            st = req.penalty_state = PenaltyState(self.vocab_size, req.prompt_token_ids, req.output_token_ids,
+                                                  self.device)
+        return st
 
     def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
         """The step's ForwardBatch, and the requests that sample (in logits-row order)."""
@@ -89,22 +109,34 @@ class ModelRunner:
             block_tables=block_tables,
             logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             page_size=ps,
+            max_seq_len=max(seq_lens),
         )
         return batch, samplers
+
+    def forward(self, batch: ForwardBatch, capture_layers: frozenset[int] = frozenset()) -> ForwardContext:
+        """Run the model over ``batch``; the context holds the logits' inputs and any captures."""
+        ctx = ForwardContext.prepare(self.attn, batch, self.kv_caches, capture_layers)
+        ctx.logits = self.model(ctx)
+        return ctx
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         batch, samplers = self.build_batch(out)
-        logits = self.model(batch, self.kv_caches)
+        logits = self.forward(batch).logits
         if not samplers:
             return []
+        states = [self._penalty_state(r) for r in samplers]
         inputs = SamplingInputs(
             params=[r.params for r in samplers],
             prompt_token_ids=[r.prompt_token_ids for r in samplers],
             output_token_ids=[r.output_token_ids if r.params.uses_penalties else () for r in samplers],
             generators=[r.generator for r in samplers],
+            penalty_states=states,
         )
         result = self.sampler(logits, inputs)
+        for st, tok in zip(states, result.token_ids):
+            if st is not None:
+                st.add(tok)
         sampled = []
         for req, tok, lp in zip(samplers, result.token_ids, result.logprobs):
             logprob = None

@@ -20,10 +20,11 @@ Page ownership (``page_table``)::
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.contracts.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -66,6 +67,7 @@ class Request:
     deadline: float | None = None     # time.monotonic() by which it must finish (engine/admission.py)
     queue_deadline: float | None = None  # time.monotonic() by which it must first be admitted
     generator: Any = None             # the request's random stream (owned by the model runner)
+    penalty_state: Any = None         # incremental penalty counts (owned by the model runner)
     detokenizer: Any = None           # incremental detokenizer (owned by the engine)
 
     def __post_init__(self) -> None:
@@ -87,8 +89,12 @@ class Request:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+    def output_token_ids(self) -> ListView:
+        """The output tokens as of now: a view into ``all_token_ids`` (O(1), no copy)."""
+        return ListView(self.all_token_ids, len(self.prompt_token_ids), len(self.all_token_ids))
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -99,18 +105,73 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
 
+class ListView(Sequence):
+    """Items ``[start, stop)`` of a list that only grows: O(1) to make, a stable snapshot to read.
+
+    The engine hands these out for the cumulative fields of unfinished outputs (and for a
+    request's output tokens), so a step costs no copy of everything generated so far; a reader
+    on another thread sees exactly the items that existed when the view was made.
+    """
+
+    __slots__ = ("_items", "_start", "_n")
+
+    def __init__(self, items: list[Any], start: int, stop: int) -> None:
+        self._items, self._start, self._n = items, start, stop - start
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> Any: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Any]: ...
+    def __getitem__(self, i):  # noqa: E301
+        if isinstance(i, slice):
+            a, b, step = i.indices(self._n)
+            if step != 1:
+                return list(self)[i]
+            return self._items[self._start + a:self._start + max(a, b)]
+        if not -self._n <= i < self._n:
+            raise IndexError("ListView index out of range")
+        return self._items[self._start + i % self._n]
+
+    def __iter__(self) -> Iterator[Any]:
+        items, start = self._items, self._start
+        for j in range(start, start + self._n):
+            yield items[j]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple, ListView)):
+            return len(other) == self._n and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 @dataclass
 class RequestOutput:
-    """State of one request after a step (cumulative fields plus the delta since the last one)."""
+    """State of one request after a step (cumulative fields plus the delta since the last one).
+
+    The cumulative ``token_ids`` and ``logprobs`` of an unfinished output are :class:`ListView`
+    snapshots and ``text`` is joined only when read, so making an output costs O(new tokens);
+    a finished output holds plain lists and a plain string.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     cached_tokens: int
-    token_ids: list[int]
-    text: str
+    token_ids: Sequence[int]
+    text_view: Any                       # str, or a TextView joined on first read of .text
     new_token_ids: list[int]
     new_text: str
-    logprobs: list[TokenLogprob] | None
+    logprobs: Sequence[TokenLogprob] | None
     finished: bool
     finish_reason: str | None
     stop_reason: str | int | None = None
+    new_logprobs: list[TokenLogprob] | None = None   # logprobs of new_token_ids
+
+    @property
+    def text(self) -> str:
+        """All output text so far (stop strings cut)."""
+        return str(self.text_view)

@@ -8,7 +8,10 @@ behind; a long prompt is a request many tokens behind and gets a chunk of what i
 Order within a step:
 
 1. running requests one token behind (decodes), in priority order;
-2. running requests further behind (prefill chunks), in priority order;
+2. running requests further behind (prefill chunks), in priority order; when the step already
+   carries decodes, prefill (this and admission) gets only the budget of
+   :meth:`~tokenmill.engine.step_cost.StepCost.prefill_budget`, so a decode's next token is not
+   held up by seconds of prefill (step time is learned online from the engine's own steps);
 3. waiting requests, admitted while budget, pages and ``max_running_requests`` allow (none in
    a step that had to preempt). From the front of the queue, except that while the queue is
    short (``prefer_cached_max_queue``) the request with the longest cached prefix goes first;
@@ -29,6 +32,7 @@ from typing import NamedTuple
 
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.step_cost import StepCost
 
 
 class ScheduledRequest(NamedTuple):
@@ -71,12 +75,15 @@ class _StepPlan:
 class Scheduler:
     """Owns the waiting queue and the running list; the KV manager owns the pages."""
 
-    def __init__(self, kv: KVManager, *, max_batch_tokens: int, max_running_requests: int) -> None:
+    def __init__(self, kv: KVManager, *, max_batch_tokens: int, max_running_requests: int,
+                 step_cost: StepCost | None = None) -> None:
         if max_batch_tokens <= 0 or max_running_requests <= 0:
             raise ValueError("max_batch_tokens and max_running_requests must be positive")
         self.kv = kv
         self.max_batch_tokens = max_batch_tokens
         self.max_running_requests = max_running_requests
+        # Bounds prefill tokens in steps that carry decodes (None: prefill may fill the budget).
+        self.step_cost = step_cost
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -109,7 +116,20 @@ class Scheduler:
         plan = _StepPlan(self.max_batch_tokens)
         decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
         prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
-        for req in decodes + prefills:
+        self._schedule_running(decodes, plan)
+        num_decode = sum(plan.tokens.values())
+        if num_decode and self.step_cost is not None and plan.budget > 0:
+            # Prefill shares this step with decodes: give it only what keeps them moving.
+            plan.budget = self.step_cost.prefill_budget(num_decode, plan.budget)
+        self._schedule_running(prefills, plan)
+        if not plan.preempted:
+            self._admit(plan)
+        scheduled = [ScheduledRequest(r, r.num_computed_tokens, n, r.num_computed_tokens + n == r.num_tokens)
+                     for r, n in plan.tokens.items()]
+        return SchedulerOutput(scheduled, plan.preempted)
+
+    def _schedule_running(self, reqs: list[Request], plan: _StepPlan) -> None:
+        for req in reqs:
             if plan.budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
@@ -117,11 +137,6 @@ class Scheduler:
             n = min(req.num_uncomputed_tokens, plan.budget)
             if self._allocate_or_preempt(req, req.num_computed_tokens + n, plan):
                 plan.add(req, n)
-        if not plan.preempted:
-            self._admit(plan)
-        scheduled = [ScheduledRequest(r, r.num_computed_tokens, n, r.num_computed_tokens + n == r.num_tokens)
-                     for r, n in plan.tokens.items()]
-        return SchedulerOutput(scheduled, plan.preempted)
 
     def _admit(self, plan: _StepPlan) -> None:
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_running_requests:

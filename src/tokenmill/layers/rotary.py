@@ -10,6 +10,7 @@ import math
 from typing import Any, Mapping, NamedTuple
 
 import torch
+from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -46,29 +47,43 @@ class CosSin(NamedTuple):
     sin: torch.Tensor
 
 
-class RotaryEmbedding:
-    """Cos/sin table by position; shared by all layers of a model (plain object, no weights)."""
+class RotaryEmbedding(nn.Module):
+    """Cos/sin table by position, shared by all layers of a model.
+
+    The tables are non-persistent buffers, so they move with the model (``model.to(device)``)
+    and are grown on the same device when a longer position arrives.
+    """
 
     def __init__(self, head_dim: int, theta: float, scaling: Mapping[str, Any] | None,
                  initial_positions: int = 4096) -> None:
+        super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
         self.head_dim = head_dim
-        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        self._cos = torch.empty(0, head_dim)
-        self._sin = torch.empty(0, head_dim)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.register_buffer("cos_table", torch.empty(0, head_dim), persistent=False)
+        self.register_buffer("sin_table", torch.empty(0, head_dim), persistent=False)
         self._grow(initial_positions)
 
     def _grow(self, n: int) -> None:
-        freqs = torch.arange(n, dtype=torch.int64).float()[:, None] * self.inv_freq[None, :]
+        dev = self.inv_freq.device
+        freqs = torch.arange(n, dtype=torch.int64, device=dev).float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = emb.cos(), emb.sin()
+        self.cos_table, self.sin_table = emb.cos(), emb.sin()
 
-    def lookup(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> CosSin:
-        """Rows for ``positions`` ([T] int64); ``max_position`` is ``positions.max()``."""
-        if max_position >= self._cos.shape[0]:
-            self._grow(max(2 * self._cos.shape[0], max_position + 1))
-        cos, sin = self._cos[positions], self._sin[positions]
+    def ensure(self, num_positions: int) -> None:
+        """Make the tables hold at least ``num_positions`` rows (called by the model runner,
+        which knows the step's largest position without reading the positions tensor)."""
+        if num_positions > self.cos_table.shape[0]:
+            self._grow(max(2 * self.cos_table.shape[0], num_positions))
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype, num_positions: int = 0) -> CosSin:
+        """Rows for ``positions`` ([T] int64). ``num_positions`` (> every position, when the
+        caller knows it) saves reading the positions back to find the largest."""
+        if not num_positions and positions.numel():
+            num_positions = int(positions.max()) + 1
+        self.ensure(num_positions)
+        cos, sin = self.cos_table[positions], self.sin_table[positions]
         if cos.dtype != dtype:
             cos, sin = cos.to(dtype), sin.to(dtype)
         return CosSin(cos.unsqueeze(1), sin.unsqueeze(1))

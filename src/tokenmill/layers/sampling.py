@@ -9,7 +9,7 @@ change shifts the cumulative sum across a bucket edge, the race only changes whe
 near-tied candidates swap. So a seeded request gives the same tokens when its logits differ in
 the last bits: prefilled after a prefix-cache hit, or in a batch of another shape.
 
-Processing order (see :mod:`tokenmill.engine.sampling_params` for the user-facing semantics):
+Processing order (see :mod:`tokenmill.contracts.sampling` for the user-facing semantics):
 penalties -> temperature (0: greedy) -> [logprobs taken here] -> top-k -> top-p -> min-p -> draw.
 """
 from __future__ import annotations
@@ -19,7 +19,33 @@ from typing import NamedTuple
 
 import torch
 
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.contracts.sampling import SamplingParams
+
+
+class PenaltyState:
+    """Token counts a request's penalties need, kept up to date one token at a time.
+
+    ``counts[v]``: times token ``v`` occurs in the output; ``seen[v]``: it occurs in prompt or
+    output (for ``repetition_penalty``). Built once from the token lists (at a request's first
+    sample, or again after it was preempted), then :meth:`add` costs O(1) per token.
+    """
+
+    __slots__ = ("counts", "seen", "num_output")
+
+    def __init__(self, vocab_size: int, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+                 device: torch.device | str = "cpu") -> None:
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        out = torch.as_tensor(list(output_token_ids), dtype=torch.long, device=device)
+        self.counts.index_add_(0, out, torch.ones(out.shape[0], device=device))
+        self.seen[torch.as_tensor(list(prompt_token_ids), dtype=torch.long, device=device)] = True
+        self.seen[out] = True
+        self.num_output = len(output_token_ids)
+
+    def add(self, token_id: int) -> None:
+        self.counts[token_id] += 1.0
+        self.seen[token_id] = True
+        self.num_output += 1
 
 
 class SamplingInputs(NamedTuple):
@@ -29,6 +55,8 @@ class SamplingInputs(NamedTuple):
     prompt_token_ids: Sequence[Sequence[int]]   # used by repetition_penalty only
     output_token_ids: Sequence[Sequence[int]]   # used by all penalties
     generators: Sequence[torch.Generator | None]  # None: the sampler's shared stream
+    # Incremental counts for rows with penalties (None: count from the token lists above).
+    penalty_states: Sequence[PenaltyState | None] | None = None
 
 
 class SamplerOutput(NamedTuple):
@@ -46,8 +74,13 @@ def _padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> to
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
                     prompt_token_ids: Sequence[Sequence[int]],
-                    output_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Return logits with repetition, then presence/frequency penalties applied (rows that ask)."""
+                    output_token_ids: Sequence[Sequence[int]],
+                    penalty_states: Sequence[PenaltyState | None] | None = None) -> torch.Tensor:
+    """Return logits with repetition, then presence/frequency penalties applied (rows that ask).
+
+    With ``penalty_states`` the counts come from them (O(vocab) per row, whatever the output
+    length); otherwise they are counted from the token lists.
+    """
     rows = [i for i, p in enumerate(params) if p.uses_penalties]
     if not rows:
         return logits
@@ -56,16 +89,25 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     dev = logits.device
     idx = torch.tensor(rows, dtype=torch.long, device=dev)
     sub = logits[idx]
-    out_ids = _padded([output_token_ids[i] for i in rows], vocab, dev)
-    counts = torch.zeros(b, vocab + 1, dtype=logits.dtype, device=dev)
-    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
-    counts = counts[:, :vocab]
+    states = [penalty_states[i] for i in rows] if penalty_states is not None else None
+    if states is not None and all(st is not None for st in states):
+        counts = torch.stack([st.counts for st in states]).to(logits.dtype)
+        seen_rows = torch.stack([st.seen for st in states])
+    else:
+        out_ids = _padded([output_token_ids[i] for i in rows], vocab, dev)
+        counts = torch.zeros(b, vocab + 1, dtype=logits.dtype, device=dev)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+        counts = counts[:, :vocab]
+        seen_rows = None
     rep = torch.tensor([params[i].repetition_penalty for i in rows], dtype=logits.dtype, device=dev)
     if bool((rep != 1.0).any()):
-        all_ids = _padded([list(prompt_token_ids[i]) + list(output_token_ids[i]) for i in rows], vocab, dev)
-        seen = torch.zeros(b, vocab + 1, dtype=torch.bool, device=dev)
-        seen.scatter_(1, all_ids, True)
-        seen = seen[:, :vocab]
+        if seen_rows is not None:
+            seen = seen_rows
+        else:
+            all_ids = _padded([list(prompt_token_ids[i]) + list(output_token_ids[i]) for i in rows], vocab, dev)
+            seen = torch.zeros(b, vocab + 1, dtype=torch.bool, device=dev)
+            seen.scatter_(1, all_ids, True)
+            seen = seen[:, :vocab]
         r = rep[:, None]
         sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
     pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=logits.dtype, device=dev)
@@ -112,8 +154,8 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 class Sampler:
     """Chooses one token per row of ``logits`` ([B, vocab], fp32)."""
 
-    def __init__(self, seed: int | None = None) -> None:
-        self.generator = torch.Generator()
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device)
         if seed is None:
             self.generator.seed()
         else:
@@ -128,7 +170,8 @@ class Sampler:
         if all(p.greedy and not p.uses_penalties for p in params) and all(n is None for n in want_lp):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * b)
 
-        logits = apply_penalties(logits, params, inputs.prompt_token_ids, inputs.output_token_ids)
+        logits = apply_penalties(logits, params, inputs.prompt_token_ids, inputs.output_token_ids,
+                                 inputs.penalty_states)
         temps = [p.temperature for p in params]
         if any(t not in (0.0, 1.0) for t in temps):
             scale = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=logits.dtype, device=logits.device)

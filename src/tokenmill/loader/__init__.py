@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.loader.errors import ModelLoadError
+from tokenmill.contracts.errors import ModelLoadError
 from tokenmill.loader.resolve import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
 from tokenmill.models.base import CausalLM
 
@@ -91,7 +91,7 @@ def build_hf_reference(loaded: LoadedModel) -> Any:
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    dtype = loaded.model.kv_cache_spec().dtype
+    dtype = loaded.model.dtype
     with no_init_weights():  # every weight is overwritten below; skip the random init
         ref = AutoModelForCausalLM.from_config(loaded.hf_config, dtype=dtype)
     state = loaded.model.hf_state_dict()  # includes lm_head.weight even when tied: set it either way

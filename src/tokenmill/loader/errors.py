@@ -1,6 +1,6 @@
-"""The one error type of model loading."""
+"""The one error type of model loading; defined in :mod:`tokenmill.contracts.errors`."""
 from __future__ import annotations
 
+from tokenmill.contracts.errors import ModelLoadError
 
-class ModelLoadError(ValueError):
-    """A model could not be loaded; the message names the file, tensor or setting at fault."""
+__all__ = ["ModelLoadError"]

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from tokenmill.loader.errors import ModelLoadError
+from tokenmill.contracts.errors import ModelLoadError
 
 # GGUF general.architecture -> (HF architecture, HF model_type)
 GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.loader.errors import ModelLoadError
+from tokenmill.contracts.errors import ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
 

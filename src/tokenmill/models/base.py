@@ -1,4 +1,4 @@
-"""What every model offers the engine: its KV layout and a forward over paged KV.
+"""What every model offers the engine: its KV spec and a forward over a prepared context.
 
 A model is built from :class:`ModelArgs` (the architecture-independent numbers read from an HF
 config) and then receives its weights, named as in HF checkpoints, through ``load_weights``.
@@ -14,27 +14,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
+from tokenmill.contracts.kv import KVCacheSpec
+
 if TYPE_CHECKING:
-    from tokenmill.layers.attention import ForwardBatch
+    from tokenmill.layers.attention import ForwardContext
 
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Shape of the KV cache one model needs; decided per model (an MLA model would differ)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    def __post_init__(self) -> None:
-        if min(self.num_layers, self.num_kv_heads, self.head_dim) <= 0:
-            raise ValueError(f"KVCacheSpec sizes must be positive: {self}")
-
-    def bytes_per_token(self) -> int:
-        """K and V of one token across all layers."""
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+__all__ = ["CausalLM", "KVCacheSpec", "ModelArgs"]
 
 
 @dataclass(frozen=True)
@@ -74,13 +59,16 @@ class CausalLM(nn.Module, abc.ABC):
 
     args: ModelArgs
 
-    @abc.abstractmethod
-    def kv_cache_spec(self) -> KVCacheSpec:
-        """The KV layout this model writes (one ``[2, pages, page_size, heads, dim]`` tensor per layer)."""
+    dtype: torch.dtype
 
     @abc.abstractmethod
-    def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Run one step; write the new tokens' K/V; return fp32 logits ``[len(logits_indices), vocab]``."""
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What each layer stores per token (in the model's dtype; the runner may override it)."""
+
+    @abc.abstractmethod
+    def forward(self, ctx: ForwardContext) -> torch.Tensor:
+        """Run one step over ``ctx.batch``; write the new tokens' KV through ``ctx.attn`` into
+        ``ctx.kv_caches``; return fp32 logits ``[len(ctx.batch.logits_indices), vocab]``."""
 
     @abc.abstractmethod
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.attention import AttentionMetadata, ForwardBatch, select_attention_backend
+from tokenmill.contracts.errors import ModelLoadError
+from tokenmill.layers.attention import ForwardContext
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import CosSin, RotaryEmbedding, apply_rotary
-from tokenmill.loader.errors import ModelLoadError
 from tokenmill.models.base import CausalLM, KVCacheSpec, ModelArgs
 
 
@@ -44,8 +44,7 @@ class LlamaDecoderLayer(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
-    def forward(self, h: torch.Tensor, cs: CosSin, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                attn_backend) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cs: CosSin, kv_cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = h.shape[0]
         x = self.input_layernorm(h)
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
@@ -59,7 +58,7 @@ class LlamaDecoderLayer(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
+        o = ctx.attn.forward(q, k, v, kv_cache, ctx.meta, self.scale)
         h = h + F.linear(o, self.o_proj)
         x = self.post_attention_layernorm(h)
         gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
@@ -81,21 +80,22 @@ class LlamaForCausalLM(CausalLM):
             args.vocab_size, args.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling,
                                       initial_positions=min(args.max_position_embeddings, 4096))
-        self.attn_backend = select_attention_backend(device)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(self.args.num_layers, self.args.num_kv_heads, self.args.head_dim, self.dtype)
+        return KVCacheSpec.dense(self.args.num_layers, self.args.num_kv_heads, self.args.head_dim,
+                                 str(self.dtype).removeprefix("torch."))
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} KV cache tensors, got {len(kv_caches)}")
-        meta = self.attn_backend.build_metadata(batch, self.dtype)
-        max_pos = int(batch.positions.max()) if batch.positions.numel() else 0
-        cs = self.rotary.lookup(batch.positions, max_pos, self.dtype)
+    def forward(self, ctx: ForwardContext) -> torch.Tensor:
+        batch = ctx.batch
+        if len(ctx.kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV cache entries, got {len(ctx.kv_caches)}")
+        cs = self.rotary.lookup(batch.positions, self.dtype, batch.max_seq_len)
         h = F.embedding(batch.input_ids, self.embed_tokens)
-        for layer, cache in zip(self.layers, kv_caches):
-            h = layer(h, cs, cache, meta, self.attn_backend)
+        ctx.capture(-1, h)
+        for i, (layer, cache) in enumerate(zip(self.layers, ctx.kv_caches)):
+            h = layer(h, cs, cache, ctx)
+            ctx.capture(i, h)
         h = self.norm(h[batch.logits_indices])
         return F.linear(h, self.lm_head).float()
 

@@ -6,7 +6,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from tokenmill.layers.rotary import SUPPORTED_ROPE_TYPES
-from tokenmill.loader.errors import ModelLoadError
+from tokenmill.contracts.errors import ModelLoadError
 from tokenmill.models.base import CausalLM, ModelArgs
 from tokenmill.models.llama import LlamaForCausalLM
 

@@ -18,28 +18,14 @@ from pathlib import Path
 
 import uvicorn
 
-from tokenmill.loader.resolve import DEFAULT_MODEL
+from tokenmill.engine.cli import add_engine_arguments, engine_config_from_args
 from tokenmill.server.tool_parser import TOOL_PARSERS
 
 logger = logging.getLogger("tokenmill.server")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model and engine")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"bundled model name or path to an HF directory / GGUF file (default: {DEFAULT_MODEL})")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: 16)")
-    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                   help="KV-cache pool size in GiB (default: sized by the engine)")
-    g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV-cache pool size in tokens")
-    g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one engine step")
-    g.add_argument("--max-running-requests", type=int, default=64, help="requests in the running batch at most")
-    g.add_argument("--max-model-len", type=int, default=None, help="lower the model's context length")
-    g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
-    g.add_argument("--session-retention-s", type=float, default=60.0,
-                   help="seconds a finished session's KV is kept ahead of LRU eviction (default: 60)")
-    g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    g.add_argument("--debug-checks", action="store_true", help="check page accounting whenever the engine idles")
+    add_engine_arguments(parser)   # every EngineConfig field, shared with `tokenmill generate`
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -80,20 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.engine.config import EngineConfig
     from tokenmill.engine.engine import Engine
     from tokenmill.loader.resolve import ModelNotFoundError
     from tokenmill.server.app import build_app
     from tokenmill.server.common import ServerConfig, ServerState
 
     try:
-        engine_config = EngineConfig(
-            model=args.model, page_size=args.page_size, kv_cache_memory_gib=args.kv_cache_memory,
-            kv_cache_tokens=args.kv_cache_tokens, max_batch_tokens=args.max_batch_tokens,
-            max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
-            enable_prefix_cache=not args.no_prefix_cache, session_retention_s=args.session_retention_s,
-            dtype=args.dtype, debug_checks=args.debug_checks, max_waiting_requests=args.max_waiting_requests,
-        )
+        engine_config = engine_config_from_args(args)
         chat_template = Path(args.chat_template).read_text() if args.chat_template else None
         server_config = ServerConfig(
             served_model_names=tuple(args.served_model_name or [args.model]), max_n=args.max_n,

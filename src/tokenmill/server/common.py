@@ -7,6 +7,7 @@ import asyncio
 import copy
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -18,7 +19,7 @@ from pydantic import ValidationError
 
 from tokenmill.engine.admission import QUEUE_TIMEOUT, QueueFullError
 from tokenmill.engine.async_engine import AsyncEngine, EngineStepError, EngineStoppedError
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.server.errors import APIError, bad_request, from_validation_error
 from tokenmill.server.limits import PARSED_BODY_KEY
 from tokenmill.server.metrics import RequestTimer, ServerMetrics
@@ -81,13 +82,38 @@ class ServerConfig:
         return self.served_model_names[0]
 
 
+class TokenizerPool:
+    """One tokenizer per thread, copied from a prototype on the thread's first use.
+
+    A fast (Rust) tokenizer refuses to be used by two threads at once ("Already borrowed"), and
+    one shared instance behind a lock would serialise every request's tokenization. Handlers
+    tokenize long prompts on worker threads (``asyncio.to_thread``), so each worker, and the
+    event-loop thread, gets its own copy: at most one per thread of the default executor.
+    """
+
+    def __init__(self, prototype: Any) -> None:
+        self._prototype = prototype
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self.num_copies = 0
+
+    def get(self) -> Any:
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            with self._lock:  # deepcopy reads the prototype; never two copies at once
+                tok = copy.deepcopy(self._prototype)
+                self.num_copies += 1
+            self._local.tokenizer = tok
+        return tok
+
+
 @dataclass
 class ServerState:
     """Everything a handler needs; one per app."""
 
     engine: AsyncEngine
     config: ServerConfig
-    tokenizer: Any                      # the server's own copy: HF tokenizers are not thread-safe
+    tokenizers: TokenizerPool           # the server's own copies: one per thread (see TokenizerPool)
     max_model_len: int
     metrics: ServerMetrics
     tool_parser: HermesToolParser | None = None
@@ -96,14 +122,14 @@ class ServerState:
 
     @classmethod
     def create(cls, engine: AsyncEngine, config: ServerConfig, *, prefix_cache_enabled: bool = True) -> ServerState:
-        tokenizer = copy.deepcopy(engine.engine.tokenizer)
+        tokenizers = TokenizerPool(engine.engine.tokenizer)
         return cls(
-            engine=engine, config=config, tokenizer=tokenizer,
+            engine=engine, config=config, tokenizers=tokenizers,
             max_model_len=int(engine.engine.max_model_len),
             metrics=ServerMetrics(config.model_name, prefix_cache_enabled=prefix_cache_enabled,
                                   max_waiting_requests=config.max_waiting_requests),
             tool_parser=get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None,
-            max_token_chars=_max_token_chars(tokenizer),
+            max_token_chars=_max_token_chars(tokenizers.get()),
         )
 
     def check_text_fits(self, text: str, param: str) -> None:
@@ -120,6 +146,11 @@ class ServerState:
 
     def overload_headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.config.retry_after_s)}
+
+    @property
+    def tokenizer(self) -> Any:
+        """This thread's tokenizer (safe to use from any thread, handlers and workers alike)."""
+        return self.tokenizers.get()
 
     @property
     def vocab_limit(self) -> int:

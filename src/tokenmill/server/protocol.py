@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
-from tokenmill.engine.sampling_params import MAX_LOGPROBS
+from tokenmill.contracts.sampling import MAX_LOGPROBS
 from tokenmill.server.errors import APIError, bad_request
 
 

@@ -46,11 +46,10 @@ async def create_completion(state: ServerState, request: Request, body: dict[str
     check_common(req, max_n=state.config.max_n)
     check_completion(req)
     requested = requested_max_tokens(req.max_tokens, "max_tokens")
-    chars = len(req.prompt) if isinstance(req.prompt, str) else sum(len(x) for x in req.prompt if isinstance(x, str))
-    if chars > 16_384:   # long texts are tokenized off the event loop
-        prompts = await asyncio.to_thread(tokenize_prompts, state, req)
-    else:
-        prompts = tokenize_prompts(state, req)
+    # Text prompts are tokenized on a worker thread (with its own tokenizer copy), so a long
+    # prompt neither blocks the event loop nor waits behind another request's tokenization.
+    text = isinstance(req.prompt, str) or any(isinstance(x, str) for x in req.prompt)
+    prompts = await asyncio.to_thread(tokenize_prompts, state, req) if text else tokenize_prompts(state, req)
     if any(not p for p in prompts):
         raise APIError(400, "prompt must hold at least one token", param="prompt", code="empty_prompt")
     flat_prompts: list[list[int]] = []

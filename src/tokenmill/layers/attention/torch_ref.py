@@ -1,15 +1,10 @@
-"""Attention over a paged KV cache.
+"""The reference paged-attention backend, in plain torch ops (any device).
 
-KV layout (one tensor per layer, see :func:`allocate_kv_cache`)::
+KV layout (one tensor per layer)::
 
     kv_cache[layer]: [2, num_pages, page_size, num_kv_heads, head_dim]
                       ^ 0 = K, 1 = V
     token at slot s = page_id * page_size + offset lives at kv_cache[:, s // page_size, s % page_size]
-
-A step's tokens arrive concatenated (``ForwardBatch``). Each sequence contributes a query chunk
-``[query_start_loc[i], query_start_loc[i+1])`` whose tokens are the *last* ones of its context:
-after the step the sequence holds ``seq_lens[i]`` tokens, pages listed in ``block_tables[i]``.
-A query at context position ``p`` attends to every cached token at position ``<= p``.
 
 * Decode-shaped sequences (query length 1) are handled together in one vectorised pass: pages
   are gathered through the block table (one ``index_select`` for K and V) into a padded
@@ -17,65 +12,20 @@ A query at context position ``p`` attends to every cached token at position ``<=
 * Longer chunks (prefill, possibly after cached context: chunked prefill or a prefix hit) run one
   sequence at a time with SDPA and an offset causal mask.
 
-The backend is chosen once per model by :func:`select_attention_backend`; the torch backend
-below works on any device and is the CPU path. A GPU kernel backend can be added beside it.
+This backend is the correctness reference for the faster ones: it is simple, copies what it
+reads, and is checked against HF transformers by the model tests. The cache may be stored in a
+lower precision than the activations (cast on write and on read).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from tokenmill.models.base import KVCacheSpec
-
-
-@dataclass
-class ForwardBatch:
-    """All tokens scheduled in one engine step (prefill chunks and decodes mixed).
-
-    ``T`` tokens from ``B`` sequences, concatenated in sequence order. See the module docstring for
-    what the fields mean. ``logits_indices`` picks the rows of ``T`` that produce logits (usually
-    the last token of each sequence; any rows may be chosen).
-    """
-
-    input_ids: torch.Tensor        # [T] int64
-    positions: torch.Tensor        # [T] int64
-    slot_mapping: torch.Tensor     # [T] int64: page_id * page_size + offset for each new K/V
-    query_start_loc: torch.Tensor  # [B+1] int64, cumulative query lengths, starts at 0
-    seq_lens: torch.Tensor         # [B] int64, context length after this step
-    block_tables: torch.Tensor     # [B, max_pages] int64 page ids, padded with 0
-    logits_indices: torch.Tensor   # [N] int64 rows of T that produce logits
-    page_size: int
-
-    def __post_init__(self) -> None:
-        t = self.input_ids.shape[0]
-        b = self.seq_lens.shape[0]
-        if self.page_size <= 0:
-            raise ValueError(f"page_size must be positive, got {self.page_size}")
-        if self.positions.shape != (t,) or self.slot_mapping.shape != (t,):
-            raise ValueError(
-                f"input_ids, positions and slot_mapping must all be [T]; got {tuple(self.input_ids.shape)}, "
-                f"{tuple(self.positions.shape)}, {tuple(self.slot_mapping.shape)}")
-        if self.query_start_loc.shape != (b + 1,):
-            raise ValueError(f"query_start_loc must be [B+1]={b + 1}, got {tuple(self.query_start_loc.shape)}")
-        if self.block_tables.dim() != 2 or self.block_tables.shape[0] != b:
-            raise ValueError(f"block_tables must be [B={b}, max_pages], got {tuple(self.block_tables.shape)}")
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.seq_lens.shape[0])
-
-
-def allocate_kv_cache(spec: KVCacheSpec, num_pages: int, page_size: int,
-                      device: torch.device | str | None = None) -> list[torch.Tensor]:
-    """One zeroed tensor per layer, ``[2, num_pages, page_size, num_kv_heads, head_dim]``."""
-    if num_pages <= 0 or page_size <= 0:
-        raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
-    shape = (2, num_pages, page_size, spec.num_kv_heads, spec.head_dim)
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+from tokenmill.contracts.batch import ForwardBatch
+from tokenmill.contracts.kv import PagedKV
+from tokenmill.layers.attention.base import AttentionBackend
 
 
 class PrefillSegment(NamedTuple):
@@ -98,12 +48,29 @@ class AttentionMetadata(NamedTuple):
     prefill: list[PrefillSegment]
 
 
-class TorchPagedAttention:
+def check_paged_spec(spec_layers) -> PagedKV:
+    """The one PagedKV shape shared by every layer (these backends need a uniform layout)."""
+    kinds = set(spec_layers)
+    if len(kinds) != 1 or not isinstance(next(iter(kinds)), PagedKV):
+        raise ValueError(f"this attention backend needs the same PagedKV entry in every layer, got {sorted(map(repr, kinds))}")
+    return next(iter(kinds))
+
+
+class TorchPagedAttention(AttentionBackend):
     """Paged attention in plain torch ops: page gathers with ``index_select``, then SDPA."""
 
     name = "torch"
 
-    def build_metadata(self, batch: ForwardBatch, dtype: torch.dtype) -> AttentionMetadata:
+    def allocate(self, num_pages: int, page_size: int) -> list[torch.Tensor]:
+        """One zeroed tensor per layer, ``[2, num_pages, page_size, num_kv_heads, head_dim]``."""
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+        layer = check_paged_spec(self.spec.layers)
+        shape = (2, num_pages, page_size, layer.num_kv_heads, layer.head_dim)
+        return [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.spec.layers]
+
+    def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
+        dtype = self.compute_dtype
         qsl = batch.query_start_loc.tolist()
         seq_lens = batch.seq_lens.tolist()
         ps = batch.page_size
@@ -146,8 +113,8 @@ class TorchPagedAttention:
         """
         t, hq, d = q.shape
         hkv = k.shape[1]
-        kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+        kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
         if meta.num_decode == t:  # pure decode step: no scatter needed
             return self._decode(q, kv_cache, meta, scale)
         out = q.new_empty(t, hq * d)
@@ -166,6 +133,10 @@ class TorchPagedAttention:
         flat = kv_cache.view(two, num_pages, page_size * hkv * d).index_select(1, pages.reshape(-1))
         return flat.view(two, -1, hkv, d)
 
+    @staticmethod
+    def _as(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return x if x.dtype == like.dtype else x.to(like.dtype)
+
     @classmethod
     def _decode(cls, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -173,7 +144,7 @@ class TorchPagedAttention:
         assert bt is not None and mask is not None
         b, hq, d = q.shape
         hkv = kv_cache.shape[-2]
-        kv = cls._gather(kv_cache, bt).view(2, b, mask.shape[-1], hkv, d)
+        kv = cls._as(cls._gather(kv_cache, bt), q).view(2, b, mask.shape[-1], hkv, d)
         keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)         # [B, Hkv, L, D]
         # The G query heads that share a KV head act as G query rows over the same keys.
         o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), keys, values,
@@ -189,18 +160,9 @@ class TorchPagedAttention:
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            kv = cls._gather(kv_cache, seg.pages)[:, : seg.seq_len]
+            kv = cls._as(cls._gather(kv_cache, seg.pages)[:, : seg.seq_len], q)
             kh, vh = kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seg.allowed, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1).reshape(n, hq * d)
 
 
-AttentionBackend = TorchPagedAttention
-
-
-def select_attention_backend(device: torch.device | str) -> AttentionBackend:
-    """Pick the attention implementation for ``device`` once, at model construction.
-
-    Only the torch backend exists today; it runs on CPU (and any torch device).
-    """
-    return TorchPagedAttention()

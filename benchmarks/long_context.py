@@ -1,0 +1,139 @@
+"""Single-stream decode speed against context length: tokenmill and vLLM's CPU build, one run.
+
+For each context length L, each system gets a fresh random prompt of L token ids (no prefix
+reuse), then streams ``--output-tokens`` tokens with ``ignore_eos``. Decode tok/s is measured
+between the first and the last streamed token, so it excludes the prefill; TTFT is reported
+beside it. Both servers load the same fp32 HF directory of SmolLM2-135M-Instruct whose
+``max_position_embeddings`` is raised to fit the longest context (the weights are untouched;
+past its trained length the model's text is meaningless, but the work per token is the same,
+and only speed is measured here).
+
+    .venv/bin/python benchmarks/long_context.py                       # 512, 4096, 16384
+    .venv/bin/python benchmarks/long_context.py --contexts 512,4096,16384,32768 --systems tokenmill,vllm
+
+Prints a table, the ratios tokenmill / vLLM at each length, and each system's rate at every
+length relative to its own rate at the shortest one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import PeerNotInstalled, PeerStartError, default_hf_dir, peers_dir, start_vllm  # noqa: E402
+
+from tokenmill.utils.proc import ServiceProcess  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def long_hf_dir(max_len: int) -> Path:
+    """A copy of the peers' HF directory (weights linked, not copied) with a longer context."""
+    src = default_hf_dir()
+    if not (src / "config.json").exists():
+        raise PeerNotInstalled(f"{src} missing: run `benchmarks/agentic_vs_peers.sh install hfdir`")
+    dst = peers_dir() / f"smollm2-135m-instruct-hf-{max_len}"
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        target = dst / f.name
+        if f.name == "config.json":
+            cfg = json.loads(f.read_text())
+            cfg["max_position_embeddings"] = max_len
+            target.write_text(json.dumps(cfg, indent=2))
+        elif not target.exists():
+            os.symlink(f.resolve(), target) if f.is_file() else shutil.copytree(f, target)
+    return dst.resolve()
+
+
+def measure(base_url: str, model: str, prompt: list[int], output_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=3600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                stamps.append(time.perf_counter())
+    if len(stamps) < 2:
+        raise RuntimeError(f"{base_url}: only {len(stamps)} streamed chunks")
+    return {"ttft_s": stamps[0] - t0, "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+            "chunks": len(stamps)}
+
+
+def run_system(name: str, model_dir: Path, contexts: list[int], args) -> dict[int, dict]:
+    max_len = max(contexts) + args.output_tokens + 64
+    rng = random.Random(args.seed)
+    prompts = {L: [rng.randrange(100, 49000) for _ in range(L)] for L in contexts}
+    if name == "tokenmill":
+        argv = ["serve", "--model", str(model_dir), "--served-model-name", "m", "--max-model-len", str(max_len),
+                "--kv-cache-tokens", str(max_len + 256), "--threads", str(args.threads)]
+        srv = ServiceProcess(argv, start_timeout=600, log_path=ROOT / "out" / "long_context_tokenmill.log")
+        srv.start()
+        base, model, stop = srv.base_url, "m", srv.stop
+    else:
+        srv = start_vllm(model_dir=model_dir, max_model_len=max_len, threads=args.threads, kv_cache_gb=4,
+                         served_name="m")
+        base, model, stop = srv.base_url, "m", srv.stop
+    out: dict[int, dict] = {}
+    try:
+        measure(base, model, [rng.randrange(100, 49000) for _ in range(64)], 8)   # warm-up
+        for L in contexts:
+            out[L] = measure(base, model, prompts[L], args.output_tokens)
+            print(f"[{name}] context {L}: decode {out[L]['decode_tok_s']:.2f} tok/s, "
+                  f"TTFT {out[L]['ttft_s']:.1f} s", flush=True)
+    finally:
+        stop()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="512,4096,16384")
+    ap.add_argument("--systems", default="tokenmill,vllm")
+    ap.add_argument("--output-tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "out" / "long_context.json"))
+    args = ap.parse_args()
+    contexts = [int(x) for x in args.contexts.split(",")]
+    (ROOT / "out").mkdir(exist_ok=True)
+    model_dir = long_hf_dir(max(contexts) + args.output_tokens + 64)
+    print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
+    results: dict[str, dict[int, dict]] = {}
+    for name in args.systems.split(","):
+        try:
+            results[name] = run_system(name, model_dir, contexts, args)
+        except (PeerNotInstalled, PeerStartError) as e:
+            print(f"[{name}] skipped: {e}", flush=True)
+    print(f"load average at end: {open('/proc/loadavg').read().split()[:3]}")
+    Path(args.out).write_text(json.dumps({k: {str(L): v for L, v in r.items()} for k, r in results.items()}, indent=2))
+    names = list(results)
+    print("\n| context | " + " | ".join(f"{n} decode tok/s | {n} TTFT s" for n in names) +
+          (" | tokenmill / vllm decode |" if {"tokenmill", "vllm"} <= set(names) else " |"))
+    for L in contexts:
+        row = [f"{results[n][L]['decode_tok_s']:.2f} | {results[n][L]['ttft_s']:.1f}" for n in names]
+        ratio = ""
+        if {"tokenmill", "vllm"} <= set(names):
+            ratio = f" {results['tokenmill'][L]['decode_tok_s'] / results['vllm'][L]['decode_tok_s']:.2f}x |"
+        print(f"| {L} | " + " | ".join(row) + " |" + ratio)
+    for n in names:
+        base = results[n][contexts[0]]["decode_tok_s"]
+        rel = ", ".join(f"{L}: {results[n][L]['decode_tok_s'] / base:.2f}x" for L in contexts)
+        print(f"{n}: decode rate relative to its own {contexts[0]}-token rate: {rel}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

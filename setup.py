@@ -1,0 +1,54 @@
+"""Native CPU kernels of tokenmill, built by ``pip install`` (setuptools reads the rest from
+pyproject.toml).
+
+Every extension is optional: when the compiler is missing or a build fails, the install goes on
+with a clear warning and tokenmill runs its pure-torch paths instead (each Python wrapper under
+``tokenmill/_native`` says why its kernel is unavailable). The kernels are compiled for the
+generic x86-64/aarch64 baseline; AVX2/FMA code paths are compiled with per-function target
+attributes and chosen at run time from what the CPU reports, so one build runs everywhere.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+CFLAGS = ["-O3", "-std=c11", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
+LDFLAGS = ["-fopenmp"]
+
+NATIVE_MODULES = {
+    # module name -> C sources (relative to this file)
+    "tokenmill._native._attention": ["src/tokenmill/_native/attention.c"],
+}
+
+
+class OptionalBuildExt(build_ext):
+    """Build each native module if possible; warn and skip it otherwise."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as e:  # no compiler at all
+            self._warn("all native kernels", e)
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as e:
+            self._warn(ext.name, e)
+
+    @staticmethod
+    def _warn(what: str, err: Exception) -> None:
+        print(f"WARNING: tokenmill could not build {what} ({err}); the pure-torch paths will be used",
+              file=sys.stderr)
+
+
+here = os.path.dirname(os.path.abspath(__file__))
+setup(
+    ext_modules=[Extension(name, sources, extra_compile_args=CFLAGS, extra_link_args=LDFLAGS)
+                 for name, sources in NATIVE_MODULES.items()
+                 if all(os.path.exists(os.path.join(here, s)) for s in sources)],
+    cmdclass={"build_ext": OptionalBuildExt},
+)

@@ -1,0 +1,423 @@
+/* Paged attention over tokenmill's KV pool, reading pages in place.
+ *
+ * KV layout of one layer (the torch reference backend's layout):
+ *     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim] float32, contiguous
+ * Token at context position p of sequence i lives in page block_tables[i][p / page_size] at
+ * offset p % page_size.
+ *
+ * A step's queries arrive concatenated: sequence i owns rows [qsl[i], qsl[i+1]) of q, which are
+ * the LAST (qsl[i+1] - qsl[i]) tokens of its context of seq_lens[i] tokens. Query row r of that
+ * chunk sits at position seq_lens[i] - n + r and attends to keys at positions <= its own.
+ *
+ * Work is cut into tasks (sequence, kv head, block of query rows, range of keys). A task runs
+ * the online-softmax recurrence over its keys page by page and either writes normalised output
+ * (it covers all keys its rows can see) or a partial (running max, sum, unnormalised
+ * accumulator) that a merge pass combines. Long single-sequence decodes are split over keys so
+ * that every thread has work (split-K, as in flash-decoding). Each query row's result depends
+ * only on its own sequence, so a request gives the same bits whatever else is in the batch.
+ *
+ * Vector code is compiled for AVX2+FMA through function target attributes and chosen at run
+ * time; a portable scalar path does the same arithmetic otherwise.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#define TM_X86 1
+#include <immintrin.h>
+#else
+#define TM_X86 0
+#endif
+
+#define KEY_BLOCK 32      /* keys scored at once before the softmax update */
+#define MAX_QVEC 256      /* query vectors (rows x heads of one group) in one task */
+#define MAX_HEAD_DIM 512
+#define SPLIT_KEYS 1024  /* keys per split-K chunk of a long decode */
+
+typedef struct {
+    int seq;        /* sequence index */
+    int kvh;        /* kv head */
+    int r0, r1;     /* query rows of the sequence's chunk, [r0, r1) */
+    int k0, k1;     /* keys [k0, k1) */
+    int part;       /* -1: writes output directly; else index of its partial slot */
+} Task;
+
+typedef struct {
+    const float *q;  int64_t q_stride;   /* q[t, h, d] = q[t*q_stride + h*D + d] */
+    float *out;                          /* out[t, h*D + d] */
+    const float *kc, *vc;                /* caches */
+    const int64_t *bt; int64_t bt_stride;
+    const int64_t *qsl, *seq_lens;
+    int page_size, hq, hkv, d, group;
+    float scale;
+} Problem;
+
+/* ---------------------------------------------------------------------------------------- */
+/* scalar path                                                                              */
+
+static void task_scalar(const Problem *P, const Task *T, float *part_m, float *part_l, float *part_acc) {
+    const int D = P->d, G = P->group, ps = P->page_size;
+    const int64_t q0 = P->qsl[T->seq], n = P->qsl[T->seq + 1] - q0, L = P->seq_lens[T->seq];
+    const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
+    const int nrow = T->r1 - T->r0, nq = nrow * G;
+    float qv[MAX_QVEC * 8];   /* only used when D*nq is small; else heap */
+    float *qs = (nq * D <= (int)(sizeof(qv) / sizeof(float))) ? qv : malloc(sizeof(float) * nq * D);
+    float *acc = calloc((size_t)nq * D, sizeof(float));
+    float m[MAX_QVEC], l[MAX_QVEC], s[KEY_BLOCK];
+    for (int r = 0; r < nrow; r++)
+        for (int g = 0; g < G; g++) {
+            const float *src = P->q + (q0 + T->r0 + r) * P->q_stride + (int64_t)(T->kvh * G + g) * D;
+            for (int x = 0; x < D; x++) qs[(r * G + g) * D + x] = src[x] * P->scale;
+            m[r * G + g] = -INFINITY; l[r * G + g] = 0.f;
+        }
+    for (int j0 = T->k0; j0 < T->k1; j0 += KEY_BLOCK) {
+        int j1 = j0 + KEY_BLOCK < T->k1 ? j0 + KEY_BLOCK : T->k1;
+        for (int r = 0; r < nrow; r++) {
+            int64_t pos = L - n + T->r0 + r;      /* keys <= pos are visible */
+            int jend = (int)(pos + 1 < j1 ? pos + 1 : j1);
+            if (jend <= j0) continue;
+            for (int g = 0; g < G; g++) {
+                int v = r * G + g;
+                const float *qq = qs + v * D;
+                float bm = -INFINITY;
+                for (int j = j0; j < jend; j++) {
+                    const float *kp = P->kc + ((table[j / ps] * ps + j % ps) * P->hkv + T->kvh) * D;
+                    float dot = 0.f;
+                    for (int x = 0; x < D; x++) dot += qq[x] * kp[x];
+                    s[j - j0] = dot;
+                    if (dot > bm) bm = dot;
+                }
+                float mn = m[v] > bm ? m[v] : bm;
+                float alpha = expf(m[v] - mn);
+                float *a = acc + v * D;
+                for (int x = 0; x < D; x++) a[x] *= alpha;
+                float sum = 0.f;
+                for (int j = j0; j < jend; j++) {
+                    float p = expf(s[j - j0] - mn);
+                    sum += p;
+                    const float *vp = P->vc + ((table[j / ps] * ps + j % ps) * P->hkv + T->kvh) * D;
+                    for (int x = 0; x < D; x++) a[x] += p * vp[x];
+                }
+                l[v] = l[v] * alpha + sum;
+                m[v] = mn;
+            }
+        }
+    }
+    for (int r = 0; r < nrow; r++)
+        for (int g = 0; g < G; g++) {
+            int v = r * G + g;
+            if (T->part < 0) {
+                float *dst = P->out + (q0 + T->r0 + r) * (int64_t)P->hq * D + (int64_t)(T->kvh * G + g) * D;
+                float inv = l[v] > 0.f ? 1.f / l[v] : 0.f;
+                for (int x = 0; x < D; x++) dst[x] = acc[v * D + x] * inv;
+            } else {
+                part_m[v] = m[v]; part_l[v] = l[v];
+                memcpy(part_acc + (size_t)v * D, acc + (size_t)v * D, sizeof(float) * D);
+            }
+        }
+    free(acc);
+    if (qs != qv) free(qs);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* AVX2 + FMA path                                                                          */
+
+#if TM_X86
+#define AVX2 __attribute__((target("avx2,fma")))
+
+/* exp(x) for x <= 0 (and -inf -> 0): range reduction by ln 2 and a degree-6 polynomial. */
+AVX2 static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    __m256 neg_inf_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, ln2_hi, x);
+    x = _mm256_fnmadd_ps(fx, ln2_lo, x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 x2 = _mm256_mul_ps(x, x);
+    y = _mm256_fmadd_ps(y, x2, _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(neg_inf_mask, y);
+}
+
+AVX2 static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Four horizontal sums at once -> [a, b, c, d]. */
+AVX2 static inline __m128 hsum4x256(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+    __m256 abcd = _mm256_hadd_ps(ab, cd);
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* D is a multiple of 8 on this path. */
+AVX2 static void task_avx2(const Problem *P, const Task *T, float *part_m, float *part_l, float *part_acc) {
+    const int D = P->d, G = P->group, ps = P->page_size, D8 = D / 8;
+    const int64_t q0 = P->qsl[T->seq], n = P->qsl[T->seq + 1] - q0, L = P->seq_lens[T->seq];
+    const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
+    const int nrow = T->r1 - T->r0, nq = nrow * G;
+    float *qs = aligned_alloc(32, sizeof(float) * ((size_t)nq * D + 8));
+    float *acc = aligned_alloc(32, sizeof(float) * ((size_t)nq * D + 8));
+    memset(acc, 0, sizeof(float) * (size_t)nq * D);
+    float m[MAX_QVEC], l[MAX_QVEC];
+    float s[KEY_BLOCK] __attribute__((aligned(32)));
+    const float *kp[KEY_BLOCK], *vp[KEY_BLOCK];
+    const __m256 vscale = _mm256_set1_ps(P->scale);
+    for (int r = 0; r < nrow; r++)
+        for (int g = 0; g < G; g++) {
+            const float *src = P->q + (q0 + T->r0 + r) * P->q_stride + (int64_t)(T->kvh * G + g) * D;
+            float *dst = qs + (r * G + g) * D;
+            for (int x = 0; x < D; x += 8) _mm256_store_ps(dst + x, _mm256_mul_ps(_mm256_loadu_ps(src + x), vscale));
+            m[r * G + g] = -INFINITY; l[r * G + g] = 0.f;
+        }
+    for (int j0 = T->k0; j0 < T->k1; j0 += KEY_BLOCK) {
+        int j1 = j0 + KEY_BLOCK < T->k1 ? j0 + KEY_BLOCK : T->k1;
+        for (int j = j0; j < j1; j++) {
+            int64_t off = ((table[j / ps] * ps + j % ps) * P->hkv + T->kvh) * D;
+            kp[j - j0] = P->kc + off;
+            vp[j - j0] = P->vc + off;
+        }
+        for (int r = 0; r < nrow; r++) {
+            int64_t pos = L - n + T->r0 + r;
+            int nk = (int)((pos + 1 < j1 ? pos + 1 : j1) - j0);
+            if (nk <= 0) continue;
+            for (int g = 0; g < G; g++) {
+                int v = r * G + g;
+                const float *qq = qs + v * D;
+                /* scores, four keys at a time */
+                int j = 0;
+                for (; j + 4 <= nk; j += 4) {
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    for (int x = 0; x < D; x += 8) {
+                        __m256 qx = _mm256_load_ps(qq + x);
+                        a0 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(kp[j] + x), a0);
+                        a1 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(kp[j + 1] + x), a1);
+                        a2 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(kp[j + 2] + x), a2);
+                        a3 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(kp[j + 3] + x), a3);
+                    }
+                    _mm_storeu_ps(s + j, hsum4x256(a0, a1, a2, a3));
+                }
+                for (; j < nk; j++) {
+                    __m256 a0 = _mm256_setzero_ps();
+                    for (int x = 0; x < D; x += 8)
+                        a0 = _mm256_fmadd_ps(_mm256_load_ps(qq + x), _mm256_loadu_ps(kp[j] + x), a0);
+                    s[j] = hsum256(a0);
+                }
+                float bm = -INFINITY;
+                for (int t = 0; t < nk; t++) bm = s[t] > bm ? s[t] : bm;
+                float mn = m[v] > bm ? m[v] : bm;
+                float alpha = expf(m[v] - mn);
+                /* p = exp(s - mn), eight at a time */
+                __m256 vmn = _mm256_set1_ps(mn), vsum = _mm256_setzero_ps();
+                int t = 0;
+                for (; t + 8 <= nk; t += 8) {
+                    __m256 p = exp256(_mm256_sub_ps(_mm256_load_ps(s + t), vmn));
+                    _mm256_store_ps(s + t, p);
+                    vsum = _mm256_add_ps(vsum, p);
+                }
+                float sum = hsum256(vsum);
+                for (; t < nk; t++) { s[t] = expf(s[t] - mn); sum += s[t]; }
+                l[v] = l[v] * alpha + sum;
+                m[v] = mn;
+                /* acc = acc * alpha + sum_j p_j v_j, D in registers when it fits */
+                float *a = acc + v * D;
+                if (D8 <= 8) {
+                    __m256 o[8];
+                    __m256 va = _mm256_set1_ps(alpha);
+                    for (int x = 0; x < D8; x++) o[x] = _mm256_mul_ps(_mm256_load_ps(a + 8 * x), va);
+                    for (int u = 0; u < nk; u++) {
+                        __m256 pu = _mm256_set1_ps(s[u]);
+                        const float *vv = vp[u];
+                        for (int x = 0; x < D8; x++) o[x] = _mm256_fmadd_ps(pu, _mm256_loadu_ps(vv + 8 * x), o[x]);
+                    }
+                    for (int x = 0; x < D8; x++) _mm256_store_ps(a + 8 * x, o[x]);
+                } else {
+                    __m256 va = _mm256_set1_ps(alpha);
+                    for (int x = 0; x < D; x += 8) _mm256_store_ps(a + x, _mm256_mul_ps(_mm256_load_ps(a + x), va));
+                    for (int u = 0; u < nk; u++) {
+                        __m256 pu = _mm256_set1_ps(s[u]);
+                        for (int x = 0; x < D; x += 8)
+                            _mm256_store_ps(a + x, _mm256_fmadd_ps(pu, _mm256_loadu_ps(vp[u] + x), _mm256_load_ps(a + x)));
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < nrow; r++)
+        for (int g = 0; g < G; g++) {
+            int v = r * G + g;
+            if (T->part < 0) {
+                float *dst = P->out + (q0 + T->r0 + r) * (int64_t)P->hq * D + (int64_t)(T->kvh * G + g) * D;
+                __m256 inv = _mm256_set1_ps(l[v] > 0.f ? 1.f / l[v] : 0.f);
+                for (int x = 0; x < D; x += 8) _mm256_storeu_ps(dst + x, _mm256_mul_ps(_mm256_load_ps(acc + v * D + x), inv));
+            } else {
+                part_m[v] = m[v]; part_l[v] = l[v];
+                memcpy(part_acc + (size_t)v * D, acc + (size_t)v * D, sizeof(float) * D);
+            }
+        }
+    free(acc);
+    free(qs);
+}
+
+static int have_avx2(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return cached;
+}
+#else
+static int have_avx2(void) { return 0; }
+#endif
+
+/* ---------------------------------------------------------------------------------------- */
+/* task planning and the parallel driver                                                    */
+
+static int plan_tasks(const Problem *P, int num_seqs, int nthreads, Task **out_tasks, int *num_parts) {
+    const int G = P->group;
+    int rows_per_task = MAX_QVEC / G;
+    if (rows_per_task > 64) rows_per_task = 64;
+    if (rows_per_task < 1) rows_per_task = 1;
+    /* Decode rows over long contexts are split over keys (chunks of SPLIT_KEYS), so that a
+     * long single-sequence decode keeps every thread busy. The split depends only on the
+     * sequence's own length, never on the batch or the thread count: a request's result is the
+     * same bits alone or in any batch. */
+    (void)nthreads;
+    int cap = 16, count = 0, parts = 0;
+    Task *tasks = malloc(sizeof(Task) * cap);
+    for (int i = 0; i < num_seqs; i++) {
+        int64_t n = P->qsl[i + 1] - P->qsl[i], L = P->seq_lens[i];
+        if (n <= 0) continue;
+        for (int h = 0; h < P->hkv; h++)
+            for (int64_t r0 = 0; r0 < n; r0 += rows_per_task) {
+                int64_t r1 = r0 + rows_per_task < n ? r0 + rows_per_task : n;
+                int64_t kend = L - n + r1;   /* the last row sees keys [0, kend) */
+                int splits = n == 1 && kend >= 2 * SPLIT_KEYS ? (int)(kend / SPLIT_KEYS) : 1;
+                int64_t chunk = (kend + splits - 1) / splits;
+                for (int sidx = 0; sidx < splits; sidx++) {
+                    if (count == cap) { cap *= 2; tasks = realloc(tasks, sizeof(Task) * cap); }
+                    Task *t = &tasks[count++];
+                    t->seq = i; t->kvh = h; t->r0 = (int)r0; t->r1 = (int)r1;
+                    t->k0 = (int)(sidx * chunk);
+                    t->k1 = (int)((sidx + 1) * chunk < kend ? (sidx + 1) * chunk : kend);
+                    t->part = splits > 1 ? parts++ : -1;
+                }
+            }
+    }
+    *out_tasks = tasks;
+    *num_parts = parts;
+    return count;
+}
+
+static void run_problem(const Problem *P, int num_seqs, int nthreads) {
+    Task *tasks;
+    int parts;
+    int count = plan_tasks(P, num_seqs, nthreads, &tasks, &parts);
+    const int G = P->group, D = P->d;
+    /* a partial slot holds one decode row's G query vectors */
+    float *pm = parts ? malloc(sizeof(float) * parts * G) : NULL;
+    float *pl = parts ? malloc(sizeof(float) * parts * G) : NULL;
+    float *pa = parts ? malloc(sizeof(float) * (size_t)parts * G * D) : NULL;
+    int vec = have_avx2() && D % 8 == 0 && D <= MAX_HEAD_DIM;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (count > 1 && nthreads > 1)
+    for (int i = 0; i < count; i++) {
+        const Task *t = &tasks[i];
+        float *m = t->part >= 0 ? pm + (size_t)t->part * G : NULL;
+        float *l = t->part >= 0 ? pl + (size_t)t->part * G : NULL;
+        float *a = t->part >= 0 ? pa + (size_t)t->part * G * D : NULL;
+#if TM_X86
+        if (vec) { task_avx2(P, t, m, l, a); continue; }
+#endif
+        task_scalar(P, t, m, l, a);
+    }
+    /* merge split-K partials: consecutive tasks of one (seq, head) hold consecutive parts */
+    for (int i = 0; i < count;) {
+        if (tasks[i].part < 0) { i++; continue; }
+        int j = i;
+        while (j < count && tasks[j].part >= 0 && tasks[j].seq == tasks[i].seq && tasks[j].kvh == tasks[i].kvh) j++;
+        const Task *t0 = &tasks[i];
+        int64_t row = P->qsl[t0->seq] + t0->r0;
+        for (int g = 0; g < G; g++) {
+            float mx = -INFINITY;
+            for (int u = i; u < j; u++) { float mu = pm[(size_t)tasks[u].part * G + g]; mx = mu > mx ? mu : mx; }
+            float *dst = P->out + row * (int64_t)P->hq * D + (int64_t)(t0->kvh * G + g) * D;
+            float den = 0.f;
+            for (int x = 0; x < D; x++) dst[x] = 0.f;
+            for (int u = i; u < j; u++) {
+                size_t slot = (size_t)tasks[u].part * G + g;
+                if (pl[slot] == 0.f) continue;
+                float w = expf(pm[slot] - mx);
+                den += w * pl[slot];
+                const float *src = pa + slot * D;
+                for (int x = 0; x < D; x++) dst[x] += w * src[x];
+            }
+            float inv = den > 0.f ? 1.f / den : 0.f;
+            for (int x = 0; x < D; x++) dst[x] *= inv;
+        }
+        i = j;
+    }
+    free(pm); free(pl); free(pa); free(tasks);
+}
+
+/* paged_attention(q_ptr, q_stride, out_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, qsl_ptr,
+ *                 seq_lens_ptr, num_seqs, page_size, num_q_heads, num_kv_heads, head_dim,
+ *                 scale, num_threads) */
+static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
+    unsigned long long q, out, kc, vc, bt, qsl, sl;
+    long long q_stride, bt_stride;
+    int num_seqs, ps, hq, hkv, d, nthreads;
+    float scale;
+    if (!PyArg_ParseTuple(args, "KLKKKKLKKiiiiifi", &q, &q_stride, &out, &kc, &vc, &bt, &bt_stride,
+                          &qsl, &sl, &num_seqs, &ps, &hq, &hkv, &d, &scale, &nthreads))
+        return NULL;
+    if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) {
+        PyErr_Format(PyExc_ValueError, "paged_attention: unsupported shape (heads %d/%d, head_dim %d, page %d)",
+                     hq, hkv, d, ps);
+        return NULL;
+    }
+    Problem P = {(const float *)q, q_stride, (float *)out, (const float *)kc, (const float *)vc,
+                 (const int64_t *)bt, bt_stride, (const int64_t *)qsl, (const int64_t *)sl,
+                 ps, hq, hkv, d, hq / hkv, scale};
+    if (nthreads < 1) nthreads = 1;
+    Py_BEGIN_ALLOW_THREADS
+    run_problem(&P, num_seqs, nthreads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_simd(PyObject *self, PyObject *args) {
+    return PyUnicode_FromString(have_avx2() ? "avx2+fma" : "scalar");
+}
+
+static PyMethodDef methods[] = {
+    {"paged_attention", py_paged_attention, METH_VARARGS, "Paged attention over the KV pool, pages read in place."},
+    {"simd", py_simd, METH_NOARGS, "The vector instruction set the kernels use on this CPU."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_attention", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__attention(void) { return PyModule_Create(&module); }

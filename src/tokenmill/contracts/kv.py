@@ -1,0 +1,121 @@
+"""What a model stores per token: the KV spec the model runner allocates from.
+
+A model declares one entry per layer. The runner allocates the pools from the spec (through its
+attention backend), the engine sizes the page pool from :meth:`KVCacheSpec.bytes_per_token`, and
+the planner computes capacity from the same formula, so the three agree by construction.
+
+Layer kinds:
+
+* :class:`PagedKV`: standard attention, K and V of ``num_kv_heads`` heads per token.
+* :class:`LatentKV`: multi-head latent attention (MLA), one compressed latent of
+  ``kv_lora_rank`` plus a shared rope key of ``rope_dim`` elements per token.
+
+A new kind (say a recurrent-state slot of a linear-attention layer) is one more dataclass with
+``elements_per_token`` / ``scales_per_token`` / ``bytes_per_request`` and an attention backend
+that allocates and reads it.
+
+Storage dtypes: ``float32``, ``bfloat16``, ``float16``, ``float8_e4m3fn``. Entries stored as fp8
+carry fp32 scales (``scales_per_token`` of them per layer: one per token and head for K and for
+V, one per token for an MLA latent).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+FP8_DTYPES = ("float8_e4m3fn",)
+SCALE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """K and V heads per token (Llama, Qwen, ...)."""
+
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if min(self.num_kv_heads, self.head_dim) <= 0:
+            raise ValueError(f"PagedKV sizes must be positive: {self}")
+
+    def elements_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def scales_per_token(self) -> int:
+        return 2 * self.num_kv_heads
+
+    def bytes_per_request(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class LatentKV:
+    """MLA: the compressed latent (``kv_lora_rank``) plus the rope key (``rope_dim``)."""
+
+    kv_lora_rank: int
+    rope_dim: int
+
+    def __post_init__(self) -> None:
+        if self.kv_lora_rank <= 0 or self.rope_dim < 0:
+            raise ValueError(f"LatentKV sizes must be positive: {self}")
+
+    def elements_per_token(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    def scales_per_token(self) -> int:
+        return 1
+
+    def bytes_per_request(self) -> int:
+        return 0
+
+
+LayerKV = Union[PagedKV, LatentKV]
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Per-layer KV entries of one model and their storage dtype."""
+
+    layers: tuple[LayerKV, ...]
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("KVCacheSpec needs at least one layer")
+        if self.dtype not in KV_DTYPE_BYTES:
+            raise ValueError(f"KV dtype must be one of {sorted(KV_DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @classmethod
+    def dense(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str = "float32") -> KVCacheSpec:
+        """Every layer the same standard attention."""
+        if num_layers <= 0:
+            raise ValueError(f"num_layers must be positive, got {num_layers}")
+        return cls(tuple(PagedKV(num_kv_heads, head_dim) for _ in range(num_layers)), dtype)
+
+    def with_dtype(self, dtype: str) -> KVCacheSpec:
+        return KVCacheSpec(self.layers, dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def itemsize(self) -> int:
+        return KV_DTYPE_BYTES[self.dtype]
+
+    def layer_bytes_per_token(self, layer: LayerKV) -> int:
+        scales = layer.scales_per_token() * SCALE_BYTES if self.is_fp8 else 0
+        return layer.elements_per_token() * self.itemsize + scales
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token's entries take across all layers (fp8 scales included)."""
+        return sum(self.layer_bytes_per_token(layer) for layer in self.layers)
+
+    def bytes_per_request(self) -> int:
+        """Fixed per-request state (recurrent layers); 0 for pure attention models."""
+        return sum(layer.bytes_per_request() for layer in self.layers)

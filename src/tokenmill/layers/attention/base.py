@@ -1,0 +1,83 @@
+"""The attention-backend interface and the per-step context a model's forward receives.
+
+The model runner owns the backend. Once per step it builds the backend's metadata from the
+scheduler's integers (:meth:`AttentionBackend.build_metadata`); every attention layer then calls
+:meth:`AttentionBackend.forward` with that metadata and its own slice of the KV pool. Models
+never build metadata, never allocate KV and never look at the device: they read all of it from
+:class:`ForwardContext`.
+
+A backend is chosen for a KV spec and a device (:func:`tokenmill.layers.attention.select_attention_backend`).
+``graph_capture_sizes`` is the hook for a CUDA-graph runner: the batch sizes whose metadata the
+backend can rebuild into static buffers (``()`` for backends that run eagerly only, which is all
+of today's CPU backends, so the runner never captures).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from tokenmill.contracts.batch import ForwardBatch
+from tokenmill.contracts.kv import KVCacheSpec
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+class AttentionBackend(abc.ABC):
+    """Paged attention over one model's KV pool."""
+
+    name: str = "abstract"
+    graph_capture_sizes: tuple[int, ...] = ()
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device, compute_dtype: torch.dtype) -> None:
+        self.spec = spec
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.cache_dtype = torch_dtype(spec.dtype)
+
+    @abc.abstractmethod
+    def allocate(self, num_pages: int, page_size: int) -> list[Any]:
+        """One zeroed KV entry per layer of the spec, on the backend's device."""
+
+    @abc.abstractmethod
+    def build_metadata(self, batch: ForwardBatch) -> Any:
+        """Everything the layers share in this step, computed once from ``batch``."""
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any, meta: Any,
+                scale: float) -> torch.Tensor:
+        """Write ``k``/``v`` [T, Hkv, D] at the step's slots and attend with ``q`` [T, Hq, D].
+
+        Returns ``[T, Hq * D]`` in ``q``'s dtype.
+        """
+
+
+@dataclass
+class ForwardContext:
+    """What a model's forward gets each step (prepared by the model runner).
+
+    ``capture_layers`` asks the model to keep the hidden states after those decoder layers
+    (index ``-1`` is the embedding output); they appear in ``captured`` keyed by layer index.
+    Learned draft models read them, at no extra forward pass.
+    """
+
+    batch: ForwardBatch
+    attn: AttentionBackend
+    meta: Any
+    kv_caches: Sequence[Any]
+    capture_layers: frozenset[int] = frozenset()
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    logits: torch.Tensor | None = None   # set by the runner after the forward
+
+    @classmethod
+    def prepare(cls, attn: AttentionBackend, batch: ForwardBatch, kv_caches: Sequence[Any],
+                capture_layers: frozenset[int] = frozenset()) -> ForwardContext:
+        return cls(batch, attn, attn.build_metadata(batch), kv_caches, capture_layers)
+
+    def capture(self, layer: int, hidden: torch.Tensor) -> None:
+        if layer in self.capture_layers:
+            self.captured[layer] = hidden
