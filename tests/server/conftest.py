@@ -53,7 +53,7 @@ def client(server: ServiceProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture   # per test: its connection pool belongs to the event loop of the test's asyncio.run
 def async_client(server: ServiceProcess) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
