@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model == "tiny":
-            from tokenmill.models.tiny import build_tiny_checkpoint
+            from tokenmill.loader.tiny import build_tiny_checkpoint
 
             model = str(build_tiny_checkpoint(Path(tmp) / "tiny"))
         results = {name: run_setup(name, model, args, out) for name in args.setups.split(",")}

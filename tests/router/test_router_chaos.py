@@ -102,6 +102,7 @@ class Load:
     """Closed-loop non-streamed chat requests from a few threads; sessions rotate slowly."""
 
     base: str
+    pinned: str | None = None     # a session homed on the victim, so some traffic goes there
     threads: int = 3
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -110,7 +111,11 @@ class Load:
         rng = random.Random(seed)
         with httpx.Client(base_url=self.base, timeout=60) as c:
             while not self._stop.is_set():
-                session = f"s{rng.randrange(12)}" if rng.random() < 0.8 else f"new-{rng.random()}"
+                draw = rng.random()
+                if self.pinned is not None and draw < 0.25:
+                    session = self.pinned
+                else:
+                    session = f"s{rng.randrange(12)}" if draw < 0.8 else f"new-{rng.random()}"
                 t0 = time.monotonic()
                 try:
                     r = c.post("/v1/chat/completions", headers={"X-Session-ID": session},
@@ -224,7 +229,7 @@ def test_chaos_each_fault_detected_and_survived(chaos: tuple[Fleet, FaultProxy, 
 
     def phase(name: str, victim: str, inject, recover, down_key: str, stream_cut: bool) -> None:
         pinned = session_on(base, victim)
-        with Load(base) as load:
+        with Load(base, pinned) as load:
             time.sleep(0.5)
             stream = CutStream(base, pinned) if stream_cut else None
             if stream is not None:
