@@ -5,8 +5,9 @@
         [--setups single,router]
 
 Setups: ``single`` is one ``tokenmill serve``; ``router`` is two replicas behind ``tokenmill route``.
-Each replica runs with ``--max-running-requests C --max-waiting-requests C/2 --max-queue-wait-s 2``
-(C = ``--concurrency``), so it admits what it can start soon and answers 429/503 for the rest.
+Each replica runs with ``--max-running-requests C --max-waiting-requests C/2`` (C =
+``--concurrency``), so it admits what it can start soon and answers 429 for the rest
+(``--max-queue-wait-s 60`` is only a safety net).
 
 1. Capacity: C closed-loop clients (C per replica) for ``--measure-s``; capacity = completed req/s.
 2. For each factor in 1x, 2x, 4x: Poisson arrivals at factor x capacity for ``--level-s``, every
@@ -125,7 +126,7 @@ def summarize(results: list[Result], seconds: float) -> dict[str, float]:
 
 def replica_argv(model: str, c: int) -> list[str]:
     return ["serve", "--model", model, "--served-model-name", "m", "--max-running-requests", str(c),
-            "--max-waiting-requests", str(max(1, c // 2)), "--max-queue-wait-s", "2", "--kv-cache-tokens", "32768",
+            "--max-waiting-requests", str(max(1, c // 2)), "--max-queue-wait-s", "60", "--kv-cache-tokens", "32768",
             "--log-level", "warning"]
 
 
@@ -146,6 +147,8 @@ def run_setup(name: str, model: str, args: argparse.Namespace, out: Path) -> dic
         capacity = asyncio.run(closed_loop(base, args.concurrency * replicas, args.measure_s, args))
         print(f"[{name}] capacity {capacity:.2f} req/s with {args.concurrency * replicas} closed-loop clients",
               flush=True)
+        if capacity <= 0:
+            raise SystemExit(f"[{name}] no request completed while measuring capacity; see the logs in {out}")
         levels = {}
         for factor in (1, 2, 4):
             res = asyncio.run(open_loop(base, capacity * factor, args.level_s, args, seed=factor))

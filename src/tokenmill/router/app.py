@@ -251,7 +251,10 @@ class Router:
         event = self._down_events.pop(replica_id, None)
         if event is not None:
             event.set()
-        if replica_id in {r.id for r in self.registry.all() if r.circuit_open}:
+        self.stats.ejections[replica_id] += 1
+
+    def _request_result(self, replica_id: str, ok: bool, reason: str = "") -> None:
+        if self.registry.record_request_result(replica_id, ok, reason):
             self.stats.ejections[replica_id] += 1
 
     def _down_event(self, replica_id: str) -> asyncio.Event:
@@ -331,7 +334,7 @@ class Router:
                 nonlocal failure
                 self.stats.upstream_errors[reason] += 1
                 if breaker:
-                    self.registry.record_request_result(rid, False, reason)
+                    self._request_result(rid, False, reason)
                 if meta is not None:
                     self._finish_attempt(meta, rid)
                 else:
@@ -360,11 +363,14 @@ class Router:
                 except (_Ejected, httpx.HTTPError):
                     body = b""
                 await upstream.aclose()
-                if upstream.status_code == 429:
-                    self.stats.rejected["replica_429"] += 1
+                # 429, or 503 with Retry-After: the replica is overloaded, not broken
+                overload = upstream.status_code == 429 or (upstream.status_code == 503
+                                                           and "retry-after" in upstream.headers)
+                if overload:
+                    self.stats.rejected[f"replica_{upstream.status_code}"] += 1
                 failed(Response(body, status_code=upstream.status_code,
                                 headers={**self._response_headers(upstream), REPLICA_HEADER: rid}),
-                       f"http_{upstream.status_code}", breaker=upstream.status_code != 429)
+                       f"http_{upstream.status_code}", breaker=not overload)
                 continue
             relayed = await self._relay(upstream, rid, kind, meta, stream, down)
             if relayed is None:   # the replica went down before the body was read: try elsewhere
@@ -409,11 +415,11 @@ class Router:
                 return None
             except httpx.HTTPError as e:
                 self.stats.midstream_errors += 1
-                self.registry.record_request_result(rid, False, type(e).__name__)
+                self._request_result(rid, False, type(e).__name__)
                 await close()
                 return openai_error(502, f"replica {rid} broke off its response: {type(e).__name__}: {e}",
                                     "upstream_error", {REPLICA_HEADER: rid})
-            self.registry.record_request_result(rid, upstream.status_code < 500)
+            self._request_result(rid, upstream.status_code < 500)
             sniffer.feed_body(body)
             await close()
             return Response(body, status_code=upstream.status_code, headers=headers)
@@ -434,13 +440,13 @@ class Router:
                         break
                     sniffer.feed(chunk)
                     yield chunk
-                self.registry.record_request_result(rid, True)
+                self._request_result(rid, True)
             except (httpx.HTTPError, _Ejected) as e:
                 self.stats.midstream_errors += 1
                 why = "went down" if isinstance(e, _Ejected) else f"failed: {type(e).__name__}: {e}"
                 log.warning("replica %s mid-stream: %s", rid, why)
                 if not isinstance(e, _Ejected):
-                    self.registry.record_request_result(rid, False, type(e).__name__)
+                    self._request_result(rid, False, type(e).__name__)
                 if is_sse:
                     err = {"error": {"message": f"replica {rid} {why} mid-stream", "type": "upstream_error",
                                      "param": None, "code": 502}}

@@ -22,7 +22,7 @@ prometheus_client.disable_created_metrics()
 
 PREFIX = "tokenmill_router_"
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
-REJECT_REASONS = ("fleet_full", "replicas_full", "replica_429", "request_too_large", "json_too_deep")
+REJECT_REASONS = ("fleet_full", "replicas_full", "replica_429", "replica_503", "request_too_large", "json_too_deep")
 
 
 @dataclass
@@ -34,7 +34,7 @@ class RouterStats:
     upstream_errors: Counter[str] = field(default_factory=Counter)        # reason -> count
     midstream_errors: int = 0
     rejected: Counter[str] = field(default_factory=Counter)               # reason -> count
-    ejections: Counter[str] = field(default_factory=Counter)              # replica id -> circuit openings
+    ejections: Counter[str] = field(default_factory=Counter)              # replica id -> times taken out
 
 
 class RouterCollector:
@@ -91,7 +91,7 @@ class RouterCollector:
             yield family(g, name, help, ["replica"], [([r.id], get(r)) for r in replicas])
         yield family(c, "replica_requests", "Requests sent to the replica.", ["replica"],
                      [([r.id], r.requests_total) for r in replicas])
-        yield family(c, "replica_ejections", "Times the circuit breaker took the replica out.", ["replica"],
+        yield family(c, "replica_ejections", "Times the replica was taken out (failed health checks or circuit opened).", ["replica"],
                      [([r.id], st.ejections[r.id]) for r in replicas])
         d = self.registry.dispersion
         yield family(g, "load_dispersion_index", "Variance / mean of per-replica in-flight requests, sampled while busy.",

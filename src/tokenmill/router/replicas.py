@@ -16,9 +16,10 @@ no new requests and leaves the registry when its last in-flight request ends.
 Circuit breaker, on top of health checks: ``breaker_threshold`` proxied requests in a row that
 fail (5xx, connect error, timeout) open the replica's circuit for ``breaker_cooldown_s``; it gets
 no requests meanwhile even if ``/health`` still answers 200. After the cooldown it is half-open:
-the next failure opens it again at once, a success closes it. Whenever a replica goes down
-(unhealthy, or circuit opened) ``on_down(replica_id)`` is called, so the proxy can take its
-in-flight attempts elsewhere.
+the next failure opens it again at once, a success closes it. When a replica fails its health
+checks (dead, hung, or too slow to answer them) ``on_down(replica_id)`` is called, so the proxy
+can take its in-flight attempts elsewhere. Overload answers (429, or 503 with ``Retry-After``)
+are not failures: the proxy tries another replica without feeding the breaker.
 """
 from __future__ import annotations
 
@@ -178,21 +179,26 @@ class ReplicaRegistry:
                 log.info("replica %s circuit half-open", r.id)
         return [r.view() for r in self._replicas.values()]
 
-    def record_request_result(self, replica_id: str, ok: bool, reason: str = "") -> None:
-        """Feed the circuit breaker with one proxied request's outcome."""
+    def record_request_result(self, replica_id: str, ok: bool, reason: str = "") -> bool:
+        """Feed the circuit breaker with one proxied request's outcome; True if it opened the circuit.
+
+        An open circuit stops new requests only: the replica still answers, so what is in flight
+        on it is left to finish (``on_down`` is for replicas that fail their health checks).
+        """
         replica = self._replicas.get(replica_id)
         if replica is None:
-            return
+            return False
         if ok:
             replica.request_failures = 0
-            return
+            return False
         replica.request_failures += 1
         if not replica.circuit_open and replica.request_failures >= self.health.breaker_threshold:
             replica.circuit_open = True
             replica.circuit_until = self.clock() + self.health.breaker_cooldown_s
             log.warning("replica %s circuit open for %.1fs after %d failed requests (%s)", replica_id,
                         self.health.breaker_cooldown_s, replica.request_failures, reason)
-            self._went_down(replica_id)
+            return True
+        return False
 
     def _went_down(self, replica_id: str) -> None:
         if self.on_down is not None:
