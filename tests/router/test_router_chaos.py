@@ -167,7 +167,7 @@ def lands_on(base: str, rid: str, tries: int = 60) -> bool:
 def session_on(base: str, rid: str) -> str:
     """A session id whose home is replica ``rid``."""
     for k in range(200):
-        sid = f"pin-{rid}-{k}"
+        sid = f"pin-{rid}-{time.monotonic()}"
         r = httpx.post(base + "/v1/chat/completions", headers={"X-Session-ID": sid}, timeout=60,
                        json={"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "pin"}]})
         if r.headers.get(REPLICA) == rid:
@@ -182,6 +182,7 @@ class CutStream:
         self.base, self.session = base, session
         self.first = threading.Event()
         self.ending: str | None = None
+        self.replica: str | None = None
         self.events: list[str] = []
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -192,6 +193,7 @@ class CutStream:
         try:
             with httpx.stream("POST", self.base + "/v1/chat/completions", json=body, timeout=30,
                               headers={"X-Session-ID": self.session}) as r:
+                self.replica = r.headers.get(REPLICA)
                 for line in r.iter_lines():
                     if line.startswith("data:"):
                         self.events.append(line[5:].strip())
@@ -240,12 +242,12 @@ def test_chaos_each_fault_detected_and_survived(chaos: tuple[Fleet, FaultProxy, 
     report: list[str] = []
 
     def phase(name: str, victim: str, inject, recover, stream_cut: bool) -> None:
-        pinned = session_on(base, victim)
-        with Load(base, pinned) as load:
+        pinned = session_on(base, victim)       # the cut stream's session
+        with Load(base, session_on(base, victim)) as load:
             time.sleep(0.5)
             stream = CutStream(base, pinned) if stream_cut else None
             if stream is not None:
-                assert stream.first.wait(20)
+                assert stream.first.wait(20) and stream.replica == victim, stream.replica
             t_fault = time.monotonic()
             inject()
             def out() -> bool:
