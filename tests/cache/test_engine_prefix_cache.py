@@ -195,3 +195,20 @@ def test_flush_and_disabled_cache(tiny_llama: Any) -> None:
     off.generate([prompt], GREEDY)
     assert off.generate([prompt], GREEDY)[0].cached_tokens == 0
     assert off.engine.stats().cached_tokens_total == 0
+
+
+def test_concurrent_requests_with_one_prompt_hit_each_others_prefill(tiny_llama: Any) -> None:
+    """n parallel requests with the same long prompt (as with n > 1 or parallel tool calls):
+    the first computes the prompt, the others wait for its pages and reuse them; outputs equal
+    the uncached ones."""
+    rng = random.Random(77)
+    shared = fresh_tokens(rng, 12 * P)
+    prompts = [shared + fresh_tokens(rng, 3) for _ in range(4)]
+    # the step budget fits all four prompts at once: without the wait they would all compute it
+    on, off = make_llm(tiny_llama, max_batch_tokens=512), make_llm(tiny_llama, enable_prefix_cache=False)
+    got = on.generate(prompts, GREEDY)
+    want = off.generate(prompts, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    hits = sorted(o.cached_tokens for o in got)
+    assert hits[0] == 0 and hits[1:] == [12 * P] * 3, hits
+    on.engine.check_pages()

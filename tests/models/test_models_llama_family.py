@@ -1,6 +1,7 @@
 """Tiny Llama / Qwen2 / Qwen3 models over paged KV against HF transformers on the same weights."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -68,6 +69,18 @@ def test_llama3_rope_scaling_and_untied_head(tmp_path):
     drv = PagedDriver(loaded.model, page_size=16)
     ours = torch.cat([drv.step([("s", toks[:50])], all_rows=True), drv.step([("s", toks[50:])], all_rows=True)])
     assert (ours - hf_logits(ref, toks)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_yarn_rope_scaling_matches_hf(tmp_path, arch):
+    """YaRN's interpolated frequencies and its attention factor on cos/sin, past the original length."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    path = build_tiny_checkpoint(tmp_path / "yarn", arch, seed=3, rope_parameters=rope)
+    loaded = load_model(str(path))
+    assert loaded.model.rotary.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
+    toks = _tokens(70, seed=8)
+    ours = PagedDriver(loaded.model, page_size=16).step([("s", toks)], all_rows=True)
+    assert (ours - hf_logits(build_hf_reference(loaded), toks)).abs().max().item() < 1e-4
 
 
 def test_kv_cache_spec_and_write_location(tiny_pairs):

@@ -38,6 +38,7 @@ def _run(backend_name, spec, pool, shapes, page_size, q, k, v, tables):
     return out, cache
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("hq,hkv,d,page_size,shapes", [
     (9, 3, 64, 16, [(0, 1), (40, 1), (100, 70), (0, 130), (17, 5)]),      # SmolLM2-like heads
     (4, 4, 8, 4, [(3, 1), (0, 9), (11, 300)]),                              # MHA, chunk > row block
@@ -46,21 +47,25 @@ def _run(backend_name, spec, pool, shapes, page_size, q, k, v, tables):
     (2, 1, 64, 16, [(3000, 1)]),                                            # one long decode: split-K
     (6, 3, 32, 16, [(1500, 1), (2100, 1), (0, 1)]),                         # several, some split
 ])
-def test_native_matches_torch_reference(hq, hkv, d, page_size, shapes):
+def test_native_matches_torch_reference(hq, hkv, d, page_size, shapes, kv_dtype):
     gen = torch.Generator().manual_seed(hq * 100 + d)
     rng = random.Random(d)
-    spec = KVCacheSpec.dense(1, hkv, d)
+    spec = KVCacheSpec.dense(1, hkv, d, kv_dtype)
     num_pages = sum(-(-(c + n) // page_size) for c, n in shapes) + 2
     free = list(range(1, num_pages))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-(c + n) // page_size))] for c, n in shapes]
-    pool = torch.randn(2, num_pages, page_size, hkv, d, generator=gen)
+    pool = torch.randn(2, num_pages, page_size, hkv, d, generator=gen).to(getattr(torch, kv_dtype))
     t = sum(n for _, n in shapes)
     # q as a strided view, the way the model hands it over (a slice of the fused q/k tensor)
     qk = torch.randn(t, hq + hkv, d, generator=gen)
     q = qk[:, :hq]
     k = torch.randn(t, hkv, d, generator=gen)
     v = torch.randn(t, hkv, d, generator=gen)
+    if kv_dtype == "bfloat16":
+        # the reference attends a fresh chunk with its own unrounded K/V, the kernel reads every
+        # key back from the bf16 pool: give both values that bf16 holds exactly
+        k, v = k.bfloat16().float(), v.bfloat16().float()
     ref, ref_cache = _run("torch", spec, pool, shapes, page_size, q, k, v, tables)
     out, cache = _run("native", spec, pool, shapes, page_size, q, k, v, tables)
     assert torch.equal(cache, ref_cache)
@@ -91,8 +96,11 @@ def test_native_result_does_not_depend_on_the_batch():
 
 
 def test_auto_falls_back_for_what_the_kernel_does_not_do():
-    spec = KVCacheSpec.dense(2, 2, 16, "bfloat16")
+    spec = KVCacheSpec.dense(2, 2, 16, "float16")
     assert select_attention_backend(spec, "cpu", torch.float32, "auto").name == "torch"
     with pytest.raises(ValueError, match="float32"):
         select_attention_backend(spec, "cpu", torch.float32, "native")
+    bf16 = KVCacheSpec.dense(2, 2, 16, "bfloat16")
+    assert select_attention_backend(bf16, "cpu", torch.bfloat16, "auto").name == "torch"   # bf16 activations
+    assert select_attention_backend(bf16, "cpu", torch.float32, "auto").name == "native"
     assert select_attention_backend(KVCacheSpec.dense(2, 2, 16), "cpu", torch.float32).name == "native"

@@ -21,9 +21,11 @@ def _long_text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(vocab) + str(rng.randrange(100)) for _ in range(words))
 
 
-def test_32_concurrent_long_chat_and_completion_requests_all_succeed(async_client: openai.AsyncOpenAI):
+def test_32_concurrent_long_chat_and_completion_requests_all_succeed(server):
     rng = random.Random(3)
     texts = [_long_text(rng, 150) for _ in range(32)]
+    # a client of this test's own event loop (the shared async client belongs to another loop)
+    async_client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
     async def chat(text: str):
         return await async_client.chat.completions.create(
@@ -33,8 +35,9 @@ def test_32_concurrent_long_chat_and_completion_requests_all_succeed(async_clien
         return await async_client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=1, temperature=0)
 
     async def run():
-        return await asyncio.gather(*(chat(t) if i % 2 else completion(t) for i, t in enumerate(texts)),
-                                    return_exceptions=True)
+        async with async_client:
+            return await asyncio.gather(*(chat(t) if i % 2 else completion(t) for i, t in enumerate(texts)),
+                                        return_exceptions=True)
 
     results = asyncio.run(run())
     errors = [r for r in results if isinstance(r, BaseException)]

@@ -1,7 +1,8 @@
 /* Paged attention over tokenmill's KV pool, reading pages in place.
  *
  * KV layout of one layer (the torch reference backend's layout):
- *     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim] float32, contiguous
+ *     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim], contiguous, float32 or
+ *     bfloat16 (widened to float32 as it is read; all arithmetic is float32)
  * Token at context position p of sequence i lives in page block_tables[i][p / page_size] at
  * offset p % page_size.
  *
@@ -55,7 +56,8 @@ typedef struct {
 typedef struct {
     const float *q;  int64_t q_stride;   /* q[t, h, d] = q[t*q_stride + h*D + d] */
     float *out;                          /* out[t, h*D + d] */
-    const float *kc, *vc;                /* caches */
+    const void *kc, *vc;                 /* caches: float32, or bfloat16 when kv_bf16 */
+    int kv_bf16;
     const int64_t *bt; int64_t bt_stride;
     const int64_t *qsl, *seq_lens;
     int page_size, hq, hkv, d, group;
@@ -64,6 +66,14 @@ typedef struct {
 
 /* ---------------------------------------------------------------------------------------- */
 /* scalar path                                                                              */
+
+static inline float kv_at(const void *base, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)base)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 static void task_scalar(const Problem *P, const Task *T, float *part_m, float *part_l, float *part_acc) {
     const int D = P->d, G = P->group, ps = P->page_size;
@@ -91,9 +101,9 @@ static void task_scalar(const Problem *P, const Task *T, float *part_m, float *p
                 const float *qq = qs + v * D;
                 float bm = -INFINITY;
                 for (int j = j0; j < jend; j++) {
-                    const float *kp = P->kc + ((table[j / ps] * ps + j % ps) * P->hkv + T->kvh) * D;
+                    int64_t ko = ((table[j / ps] * ps + j % ps) * P->hkv + T->kvh) * D;
                     float dot = 0.f;
-                    for (int x = 0; x < D; x++) dot += qq[x] * kp[x];
+                    for (int x = 0; x < D; x++) dot += qq[x] * kv_at(P->kc, ko + x, P->kv_bf16);
                     s[j - j0] = dot;
                     if (dot > bm) bm = dot;
                 }
@@ -105,8 +115,8 @@ static void task_scalar(const Problem *P, const Task *T, float *part_m, float *p
                 for (int j = j0; j < jend; j++) {
                     float p = expf(s[j - j0] - mn);
                     sum += p;
-                    const float *vp = P->vc + ((table[j / ps] * ps + j % ps) * P->hkv + T->kvh) * D;
-                    for (int x = 0; x < D; x++) a[x] += p * vp[x];
+                    int64_t vo = ((table[j / ps] * ps + j % ps) * P->hkv + T->kvh) * D;
+                    for (int x = 0; x < D; x++) a[x] += p * kv_at(P->vc, vo + x, P->kv_bf16);
                 }
                 l[v] = l[v] * alpha + sum;
                 m[v] = mn;
@@ -172,8 +182,18 @@ AVX2 static inline __m128 hsum4x256(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-/* D is a multiple of 8 on this path. */
-AVX2 static void task_avx2(const Problem *P, const Task *T, float *part_m, float *part_l, float *part_acc) {
+/* Eight cache elements at p (an element pointer of the cache's type) as float32. */
+AVX2 static inline __attribute__((always_inline)) __m256 ld8(const void *p, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p);
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+/* D is a multiple of 8 on this path. bf16 is a compile-time constant in each caller below, so
+ * the compiler makes one specialised copy per cache dtype. */
+AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Problem *P, const Task *T, float *part_m,
+                                                                      float *part_l, float *part_acc, const int bf16) {
+    const size_t esz = bf16 ? 2 : 4;
     const int D = P->d, G = P->group, ps = P->page_size, D8 = D / 8;
     const int64_t q0 = P->qsl[T->seq], n = P->qsl[T->seq + 1] - q0, L = P->seq_lens[T->seq];
     const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
@@ -183,7 +203,7 @@ AVX2 static void task_avx2(const Problem *P, const Task *T, float *part_m, float
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
     float m[MAX_QVEC], l[MAX_QVEC];
     float s[KEY_BLOCK] __attribute__((aligned(32)));
-    const float *kp[KEY_BLOCK], *vp[KEY_BLOCK];
+    const char *kp[KEY_BLOCK], *vp[KEY_BLOCK];   /* element pointers (byte addressed) */
     const __m256 vscale = _mm256_set1_ps(P->scale);
     for (int r = 0; r < nrow; r++)
         for (int g = 0; g < G; g++) {
@@ -196,8 +216,8 @@ AVX2 static void task_avx2(const Problem *P, const Task *T, float *part_m, float
         int j1 = j0 + KEY_BLOCK < T->k1 ? j0 + KEY_BLOCK : T->k1;
         for (int j = j0; j < j1; j++) {
             int64_t off = ((table[j / ps] * ps + j % ps) * P->hkv + T->kvh) * D;
-            kp[j - j0] = P->kc + off;
-            vp[j - j0] = P->vc + off;
+            kp[j - j0] = (const char *)P->kc + off * esz;
+            vp[j - j0] = (const char *)P->vc + off * esz;
         }
         for (int r = 0; r < nrow; r++) {
             int64_t pos = L - n + T->r0 + r;
@@ -212,17 +232,17 @@ AVX2 static void task_avx2(const Problem *P, const Task *T, float *part_m, float
                     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                     for (int x = 0; x < D; x += 8) {
                         __m256 qx = _mm256_load_ps(qq + x);
-                        a0 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(kp[j] + x), a0);
-                        a1 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(kp[j + 1] + x), a1);
-                        a2 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(kp[j + 2] + x), a2);
-                        a3 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(kp[j + 3] + x), a3);
+                        a0 = _mm256_fmadd_ps(qx, ld8(kp[j] + x * esz, bf16), a0);
+                        a1 = _mm256_fmadd_ps(qx, ld8(kp[j + 1] + x * esz, bf16), a1);
+                        a2 = _mm256_fmadd_ps(qx, ld8(kp[j + 2] + x * esz, bf16), a2);
+                        a3 = _mm256_fmadd_ps(qx, ld8(kp[j + 3] + x * esz, bf16), a3);
                     }
                     _mm_storeu_ps(s + j, hsum4x256(a0, a1, a2, a3));
                 }
                 for (; j < nk; j++) {
                     __m256 a0 = _mm256_setzero_ps();
                     for (int x = 0; x < D; x += 8)
-                        a0 = _mm256_fmadd_ps(_mm256_load_ps(qq + x), _mm256_loadu_ps(kp[j] + x), a0);
+                        a0 = _mm256_fmadd_ps(_mm256_load_ps(qq + x), ld8(kp[j] + x * esz, bf16), a0);
                     s[j] = hsum256(a0);
                 }
                 float bm = -INFINITY;
@@ -249,8 +269,8 @@ AVX2 static void task_avx2(const Problem *P, const Task *T, float *part_m, float
                     for (int x = 0; x < D8; x++) o[x] = _mm256_mul_ps(_mm256_load_ps(a + 8 * x), va);
                     for (int u = 0; u < nk; u++) {
                         __m256 pu = _mm256_set1_ps(s[u]);
-                        const float *vv = vp[u];
-                        for (int x = 0; x < D8; x++) o[x] = _mm256_fmadd_ps(pu, _mm256_loadu_ps(vv + 8 * x), o[x]);
+                        const char *vv = vp[u];
+                        for (int x = 0; x < D8; x++) o[x] = _mm256_fmadd_ps(pu, ld8(vv + 8 * x * esz, bf16), o[x]);
                     }
                     for (int x = 0; x < D8; x++) _mm256_store_ps(a + 8 * x, o[x]);
                 } else {
@@ -259,7 +279,7 @@ AVX2 static void task_avx2(const Problem *P, const Task *T, float *part_m, float
                     for (int u = 0; u < nk; u++) {
                         __m256 pu = _mm256_set1_ps(s[u]);
                         for (int x = 0; x < D; x += 8)
-                            _mm256_store_ps(a + x, _mm256_fmadd_ps(pu, _mm256_loadu_ps(vp[u] + x), _mm256_load_ps(a + x)));
+                            _mm256_store_ps(a + x, _mm256_fmadd_ps(pu, ld8(vp[u] + x * esz, bf16), _mm256_load_ps(a + x)));
                     }
                 }
             }
@@ -279,6 +299,14 @@ AVX2 static void task_avx2(const Problem *P, const Task *T, float *part_m, float
         }
     free(acc);
     free(qs);
+}
+
+AVX2 static void task_avx2_f32(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    task_avx2_body(P, T, m, l, a, 0);
+}
+
+AVX2 static void task_avx2_bf16(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    task_avx2_body(P, T, m, l, a, 1);
 }
 
 static int have_avx2(void) {
@@ -349,7 +377,11 @@ static void run_problem(const Problem *P, int num_seqs, int nthreads) {
         float *l = t->part >= 0 ? pl + (size_t)t->part * G : NULL;
         float *a = t->part >= 0 ? pa + (size_t)t->part * G * D : NULL;
 #if TM_X86
-        if (vec) { task_avx2(P, t, m, l, a); continue; }
+        if (vec) {
+            if (P->kv_bf16) task_avx2_bf16(P, t, m, l, a);
+            else task_avx2_f32(P, t, m, l, a);
+            continue;
+        }
 #endif
         task_scalar(P, t, m, l, a);
     }
@@ -384,21 +416,21 @@ static void run_problem(const Problem *P, int num_seqs, int nthreads) {
 
 /* paged_attention(q_ptr, q_stride, out_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, qsl_ptr,
  *                 seq_lens_ptr, num_seqs, page_size, num_q_heads, num_kv_heads, head_dim,
- *                 scale, num_threads) */
+ *                 scale, num_threads, kv_bf16) */
 static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     unsigned long long q, out, kc, vc, bt, qsl, sl;
     long long q_stride, bt_stride;
-    int num_seqs, ps, hq, hkv, d, nthreads;
+    int num_seqs, ps, hq, hkv, d, nthreads, kv_bf16;
     float scale;
-    if (!PyArg_ParseTuple(args, "KLKKKKLKKiiiiifi", &q, &q_stride, &out, &kc, &vc, &bt, &bt_stride,
-                          &qsl, &sl, &num_seqs, &ps, &hq, &hkv, &d, &scale, &nthreads))
+    if (!PyArg_ParseTuple(args, "KLKKKKLKKiiiiifii", &q, &q_stride, &out, &kc, &vc, &bt, &bt_stride,
+                          &qsl, &sl, &num_seqs, &ps, &hq, &hkv, &d, &scale, &nthreads, &kv_bf16))
         return NULL;
     if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) {
         PyErr_Format(PyExc_ValueError, "paged_attention: unsupported shape (heads %d/%d, head_dim %d, page %d)",
                      hq, hkv, d, ps);
         return NULL;
     }
-    Problem P = {(const float *)q, q_stride, (float *)out, (const float *)kc, (const float *)vc,
+    Problem P = {(const float *)q, q_stride, (float *)out, (const void *)kc, (const void *)vc, kv_bf16 != 0,
                  (const int64_t *)bt, bt_stride, (const int64_t *)qsl, (const int64_t *)sl,
                  ps, hq, hkv, d, hq / hkv, scale};
     if (nthreads < 1) nthreads = 1;

@@ -27,6 +27,23 @@ KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 FP8_DTYPES = ("float8_e4m3fn",)
 SCALE_BYTES = 4
 
+# User-facing KV dtype names (``--kv-cache-dtype`` of serve / generate, ``--kv-dtype`` of plan)
+# -> storage dtype. ``auto`` (the model's dtype) is resolved by the engine.
+KV_DTYPE_NAMES = {
+    "fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "float16": "float16",
+    "fp32": "float32", "float32": "float32",
+}
+
+
+def kv_storage_dtype(name: str) -> str:
+    """The storage dtype (a key of :data:`KV_DTYPE_BYTES`) for a user-facing name."""
+    try:
+        return KV_DTYPE_NAMES[name]
+    except KeyError:
+        raise ValueError(f"KV cache dtype must be one of {', '.join(KV_DTYPE_NAMES)}, got {name!r}") from None
+
 
 @dataclass(frozen=True)
 class PagedKV:
@@ -119,3 +136,11 @@ class KVCacheSpec:
     def bytes_per_request(self) -> int:
         """Fixed per-request state (recurrent layers); 0 for pure attention models."""
         return sum(layer.bytes_per_request() for layer in self.layers)
+
+    def capacity_tokens(self, memory_bytes: float, page_size: int = 1) -> int:
+        """Tokens a pool of ``memory_bytes`` holds in whole pages of ``page_size`` tokens (the
+        engine sizes its page pool with this; the planner reports it)."""
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        tokens = int(memory_bytes // self.bytes_per_token())
+        return tokens // page_size * page_size

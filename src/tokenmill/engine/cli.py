@@ -38,7 +38,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "this many times the decodes-only step time (learned online); 0 turns it off")
     g.add_argument("--device", default=d.device, help="torch device of the model runner (default: cpu)")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                   help="storage dtype of the KV pool (auto: the model's dtype)")
+                   help="KV pool storage: auto (the model's dtype), fp8_e4m3 (float8_e4m3fn + fp32 scales per "
+                        "token and head), bf16, fp16, fp32; the long torch names are aliases")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="paged-attention implementation (auto: the fastest that supports the model here)")
 

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.contracts.kv import KV_DTYPE_NAMES, kv_storage_dtype
+
 DTYPES = ("float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")   # auto: the model's dtype
+# auto: the model's dtype; fp8_e4m3 / bf16 / fp16 / fp32, with the long torch names as aliases
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bf16", "fp16", "fp32", "fp8", "float8_e4m3fn", "bfloat16", "float16",
+                   "float32")
+assert set(KV_CACHE_DTYPES) == {"auto", *KV_DTYPE_NAMES}
 ATTENTION_BACKENDS = ("auto", "torch", "native")
 DEFAULT_KV_SESSIONS = 4          # full-length sequences the default pool holds
 DEFAULT_KV_MEMORY_SHARE = 0.25   # at most this share of available memory by default
@@ -42,7 +47,7 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     num_threads: int | None = None   # torch intra-op threads (process-wide); None: torch's default
     max_waiting_requests: int | None = None  # bounded waiting queue (engine/admission.py); None: unbounded
     device: str = "cpu"              # torch device the model runner owns ("cpu", "cuda", "cuda:1")
-    kv_cache_dtype: str = "auto"     # storage dtype of the KV pool; auto = the model's dtype
+    kv_cache_dtype: str = "auto"     # KV storage: auto (the model's dtype), fp8_e4m3, bf16, fp16, fp32
     attention_backend: str = "auto"  # see tokenmill.layers.attention.select_attention_backend
     decode_slowdown: float | None = 2.0  # bound on a decode step's time while prefill shares it
                                           # (x the decodes-only step; None: prefill fills the step)
@@ -81,6 +86,11 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not self.device or not (self.device == "cpu" or self.device.startswith(("cuda", "mps", "xpu"))):
             raise ValueError(f"device must be cpu or a torch accelerator such as cuda or cuda:1, got {self.device!r}")
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The KV storage dtype (``float32``, ``bfloat16``, ``float16``, ``float8_e4m3fn``)."""
+    return kv_storage_dtype(model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
 
 
 def default_kv_cache_tokens(max_model_len: int, bytes_per_token: int, available_bytes: int) -> int:

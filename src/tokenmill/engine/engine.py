@@ -20,7 +20,7 @@ import torch
 
 from tokenmill.cache.page_pool import PagePool
 from tokenmill.engine import admission
-from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens
+from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens, resolve_kv_dtype
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.model_runner import ModelRunner
@@ -48,6 +48,9 @@ class EngineStats:
     num_preemptions: int = 0
     kv_pages_cached: int = 0
     kv_pages_in_use: int = 0       # pages owned by requests alone (not in the prefix cache)
+    kv_cache_dtype: str = ""         # storage dtype of the pool (float32, bfloat16, float8_e4m3fn, ...)
+    kv_bytes_per_token: int = 0      # KVCacheSpec.bytes_per_token(), fp8 scales included
+    kv_capacity_tokens: int = 0      # pages x page size
 
     @property
     def cache_hit_rate(self) -> float:
@@ -106,22 +109,28 @@ class Engine:
     def _init_kv(self) -> None:
         cfg = self.config
         spec = self.loaded.model.kv_cache_spec()
-        if cfg.kv_cache_dtype != "auto":
-            spec = spec.with_dtype(cfg.kv_cache_dtype)
+        spec = spec.with_dtype(resolve_kv_dtype(cfg.kv_cache_dtype, spec.dtype))
         self.kv_spec = spec
         bytes_per_token = spec.bytes_per_token()
+        ps = cfg.page_size
         if cfg.kv_cache_tokens is not None:
-            tokens = cfg.kv_cache_tokens
+            tokens = cfg.kv_cache_tokens // ps * ps
         elif cfg.kv_cache_memory_gib is not None:
-            tokens = int(cfg.kv_cache_memory_gib * 2**30 // bytes_per_token)
+            tokens = spec.capacity_tokens(cfg.kv_cache_memory_gib * 2**30, ps)
+            if tokens < ps:
+                raise ValueError(
+                    f"--kv-cache-memory {cfg.kv_cache_memory_gib:g} GiB is too small for one request: at "
+                    f"{bytes_per_token} B/token ({spec.dtype}) it holds {tokens} tokens, less than one page of "
+                    f"{ps}; give at least {ps * bytes_per_token / 2**30:.6f} GiB")
         else:
             import psutil
 
             tokens = default_kv_cache_tokens(self.max_model_len, bytes_per_token,
-                                             psutil.virtual_memory().available)
-        num_pages = tokens // cfg.page_size
+                                             psutil.virtual_memory().available) // ps * ps
+        num_pages = tokens // ps
         if num_pages < 1:
-            raise ValueError(f"the KV cache holds {tokens} tokens, less than one page of {cfg.page_size}")
+            raise ValueError(f"the KV cache holds {tokens} tokens, less than one page of {ps}: too small for "
+                             f"one request")
         pool = PagePool(num_pages)
         cache = None
         if cfg.enable_prefix_cache:
@@ -129,9 +138,11 @@ class Engine:
 
             cache = RadixCache(pool, cfg.page_size, session_retention_s=cfg.session_retention_s)
         self.kv = KVManager(pool, cfg.page_size, cache)
-        log.info("KV cache: %s, %d B/token, %d pages of %d tokens = %d tokens (%.2f GiB)", spec.dtype,
-                 bytes_per_token, num_pages, cfg.page_size, num_pages * cfg.page_size,
-                 num_pages * cfg.page_size * bytes_per_token / 2**30)
+        self.kv_capacity_tokens = num_pages * ps
+        fp32 = spec.with_dtype("float32").bytes_per_token()
+        log.info("KV cache: %s, %d B/token (%.2fx the tokens of fp32 at equal memory), %d pages of %d tokens "
+                 "= %d tokens (%.4f GiB)", spec.dtype, bytes_per_token, fp32 / bytes_per_token, num_pages, ps,
+                 self.kv_capacity_tokens, self.kv_capacity_tokens * bytes_per_token / 2**30)
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -289,4 +300,7 @@ class Engine:
             num_preemptions=s.num_preemptions,
             kv_pages_cached=self.kv.cache.num_cached_pages if self.kv.cache is not None else 0,
             kv_pages_in_use=sum(len(r.page_table) - r.num_tree_pages for r in s.running),
+            kv_cache_dtype=self.kv_spec.dtype,
+            kv_bytes_per_token=self.kv_spec.bytes_per_token(),
+            kv_capacity_tokens=self.kv_capacity_tokens,
         )

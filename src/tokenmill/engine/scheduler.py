@@ -96,6 +96,9 @@ class Scheduler:
         self.prefer_cached_max_queue = 16
         self.admission_max_skips = 4
         self._skips: dict[Request, int] = {}
+        # A waiting request that shares this many pages of prompt with one still prefilling
+        # waits for those pages to be cached (see _waits_for_shared_prefill).
+        self.shared_prefill_min_pages = 2
 
     # -- queue -----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -141,6 +144,10 @@ class Scheduler:
     def _admit(self, plan: _StepPlan) -> None:
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_running_requests:
             req = self._next_waiting()
+            if self._waits_for_shared_prefill(req):
+                req = self._first_not_waiting()
+                if req is None:
+                    return
             matched = self.kv.match(req)
             n = min(req.num_uncomputed_tokens, plan.budget)
             if not self.kv.allocate(req, req.num_computed_tokens + n):
@@ -171,6 +178,48 @@ class Scheduler:
             if hit > best_hit:
                 best, best_hit = req, hit
         return best
+
+    def _waits_for_shared_prefill(self, req: Request) -> bool:
+        """Hold ``req`` back while a running request is still prefilling a prompt it shares.
+
+        Parallel requests with one prompt (``n > 1``, parallel tool calls, sessions sharing a
+        long system prompt) would otherwise be admitted together and each compute the shared
+        part. Held for now, ``req`` is admitted once those pages are in the prefix cache
+        (prefill chunks publish whole pages as they complete) and then reuses them. A request is
+        held only for a shared part of at least ``shared_prefill_min_pages`` pages that it does
+        not already have cached, and only while the other one is still prefilling, so the wait
+        is bounded by one prefill.
+        """
+        if self.kv.cache is None or req.num_preemptions or req.page_table:
+            return False
+        P = self.kv.page_size
+        need = self.shared_prefill_min_pages * P
+        ids = req.all_token_ids
+        if len(ids) <= need:
+            return False
+        head = ids[:P]
+        for other in self.running:
+            if other.num_computed_tokens >= other.num_prompt_tokens - P:   # its prompt is published
+                continue
+            o = other.all_token_ids
+            if o[:P] != head:
+                continue
+            limit = min(len(ids) - 1, other.num_prompt_tokens)
+            common = P
+            while common + P <= limit and o[common:common + P] == ids[common:common + P]:
+                common += P
+            if common - self.kv.cached_prefix_tokens(req) >= need:
+                return True
+        return False
+
+    def _first_not_waiting(self) -> Request | None:
+        """The first of the queue's front requests that is not held by a shared prefill."""
+        for i, req in enumerate(self.waiting):
+            if i >= self.prefer_cached_max_queue:
+                return None
+            if not self._waits_for_shared_prefill(req):
+                return req
+        return None
 
     def _admitted(self, req: Request) -> None:
         """Take ``req`` off the queue; everyone ahead of it was passed over once more."""
@@ -210,11 +259,13 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def post_step(self, out: SchedulerOutput) -> None:
-        """After the forward pass: count the computed tokens; cache finished prefill pages."""
+        """After the forward pass: count the computed tokens; cache whole prefill pages."""
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens = s.start + s.num_tokens
-            if not s.samples:  # prefill chunk in progress: share its whole pages early
+            if s.num_tokens > 1 or not s.samples:
+                # a prefill chunk, the last one included: publish its whole pages at once, so
+                # requests sharing the prompt reuse them (decode pages join at release)
                 self.kv.cache_computed(req)
 
     def finish(self, req: Request, finish_reason: str, stop_reason: str | int | None = None) -> None:

@@ -75,7 +75,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedM
     del weights
     model.eval()
     # The tokenizer comes last: building one from GGUF metadata is the slow step on a first load.
-    tokenizer = hf.load_hf_tokenizer(path) if path.is_dir() else gguf_loader.gguf_tokenizer(path)
+    tokenizer = hf.load_hf_tokenizer(path, config) if path.is_dir() else gguf_loader.gguf_tokenizer(path)
     eos = _unique(extra_eos + _config_eos(config) + [getattr(tokenizer, "eos_token_id", None)])
     return LoadedModel(model=model, hf_config=config, tokenizer=tokenizer, eos_token_ids=eos,
                        max_model_len=int(config.max_position_embeddings),

@@ -32,6 +32,16 @@ def load_hf_config(model_dir: Path) -> Any:
                              f"{', '.join(supported_architectures())}")
     from transformers import AutoConfig
 
+    if archs and archs[0] == "DeepseekV3ForCausalLM" and raw["model_type"] != "deepseek_v3":
+        # Kimi K2 ships model_type "kimi_k2" (remote code) with the DeepSeek-V3 architecture:
+        # read it as the DeepseekV3Config it is, without running the repository's code.
+        from transformers import DeepseekV3Config
+
+        try:
+            fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "transformers_version")}
+            return DeepseekV3Config(**fields)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{cfg_path}: not a valid DeepSeek-V3 config ({raw['model_type']}): {e}") from e
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except (ValueError, KeyError, OSError, TypeError) as e:
@@ -77,14 +87,16 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_hf_tokenizer(model_dir: Path) -> Any:
-    """The fast tokenizer (with chat template) saved in ``model_dir``."""
+def load_hf_tokenizer(model_dir: Path, config: Any = None) -> Any:
+    """The fast tokenizer (with chat template) saved in ``model_dir`` (``config``: the model's
+    config as loaded, so transformers need not re-read a config.json it cannot parse itself)."""
     if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise ModelLoadError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {model_dir}")
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        extra = {"config": config} if config is not None else {}
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **extra)
     except (ValueError, OSError, KeyError, TypeError) as e:
         raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {e}") from e
 

@@ -13,7 +13,26 @@ from typing import Any
 
 from tokenmill.loader.resolve import DEFAULT_MODEL, resolve_model_path
 
-TINY_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+TINY_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")   # dense
+TINY_MOE_ARCHS = ("DeepseekV3ForCausalLM",)                                   # MLA + MoE
+
+
+def tiny_deepseek_v3_dict(**overrides: Any) -> dict[str, Any]:
+    """A two-layer DeepSeek-V3: MLA with query compression, one dense layer then one MoE layer of
+    8 experts (top 2 of 2 groups, 1 group kept) with one shared expert. Override any field."""
+    cfg: dict[str, Any] = dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+        vocab_size=49152, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
+        max_position_embeddings=4096, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False, num_nextn_predict_layers=0, bos_token_id=1, eos_token_id=2,
+        initializer_range=0.2, torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    return cfg
 
 
 def default_tokenizer_dir() -> Path:
@@ -24,8 +43,10 @@ def default_tokenizer_dir() -> Path:
 
 
 def tiny_config_dict(arch: str = "LlamaForCausalLM", **overrides: Any) -> dict[str, Any]:
+    if arch in TINY_MOE_ARCHS:
+        return tiny_deepseek_v3_dict(**overrides)
     if arch not in TINY_ARCHS:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS + TINY_MOE_ARCHS}")
     cfg: dict[str, Any] = dict(
         architectures=[arch],
         vocab_size=49152,
@@ -54,8 +75,9 @@ def tiny_config_dict(arch: str = "LlamaForCausalLM", **overrides: Any) -> dict[s
 
 
 def build_tiny_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", seed: int = 0,
-                          **overrides: Any) -> Path:
-    """Write a random-weight HF checkpoint for ``arch`` into ``out_dir`` and return it.
+                          max_shard_size: str | None = None, **overrides: Any) -> Path:
+    """Write a random-weight HF checkpoint for ``arch`` into ``out_dir`` and return it
+    (``max_shard_size``, e.g. ``"1MB"``: sharded safetensors with an index).
 
     Weights come from HF transformers' own initialisation under ``torch.manual_seed(seed)``, so
     the same call always gives the same checkpoint.
@@ -71,7 +93,16 @@ def build_tiny_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", s
     config = AutoConfig.for_model(**cfg_dict)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    model.save_pretrained(str(out), safe_serialization=True)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # HF starts it at zero; make it steer selection
+                buf.copy_(torch.randn(buf.shape) * 0.3)
+        if arch in TINY_MOE_ARCHS:  # attention_bias: HF starts biases at zero; make them count
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.copy_(torch.randn(p.shape) * 0.1)
+    extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), safe_serialization=True, **extra)
     tok_dir = default_tokenizer_dir()
     for f in tok_dir.iterdir():
         shutil.copy(f, out / f.name)

@@ -8,6 +8,7 @@ import torch
 from tokenmill.layers.rotary import SUPPORTED_ROPE_TYPES
 from tokenmill.contracts.errors import ModelLoadError
 from tokenmill.models.base import CausalLM, ModelArgs
+from tokenmill.models.deepseek_v3 import DeepseekV3Args, DeepseekV3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 
 
@@ -24,6 +25,10 @@ def _rope(config: Any) -> tuple[float, dict[str, Any] | None]:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type in ("yarn", "llama3"):  # HF's defaults for the pretraining length and YaRN's factor
+        rope.setdefault("original_max_position_embeddings", int(config.max_position_embeddings))
+        if rope_type == "yarn" and rope.get("factor") is None:
+            rope["factor"] = config.max_position_embeddings / rope["original_max_position_embeddings"]
     return theta, (rope if rope_type != "default" else None)
 
 
@@ -48,9 +53,57 @@ def _common(config: Any, **options: Any) -> ModelArgs:
         raise ModelLoadError(f"invalid model config: {e}") from e
 
 
+# DeepSeek config fields outside HF's DeepseekV3Config that original checkpoints carry; only
+# the values HF's implementation computes are accepted.
+_DEEPSEEK_FIXED = {"topk_method": ("noaux_tc",), "scoring_func": ("sigmoid",), "moe_layer_freq": (1,)}
+
+
+def _deepseek_v3(config: Any) -> DeepseekV3Args:
+    """DeepseekV3Args from a DeepseekV3Config; refuses values the math here does not implement."""
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        raise ModelLoadError(f"config sets quantization_config (quant_method={method!r}): quantized DeepSeek-V3 "
+                             "checkpoints are not supported; use a bf16/fp32 checkpoint")
+    for name, allowed in _DEEPSEEK_FIXED.items():
+        value = getattr(config, name, allowed[0])
+        if value not in allowed:
+            raise ModelLoadError(f"config sets {name}={value!r}, which is not supported for DeepseekV3ForCausalLM "
+                                 f"(supported: {', '.join(map(repr, allowed))})")
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        raise ModelLoadError(f"config sets hidden_act={config.hidden_act!r}; only silu is supported")
+    theta, scaling = _rope(config)
+
+    def opt_int(name: str, default: int) -> int:
+        value = getattr(config, name, None)
+        return default if value is None else int(value)
+
+    try:
+        q_lora = getattr(config, "q_lora_rank", None)
+        return DeepseekV3Args(
+            vocab_size=int(config.vocab_size), hidden_size=int(config.hidden_size),
+            intermediate_size=int(config.intermediate_size), moe_intermediate_size=int(config.moe_intermediate_size),
+            num_layers=int(config.num_hidden_layers), num_heads=int(config.num_attention_heads),
+            q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(config.kv_lora_rank),
+            qk_nope_head_dim=int(config.qk_nope_head_dim), qk_rope_head_dim=int(config.qk_rope_head_dim),
+            v_head_dim=int(config.v_head_dim), rope_interleave=bool(getattr(config, "rope_interleave", True)),
+            rms_norm_eps=float(config.rms_norm_eps), rope_theta=theta,
+            max_position_embeddings=int(config.max_position_embeddings), rope_scaling=scaling,
+            n_routed_experts=int(config.n_routed_experts), num_experts_per_tok=opt_int("num_experts_per_tok", 1),
+            n_shared_experts=opt_int("n_shared_experts", 0), first_k_dense_replace=opt_int("first_k_dense_replace", 0),
+            n_group=opt_int("n_group", 1), topk_group=opt_int("topk_group", 1),
+            norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
+            routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)),
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            num_mtp_layers=opt_int("num_nextn_predict_layers", 0))
+    except (AttributeError, TypeError) as e:
+        raise ModelLoadError(f"invalid DeepSeek-V3 config: {e}") from e
+
+
 class Architecture(NamedTuple):
     model_class: type[CausalLM]
-    args_from_config: Callable[[Any], ModelArgs]
+    args_from_config: Callable[[Any], Any]
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -59,6 +112,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, lambda c: _common(c, qkv_bias=True)),
     "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, lambda c: _common(
         c, qkv_bias=bool(getattr(c, "attention_bias", False)), qk_norm=True)),
+    "DeepseekV3ForCausalLM": Architecture(DeepseekV3ForCausalLM, _deepseek_v3),  # also Kimi K2
 }
 
 

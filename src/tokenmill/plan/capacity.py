@@ -13,6 +13,13 @@ Sharding rules (one replica = ``tp`` devices; ``ep`` must divide ``tp``; ``dp`` 
 
 Because every TP rank holds a slice (or a copy) of every token's KV, a replica holds as many tokens
 as one device does: ``tokens = free bytes per device // KV bytes per token per device``.
+
+KV bytes per token come from the same :class:`~tokenmill.contracts.kv.KVCacheSpec` the engine
+sizes its pool with (one ``LatentKV`` or ``PagedKV`` entry per attention layer, for one device's
+share), so ``tokenmill plan`` and ``tokenmill serve`` agree by construction; fp8 entries carry
+their fp32 scales (4 B per token and KV head for K and V, 4 B per token for an MLA latent).
+With ``--kv-cache-memory`` the planner also reports what the engine's pool of that size holds
+(:meth:`KVCacheSpec.capacity_tokens`, whole pages of ``--page-size``).
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple
 
+from tokenmill.contracts.kv import KVCacheSpec, LatentKV, LayerKV, PagedKV, kv_storage_dtype
 from tokenmill.plan.hardware import HardwareSpec, PlanError
 from tokenmill.plan.models import WEIGHT_GROUPS, ModelSpec, param_groups
 
@@ -56,9 +64,11 @@ class Deployment:
     weights_bytes: float | None = None
     reserve_bytes: float = 0.0
     compute_dtype: str | None = None
+    kv_memory_bytes: float | None = None   # a KV pool of this size per device (the engine's --kv-cache-memory)
+    page_size: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep", "dp", "context", "batch"):
+        for name in ("tp", "ep", "dp", "context", "batch", "page_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise PlanError(f"--{name} must be a positive integer, got {value!r}")
@@ -71,6 +81,8 @@ class Deployment:
             raise PlanError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
         if self.weights_bytes is not None and self.weights_bytes <= 0:
             raise PlanError("--weights-gb must be positive")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
+            raise PlanError("--kv-cache-memory must be positive")
         if self.reserve_bytes < 0:
             raise PlanError("--reserve-gb must not be negative")
         unknown = set(self.weight_bits) - set(WEIGHT_GROUPS)
@@ -153,6 +165,23 @@ class KVResult:
     per_token_all_devices: int
     state_per_request_per_device: int
     steps: tuple[Step, ...]
+    spec: KVCacheSpec | None = None   # one device's KV layout (None: no attention layers)
+
+
+def kv_cache_spec(spec: ModelSpec, dep: Deployment) -> KVCacheSpec | None:
+    """One device's share of the model's KV, as the engine declares it (None: no full attention)."""
+    layer: LayerKV
+    if spec.mla is not None:
+        layer = LatentKV(spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim)   # never sharded
+    else:
+        kv = spec.num_kv_heads
+        layer = PagedKV(kv // dep.tp if kv >= dep.tp else 1, spec.head_dim)
+    layers = tuple(layer for kind in spec.layer_attention if kind == "full")
+    return KVCacheSpec(layers, kv_storage_dtype(dep.kv_dtype)) if layers else None
+
+
+def _per_layer(elements: str, scales: str) -> str:
+    return f"({elements}{scales})" if scales else elements
 
 
 def kv_bytes(spec: ModelSpec, dep: Deployment) -> KVResult:
@@ -161,22 +190,26 @@ def kv_bytes(spec: ModelSpec, dep: Deployment) -> KVResult:
     nf, nl = spec.num_full_layers, spec.num_linear_layers
     steps: list[Step] = []
     per_tok = 0
-    if nf and spec.mla is not None:
+    kv_spec = kv_cache_spec(spec, dep)
+    if kv_spec is not None:
+        per_tok = kv_spec.bytes_per_token()
+        scales = kv_spec.layers[0].scales_per_token() if kv_spec.is_fp8 else 0
+        scale_txt = f" + {scales} x 4 B fp32 scale{'s' if scales > 1 else ''}" if scales else ""
+    if kv_spec is not None and spec.mla is not None:
         m = spec.mla
-        per_tok = m.latent_dim * kvb * nf
         steps.append(Step("kv.per_token_per_device", "MLA KV per token per device (latent not sharded)", per_tok,
-                          "B", f"({m.kv_lora_rank} + {m.qk_rope_head_dim}) elements x {kvb} B ({dep.kv_dtype}) "
-                               f"x {nf} layers; every one of the {tp} TP ranks holds the full latent"))
+                          "B", _per_layer(f"({m.kv_lora_rank} + {m.qk_rope_head_dim}) elements x {kvb} B "
+                                          f"({dep.kv_dtype})", scale_txt)
+                               + f" x {nf} layers; every one of the {tp} TP ranks holds the full latent"))
         all_dev = per_tok * tp
-    elif nf:
+    elif kv_spec is not None:
         kv = spec.num_kv_heads
         kv_dev = kv // tp if kv >= tp else 1
-        per_tok = 2 * kv_dev * spec.head_dim * kvb * nf
         how = (f"{kv} KV heads / tp {tp} = {kv_dev}" if kv >= tp
                else f"{kv} KV heads < tp {tp}: 1 head per rank, each replicated {tp // kv}x")
         steps.append(Step("kv.per_token_per_device", f"{spec.attention_kind} KV per token per device", per_tok,
-                          "B", f"2 (K,V) x {kv_dev} heads x {spec.head_dim} dim x {kvb} B ({dep.kv_dtype}) "
-                               f"x {nf} layers; {how}"))
+                          "B", _per_layer(f"2 (K,V) x {kv_dev} heads x {spec.head_dim} dim x {kvb} B "
+                                          f"({dep.kv_dtype})", scale_txt) + f" x {nf} layers; {how}"))
         all_dev = per_tok * tp
     else:
         all_dev = 0
@@ -193,7 +226,7 @@ def kv_bytes(spec: ModelSpec, dep: Deployment) -> KVResult:
             formula += f" + conv state ({la.conv_kernel} - 1) x {la.conv_channels // tp} ch x 2 B x {nl}"
         steps.append(Step("state.per_request_per_device", "linear-attention state per request per device",
                           state, "B", formula + "; constant in context length"))
-    return KVResult(per_tok, all_dev, state, tuple(steps))
+    return KVResult(per_tok, all_dev, state, tuple(steps), kv_spec)
 
 
 @dataclass(frozen=True)
@@ -209,6 +242,7 @@ class CapacityResult:
     naive_tokens_per_replica: int | None
     steps: tuple[Step, ...]
     notes: tuple[str, ...]
+    kv_tokens_for_memory: int | None = None   # tokens a --kv-cache-memory pool holds (engine's formula)
 
 
 def capacity(spec: ModelSpec, hw: HardwareSpec, dep: Deployment, w: WeightsResult, kv: KVResult) -> CapacityResult:
@@ -270,5 +304,11 @@ def capacity(spec: ModelSpec, hw: HardwareSpec, dep: Deployment, w: WeightsResul
     if dep.dp > 1:
         steps.append(Step("capacity.sessions_total", f"concurrent sessions over dp {dep.dp} replicas",
                           sessions * dep.dp, "sessions", f"{sessions:,} x {dep.dp}"))
+    for_memory = None
+    if dep.kv_memory_bytes is not None and kv.spec is not None:
+        for_memory = kv.spec.capacity_tokens(dep.kv_memory_bytes, dep.page_size)
+        steps.append(Step("capacity.kv_tokens_for_memory", "tokens in a KV pool of --kv-cache-memory", for_memory,
+                          "tokens", f"{dep.kv_memory_bytes / 2**30:g} GiB // {kv.per_token_per_device:,} B per "
+                                    f"token, in whole pages of {dep.page_size} (as tokenmill serve sizes its pool)"))
     return CapacityResult(hw.hbm_bytes * tp, free_dev * tp, free_dev, fits, tokens, sessions, kv_session,
-                          per_session, naive, tuple(steps), tuple(notes))
+                          per_session, naive, tuple(steps), tuple(notes), for_memory)

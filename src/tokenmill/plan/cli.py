@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     over.add_argument("--hbm-bw-tbps", type=float, default=None, help="memory bandwidth per device, TB/s")
     over.add_argument("--interconnect-gbps", type=float, default=None,
                       help="interconnect injection bandwidth per device and direction, GB/s")
+    dep.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, default=None, metavar="GIB",
+                     help="also report the tokens a KV pool of this many GiB per device holds (as tokenmill serve)")
+    dep.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (with --kv-cache-memory)")
     over.add_argument("--reserve-gb", type=float, default=0.0, help="per-device memory kept for activations")
     moe = parser.add_argument_group("MoE layer bounds")
     moe.add_argument("--moe-bounds", action="store_true", help="per-device lower bounds for one MoE layer")
@@ -77,7 +80,9 @@ def build(args: argparse.Namespace):
                      context=args.context, batch=args.batch, mem_fraction=args.mem_fraction,
                      weight_bits=parse_weight_bits(args.weight_bits, spec.default_bits),
                      weights_bytes=args.weights_gb * 1e9 if args.weights_gb is not None else None,
-                     reserve_bytes=args.reserve_gb * 1e9, compute_dtype=args.compute_dtype)
+                     reserve_bytes=args.reserve_gb * 1e9, compute_dtype=args.compute_dtype,
+                     kv_memory_bytes=args.kv_cache_memory_gib * 2**30 if args.kv_cache_memory_gib is not None else None,
+                     page_size=args.page_size)
     moe_input = None
     if args.moe_bounds:
         moe_input = MoEBoundsInput(tokens=args.moe_tokens or args.context, tile_rows=args.moe_tile_rows,

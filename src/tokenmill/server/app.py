@@ -143,6 +143,8 @@ def build_app(state: ServerState) -> FastAPI:
             "kv_cache_usage": s.kv_cache_usage, "kv_pages_total": s.kv_pages_total,
             "kv_pages_free": s.kv_pages_free, "kv_pages_cached": s.kv_pages_cached,
             "kv_pages_in_use": s.kv_pages_in_use,
+            "kv_cache_dtype": s.kv_cache_dtype, "kv_bytes_per_token": s.kv_bytes_per_token,
+            "kv_capacity_tokens": s.kv_capacity_tokens,
             "cached_tokens": s.cached_tokens_total,
             "prompt_tokens": s.prompt_tokens_total, "generation_tokens": s.generation_tokens_total,
         })

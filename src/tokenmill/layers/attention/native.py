@@ -7,7 +7,8 @@ chunks after cached context together): no per-sequence Python loop, no mask tens
 of the context into a copy. Its metadata is the batch's own integer tensors, so building it
 costs nothing. Writing the step's K/V into its slots stays a torch ``index_copy_``.
 
-Supported: fp32 activations and fp32 KV on the CPU. Anything else falls back to the torch
+Supported: fp32 activations with an fp32 or bf16 KV pool (bf16 pages are widened to fp32 as
+they are read, halving the bytes a long-context decode reads) on the CPU. Anything else falls back to the torch
 backend when ``auto`` chooses (:func:`unsupported_reason` says why).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.profiler import record_function
 
 from tokenmill._native import attention as kernel
 from tokenmill.contracts.batch import ForwardBatch
@@ -29,8 +31,8 @@ def unsupported_reason(spec: KVCacheSpec, device: torch.device, compute_dtype: t
         return f"it runs on the CPU only, not {device}"
     if not all(isinstance(layer, PagedKV) for layer in spec.layers):
         return "it handles standard attention layers (PagedKV) only"
-    if spec.dtype != "float32" or compute_dtype != torch.float32:
-        return f"it needs float32 activations and KV (got {compute_dtype}, KV {spec.dtype})"
+    if compute_dtype != torch.float32 or spec.dtype not in ("float32", "bfloat16"):
+        return f"it needs float32 activations and a float32 or bfloat16 KV pool (got {compute_dtype}, KV {spec.dtype})"
     return None
 
 
@@ -60,13 +62,15 @@ class NativePagedAttention(TorchPagedAttention):
                 meta: NativeMetadata, scale: float) -> torch.Tensor:
         t, hq, d = q.shape
         hkv = k.shape[1]
-        kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+        kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
         out = torch.empty(t, hq * d, dtype=q.dtype, device=q.device)
-        kernel.paged_attention(
-            q.data_ptr(), q.stride(0), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-            meta.block_tables.data_ptr(), meta.block_tables.stride(0), meta.query_start_loc.data_ptr(),
-            meta.seq_lens.data_ptr(), meta.num_seqs, meta.page_size, hq, hkv, d, scale, meta.threads)
+        with record_function("tokenmill::native_paged_attention"):   # visible in torch.profiler
+            kernel.paged_attention(
+                q.data_ptr(), q.stride(0), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                meta.block_tables.data_ptr(), meta.block_tables.stride(0), meta.query_start_loc.data_ptr(),
+                meta.seq_lens.data_ptr(), meta.num_seqs, meta.page_size, hq, hkv, d, scale, meta.threads,
+                int(kv_cache.dtype == torch.bfloat16))
         return out

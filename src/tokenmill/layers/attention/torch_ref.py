@@ -14,7 +14,10 @@ KV layout (one tensor per layer)::
 
 This backend is the correctness reference for the faster ones: it is simple, copies what it
 reads, and is checked against HF transformers by the model tests. The cache may be stored in a
-lower precision than the activations (cast on write and on read).
+lower precision than the activations (cast on write and on read). FP8 pools
+(``float8_e4m3fn``) are :class:`~tokenmill.layers.attention.fp8.FP8Pages`: the bytes in the
+shape above plus fp32 scales ``[2, num_pages, page_size, num_kv_heads]`` (one per token and
+head, for K and for V), quantized on write and dequantized when pages are gathered.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import PagedKV
 from tokenmill.layers.attention.base import AttentionBackend
+from tokenmill.layers.attention.fp8 import FP8Pages, allocate_fp8, dequantize, write_fp8
 
 
 class PrefillSegment(NamedTuple):
@@ -67,6 +71,8 @@ class TorchPagedAttention(AttentionBackend):
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         layer = check_paged_spec(self.spec.layers)
         shape = (2, num_pages, page_size, layer.num_kv_heads, layer.head_dim)
+        if self.spec.is_fp8:
+            return [allocate_fp8(shape, self.device) for _ in self.spec.layers]  # type: ignore[misc]
         return [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.spec.layers]
 
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
@@ -113,8 +119,12 @@ class TorchPagedAttention(AttentionBackend):
         """
         t, hq, d = q.shape
         hkv = k.shape[1]
-        kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-        kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+        if isinstance(kv_cache, FP8Pages):
+            write_fp8(FP8Pages(kv_cache.data[0], kv_cache.scale[0]), meta.slot_mapping, k)
+            write_fp8(FP8Pages(kv_cache.data[1], kv_cache.scale[1]), meta.slot_mapping, v)
+        else:
+            kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+            kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
         if meta.num_decode == t:  # pure decode step: no scatter needed
             return self._decode(q, kv_cache, meta, scale)
         out = q.new_empty(t, hq * d)
@@ -126,12 +136,17 @@ class TorchPagedAttention(AttentionBackend):
                                                    v[seg.start:seg.end], kv_cache, seg, scale)
         return out
 
-    @staticmethod
-    def _gather(kv_cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """K and V of ``pages`` (any shape of page ids) in one copy: ``[2, pages.numel() * page_size, H, D]``."""
+    @classmethod
+    def _gather(cls, kv_cache: torch.Tensor | FP8Pages, pages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """K and V of ``pages`` (any shape of page ids) in ``like``'s dtype: ``[2, pages.numel() * page_size, H, D]``."""
+        if isinstance(kv_cache, FP8Pages):
+            two, num_pages, page_size, hkv, d = kv_cache.data.shape
+            data = kv_cache.data.view(two, num_pages, page_size * hkv * d).index_select(1, pages.reshape(-1))
+            scale = kv_cache.scale.view(two, num_pages, page_size * hkv).index_select(1, pages.reshape(-1))
+            return dequantize(data.view(two, -1, hkv, d), scale.view(two, -1, hkv), like.dtype)
         two, num_pages, page_size, hkv, d = kv_cache.shape
         flat = kv_cache.view(two, num_pages, page_size * hkv * d).index_select(1, pages.reshape(-1))
-        return flat.view(two, -1, hkv, d)
+        return cls._as(flat.view(two, -1, hkv, d), like)
 
     @staticmethod
     def _as(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -143,8 +158,8 @@ class TorchPagedAttention(AttentionBackend):
         bt, mask = meta.decode_block_tables, meta.decode_mask
         assert bt is not None and mask is not None
         b, hq, d = q.shape
-        hkv = kv_cache.shape[-2]
-        kv = cls._as(cls._gather(kv_cache, bt), q).view(2, b, mask.shape[-1], hkv, d)
+        hkv = (kv_cache.data if isinstance(kv_cache, FP8Pages) else kv_cache).shape[-2]
+        kv = cls._gather(kv_cache, bt, q).view(2, b, mask.shape[-1], hkv, d)
         keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)         # [B, Hkv, L, D]
         # The G query heads that share a KV head act as G query rows over the same keys.
         o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), keys, values,
@@ -160,7 +175,7 @@ class TorchPagedAttention(AttentionBackend):
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            kv = cls._as(cls._gather(kv_cache, seg.pages)[:, : seg.seq_len], q)
+            kv = cls._gather(kv_cache, seg.pages, q)[:, : seg.seq_len]
             kh, vh = kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seg.allowed, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1).reshape(n, hq * d)

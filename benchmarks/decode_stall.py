@@ -1,0 +1,77 @@
+"""Do decodes stall behind prefill? The Mooncake trace at concurrency 4 with short outputs,
+against tokenmill with the step-time prefill bound on (``--decode-slowdown 2``) and off (a
+step's prefill may fill ``--max-batch-tokens``, the behaviour before the bound), in one run.
+
+Every request streams a few tokens; its TPOT is the time between its streamed tokens, i.e. the
+steps it decoded in, which at concurrency 4 mostly also carry other requests' prefill. TPOT
+alone is measured first: single requests with cached prompts, nothing else running.
+
+    .venv/bin/python benchmarks/decode_stall.py --num-requests 40
+
+Prints TPOT p50/mean, TTFT p50 and total tok/s per setting, and TPOT relative to alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+sys.path.insert(0, str(ROOT / "src"))
+
+from tokenmill.utils.proc import ServiceProcess  # noqa: E402
+
+
+def bench(base_url: str, out: Path, args, *, concurrency: int, num_requests: int) -> dict:
+    cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "--base-url", base_url, "--workload", "trace",
+           "--trace", str(args.trace), "--block-tokens", str(args.block_tokens), "--max-output-tokens",
+           str(args.output_tokens), "--concurrency", str(concurrency), "--num-requests", str(num_requests),
+           "--no-progress", "--out", str(out), "--warmup", "0"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads((out / "results.json").read_text())["runs"][0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--block-tokens", type=int, default=16)
+    ap.add_argument("--output-tokens", type=int, default=4)
+    ap.add_argument("--num-requests", type=int, default=40)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "decode_stall")
+    args = ap.parse_args()
+    print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
+    rows = {}
+    for label, slowdown in (("bound on (--decode-slowdown 2)", "2"), ("bound off", "0")):
+        argv = ["serve", "--model", args.model, "--served-model-name", "m", "--threads", str(args.threads),
+                "--decode-slowdown", slowdown, "--kv-cache-tokens", "65536"]
+        with ServiceProcess(argv, start_timeout=600, log_path=args.out.parent / "decode_stall_server.log") as srv:
+            out = args.out / label.split()[1]
+            alone = bench(srv.base_url, out / "alone", args, concurrency=1, num_requests=8)
+            loaded = bench(srv.base_url, out / "c4", args, concurrency=args.concurrency,
+                           num_requests=args.num_requests)
+        rows[label] = (alone, loaded)
+        print(f"[{label}] alone TPOT p50 {alone['tpot_p50_s'] * 1000:.0f} ms; c={args.concurrency}: TPOT p50 "
+              f"{loaded['tpot_p50_s'] * 1000:.0f} ms, mean {loaded['tpot_mean_s'] * 1000:.0f} ms, TTFT p50 "
+              f"{loaded['ttft_p50_s']:.2f} s, total {loaded['total_tokens_per_s']:.0f} tok/s", flush=True)
+    print(f"load average at end: {open('/proc/loadavg').read().split()[:3]}")
+    print(f"\n| setting | TPOT alone p50 | TPOT c={args.concurrency} p50 | ratio to alone | TPOT mean | "
+          f"TTFT p50 | total tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for label, (alone, loaded) in rows.items():
+        print(f"| {label} | {alone['tpot_p50_s'] * 1000:.0f} ms | {loaded['tpot_p50_s'] * 1000:.0f} ms | "
+              f"{loaded['tpot_p50_s'] / alone['tpot_p50_s']:.2f}x | {loaded['tpot_mean_s'] * 1000:.0f} ms | "
+              f"{loaded['ttft_p50_s']:.2f} s | {loaded['total_tokens_per_s']:.0f} |")
+    on, off = (rows[k][1] for k in rows)
+    print(f"\nbound on / off: TPOT p50 {on['tpot_p50_s'] / off['tpot_p50_s']:.2f}x, total throughput "
+          f"{on['total_tokens_per_s'] / off['total_tokens_per_s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

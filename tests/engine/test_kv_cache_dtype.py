@@ -1,0 +1,101 @@
+"""KV storage dtypes: capacity at equal memory, agreement with the planner, fp8 errors."""
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine_oracle import random_prompts
+from tokenmill import LLM, SamplingParams
+from tokenmill.contracts.kv import KVCacheSpec
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.engine import Engine
+from tokenmill.layers.attention import select_attention_backend
+
+MEMORY_GIB = 0.002
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}
+
+
+def _engine(lm, kv_dtype: str, caplog) -> tuple[Engine, str]:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.engine"):
+        eng = Engine(EngineConfig(model=str(lm.source), kv_cache_memory_gib=MEMORY_GIB, kv_cache_dtype=kv_dtype),
+                     loaded=lm)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:"))
+    return eng, line
+
+
+def _plan(config_json, kv_dtype: str) -> dict:
+    cli = "import sys; from tokenmill.cli import main; sys.exit(main(sys.argv[1:]))"
+    out = subprocess.run([sys.executable, "-c", cli, "plan", "--model", str(config_json), "--hardware", "h100",
+                          "--kv-dtype", kv_dtype, "--kv-cache-memory", str(MEMORY_GIB), "--page-size", "16", "--json"],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "LlamaForCausalLM"])
+def test_capacity_logged_and_equal_to_the_planner(tiny_model, arch, caplog) -> None:
+    lm, _ = tiny_model(arch)
+    tokens = {}
+    for flag, storage in DTYPES.items():
+        eng, line = _engine(lm, flag, caplog)
+        s = eng.stats()
+        assert s.kv_cache_dtype == storage
+        assert s.kv_bytes_per_token == eng.kv_spec.bytes_per_token()
+        assert f"{s.kv_bytes_per_token} B/token" in line
+        assert f"= {s.kv_capacity_tokens} tokens" in line
+        assert s.kv_capacity_tokens == s.kv_pages_total * 16
+        plan_dtype = {"fp8_e4m3": "fp8"}.get(flag, flag)
+        if flag != "bf16":  # one subprocess per dtype kind is enough
+            plan = _plan(lm.source / "config.json", plan_dtype)
+            assert plan["kv"]["per_token_per_device_bytes"] == s.kv_bytes_per_token
+            assert plan["capacity"]["kv_tokens_for_memory"] == s.kv_capacity_tokens
+        tokens[flag] = s.kv_capacity_tokens
+    spec = lm.model.kv_cache_spec()
+    ratio = spec.with_dtype("float32").bytes_per_token() / spec.with_dtype("float8_e4m3fn").bytes_per_token()
+    assert tokens["fp8_e4m3"] / tokens["fp32"] == pytest.approx(ratio, rel=0.01)
+    assert tokens["fp8_e4m3"] / tokens["bf16"] == pytest.approx(ratio / 2, rel=0.01)
+    # scales cost 4 B per vector: close to 4x for an MLA latent (40 + 4 B vs 160 B here; 580 vs 2304
+    # for Kimi K2), 3.2x for the tiny Llama's 16-dim heads (3.76x for SmolLM2's 64-dim heads)
+    assert ratio == pytest.approx(160 / 44 if arch == "DeepseekV3ForCausalLM" else 512 / 160)
+
+
+def test_long_dtype_names_are_aliases(tiny_model) -> None:
+    lm, _ = tiny_model("LlamaForCausalLM")
+    for alias, storage in (("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
+                           ("fp8", "float8_e4m3fn"), ("auto", "float32")):
+        eng = Engine(EngineConfig(model=str(lm.source), kv_cache_tokens=64, kv_cache_dtype=alias), loaded=lm)
+        assert eng.kv_spec.dtype == storage
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="int4")
+
+
+def test_kv_memory_too_small_for_one_request(tiny_model) -> None:
+    lm, _ = tiny_model("DeepseekV3ForCausalLM")
+    with pytest.raises(ValueError, match="too small for one request"):
+        Engine(EngineConfig(model=str(lm.source), kv_cache_memory_gib=1e-6, kv_cache_dtype="fp8_e4m3"), loaded=lm)
+
+
+def test_fp8_on_a_device_without_float8_is_refused() -> None:
+    spec = KVCacheSpec.dense(2, 2, 16, "float8_e4m3fn")
+    with pytest.raises(ValueError, match="float8_e4m3fn is not supported on device meta"):
+        select_attention_backend(spec, "meta")
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "LlamaForCausalLM"])
+def test_fp8_engine_serves_with_prefix_cache_and_chunks(tiny_model, arch) -> None:
+    """fp8 pages through the whole engine: chunked prefill, prefix hits, preemption-free decodes;
+    the same prompt gives the same tokens whether its pages were written now or found in the
+    cache (accuracy against fp32 is tests/models/test_kv_fp8_accuracy.py)."""
+    lm, _ = tiny_model(arch)
+    prompts = random_prompts([30, 12, 45], seed=9)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(loaded=lm, kv_cache_tokens=1024, kv_cache_dtype="fp8_e4m3", max_batch_tokens=16, debug_checks=True)
+    got = [o.token_ids for o in llm.generate(prompts + prompts[:1], params)]
+    assert got[3] == got[0] and len(got[0]) == 8  # a prefix hit reads the pages the first request wrote
+    assert llm.engine.stats().cached_tokens_total >= 16
+    assert isinstance(llm.engine.runner.kv_caches[0], tuple) and llm.engine.runner.kv_caches[0].data.dtype == torch.uint8
