@@ -158,7 +158,11 @@ def test_body_too_large_is_413_before_parsing(http: httpx.Client) -> None:
             yield b"x" * 2**20
 
     error_of(http.post("/v1/chat/completions", content=chunks()), 413, "request_too_large")
-    assert metric(http, "tokenmill:requests_rejected_total", reason="request_too_large") >= before + 2
+    # the limit sits in front of every route, in the shape of the API a path belongs to
+    r = http.post("/v1/messages", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["type"] == "error", r.text
+    assert r.json()["error"]["type"] == "request_too_large"
+    assert metric(http, "tokenmill:requests_rejected_total", reason="request_too_large") >= before + 3
     assert http.post("/v1/completions", json={**LONG, "max_tokens": 2}).status_code == 200
 
 

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.server import openapi
 from tokenmill.server.common import ServerState, read_json_body
 from tokenmill.server.errors import APIError
-from tokenmill.server.limits import BodyLimits
+from tokenmill.server.limits import BodyLimits, openai_error_body
 from tokenmill.server.metrics import CONTENT_TYPE
 from tokenmill.server.serving_chat import create_chat_completion
 from tokenmill.server.serving_completions import create_completion
@@ -61,7 +61,7 @@ def build_app(state: ServerState) -> FastAPI:
         logger.info("client error %d: %s", status, code)
 
     app.add_middleware(BodyLimits, max_bytes=state.config.max_request_bytes,  # type: ignore[arg-type]
-                       max_depth=state.config.max_json_depth, on_reject=on_limit)
+                       max_depth=state.config.max_json_depth, on_reject=on_limit, error_body=limit_error_body)
 
     def check_auth(request: Request, *, admin: bool = False) -> None:
         key = state.config.admin_key if admin and state.config.admin_key is not None else state.config.api_key
@@ -177,6 +177,14 @@ def build_app(state: ServerState) -> FastAPI:
                                                type="server_error", code="internal_error"), None)
 
     return app
+
+
+def limit_error_body(path: str, status: int, message: str, code: str) -> dict[str, Any]:
+    """Body of a size / depth refusal in the shape of the API the path belongs to."""
+    if path.startswith("/v1/messages"):   # Anthropic Messages API
+        kind = "request_too_large" if status == 413 else "invalid_request_error"
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    return openai_error_body(path, status, message, code)
 
 
 def _error_response(state: ServerState, err: APIError, session_id: str | None) -> Response:
