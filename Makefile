@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv clean
+.PHONY: serve test venv clean redis
 
 $(STAMP): pyproject.toml setup.py $(wildcard src/tokenmill/_native/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,13 @@ venv: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/tokenmill serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000
 
-test: $(STAMP)
+# The L3 cache tier's tests start a real redis-server (Debian's package) on loopback.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server (Debian package)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
+
+test: $(STAMP) redis
 	$(PY) -m pytest -q tests
 
 clean:

@@ -13,7 +13,7 @@ import json
 import os
 import time
 
-from tokenmill.bench.workload import AgenticWorkloadConfig
+from tokenmill.workload import AgenticWorkloadConfig
 from tokenmill.sim.config import SimConfig, parse_duration
 from tokenmill.sim.fleet import FleetSimulator
 from tokenmill.sim.profiles import get_preset

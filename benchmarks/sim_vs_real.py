@@ -31,6 +31,9 @@ WORKLOAD = ["--turns", "6", "--min-turns", "2", "--first-turn-tokens", "256", "-
             "--tool-think-sigma", "0.8", "--user-turn-prob", "0.1", "--user-think-median", "2.0",
             "--user-think-sigma", "0.7", "--max-think", "30", "--thick-fraction", "0.25", "--thick-parallel", "2"]
 
+# the replicas run `tokenmill serve` defaults, whose engine bounds prefill while decodes run
+SERVE_BOUND = ["--decode-slowdown", "2.0"]
+
 METRICS = [  # (label, bench results key, sim summary path)
     ("TTFT p50 (s)", "ttft_p50_s", ("ttft_s", "p50")),
     ("TTFT p99 (s)", "ttft_p99_s", ("ttft_s", "p99")),
@@ -80,10 +83,11 @@ def main() -> int:
             r.start()
         profile = out / "profile.json"
         if args.calibrate == "alone":
-            tm("sim", "calibrate", "--base-url", replicas[0].base_url, "--out", str(profile))
+            tm("sim", "calibrate", "--base-url", replicas[0].base_url, "--out", str(profile), *SERVE_BOUND)
         else:
             procs = [subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "sim", "calibrate", "--base-url",
-                                       r.base_url, "--out", str(profile if i == 0 else out / f"profile{i}.json")],
+                                       r.base_url, "--out", str(profile if i == 0 else out / f"profile{i}.json"),
+                                       *SERVE_BOUND],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                      for i, r in enumerate(replicas)]
             for pr in procs:

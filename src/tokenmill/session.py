@@ -11,6 +11,8 @@ from typing import Any
 # Checked in this order; header names are compared case-insensitively.
 SESSION_HEADERS: tuple[str, ...] = ("x-session-id", "modal-session-id", "x-claude-code-session-id")
 SESSION_BODY_FIELDS: tuple[str, ...] = ("prompt_cache_key", "user")
+# Anthropic Messages requests carry it as metadata.user_id (checked after the fields above).
+SESSION_METADATA_FIELD = "user_id"
 RESPONSE_HEADER = "X-Session-ID"
 
 
@@ -27,6 +29,11 @@ def extract_session_id(headers: Mapping[str, str], body: Mapping[str, Any] | Non
     if body:
         for field in SESSION_BODY_FIELDS:
             value = body.get(field)
+            if isinstance(value, str) and value.strip():
+                return value.strip()
+        metadata = body.get("metadata")
+        if isinstance(metadata, Mapping):
+            value = metadata.get(SESSION_METADATA_FIELD)
             if isinstance(value, str) and value.strip():
                 return value.strip()
     return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.bench.prompts import SessionPrompt, TextCodec, single_prompt
-from tokenmill.bench.workload import AgenticWorkloadConfig, make_session, random_token_ids
+from tokenmill.workload import AgenticWorkloadConfig, make_session, random_token_ids
 
 
 @pytest.fixture(scope="module")

@@ -15,3 +15,20 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = build_tiny_checkpoint(tmp_path_factory.mktemp("cache-tiny") / "llama",
                                  "LlamaForCausalLM", seed=3)
     return load_model(str(path))
+
+
+@pytest.fixture
+def redis_server() -> Any:
+    """A real redis-server on loopback for one test (skipped outside CI when not installed)."""
+    import os
+
+    from tokenmill.utils.redis_server import RedisServer
+
+    try:
+        server = RedisServer()
+    except FileNotFoundError as e:
+        if os.environ.get("CI"):
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+    with server:
+        yield server

@@ -184,6 +184,28 @@ def test_shared_node_protected_while_any_session_retained() -> None:
     cache.check_invariants()
 
 
+def test_a_leaf_set_aside_while_protected_is_evicted_in_lru_order_once_its_window_closes() -> None:
+    pool, cache, clock = make(num_pages=40, retention=10.0)
+    put(pool, cache, [1] * 8, session="a")         # oldest
+    put(pool, cache, [2] * 8)
+    cache.session_finished("a")
+    assert cache.evict(2) == 2                     # [2]* goes; a's leaf is protected: set aside
+    assert cache.match_prefix([1] * 8, touch=False).num_tokens == 8
+    put(pool, cache, [3] * 8)                      # newer, unprotected
+    put(pool, cache, [4] * 8, session="b")
+    cache.session_finished("b")                    # b protected until now + 10
+    clock.now += 11.0                              # a's window has closed, b's too
+    assert cache.evict(2) == 2                     # the oldest leaf again: a's, not [3]*
+    assert cache.match_prefix([1] * 8, touch=False).num_tokens == 0
+    assert cache.match_prefix([3] * 8, touch=False).num_tokens == 8
+    cache.session_finished("b")                    # b protected again (a fresh window)
+    assert cache.evict(2) == 2                     # [3]* before the protected [4]*
+    assert cache.match_prefix([3] * 8, touch=False).num_tokens == 0
+    assert cache.evict(2) == 2                     # tier 2: protected [4]* when nothing else is left
+    assert cache.num_cached_pages == 0
+    cache.check_invariants()
+
+
 def test_zero_retention_disables_windows() -> None:
     pool, cache, _ = make(retention=0.0)
     put(pool, cache, [1] * 4, session="a")

@@ -1,6 +1,7 @@
 """The native paged-attention kernel against the torch reference backend on the same pool.
 
-Covers the kernel's own paths: vector (head_dim % 8 == 0) and scalar (odd head_dim), query
+Covers the kernel's own paths: AVX-512 (head_dim % 16 == 0, where the CPU has it), AVX2
+(head_dim % 8 == 0, or AVX-512 switched off) and scalar (other head_dim), query
 chunks longer than one task's row block, GQA groups of 1 to 8, and long single decodes that are
 split over keys (split-K) and merged.
 """
@@ -38,6 +39,7 @@ def _run(backend_name, spec, pool, shapes, page_size, q, k, v, tables):
     return out, cache
 
 
+@pytest.mark.parametrize("isa", ["best", "no-avx512"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("hq,hkv,d,page_size,shapes", [
     (9, 3, 64, 16, [(0, 1), (40, 1), (100, 70), (0, 130), (17, 5)]),      # SmolLM2-like heads
@@ -47,7 +49,9 @@ def _run(backend_name, spec, pool, shapes, page_size, q, k, v, tables):
     (2, 1, 64, 16, [(3000, 1)]),                                            # one long decode: split-K
     (6, 3, 32, 16, [(1500, 1), (2100, 1), (0, 1)]),                         # several, some split
 ])
-def test_native_matches_torch_reference(hq, hkv, d, page_size, shapes, kv_dtype):
+def test_native_matches_torch_reference(hq, hkv, d, page_size, shapes, kv_dtype, isa, monkeypatch):
+    if isa == "no-avx512":   # the AVX2 path on a CPU that also has AVX-512
+        monkeypatch.setenv("TOKENMILL_NO_AVX512", "1")
     gen = torch.Generator().manual_seed(hq * 100 + d)
     rng = random.Random(d)
     spec = KVCacheSpec.dense(1, hkv, d, kv_dtype)

@@ -110,6 +110,40 @@ def test_openai_client_through_the_router(fleet: Fleet):
         router.stop()
 
 
+def test_anthropic_and_responses_apis_through_the_router(fleet: Fleet):
+    import anthropic
+
+    urls = [fleet.url(i) for i in range(3)]
+    router = start_router(urls)
+    try:
+        claude = anthropic.Anthropic(base_url=router.base_url, api_key="unused", max_retries=0)
+        homes = set()
+        for turn in range(3):   # metadata.user_id is the session: every turn lands on one replica
+            raw = claude.messages.with_raw_response.create(
+                model=MODEL, max_tokens=3, metadata={"user_id": "claude-session-1"},
+                messages=[{"role": "user", "content": f"turn {turn}"}])
+            homes.add(raw.headers[REPLICA])
+            assert raw.parse().usage.output_tokens >= 1
+        assert len(homes) == 1
+        counted = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert counted.input_tokens > 0
+
+        client = openai.OpenAI(base_url=router.base_url + "/v1", api_key="unused", max_retries=0)
+        for _ in range(2):   # without any session id: previous_response_id keeps the conversation home
+            raw = client.responses.with_raw_response.create(model=MODEL, input="start", max_output_tokens=3)
+            home, resp = raw.headers[REPLICA], raw.parse()
+            for turn in range(2):
+                events = list(client.responses.create(model=MODEL, input=f"more {turn}", max_output_tokens=3,
+                                                      previous_response_id=resp.id, stream=True))
+                resp = events[-1].response
+                assert resp.previous_response_id is not None
+                got = client.responses.with_raw_response.retrieve(resp.id)
+                assert got.headers[REPLICA] == home and got.parse().id == resp.id
+        assert loads(router.base_url)["router"]["decisions"].get("sticky", 0) >= 2 + 4
+    finally:
+        router.stop()
+
+
 def run_bench(base: str, out: Path, seed: int) -> dict:
     cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "--base-url", base, "--model", MODEL,
            "--concurrency", "6", "--sessions", "6", "--turns", "5", "--first-turn-tokens", "96",

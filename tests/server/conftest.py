@@ -55,6 +55,8 @@ def client(server: ServiceProcess) -> openai.OpenAI:
 
 @pytest.fixture   # per test: its connection pool belongs to the event loop of the test's asyncio.run
 def async_client(server: ServiceProcess) -> openai.AsyncOpenAI:
+    # one per test: each test runs its own event loop (asyncio.run), and a client's connection
+    # pool belongs to the loop that first used it
     return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 

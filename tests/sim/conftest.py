@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tokenmill.bench.workload import AgenticWorkloadConfig
+from tokenmill.workload import AgenticWorkloadConfig
 
 
 def _agentic_workload(sessions: int, seed: int = 0) -> AgenticWorkloadConfig:

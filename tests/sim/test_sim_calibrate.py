@@ -72,3 +72,13 @@ def test_calibrate_reports_an_unreachable_server(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "cannot measure" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_calibrate_rejects_a_bad_decode_slowdown_before_measuring(tmp_path):
+    from tokenmill.utils.proc import free_port
+
+    p = subprocess.run([sys.executable, "-m", "tokenmill.cli", "sim", "calibrate", "--base-url",
+                        f"http://127.0.0.1:{free_port()}", "--decode-slowdown", "0.5", "--out", str(tmp_path / "p.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "--decode-slowdown must be > 1" in p.stderr and "cannot measure" not in p.stderr

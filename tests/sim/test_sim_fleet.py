@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench.workload import load_mooncake_trace, theoretical_hit_rate_hash_ids
+from tokenmill.workload import load_mooncake_trace, theoretical_hit_rate_hash_ids
 from tokenmill.sim.config import AutoscaleRule, PopulationChange, ScaleEvent, SimConfig
 from tokenmill.sim.fleet import FleetSimulator
 from tokenmill.sim.profiles import get_preset
@@ -119,3 +119,20 @@ def test_config_errors_are_clear():
     with pytest.raises(ValueError, match="unknown policy"):
         FleetSimulator(SimConfig(replicas=2, profile=KIMI, duration_s=60, warmup_s=10, policy="nope",
                                  trace=(object(),)))  # type: ignore[arg-type]
+
+
+def test_a_fleet_short_of_kv_preempts_and_loses_cache_hits(agentic_workload):
+    """The replicas' schedulers are the engine's: with pools too small for the sessions' contexts,
+    running requests are preempted for pages and hit rates fall; with room, nobody is."""
+    import dataclasses
+
+    res = {}
+    for cap in (450_000, 200_000):
+        res[cap] = run(SimConfig(replicas=2, profile=dataclasses.replace(KIMI, kv_capacity_tokens=cap),
+                                 policy="agentic", duration_s=120, sessions=16, workload=agentic_workload(16),
+                                 warmup_s=20, seed=3))
+    roomy, short = res[450_000], res[200_000]
+    assert roomy["preemptions"] == 0 and short["preemptions"] > 0
+    assert short["chr"] < roomy["chr"] - 0.2
+    assert short["requests_finished"] > 0
+    assert short["ttft_s"]["p50"] > roomy["ttft_s"]["p50"]

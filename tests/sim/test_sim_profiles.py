@@ -60,6 +60,8 @@ def test_formulas():
     ({"prefill": {"fixed_s": -1.0}}, "prefill.fixed_s"),
     ({"prefill": {"per_token": 1.0}}, "bad prefill/decode section"),
     ({"colour": "blue"}, "unknown profile fields"),
+    ({"decode_slowdown": 1.0}, "decode_slowdown must be > 1"),
+    ({"decode_slowdown": "2"}, "decode_slowdown must be > 1"),
 ])
 def test_bad_profiles_are_rejected_with_a_clear_error(bad, match):
     d = get_preset("tiny-random-cpu").to_dict()

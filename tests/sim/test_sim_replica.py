@@ -1,5 +1,6 @@
-"""One simulated replica: step-model timings against hand-computed values, the real RadixCache
-(prefix hits, LRU eviction) and page accounting."""
+"""One simulated replica: step-model timings against hand-computed values, the engine's scheduler
+and the real RadixCache (prefix hits, LRU eviction, preemption), page accounting, and runs of
+decode steps against the same steps one by one."""
 from __future__ import annotations
 
 import random
@@ -13,10 +14,10 @@ B = 16  # block tokens
 
 
 def profile(kv_tokens: int = 1 << 16, max_running: int = 64, chunk: int = 512,
-            decode_ctx: float = 0.0) -> ReplicaProfile:
+            decode_ctx: float = 0.0, slowdown: float | None = None) -> ReplicaProfile:
     return ReplicaProfile(
         name="test", kv_capacity_tokens=kv_tokens, max_running_requests=max_running, page_size=B,
-        max_prefill_tokens=chunk,
+        max_prefill_tokens=chunk, decode_slowdown=slowdown,
         prefill=PrefillModel(fixed_s=0.004, per_token_s=1e-4, per_token_context_s=1e-8),
         decode=DecodeModel(fixed_s=0.010, per_request_s=0.002, per_context_token_s=decode_ctx))
 
@@ -28,6 +29,7 @@ class Driver:
         self.rep = rep
         self.now = 0.0
         self.done: list[SimRequest] = []
+        self.events = 0
 
     def clock(self) -> float:
         return self.now
@@ -48,6 +50,7 @@ class Driver:
             else:
                 assert t_ev is not None
                 self.now = t_ev
+                self.events += 1
                 self.done += self.rep.on_event(t_ev)
             if check:
                 self.rep.check_invariants()
@@ -99,20 +102,53 @@ def test_second_turn_prefills_only_uncached_tokens():
     assert rep.cached_tokens == cached and rep.prompt_tokens == 2111
 
 
-def test_mixed_step_then_batched_decode():
+def test_simultaneous_arrivals_share_one_prefill_step():
     prof = profile()
     rep, d = make(prof)
     a, b = req(1000, 64, 6), req(2000, 64, 6)
     d.run([(0.0, a), (0.0, b)])
+    pre = prof.prefill
+    step1 = pre.fixed_s + 2 * 64 * (pre.per_token_s + pre.per_token_context_s * 32)
+    assert a.t_first_token == b.t_first_token == pytest.approx(step1)
+    assert a.t_finish == b.t_finish == pytest.approx(step1 + 5 * prof.decode.step_s(2, 0))
+
+
+def test_mixed_step_then_batched_decode():
+    prof = profile()
+    rep, d = make(prof)
+    a, b = req(1000, 64, 6), req(2000, 64, 6)
     pa = prof.prefill.chunk_s(64, 0)
     d1, d2 = prof.decode.step_s(1, 0), prof.decode.step_s(2, 0)
+    d.run([(0.0, a), (pa / 2, b)])          # b arrives during a's prefill step: it waits for the next
     assert a.t_first_token == pytest.approx(pa)
     # b's prefill rides in one step with a's first decode
+    assert b.t_admit == pytest.approx(pa)
     assert b.t_first_token == pytest.approx(pa + d1 + pa)
     # a had 5 tokens to decode, 1 done in the mixed step, 4 at batch 2
     assert a.t_finish == pytest.approx(b.t_first_token + 4 * d2)
     # b: 4 of its 5 at batch 2, the last alone
     assert b.t_finish == pytest.approx(a.t_finish + d1)
+
+
+def test_decode_steps_read_a_growing_context():
+    prof = profile(decode_ctx=1e-5)
+    rep, d = make(prof)
+    r = req(1000, 100, 5)
+    d.run([(0.0, r)])
+    # decode j (1..4) computes the token at position 100 + j - 1 and reads 100 + j tokens
+    expect = sum(prof.decode.step_s(1, 100 + j) for j in range(1, 5))
+    assert r.t_finish - r.t_first_token == pytest.approx(expect)
+
+
+def test_speculative_tokens_per_step_scale_the_decode_cost():
+    base = profile()
+    spec = ReplicaProfile(name="spec", kv_capacity_tokens=base.kv_capacity_tokens, max_running_requests=64,
+                          page_size=B, max_prefill_tokens=512, prefill=base.prefill,
+                          decode=DecodeModel(fixed_s=0.010, per_request_s=0.002, tokens_per_step=4.0))
+    rep, d = make(spec)
+    r = req(1000, 100, 41)
+    d.run([(0.0, r)])
+    assert r.t_finish - r.t_first_token == pytest.approx(40 * base.decode.step_s(1, 0) / 4)
 
 
 def test_lru_eviction_uses_the_real_cache():
@@ -121,25 +157,27 @@ def test_lru_eviction_uses_the_real_cache():
     a, b, c = req(100, 48, 16), req(200, 48, 16), req(300, 48, 16)   # 4 pages each
     d.run([(0.0, a)])
     d.run([(1.0, b)])
-    assert rep.cache.num_cached_pages == 8 and rep.pool.num_free() == 0
-    d.run([(2.0, c)])                        # evicts the least recently used: a
+    # each cached its whole computed pages: 48 + 15 tokens = 3 pages; the partial 4th went back
+    assert rep.cache.num_cached_pages == 6 and rep.pool.num_free() == 2
+    d.run([(2.0, c)])                        # needs 4 pages, 2 free: evicts the least recently
+    assert rep.cache.num_cached_pages == 7   # used, from the tail of a's leaf inwards: a keeps 1
     a2, b2 = req(900, 48, 16, prefix=a.key), req(901, 48, 16, prefix=b.key)
     d.run([(3.0, b2)])
     assert b2.cached_tokens == 32            # (48 - 1) // 16 whole blocks of b's prompt
     d.run([(4.0, a2)])
-    assert a2.cached_tokens == 0
+    assert a2.cached_tokens == 16            # what is left of a
 
 
-def test_a_request_waits_for_pages_held_by_a_running_one():
+def test_out_of_pages_preempts_the_last_admitted_and_recomputes_it():
     prof = profile(kv_tokens=8 * B)
     rep, d = make(prof)
-    a, b = req(100, 64, 16), req(200, 64, 16)           # 5 pages each, 8 in the pool
-    rep.submit(a, 0.0)
-    rep.submit(b, 0.0)
-    assert rep.num_running == 1 and rep.num_waiting == 1
-    d.run([])
-    assert b.t_admit == pytest.approx(a.t_finish)        # admitted when a's pages became evictable
-    assert b.cached_tokens == 0
+    a, b = req(100, 64, 16), req(200, 64, 16)           # 5 pages each at the end, 8 in the pool
+    d.run([(0.0, a), (0.0, b)])
+    assert rep.num_preemptions >= 1                     # b gave its pages to a
+    assert b.t_finish > a.t_finish
+    assert a.cached_tokens == b.cached_tokens == 0      # first admission: nothing cached
+    assert rep.prompt_tokens == 128                     # a recompute is not a new prompt
+    assert rep.idle and rep.pool.num_free() + rep.cache.num_cached_pages == rep.pool.num_pages
 
 
 def test_max_running_requests_queues_the_rest():
@@ -148,6 +186,8 @@ def test_max_running_requests_queues_the_rest():
     a, b = req(100, 32, 4), req(200, 32, 4)
     rep.submit(a, 0.0)
     rep.submit(b, 0.0)
+    assert (rep.num_running, rep.num_waiting, rep.inflight) == (0, 2, 2)   # joins the next step
+    rep.on_event(0.0)
     assert (rep.num_running, rep.num_waiting, rep.inflight) == (1, 1, 2)
     d.run([])
     assert b.t_admit == pytest.approx(a.t_finish)
@@ -158,9 +198,10 @@ def test_kv_cache_usage_counts_only_pinned_and_held_pages():
     rep, d = make(prof)
     a = req(100, 64, 16)
     rep.submit(a, 0.0)
-    assert rep.kv_cache_usage == pytest.approx(5 / 10)
+    rep.on_event(0.0)
+    assert rep.kv_cache_usage == pytest.approx(4 / 10)  # pages for the prompt, allocated per step
     d.run([])
-    assert rep.cache.num_cached_pages == 5
+    assert rep.cache.num_cached_pages == 4              # 79 computed tokens: 4 whole pages
     assert rep.kv_cache_usage == 0.0                    # cached but evictable
 
 
@@ -185,3 +226,56 @@ def test_page_accounting_holds_under_a_random_mix():
     assert all(r.t_admit >= r.arrival and r.t_first_token >= r.t_admit and r.t_finish >= r.t_first_token for r in done)
     assert rep.pool.num_free() + rep.cache.num_cached_pages == rep.pool.num_pages
     assert rep.cached_tokens > 0
+
+
+def _random_trace(seed: int, n: int) -> list[tuple[float, SimRequest]]:
+    rng = random.Random(seed)
+    prefixes = [[-(k * 1000 + j) for j in range(40)] for k in range(4)]
+    out = []
+    for i in range(n):
+        prompt, gen = rng.randint(20, 400), rng.randint(1, 60)
+        r = req(10_000 * (i + 1), prompt, gen, session=f"s{i % 7}", prefix=rng.choice(prefixes)[:rng.randint(0, 40)])
+        out.append((rng.uniform(0, 20), r))
+    return out
+
+
+@pytest.mark.parametrize("kv_pages,slowdown", [(48, None), (400, None), (48, 2.0), (400, 1.5)])
+def test_runs_of_decode_steps_equal_the_steps_one_by_one(kv_pages, slowdown):
+    """The fast path (many decode steps planned at once, cut by arrivals) changes nothing:
+    same admissions, hits, preemptions and timings as planning every step (also with the
+    engine's prefill bound, whose step-time fit sees every step of a run)."""
+    prof = profile(kv_tokens=kv_pages * B, max_running=8, chunk=96, decode_ctx=2e-6, slowdown=slowdown)
+    results = []
+    for fast in (True, False):
+        holder: list[Driver] = []
+        rep = SimReplica("r0", prof, B, lambda: holder[0].now, session_retention_s=3.0, fast_forward=fast)
+        d = Driver(rep)
+        holder.append(d)
+        trace = _random_trace(11, 120)
+        done = d.run(list(trace))
+        assert len(done) == 120 and rep.idle
+        results.append((rep, d.events, [(r.t_admit, r.t_first_token, r.t_finish, r.cached_tokens) for _, r in trace]))
+    (fast_rep, fast_events, fast), (slow_rep, slow_events, slow) = results
+    for f, s in zip(fast, slow):
+        assert f[3] == s[3]
+        assert f[:3] == pytest.approx(s[:3], rel=1e-9, abs=1e-9)
+    assert fast_rep.num_steps == slow_rep.num_steps
+    assert fast_events < slow_events * (0.5 if kv_pages > 48 else 0.95 if slowdown else 0.8)   # runs stood in for steps
+    assert fast_rep.num_preemptions == slow_rep.num_preemptions
+    assert fast_rep.busy_s == pytest.approx(slow_rep.busy_s, rel=1e-9)
+    assert (fast_rep.prompt_tokens, fast_rep.cached_tokens) == (slow_rep.prompt_tokens, slow_rep.cached_tokens)
+    assert fast_rep.cached_tokens > 0
+    if kv_pages == 48:
+        assert slow_rep.num_preemptions > 0     # the small pool exercises preemption and eviction
+
+
+def test_simulator_imports_no_torch():
+    """The simulator and the engine modules it reuses stay torch-free (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import tokenmill.sim.fleet, tokenmill.sim.replica, tokenmill.sim.cli, "
+            "tokenmill.engine.scheduler, tokenmill.engine.kv_manager, tokenmill.engine.request; "
+            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -17,8 +17,9 @@
  * that every thread has work (split-K, as in flash-decoding). Each query row's result depends
  * only on its own sequence, so a request gives the same bits whatever else is in the batch.
  *
- * Vector code is compiled for AVX2+FMA through function target attributes and chosen at run
- * time; a portable scalar path does the same arithmetic otherwise.
+ * Vector code is compiled for AVX-512 and for AVX2+FMA through function target attributes and
+ * chosen at run time (TOKENMILL_NO_AVX512=1 forces the AVX2 path); a portable scalar path does
+ * the same arithmetic otherwise.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -309,6 +310,138 @@ AVX2 static void task_avx2_bf16(const Problem *P, const Task *T, float *m, float
     task_avx2_body(P, T, m, l, a, 1);
 }
 
+#define AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
+
+AVX512 static inline __attribute__((always_inline)) __m512 ld16(const void *p, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)p);
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* the 16 lanes folded to 8 (lane i + lane i+8) */
+AVX512 static inline __attribute__((always_inline)) __m256 half_sum(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+
+/* The same task with 16-wide vectors (D a multiple of 16), for CPUs with AVX-512. */
+AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const Problem *P, const Task *T, float *part_m,
+                                                                      float *part_l, float *part_acc, const int bf16) {
+    const size_t esz = bf16 ? 2 : 4;
+    const int D = P->d, G = P->group, ps = P->page_size, D16 = D / 16;
+    const int64_t q0 = P->qsl[T->seq], n = P->qsl[T->seq + 1] - q0, L = P->seq_lens[T->seq];
+    const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
+    const int nrow = T->r1 - T->r0, nq = nrow * G;
+    float *qs = aligned_alloc(64, sizeof(float) * ((size_t)nq * D + 16));
+    float *acc = aligned_alloc(64, sizeof(float) * ((size_t)nq * D + 16));
+    memset(acc, 0, sizeof(float) * (size_t)nq * D);
+    float m[MAX_QVEC], l[MAX_QVEC];
+    float s[KEY_BLOCK] __attribute__((aligned(64)));
+    const char *kp[KEY_BLOCK], *vp[KEY_BLOCK];   /* element pointers (byte addressed) */
+    const __m512 vscale = _mm512_set1_ps(P->scale);
+    for (int r = 0; r < nrow; r++)
+        for (int g = 0; g < G; g++) {
+            const float *src = P->q + (q0 + T->r0 + r) * P->q_stride + (int64_t)(T->kvh * G + g) * D;
+            float *dst = qs + (r * G + g) * D;
+            for (int x = 0; x < D; x += 16) _mm512_store_ps(dst + x, _mm512_mul_ps(_mm512_loadu_ps(src + x), vscale));
+            m[r * G + g] = -INFINITY; l[r * G + g] = 0.f;
+        }
+    for (int j0 = T->k0; j0 < T->k1; j0 += KEY_BLOCK) {
+        int j1 = j0 + KEY_BLOCK < T->k1 ? j0 + KEY_BLOCK : T->k1;
+        for (int j = j0; j < j1; j++) {
+            int64_t off = ((table[j / ps] * ps + j % ps) * P->hkv + T->kvh) * D;
+            kp[j - j0] = (const char *)P->kc + off * esz;
+            vp[j - j0] = (const char *)P->vc + off * esz;
+        }
+        for (int r = 0; r < nrow; r++) {
+            int64_t pos = L - n + T->r0 + r;
+            int nk = (int)((pos + 1 < j1 ? pos + 1 : j1) - j0);
+            if (nk <= 0) continue;
+            for (int g = 0; g < G; g++) {
+                int v = r * G + g;
+                const float *qq = qs + v * D;
+                /* scores, four keys at a time */
+                int j = 0;
+                for (; j + 4 <= nk; j += 4) {
+                    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    for (int x = 0; x < D; x += 16) {
+                        __m512 qx = _mm512_load_ps(qq + x);
+                        a0 = _mm512_fmadd_ps(qx, ld16(kp[j] + x * esz, bf16), a0);
+                        a1 = _mm512_fmadd_ps(qx, ld16(kp[j + 1] + x * esz, bf16), a1);
+                        a2 = _mm512_fmadd_ps(qx, ld16(kp[j + 2] + x * esz, bf16), a2);
+                        a3 = _mm512_fmadd_ps(qx, ld16(kp[j + 3] + x * esz, bf16), a3);
+                    }
+                    _mm_storeu_ps(s + j, hsum4x256(half_sum(a0), half_sum(a1), half_sum(a2), half_sum(a3)));
+                }
+                for (; j < nk; j++) {
+                    __m512 a0 = _mm512_setzero_ps();
+                    for (int x = 0; x < D; x += 16)
+                        a0 = _mm512_fmadd_ps(_mm512_load_ps(qq + x), ld16(kp[j] + x * esz, bf16), a0);
+                    s[j] = _mm512_reduce_add_ps(a0);
+                }
+                float bm = -INFINITY;
+                for (int t = 0; t < nk; t++) bm = s[t] > bm ? s[t] : bm;
+                float mn = m[v] > bm ? m[v] : bm;
+                float alpha = expf(m[v] - mn);
+                /* p = exp(s - mn), eight at a time */
+                __m256 vmn = _mm256_set1_ps(mn), vsum = _mm256_setzero_ps();
+                int t = 0;
+                for (; t + 8 <= nk; t += 8) {
+                    __m256 p = exp256(_mm256_sub_ps(_mm256_load_ps(s + t), vmn));
+                    _mm256_store_ps(s + t, p);
+                    vsum = _mm256_add_ps(vsum, p);
+                }
+                float sum = hsum256(vsum);
+                for (; t < nk; t++) { s[t] = expf(s[t] - mn); sum += s[t]; }
+                l[v] = l[v] * alpha + sum;
+                m[v] = mn;
+                /* acc = acc * alpha + sum_j p_j v_j, D in registers when it fits */
+                float *a = acc + v * D;
+                if (D16 <= 8) {
+                    __m512 o[8];
+                    __m512 va = _mm512_set1_ps(alpha);
+                    for (int x = 0; x < D16; x++) o[x] = _mm512_mul_ps(_mm512_load_ps(a + 16 * x), va);
+                    for (int u = 0; u < nk; u++) {
+                        __m512 pu = _mm512_set1_ps(s[u]);
+                        const char *vv = vp[u];
+                        for (int x = 0; x < D16; x++) o[x] = _mm512_fmadd_ps(pu, ld16(vv + 16 * x * esz, bf16), o[x]);
+                    }
+                    for (int x = 0; x < D16; x++) _mm512_store_ps(a + 16 * x, o[x]);
+                } else {
+                    __m512 va = _mm512_set1_ps(alpha);
+                    for (int x = 0; x < D; x += 16) _mm512_store_ps(a + x, _mm512_mul_ps(_mm512_load_ps(a + x), va));
+                    for (int u = 0; u < nk; u++) {
+                        __m512 pu = _mm512_set1_ps(s[u]);
+                        for (int x = 0; x < D; x += 16)
+                            _mm512_store_ps(a + x, _mm512_fmadd_ps(pu, ld16(vp[u] + x * esz, bf16), _mm512_load_ps(a + x)));
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < nrow; r++)
+        for (int g = 0; g < G; g++) {
+            int v = r * G + g;
+            if (T->part < 0) {
+                float *dst = P->out + (q0 + T->r0 + r) * (int64_t)P->hq * D + (int64_t)(T->kvh * G + g) * D;
+                __m512 inv = _mm512_set1_ps(l[v] > 0.f ? 1.f / l[v] : 0.f);
+                for (int x = 0; x < D; x += 16) _mm512_storeu_ps(dst + x, _mm512_mul_ps(_mm512_load_ps(acc + v * D + x), inv));
+            } else {
+                part_m[v] = m[v]; part_l[v] = l[v];
+                memcpy(part_acc + (size_t)v * D, acc + (size_t)v * D, sizeof(float) * D);
+            }
+        }
+    free(acc);
+    free(qs);
+}
+
+AVX512 static void task_avx512_f32(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    task_avx512_body(P, T, m, l, a, 0);
+}
+
+AVX512 static void task_avx512_bf16(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    task_avx512_body(P, T, m, l, a, 1);
+}
+
 static int have_avx2(void) {
     static int cached = -1;
     if (cached < 0) {
@@ -317,8 +450,18 @@ static int have_avx2(void) {
     }
     return cached;
 }
+
+static int have_avx512(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = have_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+    }
+    return cached;
+}
 #else
 static int have_avx2(void) { return 0; }
+static int have_avx512(void) { return 0; }
 #endif
 
 /* ---------------------------------------------------------------------------------------- */
@@ -370,6 +513,7 @@ static void run_problem(const Problem *P, int num_seqs, int nthreads) {
     float *pl = parts ? malloc(sizeof(float) * parts * G) : NULL;
     float *pa = parts ? malloc(sizeof(float) * (size_t)parts * G * D) : NULL;
     int vec = have_avx2() && D % 8 == 0 && D <= MAX_HEAD_DIM;
+    int vec512 = vec && have_avx512() && D % 16 == 0 && !getenv("TOKENMILL_NO_AVX512");
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (count > 1 && nthreads > 1)
     for (int i = 0; i < count; i++) {
         const Task *t = &tasks[i];
@@ -377,6 +521,11 @@ static void run_problem(const Problem *P, int num_seqs, int nthreads) {
         float *l = t->part >= 0 ? pl + (size_t)t->part * G : NULL;
         float *a = t->part >= 0 ? pa + (size_t)t->part * G * D : NULL;
 #if TM_X86
+        if (vec512) {
+            if (P->kv_bf16) task_avx512_bf16(P, t, m, l, a);
+            else task_avx512_f32(P, t, m, l, a);
+            continue;
+        }
         if (vec) {
             if (P->kv_bf16) task_avx2_bf16(P, t, m, l, a);
             else task_avx2_f32(P, t, m, l, a);
@@ -441,6 +590,7 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_simd(PyObject *self, PyObject *args) {
+    if (have_avx512() && !getenv("TOKENMILL_NO_AVX512")) return PyUnicode_FromString("avx512");
     return PyUnicode_FromString(have_avx2() ? "avx2+fma" : "scalar");
 }
 

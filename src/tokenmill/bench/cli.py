@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from tokenmill.bench.workload import AgenticWorkloadConfig, TraceReplayConfig
+from tokenmill.workload import AgenticWorkloadConfig, TraceReplayConfig
 
 SUMMARY_FIELDS = ("concurrency", "num_requests", "errors", "ttft_p50_s", "tpot_mean_s",
                   "output_tokens_per_s_per_user", "output_tokens_per_s", "total_tokens_per_s",
@@ -145,7 +145,7 @@ async def _run(args: argparse.Namespace) -> int:
     from tokenmill.bench.client import BenchClient, EndpointConfig
     from tokenmill.bench.prompts import load_codec
     from tokenmill.bench.runner import BenchRunner, RunConfig
-    from tokenmill.bench.workload import load_mooncake_trace, trace_requests
+    from tokenmill.workload import load_mooncake_trace, trace_requests
 
     extra = json.loads(args.extra_body) if args.extra_body else {}
     if not isinstance(extra, dict):

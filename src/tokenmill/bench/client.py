@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -19,19 +18,9 @@ import httpx
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.bench.prompts import RequestPayload
 from tokenmill.session import RESPONSE_HEADER
+from tokenmill.utils.sse import iter_sse_json
 
 FLUSH_PATHS = ("/flush_cache", "/reset_prefix_cache")
-
-
-async def iter_sse_json(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """The JSON objects of an OpenAI-style SSE stream, up to ``data: [DONE]``."""
-    async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        yield json.loads(data)
 
 
 @dataclass(frozen=True)

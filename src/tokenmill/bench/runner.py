@@ -26,7 +26,7 @@ from typing import Any
 from tokenmill.bench.client import BenchClient, RequestResult
 from tokenmill.bench.metrics import RequestRecord, compute_run_metrics
 from tokenmill.bench.prompts import PROMPT_FORMATS, RequestPayload, SessionPrompt, TextCodec, single_prompt
-from tokenmill.bench.workload import (AgenticWorkloadConfig, InfinitePrefixCache, SessionScript, TraceRequest,
+from tokenmill.workload import (AgenticWorkloadConfig, InfinitePrefixCache, SessionScript, TraceRequest,
                                       make_session, poisson_arrivals, random_token_ids)
 
 

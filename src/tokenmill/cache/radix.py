@@ -39,6 +39,13 @@ Page ownership
 
     Invariant: ``pool.num_free() + num_cached_pages + pages held only by requests
     == pool.num_pages``.
+
+Lower tiers
+    ``evict_hook(prefix_tokens, pages)``, when set, is called just before evicted pages return
+    to the pool: ``prefix_tokens`` runs from the root to the end of the evicted pages, which hold
+    its last ``len(pages) * page_size`` tokens. The tiered cache uses it to demote the pages to
+    host memory (their content is still intact when the hook runs). The tree itself holds only
+    L1 pages; :class:`~tokenmill.cache.tiers.TierDirectory` continues a path into L2 and L3.
 """
 from __future__ import annotations
 
@@ -111,6 +118,7 @@ class RadixCache:
         self.page_size = page_size
         self.session_retention_s = float(session_retention_s)
         self._clock = clock
+        self.evict_hook: Callable[[tuple[int, ...], list[int]], None] | None = None
         self._tick = 0
         self._seq = itertools.count()
         # Retention windows are session state, not cache content: they survive reset().
@@ -122,6 +130,10 @@ class RadixCache:
     def _init_tree(self) -> None:
         self.root.children = {}
         self._heap: list[tuple[int, int, RadixNode]] = []
+        # Protected leaves put aside by evict, keyed by the time their protection ends (it can
+        # only be extended later), so that tier 1 does not walk over them again on every call.
+        self._deferred: list[tuple[float, tuple[int, int, RadixNode]]] = []
+        self._evicting = False
         self._num_nodes = 0  # non-root
         self._num_locks = 0  # outstanding lock() calls on non-root nodes
         self.num_cached_pages = 0
@@ -171,10 +183,13 @@ class RadixCache:
             if child is None:
                 break
             ck, klen = child.key, len(child.key)
-            m = P
             limit_here = min(klen, n - pos)
-            while m < limit_here and tuple(tokens[pos + m:pos + m + P]) == ck[m:m + P]:
-                m += P
+            if tuple(tokens[pos:pos + limit_here]) == ck[:limit_here]:   # the usual case: one compare
+                m = limit_here
+            else:
+                m = P
+                while m < limit_here and tuple(tokens[pos + m:pos + m + P]) == ck[m:m + P]:
+                    m += P
             pos += m
             if m < klen:
                 break
@@ -264,25 +279,47 @@ class RadixCache:
         """
         if num_pages <= 0:
             return 0
+        self._evicting = True      # no heap rebuild under the loops below (they hold the heaps)
+        try:
+            freed = self._evict(num_pages)
+        finally:
+            self._evicting = False
+        if len(self._heap) + len(self._deferred) > 4 * self._num_nodes + 64:
+            self._rebuild_heap()
+        return freed
+
+    def _evict(self, num_pages: int) -> int:
         now = self._clock()
         freed = 0
-        deferred: list[tuple[int, int, RadixNode]] = []
         heap = self._heap
+        deferred = self._deferred
+        while deferred and deferred[0][0] <= now:    # protection over: a candidate again
+            heapq.heappush(heap, heapq.heappop(deferred)[1])
         while freed < num_pages and heap:
             entry = heapq.heappop(heap)
             node = entry[2]
             if not self._is_candidate(node, entry[0]):
                 continue
-            if node.sessions and self._protected(node, now):
-                deferred.append(entry)
-                continue
+            if node.sessions:
+                until = self._protected_until(node, now)
+                if until > now:
+                    heapq.heappush(deferred, (until, entry))
+                    continue
             freed += self._evict_from_leaf(node, num_pages - freed)
-        for entry in deferred:
-            heapq.heappush(heap, entry)
-        while freed < num_pages and heap:
-            entry = heapq.heappop(heap)
-            if self._is_candidate(entry[2], entry[0]):
-                freed += self._evict_from_leaf(entry[2], num_pages - freed)
+        if freed < num_pages:
+            # Tier 2: every leaf, protected or not, oldest first (the put-aside ones and any
+            # that eviction just exposed), merged by (tick, seq); the rest stay put aside.
+            aside = [(entry, until) for until, entry in deferred]
+            heapq.heapify(aside)
+            while freed < num_pages and (heap or aside):
+                if aside and (not heap or aside[0][0] < heap[0]):
+                    entry = heapq.heappop(aside)[0]
+                else:
+                    entry = heapq.heappop(heap)
+                if self._is_candidate(entry[2], entry[0]):
+                    freed += self._evict_from_leaf(entry[2], num_pages - freed)
+            self._deferred = [(until, entry) for entry, until in aside]
+            heapq.heapify(self._deferred)
         return freed
 
     def _is_candidate(self, node: RadixNode, tick: int) -> bool:
@@ -292,6 +329,8 @@ class RadixCache:
     def _evict_from_leaf(self, node: RadixNode, want: int) -> int:
         """Free the last ``want`` pages of an unlocked leaf (all of it if it has fewer)."""
         n = len(node.pages)
+        if self.evict_hook is not None:
+            self.evict_hook(self._path_tokens(node), node.pages[max(n - want, 0):])
         if want < n:
             freed_pages = node.pages[n - want:]
             del node.pages[n - want:]
@@ -322,13 +361,15 @@ class RadixCache:
         until = self._retained_until.get(session_id)
         return until is not None and until > self._clock()
 
-    def _protected(self, node: RadixNode, now: float) -> bool:
+    def _protected_until(self, node: RadixNode, now: float) -> float:
+        """When the last open retention window among ``node``'s sessions closes (``now`` if none)."""
         retained = self._retained_until
+        end = now
         for s in node.sessions or ():
             until = retained.get(s)
-            if until is not None and until > now:
-                return True
-        return False
+            if until is not None and until > end:
+                end = until
+        return end
 
     def _tag(self, path: list[RadixNode], session_id: str) -> None:
         now = -1.0
@@ -363,6 +404,14 @@ class RadixCache:
         self._init_tree()
 
     # ------------------------------------------------------------------ internals
+    def _path_tokens(self, node: RadixNode) -> tuple[int, ...]:
+        """Tokens from the root to the end of ``node``."""
+        parts = []
+        while node is not self.root:
+            parts.append(node.key)
+            node = node.parent  # type: ignore[assignment]
+        return tuple(t for part in reversed(parts) for t in part)
+
     def _descend(self, key: tuple[int, ...]) -> tuple[list[RadixNode], int]:
         """Walk ``key`` (whole pages) from the root; split the last edge at the match end.
 
@@ -423,7 +472,7 @@ class RadixCache:
 
     def _push(self, node: RadixNode) -> None:
         heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
-        if len(self._heap) > 4 * self._num_nodes + 64:
+        if not self._evicting and len(self._heap) + len(self._deferred) > 4 * self._num_nodes + 64:
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
@@ -437,6 +486,7 @@ class RadixCache:
                 heap.append((node.last_access, next(self._seq), node))
         heapq.heapify(heap)
         self._heap = heap
+        self._deferred = []
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:

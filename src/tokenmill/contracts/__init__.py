@@ -6,7 +6,7 @@ types too. Modules:
 
 * :mod:`.batch`: :class:`ForwardBatch`, one engine step's tokens and page tables.
 * :mod:`.kv`: :class:`KVCacheSpec` and its per-layer entries (what a model stores per token).
-* :mod:`.sampling`: :class:`SamplingParams`.
+* :mod:`.sampling`: :class:`SamplingParams`, :class:`StructuredOutputs` (an output constraint).
 * :mod:`.errors`: :class:`ModelLoadError`.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.errors import ModelLoadError
 from tokenmill.contracts.kv import KV_DTYPE_BYTES, KVCacheSpec, LatentKV, PagedKV
-from tokenmill.contracts.sampling import MAX_LOGPROBS, SamplingParams
+from tokenmill.contracts.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
 __all__ = ["ForwardBatch", "KVCacheSpec", "KV_DTYPE_BYTES", "LatentKV", "MAX_LOGPROBS",
-           "ModelLoadError", "PagedKV", "SamplingParams"]
+           "ModelLoadError", "PagedKV", "SamplingParams", "StructuredOutputs"]

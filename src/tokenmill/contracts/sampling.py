@@ -14,12 +14,55 @@ Semantics, applied in this order by :class:`tokenmill.layers.sampling.Sampler`:
 
 ``logprobs`` (None: none; 0: the chosen token only; N: chosen plus the top N) are the log-softmax
 of the logits after step 1 and 2 (penalties and temperature), before truncation.
+
+``structured`` constrains the output to a grammar (:class:`StructuredOutputs`); its token mask is
+applied to the raw logits before step 1, so logprobs are those of the constrained distribution.
+``prompt_logprobs`` (None, or N >= 0 like ``logprobs``) asks for the log-softmax of the raw logits
+at every prompt position (the first prompt token has none); such a request bypasses the prefix
+cache for its prompt so that every prompt row is computed.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """One output constraint: ``kind`` and its canonical text ``spec`` (hashable: the grammar
+    cache key).
+
+    * ``json_schema``: a JSON schema (JSON text); ``json_object``: any JSON object (spec "");
+    * ``regex``: a regular expression the whole output must match;
+    * ``choice``: a JSON list of strings, the output is exactly one of them;
+    * ``grammar``: an EBNF grammar (GBNF dialect, start rule ``root``);
+    * ``structural_tag``: an xgrammar structural tag (JSON text), used for tool calls.
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"unknown structured output kind {self.kind!r}; expected one of {STRUCTURED_KINDS}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"structured output spec must be text, got {type(self.spec).__name__}")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"structured output of kind {self.kind!r} needs a non-empty spec")
+
+    @classmethod
+    def json(cls, schema: dict[str, Any] | str) -> StructuredOutputs:
+        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True, ensure_ascii=False)
+        return cls("json_schema", text)
+
+    @classmethod
+    def choice(cls, options: list[str]) -> StructuredOutputs:
+        return cls("choice", json.dumps(list(options), ensure_ascii=False))
 
 
 @dataclass
@@ -37,6 +80,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +112,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            raise ValueError(f"structured must be StructuredOutputs, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:

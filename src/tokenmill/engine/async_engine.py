@@ -166,8 +166,13 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stopping.is_set()
 
     def stats(self) -> EngineStats:
-        """Latest snapshot of ``Engine.stats()`` (refreshed after every step and command batch)."""
-        return self._stats
+        """Latest snapshot of ``Engine.stats()`` (refreshed after every step and command batch).
+
+        The cache-tier counters are read live: the storage worker moves pages between steps."""
+        tiers = getattr(self.engine, "tiers", None)
+        if tiers is None:
+            return self._stats
+        return dataclasses.replace(self._stats, tiers=tiers.snapshot_stats())
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      session_id: str | None = None, *, deadline: float | None = None,
@@ -249,6 +254,10 @@ class AsyncEngine:
                     self._wake.wait()
         self._abort_all(EngineStoppedError("the engine shut down before the request finished"))
         self._drain_inbox()
+        try:
+            engine.close()   # flush queued L3 writes
+        except Exception:  # noqa: BLE001
+            logger.exception("closing the engine failed")
         self._refresh_stats()
 
     def _drain_inbox(self) -> bool:

@@ -5,7 +5,8 @@ import argparse
 import sys
 from dataclasses import fields
 
-from tokenmill.engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig
+from tokenmill.engine.config import (ATTENTION_BACKENDS, CACHE_WRITE_POLICIES, HOST_CACHE_DTYPES,
+                                     KV_CACHE_DTYPES, EngineConfig)
 from tokenmill.loader.resolve import DEFAULT_MODEL
 
 
@@ -42,6 +43,33 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "token and head), bf16, fp16, fp32; the long torch names are aliases")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="paged-attention implementation (auto: the fastest that supports the model here)")
+    add_cache_tier_arguments(parser)
+
+
+def add_cache_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the L2 host and L3 storage cache tiers (docs/kv-tiers.md)."""
+    d = EngineConfig()
+    g = parser.add_argument_group("cache tiers")
+    g.add_argument("--host-cache-memory", dest="host_cache_memory_gib", type=float,
+                   default=d.host_cache_memory_gib, metavar="GIB",
+                   help="L2: host-memory page pool that L1 evictions demote to (default: 0, off)")
+    g.add_argument("--host-cache-dtype", default=d.host_cache_dtype, choices=HOST_CACHE_DTYPES,
+                   help="storage dtype of L2 pages; bfloat16 halves a float32 pool's host memory "
+                        "at bf16 precision on reload (default: auto, the KV pool's dtype)")
+    g.add_argument("--cache-storage", default=d.cache_storage, metavar="{none,file:DIR,redis://HOST:PORT/DB}",
+                   help="L3: shared page store keyed by chained page hashes (default: none)")
+    g.add_argument("--cache-write-policy", default=d.cache_write_policy, choices=CACHE_WRITE_POLICIES,
+                   help="when pages go to L3 (default: write_through)")
+    g.add_argument("--cache-write-min-hits", type=int, default=d.cache_write_min_hits,
+                   help="write_through_selective: hits before a page is written (default: 2)")
+    g.add_argument("--cache-prefetch-timeout", dest="cache_prefetch_timeout_s", type=float,
+                   default=d.cache_prefetch_timeout_s, metavar="S",
+                   help="longest wait for L3 pages after a request arrives; the rest is computed")
+    g.add_argument("--cache-prefetch-min-pages", type=int, default=d.cache_prefetch_min_pages,
+                   help="shortest run of L3 pages worth fetching (default: 1)")
+    g.add_argument("--cache-storage-timeout", dest="cache_storage_timeout_s", type=float,
+                   default=d.cache_storage_timeout_s, metavar="S",
+                   help="socket timeout of one storage call (default: 1)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

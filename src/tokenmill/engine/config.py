@@ -17,6 +17,8 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bf16", "fp16", "fp32", "fp8", "float8_e4
                    "float32")
 assert set(KV_CACHE_DTYPES) == {"auto", *KV_DTYPE_NAMES}
 ATTENTION_BACKENDS = ("auto", "torch", "native")
+HOST_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the KV pool's dtype
+CACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DEFAULT_KV_SESSIONS = 4          # full-length sequences the default pool holds
 DEFAULT_KV_MEMORY_SHARE = 0.25   # at most this share of available memory by default
 DEFAULT_KV_MEMORY_CAP_GIB = 4.0  # and never more than this by default
@@ -49,6 +51,15 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     device: str = "cpu"              # torch device the model runner owns ("cpu", "cuda", "cuda:1")
     kv_cache_dtype: str = "auto"     # KV storage: auto (the model's dtype), fp8_e4m3, bf16, fp16, fp32
     attention_backend: str = "auto"  # see tokenmill.layers.attention.select_attention_backend
+    # Lower cache tiers (docs/kv-tiers.md): L2 host memory, L3 shared storage.
+    host_cache_memory_gib: float = 0.0   # L2 size; 0 = no host tier
+    host_cache_dtype: str = "auto"       # storage dtype of L2 pages (auto = the KV pool's dtype)
+    cache_storage: str = "none"          # L3: none, file:DIR or redis://HOST:PORT/DB
+    cache_write_policy: str = "write_through"
+    cache_write_min_hits: int = 2        # write_through_selective: hits before a page is written
+    cache_prefetch_timeout_s: float = 1.0   # longest an admission waits for L3 pages
+    cache_prefetch_min_pages: int = 1    # shortest L3 run worth fetching
+    cache_storage_timeout_s: float = 1.0  # socket timeout of one storage call
     decode_slowdown: float | None = 2.0  # bound on a decode step's time while prefill shares it
                                           # (x the decodes-only step; None: prefill fills the step)
 
@@ -84,6 +95,24 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.host_cache_memory_gib < 0:
+            raise ValueError(f"host_cache_memory_gib must be >= 0, got {self.host_cache_memory_gib}")
+        if self.host_cache_dtype not in HOST_CACHE_DTYPES:
+            raise ValueError(f"host_cache_dtype must be one of {HOST_CACHE_DTYPES}, got {self.host_cache_dtype!r}")
+        if not (self.cache_storage in ("", "none") or self.cache_storage.startswith(("file:", "redis://", "rediss://", "unix://"))):
+            raise ValueError(f"cache_storage must be none, file:DIR or redis://HOST:PORT/DB, got {self.cache_storage!r}")
+        if self.cache_storage == "file:":
+            raise ValueError("cache_storage file: needs a folder, as in file:/var/cache/tokenmill")
+        if self.cache_write_policy not in CACHE_WRITE_POLICIES:
+            raise ValueError(f"cache_write_policy must be one of {CACHE_WRITE_POLICIES}, got {self.cache_write_policy!r}")
+        if self.cache_write_min_hits < 1:
+            raise ValueError(f"cache_write_min_hits must be >= 1, got {self.cache_write_min_hits}")
+        if self.cache_prefetch_timeout_s < 0 or self.cache_storage_timeout_s <= 0:
+            raise ValueError("cache_prefetch_timeout_s must be >= 0 and cache_storage_timeout_s > 0")
+        if self.cache_prefetch_min_pages < 1:
+            raise ValueError(f"cache_prefetch_min_pages must be >= 1, got {self.cache_prefetch_min_pages}")
+        if not self.enable_prefix_cache and (self.host_cache_memory_gib > 0 or self.cache_storage not in ("", "none")):
+            raise ValueError("the host and storage cache tiers need the prefix cache (drop --no-prefix-cache)")
         if not self.device or not (self.device == "cpu" or self.device.startswith(("cuda", "mps", "xpu"))):
             raise ValueError(f"device must be cpu or a torch accelerator such as cuda or cuda:1, got {self.device!r}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,10 +25,11 @@ from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens, resol
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.engine.request import ListView, Request, RequestOutput
+from tokenmill.engine.request import ListView, Request, RequestOutput, RequestStatus
 from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_cost import StepCost
+from tokenmill.engine.structured import GrammarCompiler, GrammarWaitRoom
 
 if TYPE_CHECKING:
     from tokenmill.loader import LoadedModel
@@ -51,6 +53,7 @@ class EngineStats:
     kv_cache_dtype: str = ""         # storage dtype of the pool (float32, bfloat16, float8_e4m3fn, ...)
     kv_bytes_per_token: int = 0      # KVCacheSpec.bytes_per_token(), fp8 scales included
     kv_capacity_tokens: int = 0      # pages x page size
+    tiers: Any = None               # cache.tiers.TierStats when lower tiers are configured
 
     @property
     def cache_hit_rate(self) -> float:
@@ -73,9 +76,13 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
                                   self.vocab_size, device=self.device, kv_spec=self.kv_spec,
                                   attention_backend=config.attention_backend)
+        self._init_tiers()
         self.generation_tokens_total = 0
         self._arrivals = 0
         self._num_timed = 0   # requests added with a deadline (expiry is skipped while there are none)
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+        self._compiling = GrammarWaitRoom()
 
     # -- construction ----------------------------------------------------------------------------
     def _init_device(self) -> None:
@@ -144,6 +151,12 @@ class Engine:
                  "= %d tokens (%.4f GiB)", spec.dtype, bytes_per_token, fp32 / bytes_per_token, num_pages, ps,
                  self.kv_capacity_tokens, self.kv_capacity_tokens * bytes_per_token / 2**30)
 
+    def _init_tiers(self) -> None:
+        from tokenmill.engine.kv_tiers import build_tiers
+
+        self.tiers = build_tiers(self.config, self.runner, self.kv, self.model_name, self.kv_spec)
+        self.kv.tiers = self.tiers
+
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     session_id: str | None = None, *, deadline: float | None = None,
@@ -171,7 +184,7 @@ class Engine:
         if total > self.kv.capacity_tokens:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds the KV cache capacity of {self.kv.capacity_tokens} tokens")
-        if self.scheduler.get(request_id) is not None:
+        if self.scheduler.get(request_id) is not None or request_id in self._compiling:
             raise ValueError(f"request id {request_id!r} is already in use")
         admission.check_queue(self.scheduler, self.config.max_waiting_requests)
         req = Request(request_id, ids, params, session_id=session_id, arrival_index=self._arrivals,
@@ -181,15 +194,34 @@ class Engine:
         self._arrivals += 1
         req.generator = self.runner.make_generator(params.seed)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        if params.structured is not None:
+            future = self.grammar_compiler.compile(params.structured)
+            if not future.done():  # compiles off this thread; the request waits outside the batch
+                self._compiling.add(req, future)
+                return
+            if future.exception() is not None:
+                raise ValueError(str(future.exception()))
+            req.grammar = self.grammar_compiler.matcher(future.result())
         self.scheduler.add_request(req)
+        if self.tiers is not None:
+            self.tiers.on_arrival(req)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output grammar compiler (created on first use; thread-safe)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+            return self._grammar_compiler
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its pages; unknown or finished ids are ignored."""
+        self._compiling.remove(request_id)
         self.scheduler.abort(request_id)
         self._maybe_check_idle()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or len(self._compiling) > 0
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -200,21 +232,39 @@ class Engine:
             if not any(r.deadline is not None or r.queue_deadline is not None
                        for r in self.scheduler.requests.values()):
                 self._num_timed = 0
+        failed = self._take_compiled() if len(self._compiling) else []
         out = self.scheduler.schedule()
         if out.is_empty:
+            if len(self._compiling) and not failed:
+                self._compiling.wait(0.05)
             self._maybe_check_idle()
-            return expired
+            return expired + failed
         t0 = time.perf_counter()
         sampled = self.runner.execute(out)
         if self.step_cost is not None:
             self.step_cost.observe(out.num_tokens, time.perf_counter() - t0)
         self.scheduler.post_step(out)
-        outputs = [self._process(s.request, s.token_id, s.logprob) for s in sampled]
+        outputs = failed + [self._process(s.request, s.token_id, s.logprob) for s in sampled]
+        if self.tiers is not None:
+            self.tiers.end_step()
         self._maybe_check_idle()
         return expired + outputs
 
+    def _take_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar is ready; finish those whose grammar failed."""
+        ready, failed = self._compiling.pop_done(self.grammar_compiler)
+        for req in ready:
+            self.scheduler.add_request(req)
+        outputs = []
+        for req, error in failed:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason, req.stop_reason = "abort", error
+            outputs.append(self._output(req, num_new=0))
+        return outputs
+
     def _process(self, req: Request, token: int, logprob: Any) -> RequestOutput:
         req.append_token(token)
+        grammar_ok = req.grammar is None or req.grammar.accept(token)
         self.generation_tokens_total += 1
         if req.logprobs is not None and logprob is not None:
             req.logprobs.append(logprob)
@@ -229,6 +279,10 @@ class Engine:
             hit = req.detokenizer.add_token(token)
             if hit is not None:
                 reason, stop_reason = "stop", hit
+        if reason is None and req.grammar is not None and (req.grammar.is_terminated or not grammar_ok):
+            if not grammar_ok:
+                log.error("request %s: sampled token %d is outside its grammar", req.request_id, token)
+            reason = "stop" if grammar_ok else "abort"
         if reason is None and (req.num_output_tokens >= params.max_tokens
                                or req.num_tokens >= self.max_model_len):
             reason = "length"
@@ -262,7 +316,9 @@ class Engine:
             finished=finished,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
+            cached_tokens_by_tier=req.cached_tokens_by_tier,
             new_logprobs=lps[-num_new:] if (lps is not None and num_new) else ([] if lps is not None else None),
+            prompt_logprobs=req.prompt_logprobs,   # complete once the prompt is computed
         )
 
     # -- cache and stats -------------------------------------------------------------------------
@@ -272,6 +328,16 @@ class Engine:
             return False
         self.kv.flush()
         return True
+
+    def flush_storage_cache(self) -> int:
+        """Delete what this model wrote to the L3 storage tier; returns pages deleted."""
+        return self.tiers.flush_storage() if self.tiers is not None else 0
+
+    def close(self) -> None:
+        """Finish queued L3 writes and stop the storage worker (the engine stays usable
+        for L1/L2 only)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def check_pages(self) -> None:
         """Assert page accounting (free + cached + request-only == total)."""
@@ -290,7 +356,7 @@ class Engine:
         pool = self.kv.pool
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_waiting=len(s.waiting) + len(self._compiling),   # incl. grammars still compiling
             kv_pages_total=pool.num_pages,
             kv_pages_free=pool.num_free(),
             kv_cache_usage=self.kv.usage(),
@@ -303,4 +369,5 @@ class Engine:
             kv_cache_dtype=self.kv_spec.dtype,
             kv_bytes_per_token=self.kv_spec.bytes_per_token(),
             kv_capacity_tokens=self.kv_capacity_tokens,
+            tiers=self.tiers.snapshot_stats() if self.tiers is not None else None,
         )

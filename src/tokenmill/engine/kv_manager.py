@@ -12,13 +12,24 @@ Life of a request's pages::
                 switches to the canonical page ids and its lock moves to the deeper node
     leaving     release(): cache_computed() once more, unlock, free the request-only tail
 
+Cache keys come from :meth:`Request.cache_key`: by default the request's own token ids, in a
+cache whose ``page_size`` is this manager's (the engine). A request may instead key each page by
+one element (the fleet simulator keys a page by its block id), in a cache of ``page_size`` 1;
+the manager counts matches in pages either way, so the two behave alike.
+
+Lower tiers (optional ``tiers``, see :mod:`tokenmill.engine.kv_tiers`; duck-typed, so this
+module stays torch-free and the simulator can plug in its own model): at admission the L1
+match continues through pages that L2/L3 can supply; they are copied into fresh L1 pages and
+inserted in the tree before the request's prefill. Newly computed pages are reported to the
+tiers (write-through), and the radix tree's eviction hook demotes evicted pages.
+
 Invariant (checked by :meth:`KVManager.check`):
 ``pool.num_free() + cache.num_cached_pages + sum(request-only pages) == pool.num_pages``.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.cache.page_pool import PagePool
 from tokenmill.engine.request import Request
@@ -28,12 +39,16 @@ if TYPE_CHECKING:
 
 
 class KVManager:
-    def __init__(self, pool: PagePool, page_size: int, cache: RadixCache | None = None) -> None:
+    def __init__(self, pool: PagePool, page_size: int, cache: RadixCache | None = None,
+                 tiers: Any = None) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
+        if tiers is not None and cache is None:
+            raise ValueError("lower cache tiers need the prefix cache")
         self.pool = pool
         self.page_size = page_size
         self.cache = cache
+        self.tiers = tiers
 
     # -- capacity ------------------------------------------------------------------------------
     @property
@@ -62,26 +77,69 @@ class KVManager:
 
         Matches ``all_token_ids[:-1]`` so at least one token is left to compute (its logits give
         the next token). Locks the matched node; sets the page table and ``num_computed_tokens``.
-        Returns the number of tokens matched.
+        With lower tiers, the match continues through pages loaded from L2/L3 into L1.
+        Returns the number of tokens matched (all tiers); on first admission also sets
+        ``req.cached_tokens_by_tier``.
+        A request asking for prompt logprobs matches nothing (its prompt rows must all be computed).
         """
-        if self.cache is None or req.page_table:
+        if self.cache is None or req.page_table or req.prompt_logprobs is not None:
             return 0
-        m = self.cache.match_prefix(req.all_token_ids[:-1])
-        if m.num_tokens == 0:
+        P = self.page_size
+        per = self.cache.page_size   # key elements per page (P for the engine, 1 in the sim)
+        max_pages = (req.num_tokens - 1) // P
+        key = req.cache_key(max_pages * per)
+        m = self.cache.match_prefix(key[:max_pages * per])
+        pages = list(m.pages)
+        node = m.node
+        self.cache.lock(node)
+        loaded = {"l2": 0, "l3": 0}
+        if self.tiers is not None:
+            plan = self.tiers.plan(req, len(pages), max_pages)
+            if len(plan):
+                fresh = self.pool.alloc(len(plan))
+                if fresh is None:
+                    self.cache.evict(len(plan) - self.pool.num_free())
+                    fresh = self.pool.alloc(min(len(plan), self.pool.num_free()))
+                if fresh:
+                    loaded = self.tiers.load(plan, fresh)
+                    k = loaded["l2"] + loaded["l3"]
+                    self.pool.free(fresh[k:])
+                    if k:
+                        res = self.cache.insert(key[:(len(pages) + k) * per], pages + fresh[:k],
+                                                session_id=req.session_id)
+                        self.cache.lock(res.node)
+                        self.cache.unlock(node)
+                        node, pages = res.node, list(res.pages)
+        if req.num_cached_tokens is None:
+            # Pages an earlier, failed admission try loaded are L1 hits now; keep their tier.
+            prev = req.cached_tokens_by_tier or {}
+            carried = {t: prev.get(t, 0) // P for t in ("l2", "l3")}
+            by_tier = {"l1": max(len(m.pages) - carried["l2"] - carried["l3"], 0),
+                       "l2": carried["l2"] + loaded["l2"], "l3": carried["l3"] + loaded["l3"]}
+            req.cached_tokens_by_tier = {t: n * P for t, n in by_tier.items()}
+        if not pages:
+            self.cache.unlock(node)
+            req.page_table = []
             return 0
-        self.cache.lock(m.node)
-        req.cache_node = m.node
-        req.page_table = list(m.pages)
-        req.num_tree_pages = len(m.pages)
-        req.num_computed_tokens = m.num_tokens
-        return m.num_tokens
+        req.cache_node = node
+        req.page_table = pages
+        req.num_tree_pages = len(pages)
+        req.num_computed_tokens = len(pages) * P
+        return len(pages) * P
+
+    def admitted(self, req: Request) -> None:
+        """``req`` was admitted for the first time: count its hits per tier."""
+        if self.tiers is not None and req.cached_tokens_by_tier is not None:
+            self.tiers.record_hits(req, {t: n // self.page_size for t, n in req.cached_tokens_by_tier.items()})
 
     def cached_prefix_tokens(self, req: Request) -> int:
         """Tokens :meth:`match` would reuse for ``req`` now: a probe that locks nothing and
         leaves cache recency alone (for cache-aware admission)."""
-        if self.cache is None or req.page_table:
+        if self.cache is None or req.page_table or req.prompt_logprobs is not None:
             return 0
-        return self.cache.cached_prefix_length(req.all_token_ids, req.num_tokens - 1)
+        per_page = self.cache.page_size
+        n = (req.num_tokens - 1) // self.page_size * per_page
+        return self.cache.cached_prefix_length(req.cache_key(n), n) // per_page * self.page_size
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grow ``req.page_table`` to hold ``num_tokens`` tokens, evicting cached pages if needed.
@@ -107,9 +165,11 @@ class KVManager:
         full = req.num_computed_tokens // self.page_size
         if full <= req.num_tree_pages:
             return
-        res = self.cache.insert(req.all_token_ids[: full * self.page_size], req.page_table[:full],
-                                session_id=req.session_id)
+        n = full * self.cache.page_size
+        res = self.cache.insert(req.cache_key(n)[:n], req.page_table[:full], session_id=req.session_id)
         req.page_table[:full] = res.pages
+        if self.tiers is not None:
+            self.tiers.on_computed(req, req.num_tree_pages, full)
         self.cache.lock(res.node)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
@@ -138,9 +198,11 @@ class KVManager:
 
     # -- whole cache -----------------------------------------------------------------------------
     def flush(self) -> None:
-        """Drop every cached page (only valid while no request holds pages)."""
+        """Drop every cached page of L1 and L2 (only valid while no request holds pages)."""
         if self.cache is not None:
             self.cache.reset()
+        if self.tiers is not None:
+            self.tiers.flush_host()
 
     def check(self, requests: Iterable[Request]) -> None:
         """Verify page accounting; raise AssertionError naming the mismatch."""

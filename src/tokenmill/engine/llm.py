@@ -69,6 +69,16 @@ class LLM:
         token_lists = [self.encode_chat(c) for c in convs]  # type: ignore[arg-type]
         return self.generate(token_lists, params)
 
+    def close(self) -> None:
+        """Write out queued pages of the storage cache tier and stop its worker thread."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def encode_chat(self, conversation: Sequence[Message]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(f"model {self.engine.model_name!r} has no chat template")

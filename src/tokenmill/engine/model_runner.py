@@ -9,7 +9,9 @@ allocate the KV pool, and make the sampler's random stream on the device.
 :class:`~tokenmill.contracts.batch.ForwardBatch` (sequences concatenated in scheduling order),
 builds the backend's per-step metadata once (:class:`~tokenmill.layers.attention.ForwardContext`),
 runs the model, and samples one token for each request whose step reaches the end of its
-tokens. Logits are computed only for those rows.
+tokens. Logits are computed only for those rows, plus the prompt rows of
+requests that ask for prompt logprobs (engine/prompt_logprobs.py). Rows of constrained requests
+are masked by their grammar before sampling (engine/structured.py).
 """
 from __future__ import annotations
 
@@ -17,11 +19,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from tokenmill.engine.prompt_logprobs import PromptRows, plan_prompt_rows, record_prompt_logprobs
 from tokenmill.engine.request import Request, TokenLogprob, TopLogprob
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import ForwardContext, select_attention_backend
+from tokenmill.engine.structured import apply_grammar_masks
 from tokenmill.layers.sampling import PenaltyState, Sampler, SamplingInputs
 
 if TYPE_CHECKING:
@@ -46,6 +50,7 @@ class ModelRunner:
         self.attn = select_attention_backend(self.kv_spec, self.device, model.dtype, attention_backend)
         self.kv_caches = self.attn.allocate(num_pages, page_size)
         self.sampler = Sampler(seed, device=self.device)
+        self.prompt_rows: list[PromptRows] = []
 
     def make_generator(self, seed: int | None) -> torch.Generator | None:
         """A request's own random stream (seeded requests only; others share the sampler's)."""
@@ -66,7 +71,11 @@ class ModelRunner:
         return st
 
     def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
-        """The step's ForwardBatch, and the requests that sample (in logits-row order)."""
+        """The step's ForwardBatch, and the requests that sample (in logits-row order).
+
+        Logit rows: one per sampling request first, then the prompt-logprob rows of
+        ``self.prompt_rows`` (set here for :meth:`execute`).
+        """
         ps = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -90,6 +99,8 @@ class ModelRunner:
             if s.samples:
                 logit_rows.append(q_start[-1] - 1)
                 samplers.append(req)
+        extra_rows, self.prompt_rows = plan_prompt_rows(out.scheduled, q_start)
+        logit_rows.extend(extra_rows)
         width = max(len(t) for t in tables)
         dev = self.device
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
@@ -123,8 +134,12 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         batch, samplers = self.build_batch(out)
         logits = self.forward(batch).logits
+        if self.prompt_rows:
+            record_prompt_logprobs(logits[len(samplers):], self.prompt_rows)
+            logits = logits[:len(samplers)]
         if not samplers:
             return []
+        logits = apply_grammar_masks(logits, samplers)
         states = [self._penalty_state(r) for r in samplers]
         inputs = SamplingInputs(
             params=[r.params for r in samplers],

@@ -59,6 +59,8 @@ class Request:
     num_tree_pages: int = 0
     cache_node: Any = None            # locked radix node, or None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    cached_tokens_by_tier: dict[str, int] | None = None  # that hit split by tier (l1, l2, l3)
+    tier_state: Any = None            # lower-tier bookkeeping (engine.kv_tiers.TierState)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -69,12 +71,16 @@ class Request:
     generator: Any = None             # the request's random stream (owned by the model runner)
     penalty_state: Any = None         # incremental penalty counts (owned by the model runner)
     detokenizer: Any = None           # incremental detokenizer (owned by the engine)
+    grammar: Any = None               # GrammarState of a constrained request (engine/structured.py)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, first is None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,6 +109,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def cache_key(self, num_elements: int) -> Sequence[Any]:
+        """A sequence whose first ``num_elements`` items are this request's prefix-cache key
+        (read in place, not copied): its own token ids.
+
+        A subclass may key each page by one element instead (the simulator's block ids), for a
+        cache of ``page_size`` 1 (see :mod:`tokenmill.engine.kv_manager`).
+        """
+        return self.all_token_ids
 
 
 class ListView(Sequence):
@@ -169,7 +184,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     stop_reason: str | int | None = None
+    cached_tokens_by_tier: dict[str, int] | None = None
     new_logprobs: list[TokenLogprob] | None = None   # logprobs of new_token_ids
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs only
 
     @property
     def text(self) -> str:

@@ -161,6 +161,7 @@ class Scheduler:
                 req.num_cached_tokens = matched
                 self.prompt_tokens_total += req.num_prompt_tokens
                 self.cached_tokens_total += matched
+                self.kv.admitted(req)
             plan.add(req, n)
 
     def _next_waiting(self) -> Request:
@@ -193,22 +194,24 @@ class Scheduler:
         if self.kv.cache is None or req.num_preemptions or req.page_table:
             return False
         P = self.kv.page_size
+        E = self.kv.cache.page_size   # cache-key elements per page (P: the token ids themselves)
         need = self.shared_prefill_min_pages * P
-        ids = req.all_token_ids
-        if len(ids) <= need:
+        n = req.num_tokens
+        if n <= need:
             return False
-        head = ids[:P]
+        ids = req.cache_key((n - 1) // P * E)
+        head = ids[:E]
         for other in self.running:
             if other.num_computed_tokens >= other.num_prompt_tokens - P:   # its prompt is published
                 continue
-            o = other.all_token_ids
-            if o[:P] != head:
+            o = other.cache_key(other.num_prompt_tokens // P * E)
+            if o[:E] != head:
                 continue
-            limit = min(len(ids) - 1, other.num_prompt_tokens)
-            common = P
-            while common + P <= limit and o[common:common + P] == ids[common:common + P]:
-                common += P
-            if common - self.kv.cached_prefix_tokens(req) >= need:
+            pages = min(n - 1, other.num_prompt_tokens) // P
+            common = 1
+            while common < pages and o[common * E:(common + 1) * E] == ids[common * E:(common + 1) * E]:
+                common += 1
+            if common * P - self.kv.cached_prefix_tokens(req) >= need:
                 return True
         return False
 

@@ -16,6 +16,10 @@ Rules, in the order ``choose`` applies them (terms defined below):
    ``session_max_inflight`` requests there or home is not under the bound; then the request
    goes to the next replica in the session's rendezvous order that is under the bound and
    holds fewer than ``session_max_inflight`` of its requests (``split``; home is unchanged).
+   With ``shared_cache`` (a fleet whose replicas share an L3 cache tier) a known session with
+   nothing in flight first moves to the least active replica when home has at least
+   ``shared_move_margin`` more active requests (``moved``): the new replica loads the prefix
+   from L3, so evening the load costs a load from storage instead of a recompute (rule 4a).
 5. **No session id.** The longest prefix match in the approximate prefix index wins if it
    covers at least ``prefix_min_chunks`` chunks and that replica is under the bound
    (``prefix``); otherwise the lowest load score (``least_load``).
@@ -58,10 +62,16 @@ class AgenticConfig:
     kv_weight: float = 1.0            # score weight of reported KV usage (0..1)
     session_weight: float = 0.5       # score weight of each session homed on the replica
     prefix_min_chunks: int = 4        # shortest prefix match (in chunks) that routes a request
+    # Fleets with a shared L3 cache tier (docs/kv-tiers.md): a session's prefix is found on any
+    # replica, so an idle session's next turn may move to a less loaded replica (rule 4a).
+    shared_cache: bool = False
+    shared_move_margin: int = 2       # move when home has at least this many more active requests
 
     def __post_init__(self) -> None:
         if not isinstance(self.session_max_inflight, int) or self.session_max_inflight < 1:
             raise ValueError(f"session_max_inflight must be an integer >= 1, got {self.session_max_inflight!r}")
+        if not isinstance(self.shared_move_margin, int) or self.shared_move_margin < 1:
+            raise ValueError(f"shared_move_margin must be an integer >= 1, got {self.shared_move_margin!r}")
         if not isinstance(self.prefix_min_chunks, int) or self.prefix_min_chunks < 1:
             raise ValueError(f"prefix_min_chunks must be an integer >= 1, got {self.prefix_min_chunks!r}")
         for name in ("epsilon", "load_floor", "kv_weight", "session_weight"):
@@ -231,6 +241,8 @@ class AgenticPolicy(_Base):
         else:
             kind = state.pending_kind or "sticky"
             state.pending_kind = None
+            if self.config.shared_cache and state.total_inflight == 0:
+                kind = self._move_to_shorter(sid, state, loads, kind)
         home = state.home
         max_inflight = self.config.session_max_inflight
         if home in loads.views and state.inflight[home] < max_inflight and loads.under(home):
@@ -251,6 +263,19 @@ class AgenticPolicy(_Base):
             state.pending_kind = None
             return home, kind
         return rid, away
+
+    def _move_to_shorter(self, sid: str, state: SessionState, loads: _Loads, kind: str) -> str:
+        """Rule 4a (shared cache): a new turn of an idle session goes to the least active
+        replica when home is ``shared_move_margin`` requests busier; the prefix comes from L3."""
+        home = state.home
+        if home not in loads.views:
+            return kind
+        least = min(loads.active.values())
+        if loads.active[home] - least < self.config.shared_move_margin:
+            return kind
+        targets = [rid for rid, a in loads.active.items() if a == least]
+        self._set_home(sid, state, self._lowest_score(loads, sid, targets))
+        return "moved"
 
     def _set_home(self, sid: str, state: SessionState, home: str) -> None:
         old = self._sessions.get(sid)

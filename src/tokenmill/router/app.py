@@ -10,6 +10,12 @@ One request, end to end::
          ``error`` event; non-stream: the body is read, then returned (502 if it breaks off)
       -> finally: registry.request_finished + policy.on_finish (exactly once per attempt)
 
+The same path serves ``POST /v1/messages`` (Anthropic) and ``POST /v1/responses``. A Responses
+request without a session id gets one from the router: a new one for a fresh conversation, or
+the one of the response named in ``previous_response_id`` (the router remembers which session
+each response id it relayed came from, bounded), so a conversation stays on the replica that
+stores it. ``GET``/``DELETE /v1/responses/{id}`` go to the replica that produced ``id``.
+
 Everything runs on one event loop; the registry and the policy are touched only there.
 """
 from __future__ import annotations
@@ -18,8 +24,10 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
-from collections import Counter
+import uuid
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -128,13 +136,26 @@ def prompt_prefix_key(path: str, body: dict[str, Any]) -> str | list[int] | None
 
     Appending a message keeps the earlier text a prefix, so turns of one conversation match.
     """
-    if path.endswith("/chat/completions"):
+    if path.endswith("/chat/completions") or path.endswith("/messages"):
         parts = []
         if body.get("tools"):
             parts.append(json.dumps(body["tools"], sort_keys=True))
+        if body.get("system"):          # Anthropic Messages
+            parts.append(f"<system>{_content_text(body['system'])}")
         for m in body.get("messages") or []:
             if isinstance(m, dict):
                 parts.append(f"<{m.get('role', '')}>{_content_text(m.get('content'))}")
+        return "\n".join(parts) or None
+    if path.endswith("/responses"):
+        parts = []
+        if body.get("tools"):
+            parts.append(json.dumps(body["tools"], sort_keys=True))
+        if body.get("instructions"):
+            parts.append(f"<system>{_content_text(body['instructions'])}")
+        items = body.get("input")
+        for m in [{"role": "user", "content": items}] if isinstance(items, str) else items or []:
+            if isinstance(m, dict):
+                parts.append(f"<{m.get('role', m.get('type', ''))}>{_content_text(m.get('content', m.get('output')))}")
         return "\n".join(parts) or None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
@@ -152,11 +173,16 @@ def _estimate_tokens(key: str | list[int] | None) -> int | None:
     return len(key) if isinstance(key, list) else max(1, len(key) // 4)
 
 
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
+
+
 class _UsageSniffer:
-    """Finds the last ``usage`` object in an SSE stream or JSON body, without buffering it."""
+    """Finds the last ``usage`` object in an SSE stream or JSON body, without buffering it, and
+    the first Responses API id (``resp_...``) in it."""
 
     def __init__(self) -> None:
         self.usage: dict[str, Any] | None = None
+        self.response_id: str | None = None
         self._tail = b""
 
     def feed(self, chunk: bytes) -> None:
@@ -164,15 +190,27 @@ class _UsageSniffer:
         lines = data.split(b"\n")
         self._tail = lines.pop()[-65536:]
         for line in lines:
-            if b'"usage"' in line and line.startswith(b"data:"):
-                self._take(line[5:])
+            if line.startswith(b"data:"):
+                self._find_id(line)
+                if b'"usage"' in line:
+                    self._take(line[5:])
 
     def feed_body(self, body: bytes) -> None:
+        self._find_id(body)
         self._take(body)
+
+    def _find_id(self, raw: bytes) -> None:
+        if self.response_id is None and b"resp_" in raw:
+            m = _RESPONSE_ID.search(raw)
+            if m is not None:
+                self.response_id = m.group(1).decode()
 
     def _take(self, raw: bytes) -> None:
         try:
-            usage = json.loads(raw).get("usage")
+            obj = json.loads(raw)
+            usage = obj.get("usage")
+            if usage is None and isinstance(obj.get("response"), dict):   # Responses API events
+                usage = obj["response"].get("usage")
         except (ValueError, AttributeError):
             return
         if isinstance(usage, dict):
@@ -212,6 +250,9 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self.monitor: ReplicaMonitor | None = None
         self.stats = RouterStats()
+        # Responses API: response id -> (replica id, routing session id), most recent last
+        self.response_homes: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
+        self.max_response_homes = 100_000
         self._down_events: dict[str, asyncio.Event] = {}   # replica id -> set when it goes down
         sessions = getattr(self.policy, "sessions_per_replica", lambda: {})
         self.metrics_registry = make_registry(RouterCollector(self.stats, self.registry, self.policy, sessions))
@@ -268,11 +309,21 @@ class Router:
         self.registry.request_finished(replica_id)
         output_tokens = 0
         if usage:
-            if isinstance(usage.get("prompt_tokens"), int):
-                meta.prompt_tokens = usage["prompt_tokens"]
-            if isinstance(usage.get("completion_tokens"), int):
-                output_tokens = usage["completion_tokens"]
+            prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+            if isinstance(prompt, int):
+                if isinstance(usage.get("cache_read_input_tokens"), int):   # Anthropic: input excludes hits
+                    prompt += usage["cache_read_input_tokens"]
+                meta.prompt_tokens = prompt
+            completion = usage.get("completion_tokens", usage.get("output_tokens"))
+            if isinstance(completion, int):
+                output_tokens = completion
         self.policy.on_finish(meta, replica_id, output_tokens=output_tokens, now=time.monotonic())
+
+    def remember_response(self, response_id: str, replica_id: str, session_id: str | None) -> None:
+        self.response_homes[response_id] = (replica_id, session_id)
+        self.response_homes.move_to_end(response_id)
+        while len(self.response_homes) > self.max_response_homes:
+            self.response_homes.popitem(last=False)
 
     def _overloaded(self, reason: str, message: str) -> Response:
         self.stats.rejected[reason] += 1
@@ -284,12 +335,12 @@ class Router:
         return [r.id for r in self.registry.all() if cap is not None and r.inflight >= cap]
 
     async def forward(self, request: Request, method: str, path: str, raw_body: bytes,
-                      meta: RequestMeta | None, stream: bool) -> Response:
+                      meta: RequestMeta | None, stream: bool, *, prefer: str | None = None) -> Response:
         """Send to the policy's choice; on a connect error, a 5xx, a 429 or the replica going down
         before the first byte reached the client, try another (up to ``max_attempts`` in all).
 
-        ``meta`` None: not a routed generation request (e.g. /v1/models); the least busy replica
-        answers and the policy is not consulted.
+        ``meta`` None: not a routed generation request (e.g. /v1/models); the replica ``prefer``
+        (if given and eligible) or else the least busy one answers, and the policy is not consulted.
         """
         assert self.client is not None
         if meta is not None and self.config.max_inflight is not None:
@@ -313,7 +364,15 @@ class Router:
                     views = [v for v in self.registry.views() if v.eligible and v.id not in tried]
                     if not views:
                         raise NoReplicaAvailable("no healthy replica")
-                    rid, kind = min(views, key=lambda v: (v.active, v.id)).id, "least_load"
+                    home = [v for v in views if v.id == prefer]
+                    if home:
+                        rid, kind = home[0].id, "home"
+                    else:
+                        home = [v for v in views if v.id == prefer]
+                    if home:
+                        rid, kind = home[0].id, "home"
+                    else:
+                        rid, kind = min(views, key=lambda v: (v.active, v.id)).id, "least_load"
             except NoReplicaAvailable as e:
                 if failure is not None:
                     return failure
@@ -403,6 +462,8 @@ class Router:
             await upstream.aclose()
             if meta is not None:
                 self._finish_attempt(meta, rid, sniffer.usage)
+                if sniffer.response_id is not None and upstream.status_code < 300:
+                    self.remember_response(sniffer.response_id, rid, meta.session_id)
             else:
                 self.registry.request_finished(rid)
 
@@ -515,7 +576,9 @@ def build_app(config: RouterConfig) -> FastAPI:
         if config.api_key is None:
             return None
         given = _bearer(request)
-        if given is None or not hmac.compare_digest(given.encode(), config.api_key.encode()):
+        if given is None:   # Anthropic clients send x-api-key
+            given = request.headers.get("x-api-key")
+        if given is None or not hmac.compare_digest(given.strip().encode(), config.api_key.encode()):
             return openai_error(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                                 "authentication_error", {"WWW-Authenticate": "Bearer"}, code="invalid_api_key")
         return None
@@ -544,8 +607,13 @@ def build_app(config: RouterConfig) -> FastAPI:
         if not isinstance(body, dict):
             return openai_error(400, "request body must be a JSON object")
         key = prompt_prefix_key(path, body)
-        meta = RequestMeta(session_id=extract_session_id(request.headers, body),
-                           prompt_tokens=_estimate_tokens(key), prefix_key=key, now=time.monotonic())
+        session_id = extract_session_id(request.headers, body)
+        if session_id is None and path == "/v1/responses":
+            prev = body.get("previous_response_id")
+            home = router.response_homes.get(prev) if isinstance(prev, str) else None
+            session_id = home[1] if home is not None and home[1] else f"responses-{uuid.uuid4().hex}"
+        meta = RequestMeta(session_id=session_id, prompt_tokens=_estimate_tokens(key), prefix_key=key,
+                           now=time.monotonic())
         response = await router.forward(request, "POST", path, raw, meta, bool(body.get("stream")))
         router.requests[(path, response.status_code)] += 1
         return response
@@ -557,6 +625,34 @@ def build_app(config: RouterConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generation(request, "/v1/completions")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await generation(request, "/v1/messages")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        if (denied := key_denied(request)) is not None:
+            return denied
+        raw = await request.body()
+        response = await router.forward(request, "POST", "/v1/messages/count_tokens", raw, None, False)
+        router.requests[("/v1/messages/count_tokens", response.status_code)] += 1
+        return response
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await generation(request, "/v1/responses")
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(request: Request, response_id: str) -> Response:
+        if (denied := key_denied(request)) is not None:
+            return denied
+        home = router.response_homes.get(response_id)
+        path = f"/v1/responses/{response_id}"
+        response = await router.forward(request, request.method, path, b"", None, False,
+                                        prefer=home[0] if home else None)
+        router.requests[("/v1/responses/{id}", response.status_code)] += 1
+        return response
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

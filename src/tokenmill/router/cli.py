@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--load-floor", type=float, help="agentic: active requests below which no replica is hot (4)")
     p.add_argument("--session-ttl", type=float, help="agentic: seconds an idle session is remembered (600)")
     p.add_argument("--rebalance-after", type=float, help="agentic: seconds above the bound before a session moves (30)")
+    p.add_argument("--shared-cache", action="store_true", default=None,
+                   help="agentic: the replicas share an L3 cache tier (--cache-storage), so idle sessions "
+                        "may move to less loaded replicas")
+    p.add_argument("--shared-move-margin", type=int,
+                   help="agentic with --shared-cache: home's extra active requests before a move (2)")
     p.add_argument("--seed", type=int, help="random / session_hash: seed for requests without a session")
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
@@ -81,7 +86,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if args.policy == "agentic":
         options = {"session_max_inflight": args.session_max_inflight, "epsilon": args.epsilon,
                    "load_floor": args.load_floor, "session_ttl_s": args.session_ttl,
-                   "rebalance_after_s": args.rebalance_after}
+                   "rebalance_after_s": args.rebalance_after, "shared_cache": args.shared_cache,
+                   "shared_move_margin": args.shared_move_margin}
     elif args.policy in ("random", "session_hash"):
         options = {"seed": args.seed}
     health = HealthConfig(health_path=args.health_path, health_interval_s=args.health_interval,

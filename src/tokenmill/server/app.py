@@ -2,14 +2,20 @@
 
 Routes (see docs/server.md):
     POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-    GET /health, GET /metrics, GET /v1/loads, POST /flush_cache, GET /openapi.json
+    POST /v1/messages, POST /v1/messages/count_tokens (Anthropic Messages API),
+    POST /v1/responses, GET /v1/responses/{id} (OpenAI Responses API),
+    GET /health, GET /metrics, GET /v1/loads, POST /flush_cache (L1 + L2),
+    POST /flush_cache/storage (this model's L3 pages), GET /openapi.json
 
-Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status;
-no client input can stop the server. Handlers never call the engine directly: they go through
+Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status
+(``{"type": "error", "error": {"type", "message"}}`` on the Anthropic routes); no client input
+can stop the server. The API key is accepted as ``Authorization: Bearer`` or ``x-api-key``.
+Handlers never call the engine directly: they go through
 the :class:`~tokenmill.engine.async_engine.AsyncEngine` in ``ServerState``.
 
 Keys: with ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <api key>``;
-with ``admin_key`` the state-changing ``/flush_cache`` needs the admin key instead. Both are
+with ``admin_key`` the state-changing ``/flush_cache`` and ``/flush_cache/storage`` need the admin
+key instead. Both are
 compared in constant time. Body size and JSON depth are enforced by
 :class:`~tokenmill.server.limits.BodyLimits` before any route runs.
 """
@@ -33,7 +39,10 @@ from tokenmill.server.errors import APIError
 from tokenmill.server.limits import BodyLimits, openai_error_body
 from tokenmill.server.metrics import CONTENT_TYPE
 from tokenmill.server.serving_chat import create_chat_completion
+from tokenmill.server.protocol_anthropic import anthropic_error_body
 from tokenmill.server.serving_completions import create_completion
+from tokenmill.server.serving_messages import count_tokens, create_message
+from tokenmill.server.serving_responses import create_response, delete_response, retrieve_response
 from tokenmill.session import RESPONSE_HEADER, extract_session_id, header_safe
 
 logger = logging.getLogger("tokenmill.server")
@@ -69,10 +78,14 @@ def build_app(state: ServerState) -> FastAPI:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            what = "admin key" if admin and state.config.admin_key is not None else "API key"
-            raise APIError(401, f"invalid or missing {what}: send 'Authorization: Bearer <key>'",
-                           type="authentication_error", code="invalid_api_key")
+        what = "admin key" if admin and state.config.admin_key is not None else "API key"
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+            return
+        other = request.headers.get("x-api-key")
+        if other is not None and hmac.compare_digest(other.strip().encode(), key.encode()):
+            return
+        raise APIError(401, f"invalid or missing {what}: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                       type="authentication_error", code="invalid_api_key")
 
     def check_queue_room() -> None:
         """429 before reading the body when the engine's queue is already full (a fast path:
@@ -83,7 +96,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(429, f"the server is overloaded: {limit} requests are already waiting; retry later",
                            type="rate_limit_error", code="queue_full", headers=state.overload_headers())
 
-    async def run_generation(request: Request, handler: Handler) -> Response:
+    async def run_generation(request: Request, handler: Handler, *, anthropic: bool = False) -> Response:
         arrival = time.monotonic()
         session_id: str | None = extract_session_id(request.headers)
         try:
@@ -93,11 +106,12 @@ def build_app(state: ServerState) -> FastAPI:
             session_id = extract_session_id(request.headers, body)
             response: Response = await handler(state, request, body, session_id, arrival)
         except APIError as e:
-            return _error_response(state, e, session_id)
+            return _error_response(state, e, session_id, anthropic=anthropic)
         except Exception as e:  # noqa: BLE001 - a bug must cost one request, never the server
             logger.exception("unexpected error on %s", request.url.path)
             return _error_response(state, APIError(500, f"internal server error: {type(e).__name__}: {e}",
-                                                   type="server_error", code="internal_error"), session_id)
+                                                   type="server_error", code="internal_error"), session_id,
+                                   anthropic=anthropic)
         if header_safe(session_id):
             response.headers[RESPONSE_HEADER] = session_id  # type: ignore[assignment]
         return response
@@ -109,6 +123,28 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await run_generation(request, create_completion)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await run_generation(request, create_message, anthropic=True)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Response:
+        return await run_generation(request, count_tokens, anthropic=True)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await run_generation(request, create_response)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        check_auth(request)
+        return await retrieve_response(state, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(request: Request, response_id: str) -> Response:
+        check_auth(request)
+        return await delete_response(state, response_id)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -156,6 +192,20 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(409, "the prefix cache was not flushed: requests are running", code="engine_busy")
         return JSONResponse({"flushed": True})
 
+    @app.post("/flush_cache/storage")
+    async def flush_storage_cache(request: Request) -> Response:
+        """Admin: delete the pages this model wrote to the L3 storage tier (shared by replicas)."""
+        check_auth(request, admin=True)
+        if state.engine.stats().tiers is None:
+            raise APIError(409, "this server has no cache storage tier (--cache-storage none)",
+                           code="no_storage_tier")
+        try:
+            deleted = await state.engine.call(lambda e: e.flush_storage_cache())
+        except Exception as e:  # noqa: BLE001 - a storage failure is the backend's, not the server's
+            raise APIError(503, f"flushing the storage tier failed: {e}", type="server_error",
+                           code="storage_unavailable") from None
+        return JSONResponse({"flushed": True, "pages_deleted": deleted})
+
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> Response:
         return _error_response(state, exc, None)
@@ -187,7 +237,8 @@ def limit_error_body(path: str, status: int, message: str, code: str) -> dict[st
     return openai_error_body(path, status, message, code)
 
 
-def _error_response(state: ServerState, err: APIError, session_id: str | None) -> Response:
+def _error_response(state: ServerState, err: APIError, session_id: str | None, *,
+                    anthropic: bool = False) -> Response:
     state.metrics.http_errors[err.status_code] += 1
     if err.status_code >= 500 and err.code not in ("queue_timeout", "shutting_down"):
         logger.error("error %d: %s", err.status_code, err.message)
@@ -198,4 +249,6 @@ def _error_response(state: ServerState, err: APIError, session_id: str | None) -
     headers = {RESPONSE_HEADER: session_id} if header_safe(session_id) else None
     if err.status_code == 401:
         headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
+    if anthropic:
+        return JSONResponse(anthropic_error_body(err), status_code=err.status_code, headers=headers)
     return err.response(headers)

@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--admin-key", default=os.environ.get("TOKENMILL_ADMIN_KEY"),
                    help="key that POST /flush_cache needs instead of the API key "
                         "(default: $TOKENMILL_ADMIN_KEY, or the API key)")
+    s.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="responses kept for previous_response_id and GET /v1/responses/{id} (default: 1024)")
     s.add_argument("--max-n", type=int, default=8, help="largest accepted 'n' (default: 8)")
     s.add_argument("--max-request-bytes", type=int, default=32 * 2**20,
                    help="largest accepted request body, refused with 413 before it is parsed (default: 32 MiB)")
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             shutdown_grace_s=args.shutdown_grace_s, admin_key=args.admin_key or None,
             max_json_depth=args.max_json_depth, max_waiting_requests=args.max_waiting_requests,
             max_queue_wait_s=args.max_queue_wait_s, request_deadline_s=args.request_deadline_s,
-            retry_after_s=args.retry_after_s, log_requests=args.log_requests,
+            retry_after_s=args.retry_after_s, log_requests=args.log_requests, max_stored_responses=args.max_stored_responses,
         )
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = Engine(engine_config)
     except (ModelNotFoundError, ValueError) as e:
-        print(f"tokenmill serve: cannot load model {args.model!r}: {e}", file=sys.stderr)
+        print(f"tokenmill serve: cannot start with model {args.model!r}: {e}", file=sys.stderr)
         return 2
     async_engine = AsyncEngine(engine)
     state = ServerState.create(async_engine, server_config, prefix_cache_enabled=engine_config.enable_prefix_cache)

@@ -19,11 +19,12 @@ from pydantic import ValidationError
 
 from tokenmill.engine.admission import QUEUE_TIMEOUT, QueueFullError
 from tokenmill.engine.async_engine import AsyncEngine, EngineStepError, EngineStoppedError
-from tokenmill.contracts.sampling import SamplingParams
+from tokenmill.contracts.sampling import SamplingParams, StructuredOutputs
 from tokenmill.server.errors import APIError, bad_request, from_validation_error
 from tokenmill.server.limits import PARSED_BODY_KEY
 from tokenmill.server.metrics import RequestTimer, ServerMetrics
 from tokenmill.server.protocol import SamplingFields, context_error
+from tokenmill.server.protocol_responses import ResponseStore
 from tokenmill.server.tool_parser import HermesToolParser, get_tool_parser
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class ServerConfig:
     request_deadline_s: float | None = None  # default and upper bound of a request's deadline_s
     retry_after_s: int = 1               # Retry-After of 429 / 503 overload answers
     log_requests: bool = False           # log prompts and outputs (off: only sizes and timings)
+    max_stored_responses: int = 1024     # Responses API store (previous_response_id)
 
     def __post_init__(self) -> None:
         if not self.served_model_names or any(not n for n in self.served_model_names):
@@ -64,6 +66,8 @@ class ServerConfig:
             raise ValueError("api_key must not be empty")
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # raises on an unknown name
+        if self.max_stored_responses < 0:
+            raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.admin_key is not None and not self.admin_key:
@@ -118,7 +122,26 @@ class ServerState:
     metrics: ServerMetrics
     tool_parser: HermesToolParser | None = None
     max_token_chars: int = 0            # longest vocabulary entry in characters (0: unknown)
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(1024))
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+    _grammar_compiler: Any = None
+
+    async def grammar_compiler(self) -> Any:
+        """The engine's grammar compiler (thread-safe); the first call imports xgrammar off the
+        event loop and builds the compiler on the engine thread."""
+        if self._grammar_compiler is None:
+            import importlib
+
+            await asyncio.to_thread(importlib.import_module, "xgrammar")
+            self._grammar_compiler = await self.engine.call(lambda e: e.grammar_compiler)
+        return self._grammar_compiler
+
+    def tool_parser_for(self, forced: bool) -> HermesToolParser | None:
+        """The tool-call parser of a request with tools: the configured one, or (when the request
+        forces a call, whose format then comes from the constraint) the default hermes format."""
+        if self.tool_parser is not None:
+            return self.tool_parser
+        return get_tool_parser("hermes") if forced else None
 
     @classmethod
     def create(cls, engine: AsyncEngine, config: ServerConfig, *, prefix_cache_enabled: bool = True) -> ServerState:
@@ -130,6 +153,7 @@ class ServerState:
                                   max_waiting_requests=config.max_waiting_requests),
             tool_parser=get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None,
             max_token_chars=_max_token_chars(tokenizers.get()),
+            responses=ResponseStore(config.max_stored_responses),
         )
 
     def check_text_fits(self, text: str, param: str) -> None:
@@ -252,7 +276,9 @@ def parse_model(model_cls: type[SamplingFields], body: dict[str, Any]) -> Any:
 
 
 # ---------------------------------------------------------------------------- sampling
-def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None, choice: int,
+                    structured: StructuredOutputs | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """Engine parameters of choice ``choice``; with a seed, choice i uses seed + i (distinct, repeatable)."""
     stop = [] if req.stop is None else ([req.stop] if isinstance(req.stop, str) else list(req.stop))
     try:
@@ -262,7 +288,8 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
             seed=None if req.seed is None else req.seed + choice,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, stop=stop, stop_token_ids=list(req.stop_token_ids),
-            ignore_eos=req.ignore_eos, logprobs=logprobs,
+            ignore_eos=req.ignore_eos, logprobs=logprobs, structured=structured,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
         raise bad_request(str(e)) from None
@@ -473,10 +500,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          tiers: list[dict[str, int] | None] | None = None) -> dict[str, Any]:
+    """OpenAI usage; ``tiers`` (one split per prompt) adds the extension field
+    ``prompt_tokens_details.cached_tokens_by_tier`` = {"l1", "l2", "l3"}, summing to cached_tokens."""
+    details: dict[str, Any] = {"cached_tokens": cached_tokens}
+    if tiers:
+        split = {"l1": 0, "l2": 0, "l3": 0}
+        for t in tiers:
+            for k, v in (t or {}).items():
+                split[k] = split.get(k, 0) + v
+        details["cached_tokens_by_tier"] = split
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": details}
 
 
 def _lp(v: float) -> float:
@@ -495,10 +531,44 @@ def chat_logprobs(state: ServerState, entries: Sequence[TokenLogprob], top_n: in
     return out
 
 
+def prompt_logprobs_json(state: ServerState, entries: Sequence[TokenLogprob | None] | None) -> list[Any] | None:
+    """``prompt_logprobs`` extension: per prompt token, None (the first) or its logprob and top-N."""
+    if entries is None:
+        return None
+    out: list[Any] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        out.append({"token_id": e.token_id, "token": state.token_text(e.token_id)[0], "logprob": _lp(e.logprob),
+                    "top_logprobs": [{"token_id": t.token_id, "token": state.token_text(t.token_id)[0],
+                                      "logprob": _lp(t.logprob)} for t in e.top_logprobs]})
+    return out
+
+
 def completion_logprobs(state: ServerState, entries: Sequence[TokenLogprob], top_n: int,
-                        text_offset: int) -> dict[str, Any]:
-    tokens, token_logprobs, top, offsets = [], [], [], []
+                        text_offset: int, *, prompt: Sequence[TokenLogprob | None] | None = None,
+                        first_prompt_token: int | None = None) -> dict[str, Any]:
+    """Legacy completions logprobs; with ``prompt`` (echo), the prompt tokens come first (the
+    first one with a null logprob, ``first_prompt_token`` being its id)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     pos = text_offset
+    if prompt is not None:
+        for k, e in enumerate(prompt):
+            tid = e.token_id if e is not None else first_prompt_token
+            text = state.token_text(tid)[0] if tid is not None else ""
+            tokens.append(text)
+            offsets.append(pos)
+            pos += len(text)
+            if e is None or k == 0:
+                token_logprobs.append(None)
+                top.append(None)
+            else:
+                token_logprobs.append(_lp(e.logprob))
+                top.append({state.token_text(t.token_id)[0]: _lp(t.logprob) for t in e.top_logprobs[:top_n]} or None)
     for e in entries:
         text, _ = state.token_text(e.token_id)
         tokens.append(text)

@@ -110,7 +110,13 @@ class ServerMetrics:
 
     def render(self, stats: EngineStats) -> str:
         self._stats = stats
-        return generate_latest(self.registry).decode()
+        text = generate_latest(self.registry).decode()
+        if getattr(stats, "tiers", None) is not None:   # L2/L3 cache tiers (server/tier_metrics.py)
+            from tokenmill.server.tier_metrics import render_tier_metrics
+
+            text += "\n".join(render_tier_metrics(stats.tiers, stats.kv_pages_cached, stats.kv_pages_total,
+                                                  self.labels)) + "\n"
+        return text
 
 
 class _EngineCollector:

@@ -7,7 +7,9 @@ Responses are built as plain dicts in ``serving_*.py`` (they go straight to JSON
 
 tokenmill extensions accepted in both endpoints: ``return_token_ids`` (raw prompt and completion
 token ids in the response), ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``.
+``stop_token_ids``, ``prompt_logprobs`` (log-probabilities of the prompt tokens), and the output
+constraints ``regex``, ``choice``, ``grammar`` (see server/structured.py; ``response_format`` is
+the OpenAI one).
 """
 from __future__ import annotations
 
@@ -95,6 +97,11 @@ class SamplingFields(_Model):
     ignore_eos: StrictBool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     deadline_s: float | None = None   # finish within this many seconds of arrival (finish_reason "deadline")
+    prompt_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -145,6 +152,9 @@ def check_common(req: SamplingFields, *, max_n: int) -> None:
             raise bad_request(f"at most 16 stop strings are accepted, got {len(stops)}", "stop")
     if req.deadline_s is not None and not (math.isfinite(req.deadline_s) and req.deadline_s > 0):
         raise bad_request(f"deadline_s must be a number of seconds > 0, got {req.deadline_s}", "deadline_s")
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.prompt_logprobs}",
+                          "prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -178,9 +188,6 @@ def check_chat(req: ChatCompletionRequest) -> None:
 def check_completion(req: CompletionRequest) -> None:
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs would need log-probabilities of the prompt tokens, which this "
-                          "server does not compute; drop one of the two", "echo")
     p = req.prompt
     if isinstance(p, list) and (not p or any(isinstance(x, list) and not x for x in p)):
         raise bad_request("prompt must not be empty", "prompt", code="empty_array")

@@ -14,11 +14,14 @@ from jinja2 import TemplateError
 from tokenmill.engine.async_engine import EngineStepError
 from tokenmill.server.common import (
     SSE_DONE, ClientGone, Generation, ServerState, chat_logprobs, collect, log_finished, new_id,
-    parse_model, resolve_max_tokens, sampling_params, sse, sse_error, usage,
+    parse_model, prompt_logprobs_json, resolve_max_tokens, sampling_params, sse, sse_error, usage,
 )
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.protocol import (
     ChatCompletionRequest, ChatMessage, check_chat, check_common, requested_max_tokens,
+)
+from tokenmill.server.structured import (
+    compiled, extension_constraints, response_format_constraint, single_constraint, tool_call_constraint,
 )
 from tokenmill.server.tool_parser import (
     ContentDelta, HermesStreamParser, HermesToolParser, ToolCall, ToolCallDelta,
@@ -99,8 +102,11 @@ async def create_chat_completion(state: ServerState, request: Request, body: dic
         prompt = render_prompt(state, req)
     max_tokens = resolve_max_tokens(state, len(prompt), requested, param, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = [sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=i) for i in range(req.n)]
-    parse_tools = state.tool_parser is not None and bool(req.tools) and req.tool_choice != "none"
+    tool_parser, spec, spec_param = chat_constraint(state, req)
+    await compiled(state, spec, spec_param)
+    params = [sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=i, structured=spec,
+                              prompt_logprobs=req.prompt_logprobs) for i in range(req.n)]
+    parse_tools = tool_parser is not None and bool(req.tools) and req.tool_choice != "none"
 
     request_id = new_id("chatcmpl")
     gen = Generation(state, request_id, [prompt] * req.n, params, session_id, arrival, req.deadline_s)
@@ -111,20 +117,41 @@ async def create_chat_completion(state: ServerState, request: Request, body: dic
         except ClientGone:
             return JSONResponse({}, status_code=499)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, req, gen, prompt, include_usage, parse_tools),
+        return StreamingResponse(_stream(state, req, gen, prompt, include_usage, tool_parser if parse_tools else None),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         finals = await collect(gen, request)
     except ClientGone:
         return JSONResponse({}, status_code=499)
-    return JSONResponse(_full_response(state, req, request_id, prompt, finals, parse_tools, session_id, arrival))
+    return JSONResponse(_full_response(state, req, request_id, prompt, finals, tool_parser if parse_tools else None,
+                                       session_id, arrival))
+
+
+def chat_constraint(state: ServerState, req: ChatCompletionRequest
+                    ) -> tuple[HermesToolParser | None, Any, str]:
+    """(tool parser for this request, its output constraint or None, the field it came from)."""
+    forced = bool(req.tools) and (req.tool_choice == "required" or isinstance(req.tool_choice, dict))
+    parser = state.tool_parser_for(forced) if req.tools else None
+    found = []
+    rf = response_format_constraint(req.response_format)
+    if rf is not None:
+        found.append(("response_format", rf))
+    found.extend(extension_constraints(req))
+    if forced and parser is not None and req.tools:
+        name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+        tools = [(t.function.name, t.function.parameters) for t in req.tools]
+        found.append(("tool_choice", tool_call_constraint(parser, tools, name=name,
+                                                          parallel=req.parallel_tool_calls is not False)))
+    spec = single_constraint(found)
+    return parser, spec, found[0][0] if found else ""
 
 
 def _full_response(state: ServerState, req: ChatCompletionRequest, request_id: str, prompt: list[int],
-                   finals: list[Any], parse_tools: bool, session_id: str | None, arrival: float) -> dict[str, Any]:
+                   finals: list[Any], tool_parser: HermesToolParser | None, session_id: str | None,
+                   arrival: float) -> dict[str, Any]:
     choices = []
     for i, out in enumerate(finals):
-        message, tool_finish = assistant_message(out.text, state.tool_parser if parse_tools else None)
+        message, tool_finish = assistant_message(out.text, tool_parser)
         finish = tool_finish or out.finish_reason
         choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish,
                                   "logprobs": None}
@@ -140,10 +167,12 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, request_id: s
     resp: dict[str, Any] = {
         "id": request_id, "object": "chat.completion", "created": int(time.time()),
         "model": req.model or state.config.model_name, "choices": choices,
-        "usage": usage(len(prompt), completion_tokens, cached),
+        "usage": usage(len(prompt), completion_tokens, cached, [finals[0].cached_tokens_by_tier] if finals else None),
     }
     if req.return_token_ids:
         resp["prompt_token_ids"] = list(prompt)
+    if req.prompt_logprobs is not None and finals:
+        resp["prompt_logprobs"] = prompt_logprobs_json(state, finals[0].prompt_logprobs)
     return resp
 
 
@@ -170,15 +199,17 @@ def _tool_call_json(call: ToolCall) -> dict[str, Any]:
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generation, prompt: list[int],
-                  include_usage: bool, parse_tools: bool) -> AsyncIterator[str]:
+                  include_usage: bool, tool_parser: HermesToolParser | None) -> AsyncIterator[str]:
     created = int(time.time())
     model = req.model or state.config.model_name
     n = req.n
     parsers: list[HermesStreamParser | None] = [
-        state.tool_parser.stream() if parse_tools and state.tool_parser is not None else None for _ in range(n)]
+        tool_parser.stream() if tool_parser is not None else None for _ in range(n)]
     completion_tokens = [0] * n
     cached = [0] * n
+    tiers: list[dict[str, int] | None] = [None] * n
     reasons: list[str | None] = [None] * n
+    sent_prompt_logprobs = False
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
               token_ids: list[int] | None = None, extra: dict[str, Any] | None = None) -> str:
@@ -198,6 +229,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generatio
         async for index, out in gen:
             completion_tokens[index] = len(out.token_ids)
             cached[index] = out.cached_tokens
+            tiers[index] = out.cached_tokens_by_tier
             logprobs = None
             if req.logprobs and out.logprobs is not None and out.new_token_ids:
                 start = len(out.token_ids) - len(out.new_token_ids)
@@ -216,16 +248,20 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, gen: Generatio
                 if parser is not None and parser.num_calls:
                     finish = "tool_calls"
                 reasons[index] = finish
-            if not pieces and (logprobs is not None or token_ids or finish is not None):
+            first_extra = None
+            if req.prompt_logprobs is not None and index == 0 and not sent_prompt_logprobs:
+                first_extra = {"prompt_logprobs": prompt_logprobs_json(state, out.prompt_logprobs)}
+                sent_prompt_logprobs = True
+            if not pieces and (logprobs is not None or token_ids or finish is not None or first_extra):
                 pieces.append({})
             for k, delta in enumerate(pieces):
                 last = k == len(pieces) - 1
                 yield chunk(index, delta, finish if last else None, logprobs if last else None,
-                            token_ids if last else None)
+                            token_ids if last else None, extra=first_extra if k == 0 else None)
         if include_usage:
             total = sum(completion_tokens)
             yield sse({"id": gen.request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [], "usage": usage(len(prompt), total, cached[0])})
+                       "choices": [], "usage": usage(len(prompt), total, cached[0], tiers[:1])})
         log_finished("chat-stream", gen.request_id, gen.session_id, len(prompt), cached[0], sum(completion_tokens),
                      gen.timers[0].arrival, reasons)
     except EngineStepError as e:

@@ -1,6 +1,8 @@
 """``POST /v1/completions``: raw prompts (text or token ids, one or many) -> engine -> response or SSE.
 
 With several prompts and ``n`` choices each, choice ``p * n + j`` is the j-th sample of prompt p.
+``echo`` with ``logprobs`` returns the prompt tokens' logprobs ahead of the completion's (the
+first prompt token's is null), computed by the engine from the prompt rows (prompt logprobs).
 """
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tokenmill.engine.async_engine import EngineStepError
 from tokenmill.server.common import (
     SSE_DONE, ClientGone, Generation, ServerState, check_token_ids, collect, completion_logprobs, log_finished,
-    new_id, parse_model, resolve_max_tokens, sampling_params, sse, sse_error, usage,
+    new_id, parse_model, prompt_logprobs_json, resolve_max_tokens, sampling_params, sse, sse_error, usage,
+)
+from tokenmill.server.structured import (
+    compiled, extension_constraints, response_format_constraint, single_constraint,
 )
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import CompletionRequest, check_common, check_completion, requested_max_tokens
@@ -52,13 +57,25 @@ async def create_completion(state: ServerState, request: Request, body: dict[str
     prompts = await asyncio.to_thread(tokenize_prompts, state, req) if text else tokenize_prompts(state, req)
     if any(not p for p in prompts):
         raise APIError(400, "prompt must hold at least one token", param="prompt", code="empty_prompt")
+    found = []
+    rf = response_format_constraint(req.response_format)
+    if rf is not None:
+        found.append(("response_format", rf))
+    found.extend(extension_constraints(req))
+    spec = single_constraint(found)
+    await compiled(state, spec, found[0][0] if found else "")
+    echo_logprobs = req.echo and req.logprobs is not None
+    prompt_lp = req.prompt_logprobs
+    if echo_logprobs:
+        prompt_lp = max(prompt_lp or 0, req.logprobs or 0)
     flat_prompts: list[list[int]] = []
     params = []
     for p in prompts:
         max_tokens = resolve_max_tokens(state, len(p), requested, "max_tokens", "prompt")
         for j in range(req.n):
             flat_prompts.append(p)
-            params.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, choice=j))
+            params.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, choice=j,
+                                          structured=spec, prompt_logprobs=prompt_lp))
 
     request_id = new_id("cmpl")
     gen = Generation(state, request_id, flat_prompts, params, session_id, arrival, req.deadline_s)
@@ -81,8 +98,13 @@ async def create_completion(state: ServerState, request: Request, body: dict[str
         echo = echo_texts[i // req.n]
         choice: dict[str, Any] = {"index": i, "text": echo + out.text, "finish_reason": out.finish_reason,
                                   "logprobs": None}
-        if req.logprobs is not None and out.logprobs is not None:
+        if echo_logprobs and out.logprobs is not None:
+            choice["logprobs"] = completion_logprobs(state, out.logprobs, req.logprobs or 0, 0,
+                                                     prompt=out.prompt_logprobs, first_prompt_token=flat_prompts[i][0])
+        elif req.logprobs is not None and out.logprobs is not None:
             choice["logprobs"] = completion_logprobs(state, out.logprobs, req.logprobs, len(echo))
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(state, out.prompt_logprobs)
         if req.return_token_ids:
             choice["prompt_token_ids"] = list(flat_prompts[i])
             choice["token_ids"] = list(out.token_ids)
@@ -95,7 +117,8 @@ async def create_completion(state: ServerState, request: Request, body: dict[str
     return JSONResponse({
         "id": request_id, "object": "text_completion", "created": int(time.time()),
         "model": req.model or state.config.model_name, "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens, cached),
+        "usage": usage(prompt_tokens, completion_tokens, cached,
+                       [finals[k * req.n].cached_tokens_by_tier for k in range(len(prompts))]),
     })
 
 
@@ -106,6 +129,7 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, p
     num = len(gen.prompts)
     completion_tokens = [0] * num
     cached = [0] * num
+    tiers: list[dict[str, int] | None] = [None] * num
     offsets = [len(echo_texts[i // req.n]) for i in range(num)]
     reasons: list[str | None] = [None] * num
 
@@ -119,14 +143,36 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, p
             obj["usage"] = None
         return sse(obj)
 
+    echo_logprobs = req.echo and req.logprobs is not None
+    started = [False] * num
+
+    def first_chunk(i: int, out: Any) -> str:
+        """Echoed prompt (with its logprobs when asked) and prompt token ids, before any output."""
+        extra: dict[str, Any] = {}
+        if req.return_token_ids:
+            extra["prompt_token_ids"] = list(gen.prompts[i])
+        if out is not None and req.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = prompt_logprobs_json(state, out.prompt_logprobs)
+        logprobs = None
+        if echo_logprobs and out is not None:
+            logprobs = completion_logprobs(state, [], req.logprobs or 0, 0, prompt=out.prompt_logprobs,
+                                           first_prompt_token=gen.prompts[i][0])
+        return chunk(i, echo_texts[i // req.n], logprobs=logprobs, extra=extra or None)
+
+    needs_output = echo_logprobs or req.prompt_logprobs is not None
     try:
         for i in range(num):
-            if req.echo or req.return_token_ids:
-                extra = {"prompt_token_ids": list(gen.prompts[i])} if req.return_token_ids else None
-                yield chunk(i, echo_texts[i // req.n], extra=extra)
+            if not needs_output and (req.echo or req.return_token_ids):
+                started[i] = True
+                yield first_chunk(i, None)
         async for index, out in gen:
+            if not started[index]:
+                started[index] = True
+                if needs_output:
+                    yield first_chunk(index, out)
             completion_tokens[index] = len(out.token_ids)
             cached[index] = out.cached_tokens
+            tiers[index] = out.cached_tokens_by_tier
             logprobs = None
             if req.logprobs is not None and out.logprobs is not None and out.new_token_ids:
                 start = len(out.token_ids) - len(out.new_token_ids)
@@ -144,7 +190,8 @@ async def _stream(state: ServerState, req: CompletionRequest, gen: Generation, p
             prompt_tokens = sum(len(p) for p in prompts)
             hits = sum(cached[k * req.n] for k in range(len(prompts)))
             yield sse({"id": gen.request_id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens), hits)})
+                       "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens), hits,
+                                                  [tiers[k * req.n] for k in range(len(prompts))])})
         log_finished("completion-stream", gen.request_id, gen.session_id, sum(len(p) for p in prompts),
                      sum(cached[k * req.n] for k in range(len(prompts))), sum(completion_tokens),
                      gen.timers[0].arrival, reasons)

@@ -8,19 +8,25 @@
 
 A block whose body is not a JSON object with a string ``name`` stays in the content as text.
 
-Two entry points:
+Three entry points:
 
 * :meth:`HermesToolParser.parse` on a whole completion (non-streamed responses);
 * :meth:`HermesToolParser.stream` returns a :class:`HermesStreamParser` that is fed text deltas
   and yields content deltas and complete tool calls as soon as each ``</tool_call>`` arrives.
   Text that could be the start of ``<tool_call>`` is held back until it is resolved, so no tag
-  fragment ever leaks into the content.
+  fragment ever leaks into the content;
+* :meth:`HermesToolParser.call_constraint` gives the structured-output constraint that forces
+  the model to write one or more calls in this format (``tool_choice`` "required" or named),
+  each call's arguments valid under that tool's JSON schema.
 """
 from __future__ import annotations
 
 import json
 import uuid
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from tokenmill.contracts.sampling import StructuredOutputs
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -107,6 +113,22 @@ class HermesToolParser:
 
     def stream(self) -> HermesStreamParser:
         return HermesStreamParser(self)
+
+    def call_constraint(self, tools: Sequence[tuple[str, dict[str, Any] | None]], *,
+                        parallel: bool = True) -> StructuredOutputs:
+        """Constraint for ``<tool_call>`` blocks (one, or several separated by newlines when
+        ``parallel``) calling one of ``tools`` ((name, parameters schema) pairs)."""
+        tags = [{
+            "type": "tag",
+            "begin": f'{START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ',
+            "content": {"type": "json_schema", "json_schema": schema if schema else {"type": "object"},
+                        "max_whitespace_cnt": 2},
+            "end": f"}}\n{END}",
+        } for name, schema in tools]
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+               "stop_after_first": not parallel}
+        return StructuredOutputs("structural_tag", json.dumps({"type": "structural_tag", "format": fmt},
+                                                              sort_keys=True, ensure_ascii=False))
 
 
 class HermesStreamParser:

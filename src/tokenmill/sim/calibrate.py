@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from tokenmill.bench.client import iter_sse_json
+from tokenmill.utils.sse import iter_sse_json
 from tokenmill.sim.profiles import DecodeModel, PrefillModel, ReplicaProfile
 
 
@@ -212,12 +212,13 @@ async def measure(base_url: str, *, prefill_sizes: list[int], batch_sizes: list[
 
 
 def build_profile(m: Measurements, *, name: str, page_size: int, max_running: int, max_prefill_tokens: int,
-                  base_url: str) -> ReplicaProfile:
+                  base_url: str, decode_slowdown: float | None = None) -> ReplicaProfile:
     prefill = fit_prefill(m.prefill, max_prefill_tokens)
     decode = fit_decode(m.decode)
     profile = ReplicaProfile(
         name=name, prefill=prefill, decode=decode, kv_capacity_tokens=m.kv_pages_total * page_size,
         max_running_requests=max_running, page_size=page_size, max_prefill_tokens=max_prefill_tokens,
+        decode_slowdown=decode_slowdown,
         description=f"calibrated against {base_url} (model {m.model})", source="calibrated",
         assumptions=(
             "Prefill times are client-side time to first token of one request alone (HTTP included).",
@@ -240,6 +241,9 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=int, default=64, help="the server's max running requests (default 64)")
     p.add_argument("--max-prefill-tokens", type=int, default=512,
                    help="the server's prefill chunk, i.e. max batch tokens (default 512)")
+    p.add_argument("--decode-slowdown", type=float, default=None,
+                   help="the server's bound on prefill while decodes run (tokenmill serve's "
+                        "--decode-slowdown, 2.0 by default there); unset: no bound")
     p.add_argument("--prefill-sizes", default="32,128,256,512,1024,1536", help="comma-separated prompt lengths")
     p.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated decode batch sizes")
     p.add_argument("--decode-contexts", default="32,512", help="comma-separated prompt lengths for the decode sweep")
@@ -266,12 +270,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
             raise ValueError("--decode-tokens must be >= 4")
         if args.repeats < 1 or args.page_size < 1 or args.max_running < 1 or args.max_prefill_tokens < 1:
             raise ValueError("--repeats, --page-size, --max-running and --max-prefill-tokens must be >= 1")
+        if args.decode_slowdown is not None and not args.decode_slowdown > 1.0:
+            raise ValueError(f"--decode-slowdown must be > 1, got {args.decode_slowdown}")
         m = asyncio.run(measure(args.base_url, prefill_sizes=sizes, batch_sizes=batches, decode_contexts=contexts,
                                 decode_tokens=args.decode_tokens, repeats=args.repeats, model=args.model,
                                 api_key=args.api_key, log=lambda s: print(s, file=sys.stderr)))
         profile = build_profile(m, name=args.name or f"calibrated-{m.model}", page_size=args.page_size,
                                 max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
-                                base_url=args.base_url)
+                                base_url=args.base_url, decode_slowdown=args.decode_slowdown)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"tokenmill sim calibrate: {e}", file=sys.stderr)
         return 2

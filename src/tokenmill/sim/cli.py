@@ -46,6 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", default="kimi-k2.6-b200-tp4",
                    help="replica profile: a preset name or a profile JSON (default kimi-k2.6-b200-tp4)")
     g.add_argument("--list-profiles", action="store_true", help="print the presets and their assumptions, then exit")
+    g.add_argument("--host-cache-tokens", type=int, default=None,
+                   help="L2 host tier per replica, in tokens (overrides the profile; 0 = none)")
+    g.add_argument("--storage-tokens", type=int, default=None,
+                   help="L3 storage tier shared by the fleet, in tokens (overrides the profile; 0 = none)")
+    g.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV bytes per token (tier transfer sizes)")
+    g.add_argument("--host-bandwidth-gbs", type=float, default=None, help="L2 -> device GB/s")
+    g.add_argument("--storage-bandwidth-gbs", type=float, default=None, help="L3 -> device GB/s")
+    g.add_argument("--storage-latency", default=None, help="L3 latency per admission, e.g. 2ms")
     g.add_argument("--policy", default="agentic", help="router policy: random, session_hash, agentic, ... (default agentic)")
     g.add_argument("--policy-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="option of the policy, e.g. session_max_inflight=2 (repeatable)")
@@ -117,10 +125,20 @@ def _policy_options(items: list[str]) -> dict[str, Any]:
 
 def build_config(args: argparse.Namespace) -> SimConfig:
     """SimConfig from parsed ``tokenmill sim`` arguments (raises ValueError on bad input)."""
-    from tokenmill.bench.workload import AgenticWorkloadConfig, load_mooncake_trace
+    from tokenmill.workload import AgenticWorkloadConfig, load_mooncake_trace
     from tokenmill.sim.profiles import load_profile
 
     profile = load_profile(args.profile)
+    tier_overrides = {name: value for name, value in (
+        ("host_cache_tokens", args.host_cache_tokens), ("storage_tokens", args.storage_tokens),
+        ("kv_bytes_per_token", args.kv_bytes_per_token), ("host_bandwidth_gb_s", args.host_bandwidth_gbs),
+        ("storage_bandwidth_gb_s", args.storage_bandwidth_gbs),
+        ("storage_latency_s", parse_duration(args.storage_latency) if args.storage_latency else None),
+    ) if value is not None}
+    if tier_overrides:
+        import dataclasses
+
+        profile = dataclasses.replace(profile, **tier_overrides)
     workload = trace = None
     if args.trace:
         trace = tuple(load_mooncake_trace(args.trace, limit=args.trace_limit))
@@ -175,6 +193,9 @@ def _print_human(summary: dict[str, Any]) -> None:
           f"moved {ev['moved_sessions']}/{ev['observed_sessions']} live sessions"
           + (f" ({frac:.1%})" if frac is not None else ""), file=sys.stderr)
     p(f"  decisions: {summary['decisions']}", file=sys.stderr)
+    if "tiers" in summary:
+        t = summary["tiers"]
+        p(f"  cache hits by tier (tokens): {t['hit_tokens']}; L3 holds {t['storage_pages']} pages", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from tokenmill.bench.workload import AgenticWorkloadConfig, TraceRecord
+from tokenmill.workload import AgenticWorkloadConfig, TraceRecord
 from tokenmill.sim.profiles import ReplicaProfile
 
 

@@ -5,13 +5,14 @@ Everything that decides something is shared with the live system:
 - placement: ``tokenmill.router.policies.make_policy(name)``, called as the router calls it
   (``choose(meta, views)`` per request, ``on_finish(meta, replica_id)`` once per request), with
   ``ReplicaView``s built from the simulated replicas;
-- caching: each replica holds a real ``RadixCache`` over a ``PagePool`` (see ``replica.py``);
-- workload: sessions come from ``tokenmill.bench.workload.make_session`` (the benchmark's own
+- serving: each replica runs the engine's own ``Scheduler`` and ``KVManager`` over a real
+  ``RadixCache`` and ``PagePool``, with a cost model for step time (see ``replica.py``);
+- workload: sessions come from ``tokenmill.workload.make_session`` (the benchmark's own
   generator) and run closed loop; or Mooncake records replay open loop.
 
 Events (a heap of ``(time, seq, kind, a, b)``; stale replica events are skipped by version)::
 
-    REPLICA  a chunk ends / a decode finishes on replica a (version b)
+    REPLICA  a step (or a run of decode steps) ends on replica a, or one is to be planned (version b)
     TURN     session a sends its next turn (after its think time)
     TRACE    trace request number a arrives
     SAMPLE   per-replica loads are recorded
@@ -30,12 +31,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tokenmill.bench.workload import SessionScript, TraceReplayConfig, make_session, trace_requests
+from tokenmill.workload import SessionScript, TraceReplayConfig, make_session, trace_requests
 from tokenmill.router.base import NoReplicaAvailable, ReplicaView, RequestMeta
 from tokenmill.router.policies import make_policy
 from tokenmill.sim.config import SimConfig
 from tokenmill.sim.metrics import Recorder, ScaleRecord, summarise
 from tokenmill.sim.replica import SimReplica, SimRequest
+from tokenmill.sim.tiers import SharedStore
 
 REPLICA, TURN, TRACE, SAMPLE, SCALE, AUTOSCALE, REPORT, POPULATION = range(8)
 _FRESH_BASE = 1 << 60          # block ids of thick-session branch suffixes and trace outputs
@@ -80,6 +82,9 @@ class FleetSimulator:
         self.cfg = config
         self.profile = config.profile
         self.block = config.resolved_block_tokens()
+        # the fleet's L3, shared by every replica (profile.storage_tokens; see sim/tiers.py)
+        self.store: SharedStore | None = (SharedStore(max(self.profile.storage_tokens // self.block, 1))
+                                          if self.profile.storage_tokens > 0 else None)
         self.policy = make_policy(config.policy, **config.policy_options)
         self.rng = random.Random(f"sim:{config.seed}")
         self.now = 0.0
@@ -102,6 +107,7 @@ class FleetSimulator:
         self._progress = progress
         self._trace: list[Any] = []
         self.moved_kinds: dict[str, int] = {}
+        self._gone_preemptions = 0               # of replicas drained and removed
         shared = config.workload.shared_prompt_tokens if config.workload is not None else 0
         self._shared_blocks = shared // self.block
 
@@ -124,7 +130,8 @@ class FleetSimulator:
             rid = f"r{self._next_replica:03d}"
             self._next_replica += 1
             rep = SimReplica(rid, self.profile, self.block, self.clock,
-                             session_retention_s=self.cfg.session_retention_s, created_at=self.now)
+                             session_retention_s=self.cfg.session_retention_s, created_at=self.now,
+                             store=self.store)
             self.replicas[rid] = rep
             self.views[rid] = ReplicaView(rid, True, 0)
             self.assigned.setdefault(rid, 0)
@@ -144,6 +151,7 @@ class FleetSimulator:
 
     def _maybe_remove(self, rep: SimReplica) -> None:
         if rep.draining and rep.idle and rep.id in self.replicas:
+            self._gone_preemptions += rep.num_preemptions
             del self.replicas[rep.id]
             del self.views[rep.id]
 
@@ -255,8 +263,7 @@ class FleetSimulator:
         out = max(1, rec.output_length)
         n_prompt = min(prompt // self.block, len(rec.hash_ids))
         key = list(rec.hash_ids[:n_prompt])
-        req = SimRequest(self._next_rid, treq.session_id, key, prompt, out, self.now, owner=None,
-                         insert_key_len=n_prompt)
+        req = SimRequest(self._next_rid, treq.session_id, key, prompt, out, self.now, owner=None)
         self._next_rid += 1
         self._route(req)
 
@@ -402,8 +409,17 @@ class FleetSimulator:
             bar.close()
         self.now = cfg.duration_s
         summary = summarise(self.rec, cfg.duration_s, sum(1 for r in self.replicas.values() if not r.draining))
+        summary["preemptions"] = self._gone_preemptions + sum(r.num_preemptions for r in self.replicas.values())
         summary["scale_events"] = [r.to_dict() for r in self.scale_records]
         summary["decisions"] = dict(sorted(self.policy.counters.items()))
+        tiers = [r.tiers for r in self.replicas.values() if r.tiers is not None]
+        if tiers:   # hits over the whole run, by tier, on the replicas alive at the end
+            summary["tiers"] = {
+                "hit_tokens": {k: sum(t.hit_tokens[k] for t in tiers) for k in ("l1", "l2", "l3")},
+                "load_s": sum(t.load_s for t in tiers),
+                "storage_pages": len(self.store) if self.store is not None else 0,
+                "storage_pages_written": self.store.pages_written if self.store is not None else 0,
+            }
         summary["config"] = self.describe()
         summary["sim_wall_s"] = time.perf_counter() - wall0
         result = SimResult(summary)

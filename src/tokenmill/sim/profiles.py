@@ -15,10 +15,22 @@ A profile is a small JSON document. The simulator reads four things from it:
 
       decode_step_s(B, C) = fixed_s + per_request_s * B + per_context_token_s * C
 
-  A step that also carries a prefill chunk costs ``decode_step_s + prefill_chunk_s``: this is how
-  the batch enters the prefill time, and how prefill slows down the decodes beside it.
+  A step that also carries prefill chunks costs ``decode_step_s`` plus the chunks (the prefill
+  ``fixed_s`` once): this is how the batch enters the prefill time, and how prefill slows down
+  the decodes beside it (``sim.replica.step_seconds``).
 - **kv_capacity_tokens**: the KV pool, in tokens; ``page_size`` its page.
-- **max_running_requests** and **max_prefill_tokens** (the chunk size of chunked prefill).
+- **max_running_requests** and **max_prefill_tokens** (the engine's per-step token budget: the
+  chunk size of chunked prefill, shared with the decodes of the step).
+- **host_cache_tokens**, **storage_tokens**, **kv_bytes_per_token**, **host_bandwidth_gb_s**,
+  **storage_bandwidth_gb_s**, **storage_latency_s** (optional, default off): the L2 host tier of
+  each replica and the L3 storage tier shared by the whole fleet (``sim/tiers.py``); a page
+  loaded from them costs its bytes over the tier's bandwidth (plus the storage latency once per
+  admission) in the step that admits the request.
+- **decode_slowdown** (optional): the engine's bound on prefill in steps that carry decodes
+  (``EngineConfig.decode_slowdown``, learned from the modelled step times); None leaves it off.
+
+The replica runs the engine's own scheduler (``sim/replica.py``), so what a step holds is the
+engine's choice; the profile only says how long it takes.
 
 Presets describe larger systems from published figures; each lists its assumptions in the
 profile itself (``assumptions``), so a JSON dump of a preset documents where its numbers came
@@ -108,6 +120,14 @@ class ReplicaProfile:
     max_running_requests: int
     page_size: int = 16
     max_prefill_tokens: int = 8192
+    decode_slowdown: float | None = None
+    # Lower cache tiers (sim/tiers.py): L2 host memory per replica, L3 storage shared by the fleet.
+    host_cache_tokens: int = 0
+    storage_tokens: int = 0
+    kv_bytes_per_token: int = 0
+    host_bandwidth_gb_s: float = 20.0
+    storage_bandwidth_gb_s: float = 2.0
+    storage_latency_s: float = 0.002
     interactivity_target_tok_s: float | None = None
     description: str = ""
     assumptions: tuple[str, ...] = ()
@@ -121,10 +141,21 @@ class ReplicaProfile:
             value = getattr(self, attr)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"profile.{attr} must be a positive integer, got {value!r}")
+        if self.decode_slowdown is not None and not (
+                isinstance(self.decode_slowdown, (int, float)) and math.isfinite(self.decode_slowdown)
+                and self.decode_slowdown > 1.0):
+            raise ValueError(f"profile.decode_slowdown must be > 1 (or null), got {self.decode_slowdown!r}")
+        self.tier_profile()   # validates the tier fields
         if self.kv_capacity_tokens < self.page_size:
             raise ValueError(f"kv_capacity_tokens ({self.kv_capacity_tokens}) is below one page ({self.page_size})")
         if self.interactivity_target_tok_s is not None:
             _check_nonneg("profile", interactivity_target_tok_s=self.interactivity_target_tok_s)
+
+    def tier_profile(self) -> Any:
+        from tokenmill.sim.tiers import TierProfile
+
+        return TierProfile(self.host_cache_tokens, self.storage_tokens, self.kv_bytes_per_token,
+                           self.host_bandwidth_gb_s, self.storage_bandwidth_gb_s, self.storage_latency_s)
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
@@ -225,10 +256,29 @@ _PRESETS: dict[str, dict[str, Any]] = {
         prefill=dict(fixed_s=0.005, per_token_s=4.4e-6, per_token_context_s=6.2e-10),
         decode=dict(fixed_s=0.012, per_request_s=0.003, per_context_token_s=72e3 / 5.6e12, tokens_per_step=5.84),
         kv_capacity_tokens=450_000, max_running_requests=32, page_size=64, max_prefill_tokens=16384,
-        interactivity_target_tok_s=150.0,
+        interactivity_target_tok_s=150.0, kv_bytes_per_token=72_000,
         assumptions=_KIMI_COMMON + (
             "KV in BF16: 576 elements x 2 bytes x 61 layers = 72 KB per token; 31.3 GB / 72 KB = 0.45M "
             "tokens per replica (seed, TP4 row).",
+        ),
+    ),
+    "kimi-k2.6-b200-tp4-l3": dict(
+        name="kimi-k2.6-b200-tp4-l3",
+        description="As kimi-k2.6-b200-tp4 with a host-RAM tier per replica and a storage tier shared "
+                    "by the fleet (the seed's HiCache set-up).",
+        prefill=dict(fixed_s=0.005, per_token_s=4.4e-6, per_token_context_s=6.2e-10),
+        decode=dict(fixed_s=0.012, per_request_s=0.003, per_context_token_s=72e3 / 5.6e12, tokens_per_step=5.84),
+        kv_capacity_tokens=450_000, max_running_requests=32, page_size=64, max_prefill_tokens=16384,
+        interactivity_target_tok_s=150.0, kv_bytes_per_token=72_000,
+        host_cache_tokens=6_000_000, storage_tokens=500_000_000,
+        host_bandwidth_gb_s=50.0, storage_bandwidth_gb_s=20.0, storage_latency_s=0.002,
+        assumptions=_KIMI_COMMON + (
+            "KV in BF16: 72 KB per token, 0.45M tokens in HBM per replica.",
+            "L2: 432 GB of host RAM per replica (half of a B200 node's ~1 TB less the OS and weights' "
+            "staging) = 6M tokens, loaded over PCIe Gen5 at ~50 GB/s per GPU (each TP rank loads the "
+            "replicated latent in parallel).",
+            "L3: a shared store (Redis / a distributed KV store over RDMA) of 36 TB = 500M tokens, read "
+            "at ~20 GB/s per replica with 2 ms latency per admission.",
         ),
     ),
     "kimi-k2.6-b200-tp4-fp8kv": dict(
@@ -237,7 +287,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         prefill=dict(fixed_s=0.005, per_token_s=4.4e-6, per_token_context_s=6.2e-10),
         decode=dict(fixed_s=0.012, per_request_s=0.003, per_context_token_s=36e3 / 5.6e12, tokens_per_step=5.84),
         kv_capacity_tokens=900_000, max_running_requests=32, page_size=64, max_prefill_tokens=16384,
-        interactivity_target_tok_s=150.0,
+        interactivity_target_tok_s=150.0, kv_bytes_per_token=36_000,
         assumptions=_KIMI_COMMON + (
             "KV in FP8: 36 KB per token, 0.9M tokens per replica; the KV read per step halves.",
         ),
@@ -248,13 +298,14 @@ _PRESETS: dict[str, dict[str, Any]] = {
         prefill=dict(fixed_s=0.01, per_token_s=4.5e-3, per_token_context_s=1.0e-6),
         decode=dict(fixed_s=0.060, per_request_s=0.004, per_context_token_s=2.0e-6, tokens_per_step=1.0),
         kv_capacity_tokens=65_536, max_running_requests=64, page_size=16, max_prefill_tokens=512,
-        interactivity_target_tok_s=5.0,
+        decode_slowdown=2.0, interactivity_target_tok_s=5.0, kv_bytes_per_token=46_080,
         assumptions=(
             "Decode of fp32 weights (540 MB) at ~8.6 GB/s memory bandwidth: ~62 ms per step at batch 1, "
             "i.e. ~16 tokens/s (PEERS.md: vLLM CPU reaches this bound).",
             "Prefill ~200 tokens/s at 1k tokens (PEERS.md, vLLM CPU fp32): ~4.5 ms per token plus attention.",
             "KV: 30 layers x 3 KV heads x 64 x 2 x 4 bytes = 46 KB per token; 3 GiB of KV = 65k tokens.",
-            "Page size 16, chunked prefill of 512 tokens, 64 running requests (EngineConfig defaults).",
+            "Page size 16, chunked prefill of 512 tokens, 64 running requests, prefill bounded to keep a "
+            "decode step within 2x while decodes run (EngineConfig defaults).",
         ),
     ),
     "tiny-random-cpu": dict(
@@ -264,7 +315,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         prefill=dict(fixed_s=0.00445, per_token_s=1.8e-5, per_token_context_s=0.0),
         decode=dict(fixed_s=0.00158, per_request_s=0.00105, per_context_token_s=0.0, tokens_per_step=1.0),
         kv_capacity_tokens=16_384, max_running_requests=64, page_size=16, max_prefill_tokens=512,
-        interactivity_target_tok_s=None,
+        decode_slowdown=2.0, interactivity_target_tok_s=None,
         assumptions=(
             "Fitted by `tokenmill sim calibrate` (prompts 32..1536 tokens, batches 1..8, 3 repeats) on a "
             "replica sharing the machine with a second one being calibrated at the same time, under a load "

@@ -1,4 +1,4 @@
-"""Benchmark workloads: closed-loop agentic sessions and Mooncake trace replay.
+"""Workloads: closed-loop agentic sessions and Mooncake trace replay (below bench and sim).
 
 Pure and deterministic: no I/O except :func:`load_mooncake_trace`, no torch, no httpx. Shared by
 ``tokenmill bench`` (which sends the requests to a real server) and ``tokenmill sim`` (which

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench.workload import (AgenticWorkloadConfig, InfinitePrefixCache, TraceRecord, TraceReplayConfig,
+from tokenmill.workload import (AgenticWorkloadConfig, InfinitePrefixCache, TraceRecord, TraceReplayConfig,
                                       branch_prompt, first_prompt, load_mooncake_trace, make_session, make_sessions,
                                       next_prompt, poisson_arrivals, scaled_prompt_length, theoretical_hit_rate,
                                       theoretical_hit_rate_hash_ids, trace_requests)
