@@ -140,6 +140,10 @@ def check_common(req: SamplingFields, *, max_n: int) -> None:
             raise bad_request(f"{field} must be in [-2, 2], got {value}", field)
     if req.top_k < 0:
         raise bad_request(f"top_k must be >= 0 (0 disables it), got {req.top_k}", "top_k")
+    if req.top_k > 2**31 - 1:   # found by the fuzzer: a value past int64 failed the engine step
+        raise bad_request(f"top_k must be at most {2**31 - 1}, got {req.top_k}", "top_k")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**63:
+        raise bad_request(f"seed must fit in 64 bits, got {req.seed}", "seed")
     if not 0.0 <= req.min_p <= 1.0:
         raise bad_request(f"min_p must be in [0, 1], got {req.min_p}", "min_p")
     if not req.repetition_penalty > 0.0:
