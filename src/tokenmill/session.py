@@ -37,3 +37,14 @@ def extract_session_id(headers: Mapping[str, str], body: Mapping[str, Any] | Non
             if isinstance(value, str) and value.strip():
                 return value.strip()
     return None
+
+
+def header_safe(session_id: str | None) -> str | None:
+    """The id if it may be echoed in a response header (printable ASCII), else None.
+
+    A body field may hold any text; a header may not (non-Latin-1 characters cannot be encoded,
+    and CR/LF would split the header).
+    """
+    if session_id is not None and session_id.isascii() and session_id.isprintable():
+        return session_id
+    return None

@@ -53,3 +53,24 @@ def start_router(urls: list[str], *extra: str) -> ServiceProcess:
     for u in urls:
         argv += ["--replica", u]
     return ServiceProcess([*argv, *extra], start_timeout=60).start()
+
+
+def metric_samples(text: str, name: str) -> dict[frozenset[tuple[str, str]], float]:
+    """Samples of one metric in Prometheus text: {frozenset of (label, value)}: value}."""
+    import re
+
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$", line)
+        if m and m.group(1) == name:
+            labels = frozenset(re.findall(r'([a-zA-Z_]+)="([^"]*)"', m.group(2) or ""))
+            out[labels] = float(m.group(3))
+    return out
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    want = frozenset(labels.items())
+    for lab, v in metric_samples(text, name).items():
+        if lab == want:
+            return v
+    raise KeyError(f"{name}{labels} not in the exposition")

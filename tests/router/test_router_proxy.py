@@ -6,6 +6,7 @@ The test that kills a replica runs last in this file.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
-from router_fleet import MODEL, Fleet, start_router
+from router_fleet import MODEL, Fleet, metric, metric_samples, start_router
 from tokenmill.utils.proc import free_port
 
 REPLICA = "x-tokenmill-replica"
@@ -81,9 +83,9 @@ def test_openai_client_through_the_router(fleet: Fleet):
         assert sum(r["sessions"] for r in view["replicas"]) == 1
         assert all(r["load_source"] == "v1/loads" for r in view["replicas"])
         metrics = httpx.get(router.base_url + "/metrics").text
-        assert 'tokenmill_router_decisions_total{policy="agentic",kind="sticky"} 2' in metrics
-        sent = {line.split('"')[1]: int(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                if line.startswith("tokenmill_router_replica_requests_total{")}
+        assert metric(metrics, "tokenmill_router_decisions_total", policy="agentic", kind="sticky") == 2
+        sent = {dict(lab)["replica"]: int(v)
+                for lab, v in metric_samples(metrics, "tokenmill_router_replica_requests_total").items()}
         assert sum(sent.values()) == 4 and sent[first] >= 3     # /v1/models went to any replica
 
         bad = httpx.post(router.base_url + "/v1/chat/completions", content=b"{not json", timeout=10)
@@ -336,17 +338,89 @@ def test_failure_after_the_first_byte_reaches_the_client_as_an_error():
         body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
         with httpx.stream("POST", router.base_url + "/v1/chat/completions", json=body, timeout=30) as resp:
             assert resp.status_code == 200
-            events = [json.loads(line[5:]) for line in resp.iter_lines() if line.startswith("data:")]
+            lines = [line[5:].strip() for line in resp.iter_lines() if line.startswith("data:")]
+        assert lines[-1] == "[DONE]"        # the stream ends like a normal one, after the error event
+        events = [json.loads(x) for x in lines[:-1]]
         assert events[0]["choices"][0]["delta"]["content"] == "partial"
         assert events[-1]["error"]["type"] == "upstream_error"
         r = httpx.post(router.base_url + "/v1/chat/completions", json={**body, "stream": False}, timeout=30)
         assert r.status_code == 502 and "broke off" in r.json()["error"]["message"]
         view = loads(router.base_url)
         assert view["router"]["retries"] == 0 and view["router"]["inflight"] == 0
-        assert "tokenmill_router_midstream_errors_total 2" in httpx.get(router.base_url + "/metrics").text
+        assert metric(httpx.get(router.base_url + "/metrics").text, "tokenmill_router_midstream_errors_total") == 2
     finally:
         router.stop()
         peer.shutdown()
+
+
+KEY, ADMIN = "sk-router-key", "sk-router-admin"
+
+
+def test_router_keys_on_every_endpoint(fleet: Fleet):
+    router = start_router([fleet.url(0), fleet.url(1)], "--api-key", KEY, "--admin-key", ADMIN)
+    base = router.base_url
+    gen = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    user_routes = [("POST", "/v1/chat/completions", gen),
+                   ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}),
+                   ("GET", "/v1/models", None), ("GET", "/v1/loads", None), ("GET", "/metrics", None)]
+    admin_routes = [("GET", "/replicas", None), ("POST", "/replicas", {"url": "http://127.0.0.1:1"}),
+                    ("DELETE", "/replicas/nope:1", None), ("POST", "/flush_cache", None)]
+    wrong = [{}, {"Authorization": "Bearer nope"}, {"Authorization": f"Token {KEY}"}]
+    try:
+        for method, path, body in user_routes:
+            for headers in [*wrong, {"Authorization": f"Bearer {ADMIN}"}]:
+                r = httpx.request(method, base + path, json=body, headers=headers, timeout=30)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
+            r = httpx.request(method, base + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+            assert r.status_code == 200, (path, r.text)
+        for method, path, body in admin_routes:
+            for headers in [*wrong, {"Authorization": f"Bearer {KEY}"}]:
+                r = httpx.request(method, base + path, json=body, headers=headers, timeout=30)
+                assert r.status_code == 401, (path, headers, r.text)
+        ok = {"Authorization": f"Bearer {ADMIN}"}
+        assert httpx.get(base + "/replicas", headers=ok).status_code == 200
+        assert httpx.delete(base + "/replicas/nope:1", headers=ok).status_code == 404
+        assert httpx.post(base + "/flush_cache", headers=ok, timeout=30).json()["flushed"] is True
+        assert httpx.get(base + "/health").status_code == 200           # probes need no key
+        openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0).models.list()
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="bad", max_retries=0).models.list()
+    finally:
+        router.stop()
+
+
+def test_router_admission_limits_and_body_limits(fleet: Fleet):
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 900, "ignore_eos": True}
+    router = start_router([fleet.url(0), fleet.url(1)], "--max-inflight-per-replica", "1", "--retry-after-s", "2",
+                          "--max-request-bytes", "65536", "--max-json-depth", "16")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            running = [pool.submit(httpx.post, router.base_url + "/v1/chat/completions", json=long, timeout=120)
+                       for _ in range(2)]
+            assert wait_for(lambda: loads(router.base_url)["router"]["inflight"] == 2)
+            r = httpx.post(router.base_url + "/v1/chat/completions", json=long, timeout=30)
+            assert r.status_code == 429 and r.headers["retry-after"] == "2", r.text
+            assert r.json()["error"]["code"] == "replicas_full"
+            assert all(f.result().status_code == 200 for f in running)
+        text = httpx.get(router.base_url + "/metrics").text
+        assert metric(text, "tokenmill_router_requests_rejected_total", reason="replicas_full") == 1
+        big = httpx.post(router.base_url + "/v1/completions", content=b"{" + b" " * 70000 + b"}", timeout=30)
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        deep = httpx.post(router.base_url + "/v1/completions", content="[" * 20000 + "]" * 20000, timeout=30)
+        assert deep.status_code == 400 and deep.json()["error"]["code"] == "json_too_deep"
+        assert chat(router.base_url, None, "still here").status_code == 200
+    finally:
+        router.stop()
+    router = start_router([fleet.url(0), fleet.url(1)], "--max-inflight", "1")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(httpx.post, router.base_url + "/v1/chat/completions", json=long, timeout=120)
+            assert wait_for(lambda: loads(router.base_url)["router"]["inflight"] == 1)
+            r = httpx.post(router.base_url + "/v1/chat/completions", json=long, timeout=30)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "fleet_full", r.text
+            assert running.result().status_code == 200
+    finally:
+        router.stop()
 
 
 def test_killed_replica_only_its_sessions_move(fleet: Fleet):

@@ -158,3 +158,48 @@ def test_router_config_needs_replicas_and_a_known_policy():
     with pytest.raises(ValueError, match="unknown policy"):
         RouterConfig(replicas=["http://h:1"], policy="nope")
     assert RouterConfig(admin_key="k").policy == "agentic"
+
+
+def test_circuit_breaker_opens_half_opens_and_closes():
+    now = [100.0]
+    reg = ReplicaRegistry(HealthConfig(breaker_threshold=3, breaker_cooldown_s=5.0))
+    reg.clock = lambda: now[0]
+    downs: list[str] = []
+    reg.on_down = downs.append
+    r = reg.add("http://127.0.0.1:9001", source="flag")
+    reg.record_success(r.id)
+    reg.record_request_result(r.id, False, "http_500")
+    reg.record_request_result(r.id, False, "http_500")
+    reg.record_request_result(r.id, True)                  # a success resets the count
+    reg.record_request_result(r.id, False, "http_500")
+    reg.record_request_result(r.id, False, "http_500")
+    assert [v.eligible for v in reg.views()] == [True] and downs == []
+    assert reg.record_request_result(r.id, False, "http_500") is True
+    assert r.circuit_open and downs == []                  # in-flight requests may still finish there
+    assert [v.eligible for v in reg.views()] == [False]    # /health may still say 200: no requests
+    now[0] += 5.0
+    assert [v.eligible for v in reg.views()] == [True]     # half-open: a trial is allowed
+    assert reg.record_request_result(r.id, False, "http_500") is True   # the trial fails: open again
+    assert r.circuit_open
+    now[0] += 5.0
+    reg.views()
+    reg.record_request_result(r.id, True)
+    reg.record_request_result(r.id, False, "http_500")
+    assert not r.circuit_open                              # closed again: needs 3 failures anew
+
+
+def test_health_failure_calls_on_down_once():
+    reg = ReplicaRegistry(HealthConfig(failure_threshold=2))
+    downs: list[str] = []
+    reg.on_down = downs.append
+    r = reg.add("http://127.0.0.1:9002", source="flag")
+    reg.record_success(r.id)
+    for _ in range(4):
+        reg.record_failure(r.id, "timeout")
+    assert downs == [r.id] and not r.healthy
+
+
+def test_router_config_checks_limits():
+    for bad in ({"max_inflight": 0}, {"max_inflight_per_replica": 0}, {"max_attempts": 0}, {"api_key": ""}):
+        with pytest.raises(ValueError):
+            RouterConfig(replicas=["http://127.0.0.1:1"], **bad)

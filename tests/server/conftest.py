@@ -53,7 +53,7 @@ def client(server: ServiceProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture
+@pytest.fixture   # per test: its connection pool belongs to the event loop of the test's asyncio.run
 def async_client(server: ServiceProcess) -> openai.AsyncOpenAI:
     # one per test: each test runs its own event loop (asyncio.run), and a client's connection
     # pool belongs to the loop that first used it
@@ -70,3 +70,29 @@ def loads(http: httpx.Client) -> dict:
     r = http.get("/v1/loads")
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def check_pages_idle(http: httpx.Client, timeout: float = 60.0) -> dict:
+    """Wait until the engine is idle, then check page accounting: free + cached + in use == total,
+    with nothing in use. Returns the last /v1/loads."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        s = loads(http)
+        assert s["kv_pages_free"] + s["kv_pages_cached"] + s["kv_pages_in_use"] == s["kv_pages_total"], s
+        if s["num_running"] == 0 and s["num_waiting"] == 0:
+            assert s["kv_pages_in_use"] == 0, f"pages still held by finished requests: {s}"
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine still busy {timeout}s after the test: {s}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True)
+def _page_accounting(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test that used the shared server: its KV pages all came back."""
+    yield
+    if "server" in request.fixturenames:
+        with httpx.Client(base_url=request.getfixturevalue("server").base_url, timeout=30) as c:
+            check_pages_idle(c)

@@ -16,6 +16,7 @@ import pytest
 from tokenmill.utils.proc import ServiceProcess
 
 KEY = "sk-test-4242"
+ADMIN = "sk-admin-777"
 GRACE_S = 5.0
 # A ChatML template that renders tools the way Hermes-style models expect them.
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
@@ -43,6 +44,7 @@ def keyed_server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
     template = tmp / "hermes.jinja"
     template.write_text(HERMES_TEMPLATE)
     argv = ["serve", "--model", str(tiny_checkpoint), "--served-model-name", "tiny", "--api-key", KEY,
+            "--admin-key", ADMIN,
             "--chat-template", str(template), "--tool-call-parser", "hermes", "--kv-cache-tokens", "16384",
             "--shutdown-grace-s", str(GRACE_S)]
     with ServiceProcess(argv, log_path=tmp / "server.log") as proc:
@@ -70,6 +72,46 @@ def test_missing_or_wrong_key_is_401(keyed_server: ServiceProcess, keyed_client:
                                                 max_tokens=2)
     assert resp.usage.completion_tokens >= 1
     assert [m.id for m in keyed_client.models.list().data] == ["tiny"]
+
+
+ENDPOINTS = [("POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                               "max_tokens": 1}),
+             ("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1}),
+             ("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/v1/loads", None),
+             ("GET", "/openapi.json", None)]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ENDPOINTS, ids=[e[1] for e in ENDPOINTS])
+def test_every_endpoint_missing_wrong_right_key(keyed_server: ServiceProcess, method: str, path: str,
+                                                body: dict | None) -> None:
+    url = keyed_server.base_url + path
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": f"Basic {KEY}"},
+                    {"Authorization": f"Bearer {ADMIN}"}):
+        resp = httpx.request(method, url, json=body, headers=headers)
+        assert resp.status_code == 401, (path, headers, resp.text)
+        assert resp.headers["www-authenticate"] == "Bearer"
+        assert resp.json()["error"]["code"] == "invalid_api_key"
+    resp = httpx.request(method, url, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert resp.status_code == 200, resp.text
+
+
+def test_flush_cache_needs_the_admin_key(keyed_server: ServiceProcess) -> None:
+    url = keyed_server.base_url + "/flush_cache"
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": f"Bearer {KEY}"}):
+        resp = httpx.post(url, headers=headers)
+        assert resp.status_code == 401, (headers, resp.text)
+        assert "admin key" in resp.json()["error"]["message"]
+    assert httpx.post(url, headers={"Authorization": f"Bearer {ADMIN}"}).json() == {"flushed": True}
+
+
+def test_prompts_not_logged_by_default(keyed_server: ServiceProcess, keyed_client: openai.OpenAI) -> None:
+    secret = "walrus-nebula-8086"
+    keyed_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": secret}], max_tokens=3)
+    with pytest.raises(openai.BadRequestError):   # an error that quotes the input does not log it either
+        keyed_client.completions.create(model="tiny", prompt=secret, max_tokens=3, extra_body={"top_k": secret})
+    time.sleep(0.2)
+    log = keyed_server.log_tail(1_000_000)
+    assert "chat" in log and secret not in log
 
 
 def _prompt_text(client: openai.OpenAI, tokenizer, **kwargs) -> str:

@@ -30,7 +30,9 @@ def scrape(http: httpx.Client) -> dict[str, float]:
         assert m, f"bad exposition line: {line!r}"
         name = m.group(1)
         assert any(name == t or name.startswith(t + "_") for t in typed), f"{name} has no TYPE line"
-        labels = re.sub(r'model_name="[^"]*",?', "", m.group(2) or "").replace("{}", "")
+        assert 'model_name="' in (m.group(2) or ""), f"{line!r} lacks the model_name label"
+        rest = [p for p in re.findall(r'[a-zA-Z_]+="[^"]*"', m.group(2)) if not p.startswith("model_name=")]
+        labels = "{" + ",".join(sorted(rest)) + "}" if rest else ""
         out[name + labels] = float(m.group(3))
     return out
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenmill.contracts.errors import ReplicaFailedError
+from tokenmill.engine.admission import QueueFullError
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine import Engine, EngineStats
@@ -63,6 +64,8 @@ class _Add:
     session_id: str | None
     stream: RequestStream
     accepted: asyncio.Future[None]
+    deadline: float | None = None
+    queue_deadline: float | None = None
 
 
 @dataclass
@@ -180,11 +183,14 @@ class AsyncEngine:
         return dataclasses.replace(self._stats, tiers=tiers.snapshot_stats())
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     session_id: str | None = None) -> RequestStream:
+                     session_id: str | None = None, *, deadline: float | None = None,
+                     queue_deadline: float | None = None) -> RequestStream:
         """Queue a request; return its stream once the engine accepted it.
 
-        Raises ``ValueError`` when the engine rejects the request (or the id is in use) and
-        :class:`EngineStoppedError` when the loop is not running.
+        Raises ``ValueError`` when the engine rejects the request (or the id is in use),
+        :class:`~tokenmill.engine.admission.QueueFullError` when its waiting queue is full and
+        :class:`EngineStoppedError` when the loop is not running. ``deadline`` and
+        ``queue_deadline`` are passed to ``Engine.add_request``.
         """
         if not self.is_running:
             raise EngineStoppedError("the engine is shutting down")
@@ -195,7 +201,8 @@ class AsyncEngine:
         accepted: asyncio.Future[None] = loop.create_future()
         self._live_ids.add(request_id)
         try:
-            self._send(_Add(request_id, list(prompt_token_ids), params, session_id, stream, accepted))
+            self._send(_Add(request_id, list(prompt_token_ids), params, session_id, stream, accepted,
+                            deadline, queue_deadline))
             await accepted
         except BaseException:
             self._live_ids.discard(request_id)
@@ -297,9 +304,11 @@ class AsyncEngine:
             _resolve(loop, cmd.accepted, exc=ValueError(f"request id {cmd.request_id!r} is already in use"))
             return False
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, session_id=cmd.session_id)
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, session_id=cmd.session_id,
+                                    deadline=cmd.deadline, queue_deadline=cmd.queue_deadline)
         except Exception as e:  # noqa: BLE001 - reported to that request only
-            _resolve(loop, cmd.accepted, exc=e if isinstance(e, ValueError) else EngineStepError(str(e)))
+            passed = isinstance(e, (ValueError, QueueFullError))
+            _resolve(loop, cmd.accepted, exc=e if passed else EngineStepError(str(e)))
             return False
         self._streams[cmd.request_id] = (cmd.stream, loop)
         return True

@@ -49,6 +49,7 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     dtype: str = "float32"
     debug_checks: bool = False
     num_threads: int | None = None   # torch intra-op threads (process-wide); None: torch's default
+    max_waiting_requests: int | None = None  # bounded waiting queue (engine/admission.py); None: unbounded
     device: str = "cpu"              # torch device the model runner owns ("cpu", "cuda", "cuda:1")
     kv_cache_dtype: str = "auto"     # KV storage: auto (the model's dtype), fp8_e4m3, bf16, fp16, fp32
     attention_backend: str = "auto"  # see tokenmill.layers.attention.select_attention_backend
@@ -102,6 +103,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"session_retention_s must be >= 0, got {self.session_retention_s}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.decode_slowdown is not None and not self.decode_slowdown > 1.0:

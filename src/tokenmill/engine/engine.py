@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tokenmill.cache.page_pool import PagePool
+from tokenmill.engine import admission
 from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens, resolve_kv_dtype
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
@@ -56,6 +57,7 @@ class EngineStats:
     num_preemptions: int = 0
     kv_pages_cached: int = 0
     spec: SpecStats | None = None     # speculative decoding counters (None: off)
+    kv_pages_in_use: int = 0       # pages owned by requests alone (not in the prefix cache)
     kv_cache_dtype: str = ""         # storage dtype of the pool (float32, bfloat16, float8_e4m3fn, ...)
     kv_bytes_per_token: int = 0      # KVCacheSpec.bytes_per_token(), fp8 scales included
     kv_capacity_tokens: int = 0      # pages x page size (per rank with tensor parallelism: each rank
@@ -98,6 +100,7 @@ class Engine:
             self._init_tiers()
         self.generation_tokens_total = 0
         self._arrivals = 0
+        self._num_timed = 0   # requests added with a deadline (expiry is skipped while there are none)
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         self._compiling = GrammarWaitRoom()
@@ -210,8 +213,13 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    session_id: str | None = None) -> None:
-        """Queue a request; raise ValueError if it is malformed or can never fit."""
+                    session_id: str | None = None, *, deadline: float | None = None,
+                    queue_deadline: float | None = None) -> None:
+        """Queue a request; raise ValueError if it is malformed or can never fit, and
+        :class:`~tokenmill.engine.admission.QueueFullError` when the waiting queue is full.
+
+        ``deadline`` / ``queue_deadline``: ``time.monotonic()`` times by which the request must
+        finish / be first admitted (see engine/admission.py)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         try:
@@ -232,7 +240,11 @@ class Engine:
                              f"exceeds the KV cache capacity of {self.kv.capacity_tokens} tokens")
         if self.scheduler.get(request_id) is not None or request_id in self._compiling:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, ids, params, session_id=session_id, arrival_index=self._arrivals)
+        admission.check_queue(self.scheduler, self.config.max_waiting_requests)
+        req = Request(request_id, ids, params, session_id=session_id, arrival_index=self._arrivals,
+                      deadline=deadline, queue_deadline=queue_deadline)
+        if deadline is not None or queue_deadline is not None:
+            self._num_timed += 1
         self._arrivals += 1
         req.generator = self.runner.make_generator(params.seed)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
@@ -270,12 +282,19 @@ class Engine:
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return outputs of the requests that produced a token."""
+        expired: list[RequestOutput] = []
+        if self._num_timed:
+            expired = [self._output(r, num_new=0) for r in admission.expire(self.scheduler, time.monotonic())]
+            if not any(r.deadline is not None or r.queue_deadline is not None
+                       for r in self.scheduler.requests.values()):
+                self._num_timed = 0
         failed = self._take_compiled() if len(self._compiling) else []
         out = self.scheduler.schedule()
         if out.is_empty:
             if len(self._compiling) and not failed:
                 self._compiling.wait(0.05)
-            return failed
+            self._maybe_check_idle()
+            return expired + failed
         t0 = time.perf_counter()
         result = self.runner.execute(out)
         if self.step_cost is not None:
@@ -287,7 +306,7 @@ class Engine:
         if self.tiers is not None:
             self.tiers.end_step()
         self._maybe_check_idle()
-        return outputs
+        return expired + outputs
 
     def _take_compiled(self) -> list[RequestOutput]:
         """Queue the requests whose grammar is ready; finish those whose grammar failed."""
@@ -429,6 +448,7 @@ class Engine:
             num_preemptions=s.num_preemptions,
             kv_pages_cached=self.kv.cache.num_cached_pages if self.kv.cache is not None else 0,
             spec=self.spec.stats.snapshot() if self.spec is not None else None,
+            kv_pages_in_use=sum(len(r.page_table) - r.num_tree_pages for r in s.running),
             kv_cache_dtype=self.kv_spec.dtype,
             kv_bytes_per_token=self.kv_spec.bytes_per_token(),
             kv_capacity_tokens=self.kv_capacity_tokens,

@@ -71,6 +71,8 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    deadline: float | None = None     # time.monotonic() by which it must finish (engine/admission.py)
+    queue_deadline: float | None = None  # time.monotonic() by which it must first be admitted
     generator: Any = None             # the request's random stream (owned by the model runner)
     penalty_state: Any = None         # incremental penalty counts (owned by the model runner)
     detokenizer: Any = None           # incremental detokenizer (owned by the engine)

@@ -30,20 +30,23 @@ import uuid
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from tokenmill.router.discovery import Discovery
+from tokenmill.router.metrics import CONTENT_TYPE, RouterCollector, RouterStats, make_registry, render
 from tokenmill.router.policies import (
     DEFAULT_POLICY, NoReplicaAvailable, Policy, RequestMeta, make_policy,
 )
 from tokenmill.router.replicas import HealthConfig, ReplicaMonitor, ReplicaRegistry
+from tokenmill.server.limits import PARSED_BODY_KEY, BodyLimits
 from tokenmill.session import extract_session_id
 
 log = logging.getLogger("tokenmill.router")
+T = TypeVar("T")
 
 REPLICA_HEADER = "X-Tokenmill-Replica"
 DECISION_HEADER = "X-Tokenmill-Decision"
@@ -65,6 +68,15 @@ class RouterConfig:
     discovery_interval_s: float = 2.0
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 3600.0
+    api_key: str | None = None                   # clients must send it (all routes but /health)
+    replica_api_key: str | None = None           # sent to the replicas instead of the client's header
+    replica_admin_key: str | None = None         # sent with /flush_cache fan-out (else replica_api_key)
+    max_inflight: int | None = None              # fleet-wide bound; past it 429
+    max_inflight_per_replica: int | None = None  # per-replica bound; a full replica is skipped, all full: 429
+    max_attempts: int = 3                        # replicas tried per request before giving up
+    retry_after_s: int = 1
+    max_request_bytes: int = 32 * 2**20
+    max_json_depth: int = 64
 
     def __post_init__(self) -> None:
         if not (self.replicas or self.replica_file or self.replica_dns or self.admin_key):
@@ -73,12 +85,42 @@ class RouterConfig:
         if self.connect_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
         make_policy(self.policy, **self.policy_options)   # raises ValueError on a bad policy
+        for name in ("max_inflight", "max_inflight_per_replica"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        for name in ("api_key", "admin_key", "replica_api_key", "replica_admin_key"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} must not be empty")
 
 
 def openai_error(status: int, message: str, kind: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+                 headers: dict[str, str] | None = None, code: str | int | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status if code is None else code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _unless_down(work: Awaitable[T], down: asyncio.Event) -> T:
+    """Await ``work``, or raise :class:`_Ejected` (cancelling it) if ``down`` is set first."""
+    task = asyncio.ensure_future(work)
+    if down.is_set():
+        task.cancel()
+        raise _Ejected()
+    waiter = asyncio.ensure_future(down.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if not task.done():
+        task.cancel()
+        raise _Ejected()
+    return task.result()
+
+
+async def _read_all(upstream: httpx.Response) -> bytes:
+    return b"".join([chunk async for chunk in upstream.aiter_raw()])
 
 
 def _content_text(content: Any) -> str:
@@ -189,6 +231,10 @@ class _ProxyStream(StreamingResponse):
             await self._on_close()
 
 
+class _Ejected(Exception):
+    """The replica went down (unhealthy or circuit opened) while this attempt was on it."""
+
+
 class Router:
     """Registry + policy + HTTP client; one per process."""
 
@@ -196,26 +242,36 @@ class Router:
         self.config = config
         self.policy: Policy = make_policy(config.policy, **config.policy_options)
         self.registry = ReplicaRegistry(config.health)
+        self.registry.on_down = self._replica_down
         for url in config.replicas:
             self.registry.add(url, source="flag")
         self.discovery = Discovery(self.registry, config.replica_file, tuple(config.replica_dns),
                                    config.discovery_interval_s)
         self.client: httpx.AsyncClient | None = None
         self.monitor: ReplicaMonitor | None = None
-        self.requests: Counter[tuple[str, int]] = Counter()    # (endpoint, status) -> count
-        self.retries = 0
-        self.upstream_errors: Counter[str] = Counter()         # reason -> count
-        self.midstream_errors = 0
+        self.stats = RouterStats()
         # Responses API: response id -> (replica id, routing session id), most recent last
         self.response_homes: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
         self.max_response_homes = 100_000
+        self._down_events: dict[str, asyncio.Event] = {}   # replica id -> set when it goes down
+        sessions = getattr(self.policy, "sessions_per_replica", lambda: {})
+        self.metrics_registry = make_registry(RouterCollector(self.stats, self.registry, self.policy, sessions))
+
+    # counters kept under their old names for callers and tests
+    @property
+    def retries(self) -> int:
+        return self.stats.retries
+
+    @property
+    def requests(self) -> Counter[tuple[str, int]]:
+        return self.stats.requests
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         timeout = httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
-        self.monitor = ReplicaMonitor(self.registry, self.client)
+        self.monitor = ReplicaMonitor(self.registry, self.client, self._replica_auth(admin=False))
         await self.discovery.start()
         await self.monitor.check_all()
         self.monitor.start()
@@ -226,6 +282,27 @@ class Router:
             await self.monitor.stop()
         if self.client is not None:
             await self.client.aclose()
+
+    def _replica_auth(self, *, admin: bool) -> dict[str, str]:
+        key = (self.config.replica_admin_key or self.config.replica_api_key) if admin else self.config.replica_api_key
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+    def _replica_down(self, replica_id: str) -> None:
+        """Registry hook: wake every attempt in flight on the replica (they move or end)."""
+        event = self._down_events.pop(replica_id, None)
+        if event is not None:
+            event.set()
+        self.stats.ejections[replica_id] += 1
+
+    def _request_result(self, replica_id: str, ok: bool, reason: str = "") -> None:
+        if self.registry.record_request_result(replica_id, ok, reason):
+            self.stats.ejections[replica_id] += 1
+
+    def _down_event(self, replica_id: str) -> asyncio.Event:
+        event = self._down_events.get(replica_id)
+        if event is None:
+            event = self._down_events[replica_id] = asyncio.Event()
+        return event
 
     # ------------------------------------------------------------------ proxying
     def _finish_attempt(self, meta: RequestMeta, replica_id: str, usage: dict[str, Any] | None = None) -> None:
@@ -248,23 +325,40 @@ class Router:
         while len(self.response_homes) > self.max_response_homes:
             self.response_homes.popitem(last=False)
 
+    def _overloaded(self, reason: str, message: str) -> Response:
+        self.stats.rejected[reason] += 1
+        return openai_error(429, message, "rate_limit_error", {"Retry-After": str(self.config.retry_after_s)},
+                            code=reason)
+
+    def _full_replicas(self) -> list[str]:
+        cap = self.config.max_inflight_per_replica
+        return [r.id for r in self.registry.all() if cap is not None and r.inflight >= cap]
+
     async def forward(self, request: Request, method: str, path: str, raw_body: bytes,
                       meta: RequestMeta | None, stream: bool, *, prefer: str | None = None) -> Response:
-        """Send to the policy's choice; retry once elsewhere on a connect error or 5xx.
+        """Send to the policy's choice; on a connect error, a 5xx, a 429 or the replica going down
+        before the first byte reached the client, try another (up to ``max_attempts`` in all).
 
         ``meta`` None: not a routed generation request (e.g. /v1/models); the replica ``prefer``
         (if given and eligible) or else the least busy one answers, and the policy is not consulted.
         """
         assert self.client is not None
+        if meta is not None and self.config.max_inflight is not None:
+            total = sum(r.inflight for r in self.registry.all())
+            if total >= self.config.max_inflight:
+                return self._overloaded("fleet_full", f"the fleet is at its limit of {self.config.max_inflight} "
+                                                      "requests in flight (--max-inflight); retry later")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers.update(self._replica_auth(admin=False))
         if request.client is not None:
             headers["x-forwarded-for"] = request.client.host
         tried: list[str] = []
         failure: Response | None = None
-        for attempt in range(2):
+        for attempt in range(self.config.max_attempts):
+            full = self._full_replicas()
             try:
                 if meta is not None:
-                    decision = self.policy.choose(meta, self.registry.views(), exclude=tried)
+                    decision = self.policy.choose(meta, self.registry.views(), exclude=[*tried, *full])
                     rid, kind = decision.replica_id, decision.kind
                 else:
                     views = [v for v in self.registry.views() if v.eligible and v.id not in tried]
@@ -274,46 +368,77 @@ class Router:
                     if home:
                         rid, kind = home[0].id, "home"
                     else:
+                        home = [v for v in views if v.id == prefer]
+                    if home:
+                        rid, kind = home[0].id, "home"
+                    else:
                         rid, kind = min(views, key=lambda v: (v.active, v.id)).id, "least_load"
             except NoReplicaAvailable as e:
                 if failure is not None:
                     return failure
-                return openai_error(503, f"no replica available: {e}", "service_unavailable")
+                if full and any(v.eligible and v.id not in tried for v in self.registry.views()):
+                    return self._overloaded("replicas_full", "every healthy replica is at its limit of "
+                                            f"{self.config.max_inflight_per_replica} requests in flight "
+                                            "(--max-inflight-per-replica); retry later")
+                return openai_error(503, f"no replica available: {e}", "service_unavailable",
+                                    {"Retry-After": str(self.config.retry_after_s)})
             if attempt:
-                self.retries += 1
+                self.stats.retries += 1
             replica = self.registry.get(rid)
             assert replica is not None
             self.registry.request_started(rid)
+            down = self._down_event(rid)
+
+            def failed(response: Response, reason: str, *, breaker: bool = True) -> None:
+                nonlocal failure
+                self.stats.upstream_errors[reason] += 1
+                if breaker:
+                    self._request_result(rid, False, reason)
+                if meta is not None:
+                    self._finish_attempt(meta, rid)
+                else:
+                    self.registry.request_finished(rid)
+                tried.append(rid)
+                failure = response
+
             upstream_req = self.client.build_request(method, replica.url + path, content=raw_body or None,
                                                      headers=headers)
             try:
-                upstream = await self.client.send(upstream_req, stream=True)
+                upstream = await _unless_down(self.client.send(upstream_req, stream=True), down)
+            except _Ejected:
+                failed(openai_error(502, f"replica {rid} went down before answering", "upstream_error",
+                                    {REPLICA_HEADER: rid}), "replica_down", breaker=False)
+                continue
             except httpx.HTTPError as e:
                 reason = type(e).__name__
-                self.upstream_errors[reason] += 1
                 if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
                     self.registry.record_failure(rid, f"{reason}: {e}")
-                if meta is not None:
-                    self._finish_attempt(meta, rid)
-                else:
-                    self.registry.request_finished(rid)
+                failed(openai_error(502, f"replica {rid} failed: {reason}: {e}", "upstream_error",
+                                    {REPLICA_HEADER: rid}), reason)
+                continue
+            if upstream.status_code >= 500 or upstream.status_code == 429:
+                try:
+                    body = await _unless_down(upstream.aread(), down)
+                except (_Ejected, httpx.HTTPError):
+                    body = b""
+                await upstream.aclose()
+                # 429, or 503 with Retry-After: the replica is overloaded, not broken
+                overload = upstream.status_code == 429 or (upstream.status_code == 503
+                                                           and "retry-after" in upstream.headers)
+                if overload:
+                    self.stats.rejected[f"replica_{upstream.status_code}"] += 1
+                failed(Response(body, status_code=upstream.status_code,
+                                headers={**self._response_headers(upstream), REPLICA_HEADER: rid}),
+                       f"http_{upstream.status_code}", breaker=not overload)
+                continue
+            relayed = await self._relay(upstream, rid, kind, meta, stream, down)
+            if relayed is None:   # the replica went down before the body was read: try elsewhere
+                self.stats.upstream_errors["replica_down"] += 1
                 tried.append(rid)
-                failure = openai_error(502, f"replica {rid} failed: {reason}: {e}", "upstream_error",
+                failure = openai_error(502, f"replica {rid} went down mid-response", "upstream_error",
                                        {REPLICA_HEADER: rid})
                 continue
-            if upstream.status_code >= 500:
-                body = await upstream.aread()
-                await upstream.aclose()
-                self.upstream_errors[f"http_{upstream.status_code}"] += 1
-                if meta is not None:
-                    self._finish_attempt(meta, rid)
-                else:
-                    self.registry.request_finished(rid)
-                tried.append(rid)
-                failure = Response(body, status_code=upstream.status_code,
-                                   headers={**self._response_headers(upstream), REPLICA_HEADER: rid})
-                continue
-            return await self._relay(upstream, rid, kind, meta, stream)
+            return relayed
         assert failure is not None
         return failure
 
@@ -322,7 +447,9 @@ class Router:
         return {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
 
     async def _relay(self, upstream: httpx.Response, rid: str, kind: str, meta: RequestMeta | None,
-                     stream: bool) -> Response:
+                     stream: bool, down: asyncio.Event) -> Response | None:
+        """The client's response; None when a non-streamed body was cut by the replica going
+        down (nothing was sent yet, so the caller may retry)."""
         headers = {**self._response_headers(upstream), REPLICA_HEADER: rid, DECISION_HEADER: kind}
         sniffer = _UsageSniffer()
         closed = False
@@ -343,29 +470,50 @@ class Router:
         is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
         if not (stream or is_sse):
             try:
-                body = b"".join([chunk async for chunk in upstream.aiter_raw()])
+                body = await _unless_down(_read_all(upstream), down)
+            except _Ejected:
+                await close()
+                return None
             except httpx.HTTPError as e:
-                self.midstream_errors += 1
+                self.stats.midstream_errors += 1
+                self._request_result(rid, False, type(e).__name__)
                 await close()
                 return openai_error(502, f"replica {rid} broke off its response: {type(e).__name__}: {e}",
                                     "upstream_error", {REPLICA_HEADER: rid})
+            self._request_result(rid, upstream.status_code < 500)
             sniffer.feed_body(body)
             await close()
             return Response(body, status_code=upstream.status_code, headers=headers)
 
         async def relay() -> AsyncIterator[bytes]:
+            chunks = upstream.aiter_raw().__aiter__()
+            down_wait = asyncio.ensure_future(down.wait())
             try:
-                async for chunk in upstream.aiter_raw():
+                while True:
+                    nxt = asyncio.ensure_future(chunks.__anext__())
+                    await asyncio.wait({nxt, down_wait}, return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():
+                        nxt.cancel()
+                        raise _Ejected()
+                    try:
+                        chunk = nxt.result()
+                    except StopAsyncIteration:
+                        break
                     sniffer.feed(chunk)
                     yield chunk
-            except httpx.HTTPError as e:
-                self.midstream_errors += 1
-                log.warning("replica %s failed mid-stream: %s", rid, e)
+                self._request_result(rid, True)
+            except (httpx.HTTPError, _Ejected) as e:
+                self.stats.midstream_errors += 1
+                why = "went down" if isinstance(e, _Ejected) else f"failed: {type(e).__name__}: {e}"
+                log.warning("replica %s mid-stream: %s", rid, why)
+                if not isinstance(e, _Ejected):
+                    self._request_result(rid, False, type(e).__name__)
                 if is_sse:
-                    err = {"error": {"message": f"replica {rid} failed mid-stream: {type(e).__name__}: {e}",
-                                     "type": "upstream_error", "param": None, "code": 502}}
-                    yield b"\n\ndata: " + json.dumps(err).encode() + b"\n\n"
+                    err = {"error": {"message": f"replica {rid} {why} mid-stream", "type": "upstream_error",
+                                     "param": None, "code": 502}}
+                    yield b"\n\ndata: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
             finally:
+                down_wait.cancel()
                 await close()
 
         return _ProxyStream(relay(), close, status_code=upstream.status_code, headers=headers)
@@ -392,10 +540,14 @@ class Router:
 
 
 def build_app(config: RouterConfig) -> FastAPI:
-    """The router's FastAPI app; replicas are checked once before it starts serving."""
-    from contextlib import asynccontextmanager
+    """The router's FastAPI app; replicas are checked once before it starts serving.
 
-    from tokenmill.router.metrics import render_metrics
+    Keys: with ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <api key>``;
+    the admin routes (``/replicas``, ``/flush_cache``) need the admin key (they are off without
+    one). Keys are compared in constant time. Body size and JSON depth are checked by
+    :class:`~tokenmill.server.limits.BodyLimits` before anything is parsed.
+    """
+    from contextlib import asynccontextmanager
 
     router = Router(config)
 
@@ -407,13 +559,49 @@ def build_app(config: RouterConfig) -> FastAPI:
         finally:
             await router.stop()
 
-    app = FastAPI(title="tokenmill router", lifespan=lifespan)
+    app = FastAPI(title="tokenmill router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
 
+    def on_limit(status: int, code: str) -> None:
+        router.stats.rejected[code] += 1
+
+    app.add_middleware(BodyLimits, max_bytes=config.max_request_bytes,  # type: ignore[arg-type]
+                       max_depth=config.max_json_depth, on_reject=on_limit)
+
+    def _bearer(request: Request) -> str | None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else None
+
+    def key_denied(request: Request) -> Response | None:
+        if config.api_key is None:
+            return None
+        given = _bearer(request)
+        if given is None:   # Anthropic clients send x-api-key
+            given = request.headers.get("x-api-key")
+        if given is None or not hmac.compare_digest(given.strip().encode(), config.api_key.encode()):
+            return openai_error(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                "authentication_error", {"WWW-Authenticate": "Bearer"}, code="invalid_api_key")
+        return None
+
+    def admin_denied(request: Request) -> Response | None:
+        if config.admin_key is None:
+            return openai_error(403, "the admin API is off; start the router with --admin-key", "permission_error")
+        given = _bearer(request)
+        if given is None:
+            given = request.headers.get("x-admin-key", "")
+        if not hmac.compare_digest(given.encode(), config.admin_key.encode()):
+            return openai_error(401, "missing or wrong admin key (Authorization: Bearer KEY)", "authentication_error",
+                                {"WWW-Authenticate": "Bearer"}, code="invalid_admin_key")
+        return None
+
     async def generation(request: Request, path: str) -> Response:
+        if (denied := key_denied(request)) is not None:
+            router.requests[(path, denied.status_code)] += 1
+            return denied
         raw = await request.body()
+        parsed = request.scope.get(PARSED_BODY_KEY, _UNPARSED)
         try:
-            body = json.loads(raw)
+            body = json.loads(raw) if parsed is _UNPARSED else parsed
         except ValueError as e:
             return openai_error(400, f"request body is not valid JSON: {e}")
         if not isinstance(body, dict):
@@ -444,6 +632,8 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
+        if (denied := key_denied(request)) is not None:
+            return denied
         raw = await request.body()
         response = await router.forward(request, "POST", "/v1/messages/count_tokens", raw, None, False)
         router.requests[("/v1/messages/count_tokens", response.status_code)] += 1
@@ -455,6 +645,8 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(request: Request, response_id: str) -> Response:
+        if (denied := key_denied(request)) is not None:
+            return denied
         home = router.response_homes.get(response_id)
         path = f"/v1/responses/{response_id}"
         response = await router.forward(request, request.method, path, b"", None, False,
@@ -464,6 +656,8 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        if (denied := key_denied(request)) is not None:
+            return denied
         response = await router.forward(request, "GET", "/v1/models", b"", None, False)
         router.requests[("/v1/models", response.status_code)] += 1
         return response
@@ -476,23 +670,29 @@ def build_app(config: RouterConfig) -> FastAPI:
                              "replicas": len(router.registry.all())}, status_code=status)
 
     @app.get("/v1/loads")
-    async def loads() -> Response:
-        return JSONResponse(router.loads())
+    async def loads(request: Request) -> Response:
+        return key_denied(request) or JSONResponse(router.loads())
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return PlainTextResponse(render_metrics(router), media_type="text/plain; version=0.0.4")
+    async def metrics(request: Request) -> Response:
+        return key_denied(request) or PlainTextResponse(render(router.metrics_registry), media_type=CONTENT_TYPE)
 
     @app.post("/flush_cache")
-    async def flush_cache() -> Response:
+    async def flush_cache(request: Request) -> Response:
         """Flush the prefix cache of every healthy replica (what ``tokenmill bench --flush-cache``
-        asks for); 200 when all flushed, 409 when any refused or failed."""
+        asks for); 200 when all flushed, 409 when any refused or failed. Needs the admin key
+        when the router has one, else the API key."""
+        denied = admin_denied(request) if config.admin_key is not None else key_denied(request)
+        if denied is not None:
+            return denied
         assert router.client is not None
         targets = [r for r in router.registry.all() if r.healthy]
+        auth = router._replica_auth(admin=True)
 
         async def one(url: str) -> int:
             try:
-                return (await router.client.post(url + "/flush_cache", timeout=30.0)).status_code  # type: ignore[union-attr]
+                return (await router.client.post(url + "/flush_cache", timeout=30.0,  # type: ignore[union-attr]
+                                                 headers=auth)).status_code
             except httpx.HTTPError:
                 return 502
 
@@ -500,15 +700,6 @@ def build_app(config: RouterConfig) -> FastAPI:
         ok = bool(targets) and all(c < 300 for c in codes)
         return JSONResponse({"flushed": ok, "replicas": {r.id: c for r, c in zip(targets, codes)}},
                             status_code=200 if ok else 409)
-
-    def admin_denied(request: Request) -> Response | None:
-        if config.admin_key is None:
-            return openai_error(403, "the admin API is off; start the router with --admin-key", "permission_error")
-        auth = request.headers.get("authorization", "")
-        given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-admin-key", "")
-        if not hmac.compare_digest(given.encode(), config.admin_key.encode()):
-            return openai_error(401, "missing or wrong admin key (Authorization: Bearer KEY)", "authentication_error")
-        return None
 
     @app.get("/replicas")
     async def list_replicas(request: Request) -> Response:
@@ -543,3 +734,6 @@ def build_app(config: RouterConfig) -> FastAPI:
         return JSONResponse({**replica.as_dict(), "removed": replica_id not in router.registry}, status_code=202)
 
     return app
+
+
+_UNPARSED = object()

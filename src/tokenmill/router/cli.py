@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="successful checks in a row that bring it back (default 2)")
     g.add_argument("--load-interval", type=float, default=0.5, metavar="S",
                    help="seconds between load polls (/v1/loads, else /metrics)")
+    g.add_argument("--health-timeout", type=float, default=2.0, metavar="S",
+                   help="a health check slower than this fails (default 2)")
+    g.add_argument("--breaker-threshold", type=int, default=3,
+                   help="failed proxied requests in a row that open a replica's circuit (default 3)")
+    g.add_argument("--breaker-cooldown", type=float, default=5.0, metavar="S",
+                   help="seconds an open circuit keeps requests off the replica before a trial (default 5)")
+    g.add_argument("--replica-api-key", default=os.environ.get("TOKENMILL_REPLICA_API_KEY"),
+                   help="key sent to the replicas (requests and polls) instead of the client's header")
+    g.add_argument("--replica-admin-key", default=os.environ.get("TOKENMILL_REPLICA_ADMIN_KEY"),
+                   help="key sent with the /flush_cache fan-out (default: --replica-api-key)")
     p = parser.add_argument_group("policy")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                    help=f"routing policy (default {DEFAULT_POLICY})")
@@ -47,8 +58,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
-    s.add_argument("--admin-key", help="enables POST /replicas and DELETE /replicas/{id} with this bearer key")
+    s.add_argument("--admin-key", default=os.environ.get("TOKENMILL_ADMIN_KEY"),
+                   help="enables GET/POST /replicas, DELETE /replicas/{id} and guards /flush_cache with this "
+                        "bearer key (default: $TOKENMILL_ADMIN_KEY)")
+    s.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $TOKENMILL_API_KEY)")
     s.add_argument("--connect-timeout", type=float, default=5.0, metavar="S")
+    o = parser.add_argument_group("overload")
+    o.add_argument("--max-inflight", type=int, default=None,
+                   help="requests in flight across the fleet at most; more get 429 + Retry-After")
+    o.add_argument("--max-inflight-per-replica", type=int, default=None,
+                   help="requests in flight on one replica at most; a full replica is skipped, all full: 429")
+    o.add_argument("--max-attempts", type=int, default=3, help="replicas tried per request (default 3)")
+    o.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of the router's 429s (default 1)")
+    o.add_argument("--max-request-bytes", type=int, default=32 * 2**20,
+                   help="largest accepted body, refused with 413 before parsing (default 32 MiB)")
+    o.add_argument("--max-json-depth", type=int, default=64, help="deepest accepted JSON nesting (default 64)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -67,12 +92,17 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         options = {"seed": args.seed}
     health = HealthConfig(health_path=args.health_path, health_interval_s=args.health_interval,
                           failure_threshold=args.failure_threshold, recovery_threshold=args.recovery_threshold,
-                          load_interval_s=args.load_interval)
+                          load_interval_s=args.load_interval, health_timeout_s=args.health_timeout,
+                          breaker_threshold=args.breaker_threshold, breaker_cooldown_s=args.breaker_cooldown)
     return RouterConfig(replicas=list(args.replica), replica_file=args.replica_file,
                         replica_dns=list(args.replica_dns), policy=args.policy,
                         policy_options={k: v for k, v in options.items() if v is not None},
                         admin_key=args.admin_key, health=health, discovery_interval_s=args.discovery_interval,
-                        connect_timeout_s=args.connect_timeout)
+                        connect_timeout_s=args.connect_timeout, api_key=args.api_key or None,
+                        replica_api_key=args.replica_api_key or None, replica_admin_key=args.replica_admin_key or None,
+                        max_inflight=args.max_inflight, max_inflight_per_replica=args.max_inflight_per_replica,
+                        max_attempts=args.max_attempts, retry_after_s=args.retry_after_s,
+                        max_request_bytes=args.max_request_bytes, max_json_depth=args.max_json_depth)
 
 
 def run(args: argparse.Namespace) -> int:

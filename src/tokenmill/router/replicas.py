@@ -12,6 +12,14 @@ Health state machine of one replica (thresholds from ``HealthConfig``)::
 
 A failure is a failed health check or a connect error while proxying. A draining replica gets
 no new requests and leaves the registry when its last in-flight request ends.
+
+Circuit breaker, on top of health checks: ``breaker_threshold`` proxied requests in a row that
+fail (5xx, connect error, timeout) open the replica's circuit for ``breaker_cooldown_s``; it gets
+no requests meanwhile even if ``/health`` still answers 200. After the cooldown it is half-open:
+the next failure opens it again at once, a success closes it. When a replica fails its health
+checks (dead, hung, or too slow to answer them) ``on_down(replica_id)`` is called, so the proxy
+can take its in-flight attempts elsewhere. Overload answers (429, or 503 with ``Retry-After``)
+are not failures: the proxy tries another replica without feeding the breaker.
 """
 from __future__ import annotations
 
@@ -19,7 +27,8 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -40,14 +49,16 @@ class HealthConfig:
     failure_threshold: int = 2
     recovery_threshold: int = 2
     load_interval_s: float = 0.5
+    breaker_threshold: int = 3
+    breaker_cooldown_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.health_path.startswith("/"):
             raise ValueError(f"health path must start with '/', got {self.health_path!r}")
-        for name in ("health_interval_s", "health_timeout_s", "load_interval_s"):
+        for name in ("health_interval_s", "health_timeout_s", "load_interval_s", "breaker_cooldown_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("failure_threshold", "recovery_threshold"):
+        for name in ("failure_threshold", "recovery_threshold", "breaker_threshold"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
 
@@ -93,9 +104,12 @@ class Replica:
     load_source: str = "none"        # v1/loads | metrics | none
     requests_total: int = 0
     failures_total: int = 0
+    circuit_open: bool = False
+    circuit_until: float = 0.0       # time.monotonic() when an open circuit turns half-open
+    request_failures: int = 0        # proxied requests in a row that failed
 
     def view(self) -> ReplicaView:
-        return ReplicaView(id=self.id, healthy=self.healthy, inflight=self.inflight,
+        return ReplicaView(id=self.id, healthy=self.healthy and not self.circuit_open, inflight=self.inflight,
                            num_running=self.num_running, num_waiting=self.num_waiting,
                            kv_cache_usage=self.kv_cache_usage, draining=self.draining)
 
@@ -104,7 +118,7 @@ class Replica:
                 "draining": self.draining, "inflight": self.inflight, "num_running": self.num_running,
                 "num_waiting": self.num_waiting, "kv_cache_usage": self.kv_cache_usage,
                 "load_source": self.load_source, "requests_total": self.requests_total,
-                "failures_total": self.failures_total}
+                "failures_total": self.failures_total, "circuit_open": self.circuit_open}
 
 
 class DispersionSampler:
@@ -144,6 +158,8 @@ class ReplicaRegistry:
         self.health = health or HealthConfig()
         self._replicas: dict[str, Replica] = {}
         self.dispersion = DispersionSampler()
+        self.on_down: Callable[[str], None] | None = None
+        self.clock: Callable[[], float] = time.monotonic
 
     def __contains__(self, replica_id: str) -> bool:
         return replica_id in self._replicas
@@ -155,7 +171,38 @@ class ReplicaRegistry:
         return list(self._replicas.values())
 
     def views(self) -> list[ReplicaView]:
+        now = self.clock()
+        for r in self._replicas.values():
+            if r.circuit_open and now >= r.circuit_until:   # half-open: one more failure reopens it
+                r.circuit_open = False
+                r.request_failures = self.health.breaker_threshold - 1
+                log.info("replica %s circuit half-open", r.id)
         return [r.view() for r in self._replicas.values()]
+
+    def record_request_result(self, replica_id: str, ok: bool, reason: str = "") -> bool:
+        """Feed the circuit breaker with one proxied request's outcome; True if it opened the circuit.
+
+        An open circuit stops new requests only: the replica still answers, so what is in flight
+        on it is left to finish (``on_down`` is for replicas that fail their health checks).
+        """
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return False
+        if ok:
+            replica.request_failures = 0
+            return False
+        replica.request_failures += 1
+        if not replica.circuit_open and replica.request_failures >= self.health.breaker_threshold:
+            replica.circuit_open = True
+            replica.circuit_until = self.clock() + self.health.breaker_cooldown_s
+            log.warning("replica %s circuit open for %.1fs after %d failed requests (%s)", replica_id,
+                        self.health.breaker_cooldown_s, replica.request_failures, reason)
+            return True
+        return False
+
+    def _went_down(self, replica_id: str) -> None:
+        if self.on_down is not None:
+            self.on_down(replica_id)
 
     def add(self, url: str, *, source: str, replica_id: str | None = None) -> Replica:
         """Add a replica (not healthy until its first successful check). Re-adding a draining
@@ -225,6 +272,7 @@ class ReplicaRegistry:
         if replica.healthy and replica.consecutive_failures >= self.health.failure_threshold:
             replica.healthy = False
             log.warning("replica %s unhealthy: %s", replica_id, reason)
+            self._went_down(replica_id)
 
     def record_load(self, replica_id: str, running: int, waiting: int, kv_usage: float, source: str) -> None:
         replica = self._replicas.get(replica_id)
@@ -295,15 +343,18 @@ def parse_metrics_text(text: str) -> tuple[int, int, float] | None:
 class ReplicaMonitor:
     """Background health checks and load polling over a registry (one task each)."""
 
-    def __init__(self, registry: ReplicaRegistry, client: httpx.AsyncClient) -> None:
+    def __init__(self, registry: ReplicaRegistry, client: httpx.AsyncClient,
+                 headers: dict[str, str] | None = None) -> None:
         self.registry = registry
         self.client = client
+        self.headers = headers or {}     # e.g. the replicas' API key
         self._tasks: list[asyncio.Task[None]] = []
 
     async def check_health(self, replica: Replica) -> bool:
         cfg = self.registry.health
         try:
-            r = await self.client.get(replica.url + cfg.health_path, timeout=cfg.health_timeout_s)
+            r = await self.client.get(replica.url + cfg.health_path, timeout=cfg.health_timeout_s,
+                                      headers=self.headers)
             ok = r.status_code == 200
             reason = f"{cfg.health_path} answered {r.status_code}"
         except httpx.HTTPError as e:
@@ -319,12 +370,12 @@ class ReplicaMonitor:
         report = None
         try:
             if replica.load_source != "metrics":
-                r = await self.client.get(replica.url + "/v1/loads", timeout=timeout)
+                r = await self.client.get(replica.url + "/v1/loads", timeout=timeout, headers=self.headers)
                 if r.status_code == 200:
                     report = parse_loads_json(r.json())
                     source = "v1/loads"
             if report is None:
-                r = await self.client.get(replica.url + "/metrics", timeout=timeout)
+                r = await self.client.get(replica.url + "/metrics", timeout=timeout, headers=self.headers)
                 if r.status_code == 200:
                     report = parse_metrics_text(r.text)
                     source = "metrics"

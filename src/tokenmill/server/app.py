@@ -5,13 +5,19 @@ Routes (see docs/server.md):
     POST /v1/messages, POST /v1/messages/count_tokens (Anthropic Messages API),
     POST /v1/responses, GET /v1/responses/{id} (OpenAI Responses API),
     GET /health, GET /metrics, GET /v1/loads, POST /flush_cache (L1 + L2),
-    POST /flush_cache/storage (this model's L3 pages)
+    POST /flush_cache/storage (this model's L3 pages), GET /openapi.json
 
 Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status
 (``{"type": "error", "error": {"type", "message"}}`` on the Anthropic routes); no client input
 can stop the server. The API key is accepted as ``Authorization: Bearer`` or ``x-api-key``.
 Handlers never call the engine directly: they go through
 the :class:`~tokenmill.engine.async_engine.AsyncEngine` in ``ServerState``.
+
+Keys: with ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <api key>``;
+with ``admin_key`` the state-changing ``/flush_cache`` and ``/flush_cache/storage`` need the admin
+key instead. Both are
+compared in constant time. Body size and JSON depth are enforced by
+:class:`~tokenmill.server.limits.BodyLimits` before any route runs.
 """
 from __future__ import annotations
 
@@ -27,14 +33,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenmill.server import openapi
 from tokenmill.server.common import ServerState, read_json_body
 from tokenmill.server.errors import APIError
+from tokenmill.server.limits import BodyLimits, openai_error_body
+from tokenmill.server.metrics import CONTENT_TYPE
 from tokenmill.server.serving_chat import create_chat_completion
 from tokenmill.server.protocol_anthropic import anthropic_error_body
 from tokenmill.server.serving_completions import create_completion
 from tokenmill.server.serving_messages import count_tokens, create_message
 from tokenmill.server.serving_responses import create_response, delete_response, retrieve_response
-from tokenmill.session import RESPONSE_HEADER, extract_session_id
+from tokenmill.session import RESPONSE_HEADER, extract_session_id, header_safe
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -50,28 +59,49 @@ def build_app(state: ServerState) -> FastAPI:
         logger.info("stopping the engine")
         state.engine.shutdown()
 
-    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.tokenmill = state
+    openapi.install(app)
 
-    def check_auth(request: Request) -> None:
-        key = state.config.api_key
+    def on_limit(status: int, code: str) -> None:
+        state.metrics.rejected[code] += 1
+        state.metrics.http_errors[status] += 1
+        logger.info("client error %d: %s", status, code)
+
+    app.add_middleware(BodyLimits, max_bytes=state.config.max_request_bytes,  # type: ignore[arg-type]
+                       max_depth=state.config.max_json_depth, on_reject=on_limit, error_body=limit_error_body)
+
+    def check_auth(request: Request, *, admin: bool = False) -> None:
+        key = state.config.admin_key if admin and state.config.admin_key is not None else state.config.api_key
         if key is None:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
+        what = "admin key" if admin and state.config.admin_key is not None else "API key"
         if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
             return
         other = request.headers.get("x-api-key")
         if other is not None and hmac.compare_digest(other.strip().encode(), key.encode()):
             return
-        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                       code="invalid_api_key")
+        raise APIError(401, f"invalid or missing {what}: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                       type="authentication_error", code="invalid_api_key")
+
+    def check_queue_room() -> None:
+        """429 before reading the body when the engine's queue is already full (a fast path:
+        the engine's own check on submit is the authoritative one)."""
+        limit = state.config.max_waiting_requests
+        if limit is not None and state.engine.stats().num_waiting >= limit:
+            state.metrics.rejected["queue_full"] += 1
+            raise APIError(429, f"the server is overloaded: {limit} requests are already waiting; retry later",
+                           type="rate_limit_error", code="queue_full", headers=state.overload_headers())
 
     async def run_generation(request: Request, handler: Handler, *, anthropic: bool = False) -> Response:
         arrival = time.monotonic()
         session_id: str | None = extract_session_id(request.headers)
         try:
             check_auth(request)
+            check_queue_room()
             body = await read_json_body(request, state.config.max_request_bytes)
             session_id = extract_session_id(request.headers, body)
             response: Response = await handler(state, request, body, session_id, arrival)
@@ -82,8 +112,8 @@ def build_app(state: ServerState) -> FastAPI:
             return _error_response(state, APIError(500, f"internal server error: {type(e).__name__}: {e}",
                                                    type="server_error", code="internal_error"), session_id,
                                    anthropic=anthropic)
-        if session_id:
-            response.headers[RESPONSE_HEADER] = session_id
+        if header_safe(session_id):
+            response.headers[RESPONSE_HEADER] = session_id  # type: ignore[assignment]
         return response
 
     @app.post("/v1/chat/completions")
@@ -133,8 +163,12 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         check_auth(request)
-        return PlainTextResponse(state.metrics.render(state.engine.stats()),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(state.metrics.render(state.engine.stats()), media_type=CONTENT_TYPE)
+
+    @app.get("/openapi.json")
+    async def openapi_json(request: Request) -> Response:
+        check_auth(request)
+        return JSONResponse(app.openapi())
 
     @app.get("/v1/loads")
     async def loads(request: Request) -> Response:
@@ -144,6 +178,7 @@ def build_app(state: ServerState) -> FastAPI:
             "model": state.config.model_name, "num_running": s.num_running, "num_waiting": s.num_waiting,
             "kv_cache_usage": s.kv_cache_usage, "kv_pages_total": s.kv_pages_total,
             "kv_pages_free": s.kv_pages_free, "kv_pages_cached": s.kv_pages_cached,
+            "kv_pages_in_use": s.kv_pages_in_use,
             "kv_cache_dtype": s.kv_cache_dtype, "kv_bytes_per_token": s.kv_bytes_per_token,
             "kv_capacity_tokens": s.kv_capacity_tokens,
             "cached_tokens": s.cached_tokens_total,
@@ -152,7 +187,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
-        check_auth(request)
+        check_auth(request, admin=True)
         if not await state.engine.flush_cache():
             raise APIError(409, "the prefix cache was not flushed: requests are running", code="engine_busy")
         return JSONResponse({"flushed": True})
@@ -160,7 +195,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/flush_cache/storage")
     async def flush_storage_cache(request: Request) -> Response:
         """Admin: delete the pages this model wrote to the L3 storage tier (shared by replicas)."""
-        check_auth(request)
+        check_auth(request, admin=True)
         if state.engine.stats().tiers is None:
             raise APIError(409, "this server has no cache storage tier (--cache-storage none)",
                            code="no_storage_tier")
@@ -194,14 +229,24 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+def limit_error_body(path: str, status: int, message: str, code: str) -> dict[str, Any]:
+    """Body of a size / depth refusal in the shape of the API the path belongs to."""
+    if path.startswith("/v1/messages"):   # Anthropic Messages API
+        kind = "request_too_large" if status == 413 else "invalid_request_error"
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    return openai_error_body(path, status, message, code)
+
+
 def _error_response(state: ServerState, err: APIError, session_id: str | None, *,
                     anthropic: bool = False) -> Response:
     state.metrics.http_errors[err.status_code] += 1
-    if err.status_code >= 500:
+    if err.status_code >= 500 and err.code not in ("queue_timeout", "shutting_down"):
         logger.error("error %d: %s", err.status_code, err.message)
-    else:
+    elif state.config.log_requests:
         logger.info("client error %d: %s", err.status_code, err.message)
-    headers = {RESPONSE_HEADER: session_id} if session_id else None
+    else:   # the message may quote the request: only its kind unless requests are logged
+        logger.info("client error %d: code=%s param=%s", err.status_code, err.code, err.param)
+    headers = {RESPONSE_HEADER: session_id} if header_safe(session_id) else None
     if err.status_code == 401:
         headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     if anthropic:

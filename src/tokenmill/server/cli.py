@@ -37,17 +37,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Jinja chat template file to use instead of the tokenizer's")
     s.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY, or no key)")
+    s.add_argument("--admin-key", default=os.environ.get("TOKENMILL_ADMIN_KEY"),
+                   help="key that POST /flush_cache needs instead of the API key "
+                        "(default: $TOKENMILL_ADMIN_KEY, or the API key)")
     s.add_argument("--max-stored-responses", type=int, default=1024,
                    help="responses kept for previous_response_id and GET /v1/responses/{id} (default: 1024)")
     s.add_argument("--max-n", type=int, default=8, help="largest accepted 'n' (default: 8)")
     s.add_argument("--max-request-bytes", type=int, default=32 * 2**20,
-                   help="largest accepted request body; bigger ones get 413 (default: 32 MiB)")
+                   help="largest accepted request body, refused with 413 before it is parsed (default: 32 MiB)")
+    s.add_argument("--max-json-depth", type=int, default=64,
+                   help="deepest accepted nesting of JSON arrays/objects in a body; deeper gets 400 (default: 64)")
+    o = parser.add_argument_group("overload")
+    o.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="bound of the engine's waiting queue; requests past it get 429 + Retry-After "
+                        "(default: unbounded)")
+    o.add_argument("--max-queue-wait-s", type=float, default=None,
+                   help="a request not started within this many seconds fails with 503 and is freed "
+                        "(default: no limit)")
+    o.add_argument("--request-deadline-s", type=float, default=None,
+                   help="default and upper bound of a request's deadline (its 'deadline_s' field): past it "
+                        "the request finishes with finish_reason 'deadline' (default: none)")
+    o.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of 429 / 503 answers (default: 1)")
     s.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
     s.add_argument("--log-token-ids", default=None, metavar="DIR",
                    help="write one JSONL record per finished request (prompt and output token ids, "
                         "model, sampling settings) under DIR, e.g. to train a drafter")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    s.add_argument("--log-requests", action="store_true",
+                   help="log prompts and outputs (off by default: logs carry sizes and timings only)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,8 +84,11 @@ def run(args: argparse.Namespace) -> int:
             served_model_names=tuple(args.served_model_name or [args.model]), max_n=args.max_n,
             max_request_bytes=args.max_request_bytes, api_key=args.api_key or None,
             tool_call_parser=args.tool_call_parser, chat_template=chat_template,
-            shutdown_grace_s=args.shutdown_grace_s, log_token_ids=args.log_token_ids,
-            max_stored_responses=args.max_stored_responses,
+            shutdown_grace_s=args.shutdown_grace_s, admin_key=args.admin_key or None,
+            max_json_depth=args.max_json_depth, max_waiting_requests=args.max_waiting_requests,
+            max_queue_wait_s=args.max_queue_wait_s, request_deadline_s=args.request_deadline_s,
+            retry_after_s=args.retry_after_s, log_requests=args.log_requests, max_stored_responses=args.max_stored_responses,
+            log_token_ids=args.log_token_ids,
         )
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")

@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from fastapi import Request
 from pydantic import ValidationError
 
+from tokenmill.engine.admission import QUEUE_TIMEOUT, QueueFullError
 from tokenmill.engine.async_engine import AsyncEngine, EngineStepError, EngineStoppedError
 from tokenmill.contracts.sampling import SamplingParams, StructuredOutputs
 from tokenmill.server.errors import APIError, bad_request, from_validation_error
+from tokenmill.server.limits import PARSED_BODY_KEY
 from tokenmill.server.metrics import RequestTimer, ServerMetrics
 from tokenmill.server.protocol import SamplingFields, context_error
 from tokenmill.server.protocol_responses import ResponseStore
@@ -45,6 +47,13 @@ class ServerConfig:
     chat_template: str | None = None     # Jinja text overriding the tokenizer's template
     shutdown_grace_s: float = 30.0
     log_token_ids: str | None = None     # directory of the token-id log (server/token_log.py)
+    admin_key: str | None = None         # guards /flush_cache (else the API key does)
+    max_json_depth: int = 64             # deeper request bodies get 400 (server/limits.py)
+    max_waiting_requests: int | None = None  # the engine's queue bound, for the 429 fast path
+    max_queue_wait_s: float | None = None    # a request not started by then fails with 503
+    request_deadline_s: float | None = None  # default and upper bound of a request's deadline_s
+    retry_after_s: int = 1               # Retry-After of 429 / 503 overload answers
+    log_requests: bool = False           # log prompts and outputs (off: only sizes and timings)
     max_stored_responses: int = 1024     # Responses API store (previous_response_id)
 
     def __post_init__(self) -> None:
@@ -62,6 +71,16 @@ class ServerConfig:
             raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.admin_key is not None and not self.admin_key:
+            raise ValueError("admin_key must not be empty")
+        if self.max_json_depth < 2:
+            raise ValueError(f"max_json_depth must be at least 2, got {self.max_json_depth}")
+        for name in ("max_queue_wait_s", "request_deadline_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
 
     @property
     def model_name(self) -> str:
@@ -104,6 +123,7 @@ class ServerState:
     metrics: ServerMetrics
     tool_parser: HermesToolParser | None = None
     token_log: Any = None               # TokenLog, when --log-token-ids is given
+    max_token_chars: int = 0            # longest vocabulary entry in characters (0: unknown)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(1024))
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     _grammar_compiler: Any = None
@@ -127,14 +147,32 @@ class ServerState:
 
     @classmethod
     def create(cls, engine: AsyncEngine, config: ServerConfig, *, prefix_cache_enabled: bool = True) -> ServerState:
+        tokenizers = TokenizerPool(engine.engine.tokenizer)
         return cls(
-            engine=engine, config=config, tokenizers=TokenizerPool(engine.engine.tokenizer),
+            engine=engine, config=config, tokenizers=tokenizers,
             max_model_len=int(engine.engine.max_model_len),
-            metrics=ServerMetrics(config.model_name, prefix_cache_enabled=prefix_cache_enabled),
+            metrics=ServerMetrics(config.model_name, prefix_cache_enabled=prefix_cache_enabled,
+                                  max_waiting_requests=config.max_waiting_requests),
             tool_parser=get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None,
             token_log=_token_log(config),
+            max_token_chars=_max_token_chars(tokenizers.get()),
             responses=ResponseStore(config.max_stored_responses),
         )
+
+    def check_text_fits(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing, a text too long for the context whatever its tokens are.
+
+        No token covers more than ``max_token_chars`` characters, so a text longer than
+        ``max_model_len * max_token_chars`` characters cannot fit; tokenizing megabytes only to
+        find that out would hold a worker for seconds.
+        """
+        if self.max_token_chars and len(text) > self.max_model_len * self.max_token_chars:
+            raise APIError(400, f"the prompt has {len(text)} characters; no token of this model covers more than "
+                                f"{self.max_token_chars}, so it cannot fit in the context of "
+                                f"{self.max_model_len} tokens", param=param, code="context_length_exceeded")
+
+    def overload_headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.config.retry_after_s)}
 
     @property
     def speculative(self) -> bool:
@@ -165,6 +203,16 @@ class ServerState:
             hit = (text, list(raw if raw is not None else text.encode("utf-8")))
             self._token_text[token_id] = hit
         return hit
+
+
+def _max_token_chars(tokenizer: Any) -> int:
+    """Characters of the longest vocabulary entry (+1 for a decoder's joining space); 0 if unknown."""
+    try:
+        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        longest = max((len(p) for p in pieces if isinstance(p, str)), default=0)
+    except Exception:  # noqa: BLE001 - an odd tokenizer just skips the early check
+        return 0
+    return longest + 1 if longest else 0
 
 
 _BYTE_DECODER: dict[str, int] | None = None
@@ -199,7 +247,16 @@ def _raw_token_bytes(tokenizer: Any, token_id: int) -> bytes | None:
 
 # ---------------------------------------------------------------------------- request body
 async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
-    """Read, size-check, UTF-8-check and JSON-parse the body; it must be a JSON object."""
+    """Read, size-check, UTF-8-check and JSON-parse the body; it must be a JSON object.
+
+    Behind :class:`~tokenmill.server.limits.BodyLimits` the size and depth are already checked and
+    the parsed value waits in the scope; this reads the body itself only when it is not there.
+    """
+    if PARSED_BODY_KEY in request.scope:
+        body = request.scope[PARSED_BODY_KEY]
+        if not isinstance(body, dict):
+            raise bad_request(f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+        return body
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes",
@@ -283,30 +340,49 @@ class ChoiceOutput(NamedTuple):
 class Generation:
     """The engine requests (one per choice) of one HTTP request, merged into one stream.
 
-    ``start()`` submits them all (engine rejections raise here, before any response byte);
-    iterate to get :class:`ChoiceOutput` items in arrival order; ``close()`` aborts whatever has
-    not finished. Latency metrics are recorded as outputs arrive.
+    ``start()`` submits them all (engine rejections raise here, before any response byte: 400 for
+    bad input, 429 when the waiting queue is full); iterate to get :class:`ChoiceOutput` items in
+    arrival order; ``close()`` aborts whatever has not finished. A choice that waited longer than
+    ``max_queue_wait_s`` for its first step raises a 503 :class:`APIError`. Streaming handlers call
+    ``wait_first()`` before sending headers, so those errors still get their own status code.
+    Latency metrics are recorded as outputs arrive.
+
+    Deadline: ``deadline_s`` (the request's extension field) or the server's
+    ``request_deadline_s``, the smaller of the two, counted from ``arrival``.
     """
 
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams], session_id: str | None, arrival: float) -> None:
+                 params: list[SamplingParams], session_id: str | None, arrival: float,
+                 deadline_s: float | None = None) -> None:
         self.state = state
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
         self.session_id = session_id
         self.timers = [RequestTimer(state.metrics, arrival) for _ in prompts]
+        cfg = state.config
+        limits = [d for d in (deadline_s, cfg.request_deadline_s) if d is not None]
+        self.deadline = arrival + min(limits) if limits else None
+        self.queue_deadline = arrival + cfg.max_queue_wait_s if cfg.max_queue_wait_s is not None else None
         self._streams: list[Any] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._iter: AsyncIterator[ChoiceOutput] | None = None
+        self._first: ChoiceOutput | None = None
 
     async def start(self) -> None:
         try:
             for i, (prompt, params) in enumerate(zip(self.prompts, self.params)):
-                stream = await self.state.engine.submit(f"{self.request_id}-{i}", prompt, params, self.session_id)
+                stream = await self.state.engine.submit(f"{self.request_id}-{i}", prompt, params, self.session_id,
+                                                        deadline=self.deadline, queue_deadline=self.queue_deadline)
                 self._streams.append(stream)
         except ValueError as e:
             await self.close()
             raise bad_request(str(e)) from None
+        except QueueFullError as e:
+            await self.close()
+            self.state.metrics.rejected["queue_full"] += 1
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                           headers=self.state.overload_headers()) from None
         except EngineStoppedError as e:
             await self.close()
             raise APIError(503, str(e), type="server_error", code="shutting_down") from None
@@ -314,7 +390,41 @@ class Generation:
             await self.close()
             raise
 
+    async def wait_first(self, request: Request) -> None:
+        """Wait for the first output (or error) before a streamed response commits to 200.
+
+        Raises what the first output raises (a 503 for a queue timeout), or :class:`ClientGone`
+        if the client disconnects meanwhile; in both cases the generation is closed.
+        """
+        self._iter = self._items()
+        nxt = asyncio.ensure_future(self._iter.__anext__())
+        watcher = asyncio.create_task(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if nxt not in done:
+                nxt.cancel()
+                logger.info("request %s: client disconnected before its first token, aborting", self.request_id)
+                raise ClientGone()
+            try:
+                self._first = nxt.result()
+            except StopAsyncIteration:
+                self._first = None
+        except BaseException:
+            await self.close()
+            raise
+        finally:
+            watcher.cancel()
+
     async def __aiter__(self) -> AsyncIterator[ChoiceOutput]:
+        if self._iter is None:
+            self._iter = self._items()
+        elif self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        async for item in self._iter:
+            yield item
+
+    async def _items(self) -> AsyncIterator[ChoiceOutput]:
         if len(self._streams) == 1:
             async for out in self._streams[0]:
                 self._observe(0, out)
@@ -350,6 +460,15 @@ class Generation:
             if self.state.token_log is not None:
                 self.state.token_log.write(out.request_id, self.prompts[i], out.token_ids,
                                            out.finish_reason, self.params[i])
+            if self.state.config.log_requests:
+                logger.info("request %s-%d prompt=%r output=%r finish=%s", self.request_id, i,
+                            self.state.tokenizer.decode(self.prompts[i]), out.text, out.finish_reason)
+            if out.finish_reason == QUEUE_TIMEOUT:
+                self.state.metrics.rejected["queue_timeout"] += 1
+                wait = self.state.config.max_queue_wait_s
+                raise APIError(503, f"the server is overloaded: the request waited more than {wait} s "
+                                    "(--max-queue-wait-s) without starting; retry later",
+                               type="server_error", code="queue_timeout", headers=self.state.overload_headers())
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -358,6 +477,11 @@ class Generation:
             if not s.finished and not s.closed:
                 self.state.metrics.finished["abort"] += 1
             await s.aclose()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def collect(gen: Generation, request: Request) -> list[RequestOutput]:
@@ -369,12 +493,8 @@ async def collect(gen: Generation, request: Request) -> list[RequestOutput]:
             if item.output.finished:
                 finals[item.index] = item.output
 
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
     work = asyncio.create_task(consume())
-    watcher = asyncio.create_task(watch())
+    watcher = asyncio.create_task(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if work not in done:

@@ -18,8 +18,10 @@ class APIError(Exception):
     """An error to report to the client as an OpenAI-style JSON body."""
 
     def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = dict(headers or {})
         self.status_code = status_code
         self.message = message
         self.type = type
@@ -30,7 +32,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=dict(headers or {}))
+        return JSONResponse(self.body(), status_code=self.status_code, headers={**self.headers, **(headers or {})})
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:

@@ -1,168 +1,196 @@
-"""Prometheus metrics in the text exposition format (version 0.0.4), written by hand.
+"""Prometheus metrics of ``GET /metrics``, kept in a ``prometheus_client`` registry per app.
 
-Gauges and token counters are read from the engine's stats snapshot at scrape time, so they are
-exactly the engine's own counts. Latency histograms are observed by the server as outputs reach
-the event loop (the time a client would see, minus the network):
+Gauges and token counters are read from the engine's stats snapshot at scrape time (a custom
+collector), so they are exactly the engine's own counts. Latency histograms are observed by the
+server as outputs reach the event loop (the time a client would see, minus the network):
 
 * ``time_to_first_token_seconds``: request received -> first output token;
 * ``inter_token_latency_seconds``: gap between consecutive output tokens (a step that yields k
   tokens at once counts k gaps of interval / k);
 * ``e2e_request_latency_seconds``: request received -> last output.
 
+Admission and limits: ``requests_rejected_total{reason}`` counts refused requests (queue_full,
+queue_timeout, request_too_large, json_too_deep), ``request_deadline_expired_total`` requests cut
+by their deadline, ``max_waiting_requests`` is the queue bound (``num_requests_waiting`` is the
+queue length). ``event_loop_tasks`` and ``process_threads`` show what a leak would grow.
+
 All methods run on the event loop thread; nothing here is shared with the engine thread.
 """
 from __future__ import annotations
 
-import bisect
-import math
-from collections import Counter as _Counter
-from typing import Any, TYPE_CHECKING
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine import EngineStats
 
+prometheus_client.disable_created_metrics()   # no *_created series: the exposition stays as before
+
 PREFIX = "tokenmill:"
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "deadline", "queue_timeout")
+REJECT_REASONS = ("queue_full", "queue_timeout", "request_too_large", "json_too_deep")
 
 
-def _fmt(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if float(v).is_integer() and abs(v) < 1e15:
-        return str(int(v))
-    return repr(float(v))
+class CounterView:
+    """A labelled prometheus counter read and bumped like a ``collections.Counter``:
+    ``view[label] += n`` increments the child, ``view[label]`` reads it."""
 
+    def __init__(self, counter: Counter, fixed: tuple[str, ...]) -> None:
+        self._counter = counter
+        self._fixed = fixed
+        self._seen: set[str] = set()
 
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-    return "{" + inner + "}"
+    def _child(self, label: Any) -> Any:
+        self._seen.add(str(label))
+        return self._counter.labels(*self._fixed, str(label))
 
+    def __getitem__(self, label: Any) -> float:
+        return float(self._child(label)._value.get())
 
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    def __setitem__(self, label: Any, value: float) -> None:
+        child = self._child(label)
+        delta = value - float(child._value.get())
+        if delta < 0:
+            raise ValueError("a counter cannot go down")
+        child.inc(delta)
 
-
-class Histogram:
-    """Cumulative-bucket histogram with a fixed bucket layout."""
-
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...]) -> None:
-        if list(buckets) != sorted(set(buckets)):
-            raise ValueError("histogram buckets must be strictly increasing")
-        self.name = PREFIX + name
-        self.help = help
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)   # last slot: above the largest bucket
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float, times: int = 1) -> None:
-        if times <= 0:
-            return
-        value = max(float(value), 0.0)
-        self.counts[bisect.bisect_left(self.buckets, value)] += times
-        self.sum += value * times
-        self.count += times
-
-    def render(self, labels: dict[str, str]) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
-            lines.append(f"{self.name}_bucket{_labels({**labels, 'le': _fmt(bound)})} {cumulative}")
-        lines.append(f"{self.name}_bucket{_labels({**labels, 'le': '+Inf'})} {self.count}")
-        lines.append(f"{self.name}_sum{_labels(labels)} {_fmt(self.sum)}")
-        lines.append(f"{self.name}_count{_labels(labels)} {self.count}")
-        return lines
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._seen))
 
 
 class ServerMetrics:
     """Everything ``GET /metrics`` shows for one served model."""
 
-    def __init__(self, model_name: str, *, prefix_cache_enabled: bool = True) -> None:
+    def __init__(self, model_name: str, *, prefix_cache_enabled: bool = True,
+                 max_waiting_requests: int | None = None) -> None:
         self.labels = {"model_name": model_name}
         self.prefix_cache_enabled = prefix_cache_enabled
-        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = Histogram("inter_token_latency_seconds", "Time between consecutive output tokens in seconds.",
-                             ITL_BUCKETS)
-        self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.", E2E_BUCKETS)
-        self.finished: _Counter[str] = _Counter()   # finish_reason -> count
-        self.http_errors: _Counter[int] = _Counter()  # status code -> count
+        self.max_waiting_requests = max_waiting_requests
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._stats: EngineStats | None = None
+        lab = ("model_name",)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token in seconds.", lab,
+                              buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Time between consecutive output tokens in seconds.", lab,
+                             buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency in seconds.", lab,
+                             buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        success = Counter(PREFIX + "request_success_total", "Finished requests by finish reason.",
+                          ("model_name", "finished_reason"), registry=self.registry)
+        errors = Counter(PREFIX + "http_errors_total", "Error responses sent, by status code.",
+                         ("model_name", "status"), registry=self.registry)
+        rejected = Counter(PREFIX + "requests_rejected_total",
+                           "Requests refused by an admission limit, by reason.", ("model_name", "reason"),
+                           registry=self.registry)
+        self.deadline_expired = Counter(PREFIX + "request_deadline_expired_total",
+                                        "Engine requests finished by their deadline.", lab,
+                                        registry=self.registry).labels(model_name)
+        self.finished = CounterView(success, (model_name,))     # finish_reason -> count
+        self.http_errors = CounterView(errors, (model_name,))   # status code -> count
+        self.rejected = CounterView(rejected, (model_name,))    # reason -> count
+        for reason in FINISH_REASONS:
+            self.finished[reason] += 0
+        for reason in REJECT_REASONS:
+            self.rejected[reason] += 0
+        self.registry.register(_EngineCollector(self))
 
     def render(self, stats: EngineStats) -> str:
-        lab = self.labels
-        lines: list[str] = []
-
-        def sample(name: str, kind: str, help: str, value: float) -> None:
-            full = PREFIX + name
-            lines.extend([f"# HELP {full} {help}", f"# TYPE {full} {kind}", f"{full}{_labels(lab)} {_fmt(value)}"])
-
-        sample("num_requests_running", "gauge", "Requests in the running batch.", stats.num_running)
-        sample("num_requests_waiting", "gauge", "Requests waiting to be admitted.", stats.num_waiting)
-        sample("kv_cache_usage_perc", "gauge", "Fraction of KV-cache pages in use (1 = full).", stats.kv_cache_usage)
-        sample("kv_pages_total", "gauge", "KV-cache pages in the pool.", stats.kv_pages_total)
-        sample("kv_pages_free", "gauge", "KV-cache pages on the free list.", stats.kv_pages_free)
-        sample("kv_cache_capacity_tokens", "gauge", "Tokens the KV-cache pool holds.", stats.kv_capacity_tokens)
-        sample("kv_cache_bytes_per_token", "gauge", "KV bytes per token over all layers (fp8 scales included).",
-               stats.kv_bytes_per_token)
-        queries = stats.prompt_tokens_total if self.prefix_cache_enabled else 0
-        sample("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", queries)
-        sample("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
-               stats.cached_tokens_total)
-        sample("prompt_tokens_total", "counter", "Prompt tokens received by the engine.", stats.prompt_tokens_total)
-        sample("generation_tokens_total", "counter", "Tokens generated.", stats.generation_tokens_total)
-        name = PREFIX + "request_success_total"
-        lines += [f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter"]
-        for reason in ("stop", "length", "abort", *sorted(set(self.finished) - {"stop", "length", "abort"})):
-            lines.append(f"{name}{_labels({**lab, 'finished_reason': reason})} {self.finished[reason]}")
-        name = PREFIX + "http_errors_total"
-        lines += [f"# HELP {name} Error responses sent, by status code.", f"# TYPE {name} counter"]
-        for code in sorted(self.http_errors):
-            lines.append(f"{name}{_labels({**lab, 'status': str(code)})} {self.http_errors[code]}")
-        for hist in (self.ttft, self.itl, self.e2e):
-            lines.extend(hist.render(lab))
-        if stats.spec is not None:
-            lines.extend(_spec_lines(stats.spec, lab))
-        if stats.tiers is not None:
+        self._stats = stats
+        text = generate_latest(self.registry).decode()
+        if getattr(stats, "tiers", None) is not None:   # L2/L3 cache tiers (server/tier_metrics.py)
             from tokenmill.server.tier_metrics import render_tier_metrics
 
-            lines.extend(render_tier_metrics(stats.tiers, stats.kv_pages_cached, stats.kv_pages_total, lab))
-        return "\n".join(lines) + "\n"
+            text += "\n".join(render_tier_metrics(stats.tiers, stats.kv_pages_cached, stats.kv_pages_total,
+                                                  self.labels)) + "\n"
+        return text
 
 
-def _spec_lines(spec: Any, lab: dict[str, str]) -> list[str]:
+class _EngineCollector:
+    """Gauges and counters read from the engine snapshot handed to :meth:`ServerMetrics.render`."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Any]:
+        stats = self.m._stats
+        if stats is None:
+            return
+        model = self.m.labels["model_name"]
+
+        def family(cls: Any, name: str, help: str, value: float) -> Any:
+            fam = cls(PREFIX + name, help, labels=["model_name"])
+            fam.add_metric([model], value)
+            return fam
+
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield family(g, "num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield family(g, "num_requests_waiting", "Requests waiting to be admitted (the queue length).",
+                     stats.num_waiting)
+        if self.m.max_waiting_requests is not None:
+            yield family(g, "max_waiting_requests", "Bound of the waiting queue; more get 429.",
+                         self.m.max_waiting_requests)
+        yield family(g, "kv_cache_usage_perc", "Fraction of KV-cache pages in use (1 = full).", stats.kv_cache_usage)
+        yield family(g, "kv_pages_total", "KV-cache pages in the pool.", stats.kv_pages_total)
+        yield family(g, "kv_pages_free", "KV-cache pages on the free list.", stats.kv_pages_free)
+        yield family(g, "kv_pages_in_use", "KV-cache pages held by requests alone.", stats.kv_pages_in_use)
+        yield family(g, "kv_cache_capacity_tokens", "Tokens the KV-cache pool holds.", stats.kv_capacity_tokens)
+        yield family(g, "kv_cache_bytes_per_token", "KV bytes per token over all layers (fp8 scales included).",
+                     stats.kv_bytes_per_token)
+        queries = stats.prompt_tokens_total if self.m.prefix_cache_enabled else 0
+        yield family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
+        yield family(c, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.cached_tokens_total)
+        yield family(c, "prompt_tokens", "Prompt tokens received by the engine.", stats.prompt_tokens_total)
+        yield family(c, "generation_tokens", "Tokens generated.", stats.generation_tokens_total)
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:   # scraped outside the event loop
+            tasks = 0
+        yield family(g, "event_loop_tasks", "asyncio tasks alive on the server's event loop.", tasks)
+        yield family(g, "process_threads", "Threads alive in the server process.", threading.active_count())
+        if getattr(stats, "spec", None) is not None:
+            yield from _spec_families(stats.spec, model)
+
+
+def _spec_families(spec: Any, model: str) -> Iterator[Any]:
     """Speculative decoding: drafts proposed/accepted, acceptance length, per-position rate."""
     from tokenmill.engine.spec.base import ACCEPT_LENGTH_BUCKETS
 
-    sl = {**lab, "method": spec.method}
-    lines: list[str] = []
+    names, values = ["model_name", "method"], [model, spec.method]
     for name, help, value in (
-            ("spec_decode_num_draft_tokens_total", "Draft tokens verified.", spec.proposed),
-            ("spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", spec.accepted),
-            ("spec_decode_num_drafts_total", "Request-steps that verified drafts.", spec.verify_steps)):
-        full = PREFIX + name
-        lines += [f"# HELP {full} {help}", f"# TYPE {full} counter", f"{full}{_labels(sl)} {value}"]
-    full = PREFIX + "spec_decode_acceptance_length"
-    lines += [f"# HELP {full} Tokens emitted per verified request-step (accepted drafts + 1).",
-              f"# TYPE {full} histogram"]
-    cumulative = 0
+            ("spec_decode_num_draft_tokens", "Draft tokens verified.", spec.proposed),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.accepted),
+            ("spec_decode_num_drafts", "Request-steps that verified drafts.", spec.verify_steps)):
+        fam = CounterMetricFamily(PREFIX + name, help, labels=names)
+        fam.add_metric(values, value)
+        yield fam
+    hist = HistogramMetricFamily(PREFIX + "spec_decode_acceptance_length",
+                                 "Tokens emitted per verified request-step (accepted drafts + 1).", labels=names)
+    buckets, cumulative = [], 0
     for bound, n in zip(ACCEPT_LENGTH_BUCKETS, spec.length_counts):
         cumulative += n
-        lines.append(f"{full}_bucket{_labels({**sl, 'le': _fmt(bound)})} {cumulative}")
-    lines.append(f"{full}_bucket{_labels({**sl, 'le': '+Inf'})} {spec.verify_steps}")
-    lines.append(f"{full}_sum{_labels(sl)} {spec.emitted}")
-    lines.append(f"{full}_count{_labels(sl)} {spec.verify_steps}")
-    full = PREFIX + "spec_decode_position_acceptance_rate"
-    lines += [f"# HELP {full} Share of drafts at each position that were accepted.", f"# TYPE {full} gauge"]
+        buckets.append((str(float(bound)), cumulative))
+    buckets.append(("+Inf", spec.verify_steps))
+    hist.add_metric(values, buckets, spec.emitted)
+    yield hist
+    rate = GaugeMetricFamily(PREFIX + "spec_decode_position_acceptance_rate",
+                             "Share of drafts at each position that were accepted.", labels=names + ["position"])
     for j, (prop, acc) in enumerate(zip(spec.position_proposed, spec.position_accepted)):
-        lines.append(f"{full}{_labels({**sl, 'position': str(j)})} {_fmt(acc / prop if prop else 0.0)}")
-    return lines
+        rate.add_metric(values + [str(j)], acc / prop if prop else 0.0)
+    yield rate
 
 
 class RequestTimer:
@@ -181,13 +209,17 @@ class RequestTimer:
             return
         if self.last is None:
             self.metrics.ttft.observe(now - self.arrival)
-            if n > 1:
-                self.metrics.itl.observe(0.0, n - 1)
+            for _ in range(n - 1):
+                self.metrics.itl.observe(0.0)
         else:
-            self.metrics.itl.observe((now - self.last) / n, n)
+            gap = (now - self.last) / n
+            for _ in range(n):
+                self.metrics.itl.observe(gap)
         self.last = now
         self.num_tokens += n
 
     def on_finish(self, reason: str | None, now: float) -> None:
         self.metrics.e2e.observe(now - self.arrival)
         self.metrics.finished[reason or "abort"] += 1
+        if reason == "deadline":
+            self.metrics.deadline_expired.inc()

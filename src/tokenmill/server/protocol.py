@@ -98,6 +98,7 @@ class SamplingFields(_Model):
     ignore_eos: StrictBool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     speculative: StrictBool = True
+    deadline_s: float | None = None   # finish within this many seconds of arrival (finish_reason "deadline")
     prompt_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     regex: StrictStr | None = None
@@ -141,6 +142,10 @@ def check_common(req: SamplingFields, *, max_n: int) -> None:
             raise bad_request(f"{field} must be in [-2, 2], got {value}", field)
     if req.top_k < 0:
         raise bad_request(f"top_k must be >= 0 (0 disables it), got {req.top_k}", "top_k")
+    if req.top_k > 2**31 - 1:   # found by the fuzzer: a value past int64 failed the engine step
+        raise bad_request(f"top_k must be at most {2**31 - 1}, got {req.top_k}", "top_k")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**63:
+        raise bad_request(f"seed must fit in 64 bits, got {req.seed}", "seed")
     if not 0.0 <= req.min_p <= 1.0:
         raise bad_request(f"min_p must be in [0, 1], got {req.min_p}", "min_p")
     if not req.repetition_penalty > 0.0:
@@ -151,6 +156,8 @@ def check_common(req: SamplingFields, *, max_n: int) -> None:
             raise bad_request("stop strings must be non-empty", "stop")
         if len(stops) > 16:
             raise bad_request(f"at most 16 stop strings are accepted, got {len(stops)}", "stop")
+    if req.deadline_s is not None and not (math.isfinite(req.deadline_s) and req.deadline_s > 0):
+        raise bad_request(f"deadline_s must be a number of seconds > 0, got {req.deadline_s}", "deadline_s")
     if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
         raise bad_request(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.prompt_logprobs}",
                           "prompt_logprobs")

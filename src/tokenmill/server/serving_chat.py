@@ -79,6 +79,7 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     except (TemplateError, TypeError, ValueError) as e:
         raise bad_request(f"the chat template could not render these messages: {e}", "messages",
                           code="chat_template_error") from None
+    state.check_text_fits(text, "messages")
     return list(tok.encode(text, add_special_tokens=False))
 
 
@@ -108,9 +109,13 @@ async def create_chat_completion(state: ServerState, request: Request, body: dic
     parse_tools = tool_parser is not None and bool(req.tools) and req.tool_choice != "none"
 
     request_id = new_id("chatcmpl")
-    gen = Generation(state, request_id, [prompt] * req.n, params, session_id, arrival)
+    gen = Generation(state, request_id, [prompt] * req.n, params, session_id, arrival, req.deadline_s)
     await gen.start()
     if req.stream:
+        try:
+            await gen.wait_first(request)
+        except ClientGone:
+            return JSONResponse({}, status_code=499)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(state, req, gen, prompt, include_usage, tool_parser if parse_tools else None),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

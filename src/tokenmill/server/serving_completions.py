@@ -29,8 +29,11 @@ from tokenmill.server.protocol import CompletionRequest, check_common, check_com
 def tokenize_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
     p = req.prompt
     if isinstance(p, str):
+        state.check_text_fits(p, "prompt")
         return [list(state.tokenizer.encode(p))]
     if all(isinstance(x, str) for x in p):
+        for i, x in enumerate(p):
+            state.check_text_fits(x, f"prompt.{i}")  # type: ignore[arg-type]
         return [list(state.tokenizer.encode(x)) for x in p]  # type: ignore[arg-type]
     if all(isinstance(x, int) for x in p):
         ids = [list(p)]  # type: ignore[arg-type]
@@ -75,10 +78,14 @@ async def create_completion(state: ServerState, request: Request, body: dict[str
                                           structured=spec, prompt_logprobs=prompt_lp))
 
     request_id = new_id("cmpl")
-    gen = Generation(state, request_id, flat_prompts, params, session_id, arrival)
+    gen = Generation(state, request_id, flat_prompts, params, session_id, arrival, req.deadline_s)
     await gen.start()
     echo_texts = [state.tokenizer.decode(p) if req.echo else "" for p in prompts]
     if req.stream:
+        try:
+            await gen.wait_first(request)
+        except ClientGone:
+            return JSONResponse({}, status_code=499)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(state, req, gen, prompts, echo_texts, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
