@@ -150,7 +150,10 @@ class ParallelRunner:
             self._fail(self._dead_ranks_message() or "a rank's pipe broke while sending the step")
         msg = self._recv(0, None, what="step")
         if msg[0] != "ok":
-            self._fail(f"rank 0: {msg[1]}")
+            # a rank's error is often another rank's death seen in a collective: name the dead too
+            time.sleep(0.2)
+            dead = self._dead_ranks_message()
+            self._fail(f"rank 0: {msg[1]}" + (f" ({dead})" if dead and "rank 0 exited" not in dead else ""))
         results, prompt_lps = msg[1], msg[2]
         if len(results) != len(samplers):
             self._fail(f"rank 0 returned {len(results)} tokens for {len(samplers)} sampling requests")
