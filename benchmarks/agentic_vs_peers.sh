@@ -31,6 +31,9 @@ THREADS="${THREADS:-2}"
 # 0.2 tokens/s here, so it gets 1 thread unless told otherwise.
 LLAMA_THREADS="${LLAMA_THREADS:-1}"
 SYSTEMS="${SYSTEMS:-tokenmill vllm llamacpp llamaserver}"
+# tokenmill serves the bundled GGUF in its own Q4_1 blocks by default; against vLLM's fp32 the
+# fair setting is fp32 weights (TOKENMILL_ARGS="" serves the native Q4_1, as llama.cpp does).
+TOKENMILL_ARGS="${TOKENMILL_ARGS---quantization none}"
 LLAMA_SLOTS="${LLAMA_SLOTS:-4}"
 BENCH_ARGS="${BENCH_ARGS:---turns 4 --first-turn-tokens 256 --new-tokens 64 --output-tokens 16 --shared-prompt-tokens 64}"
 MODEL_NAME="smollm2-135m-instruct"
@@ -166,7 +169,7 @@ for sys in $SYSTEMS; do
   case "$sys" in
     tokenmill)
       log "tokenmill: starting tokenmill serve --model $MODEL_NAME"
-      OMP_NUM_THREADS="$THREADS" "$PY" -m tokenmill.cli serve --model "$MODEL_NAME" --served-model-name smollm2 \
+      OMP_NUM_THREADS="$THREADS" "$PY" -m tokenmill.cli serve --model "$MODEL_NAME" --served-model-name smollm2 $TOKENMILL_ARGS \
         --host 127.0.0.1 --port "$port" > "$OUT/tokenmill.log" 2>&1 &
       SERVER_PID=$!
       if wait_ready "$url" 300; then run_bench tokenmill "$url"; else log "tokenmill: failed to start, see $OUT/tokenmill.log"; fi
