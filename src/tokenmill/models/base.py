@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
+from tokenmill.contracts.errors import ModelLoadError
 from tokenmill.contracts.kv import KVCacheSpec
 
 if TYPE_CHECKING:
@@ -73,6 +74,23 @@ class CausalLM(nn.Module, abc.ABC):
     @abc.abstractmethod
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Take every parameter from ``weights`` (HF names); raise ModelLoadError on a gap or bad shape."""
+
+    def check_weights(self, weights: Mapping[str, Any], layout: Mapping[str, tuple[int, ...]]) -> None:
+        """Refuse a checkpoint that lacks a tensor of ``layout`` (HF name -> shape), has one this
+        model does not use, or has one of the wrong shape; the ModelLoadError names it."""
+        missing = [n for n in layout if n not in weights]
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise ModelLoadError(f"checkpoint is missing tensor(s) {', '.join(missing[:5])}{more}")
+        ignorable = ("rotary_emb.inv_freq", "lm_head.weight")
+        unexpected = [n for n in weights if n not in layout and not n.endswith(ignorable)]
+        if unexpected:
+            raise ModelLoadError(f"checkpoint has tensor(s) this {type(self).__name__} does not use: "
+                                 f"{', '.join(sorted(unexpected)[:5])}")
+        for name, shape in layout.items():
+            if tuple(weights[name].shape) != shape:
+                raise ModelLoadError(f"tensor {name} has shape {tuple(weights[name].shape)}, "
+                                     f"expected {shape} from the model config")
 
     @abc.abstractmethod
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

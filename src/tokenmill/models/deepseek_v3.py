@@ -355,19 +355,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         if not self.args.n_shared_experts:  # HF saves zero-size shared experts when there are none
             weights = {k: v for k, v in weights.items() if not (".shared_experts." in k and v.numel() == 0)}
         layout = self._hf_layout()
-        missing = [n for n in layout if n not in weights]
-        if missing:
-            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-            raise ModelLoadError(f"checkpoint is missing tensor(s) {', '.join(missing[:5])}{more}")
-        ignorable = ("rotary_emb.inv_freq", "lm_head.weight")
-        unexpected = [n for n in weights if n not in layout and not n.endswith(ignorable)]
-        if unexpected:
-            raise ModelLoadError(f"checkpoint has tensor(s) this {type(self).__name__} does not use: "
-                                 f"{', '.join(sorted(unexpected)[:5])}")
-        for name, shape in layout.items():
-            if tuple(weights[name].shape) != shape:
-                raise ModelLoadError(f"tensor {name} has shape {tuple(weights[name].shape)}, "
-                                     f"expected {shape} from the model config")
+        self.check_weights(weights, layout)
 
         def get(name: str) -> torch.Tensor:
             return weights[name].to(self.dtype).contiguous()

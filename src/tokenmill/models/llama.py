@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.contracts.errors import ModelLoadError
 from tokenmill.layers.attention import ForwardContext
 from tokenmill.layers.linear import DenseLinear, as_linear
 from tokenmill.layers.quant.methods import cat_linears
@@ -133,19 +132,7 @@ class LlamaForCausalLM(CausalLM):
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         layout = self._hf_layout()
-        missing = [n for n in layout if n not in weights]
-        if missing:
-            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-            raise ModelLoadError(f"checkpoint is missing tensor(s) {', '.join(missing[:5])}{more}")
-        ignorable = ("rotary_emb.inv_freq", "lm_head.weight")
-        unexpected = [n for n in weights if n not in layout and not n.endswith(ignorable)]
-        if unexpected:
-            raise ModelLoadError(f"checkpoint has tensor(s) this {type(self).__name__} does not use: "
-                                 f"{', '.join(sorted(unexpected)[:5])}")
-        for name, shape in layout.items():
-            if tuple(weights[name].shape) != shape:
-                raise ModelLoadError(f"tensor {name} has shape {tuple(weights[name].shape)}, "
-                                     f"expected {shape} from the model config")
+        self.check_weights(weights, layout)
 
         def get(name: str) -> torch.Tensor:
             return weights[name].to(self.dtype)
