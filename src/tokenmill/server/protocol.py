@@ -23,7 +23,10 @@ from tokenmill.contracts.sampling import MAX_LOGPROBS
 from tokenmill.server.errors import APIError, bad_request
 
 
-class _Model(BaseModel):
+class ProtocolModel(BaseModel):
+    """Base of every API body model (OpenAI, Anthropic, Responses): unknown fields are ignored and
+    an explicit null takes the default."""
+
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
@@ -33,6 +36,9 @@ class _Model(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+
+_Model = ProtocolModel
 
 
 class StreamOptions(_Model):

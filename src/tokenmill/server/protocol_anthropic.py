@@ -11,21 +11,13 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+from pydantic import Field, StrictBool, StrictStr
 
 from tokenmill.server.errors import APIError, bad_request
-from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.protocol import ChatCompletionRequest, ProtocolModel
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
+_Model = ProtocolModel
 
 
 class ContentBlock(_Model):

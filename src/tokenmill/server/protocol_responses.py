@@ -20,20 +20,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+from pydantic import Field, StrictBool, StrictStr
 
 from tokenmill.server.errors import bad_request
+from tokenmill.server.protocol import ProtocolModel
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
+_Model = ProtocolModel
 
 
 class FunctionTool(_Model):
