@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.errors import ModelLoadError
-from tokenmill.contracts.kv import KV_DTYPE_BYTES, KVCacheSpec, LatentKV, PagedKV
+from tokenmill.contracts.kv import KV_DTYPE_BYTES, KVCacheSpec, LatentKV, LinearState, PagedKV
 from tokenmill.contracts.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
-__all__ = ["ForwardBatch", "KVCacheSpec", "KV_DTYPE_BYTES", "LatentKV", "MAX_LOGPROBS",
+__all__ = ["ForwardBatch", "KVCacheSpec", "KV_DTYPE_BYTES", "LatentKV", "LinearState", "MAX_LOGPROBS",
            "ModelLoadError", "PagedKV", "SamplingParams", "StructuredOutputs"]

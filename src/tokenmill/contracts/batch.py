@@ -35,6 +35,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor   # [N] int64 rows of T that produce logits
     page_size: int
     max_seq_len: int = 0           # max(seq_lens) when known (0: not given), saves a device read
+    # Hybrid models only: the state-pool slot of each sequence, [B] int64 (None otherwise). A
+    # sequence whose chunk starts at position 0 starts from a zero state; any other reads the
+    # slot (left there by its previous step, or restored from a prefix-cache snapshot).
+    state_slots: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         t = self.input_ids.shape[0]

@@ -10,9 +10,14 @@ Layer kinds:
 * :class:`LatentKV`: multi-head latent attention (MLA), one compressed latent of
   ``kv_lora_rank`` plus a shared rope key of ``rope_dim`` elements per token.
 
-A new kind (say a recurrent-state slot of a linear-attention layer) is one more dataclass with
-``elements_per_token`` / ``scales_per_token`` / ``bytes_per_request`` and an attention backend
-that allocates and reads it.
+* :class:`LinearState`: a linear-attention (recurrent) layer of a hybrid model. It stores
+  nothing per token; each running request owns one fixed-size slot of a *state pool*: a
+  recurrent state ``[num_heads, k_head_dim, v_head_dim]`` and a causal-convolution state
+  ``[conv_dim, conv_kernel - 1]``, both fp32 whatever the KV dtype (the recurrence is sensitive
+  to rounding). ``bytes_per_request`` is that slot's size.
+
+A new kind is one more dataclass with ``elements_per_token`` / ``scales_per_token`` /
+``bytes_per_request`` and a backend that allocates and reads it.
 
 Storage dtypes: ``float32``, ``bfloat16``, ``float16``, ``float8_e4m3fn``. Entries stored as fp8
 carry fp32 scales (``scales_per_token`` of them per layer: one per token and head for K and for
@@ -87,7 +92,50 @@ class LatentKV:
         return 0
 
 
-LayerKV = Union[PagedKV, LatentKV]
+@dataclass(frozen=True)
+class LinearState:
+    """A linear-attention layer: one state-pool slot per request, nothing per token.
+
+    ``num_heads`` counts the heads that own a recurrent state (the value heads where keys are
+    shared across several); ``conv_dim`` is the number of channels of the short causal
+    convolution (q, k and v together) and ``conv_kernel`` its width.
+    """
+
+    num_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_dim: int
+    conv_kernel: int
+
+    STATE_BYTES = 4   # fp32
+
+    def __post_init__(self) -> None:
+        if min(self.num_heads, self.k_head_dim, self.v_head_dim, self.conv_dim) <= 0 or self.conv_kernel < 1:
+            raise ValueError(f"LinearState sizes must be positive: {self}")
+
+    def elements_per_token(self) -> int:
+        return 0
+
+    def scales_per_token(self) -> int:
+        return 0
+
+    def state_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.k_head_dim, self.v_head_dim)
+
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    def state_elements(self) -> int:
+        return self.num_heads * self.k_head_dim * self.v_head_dim
+
+    def conv_elements(self) -> int:
+        return self.conv_dim * (self.conv_kernel - 1)
+
+    def bytes_per_request(self) -> int:
+        return (self.state_elements() + self.conv_elements()) * self.STATE_BYTES
+
+
+LayerKV = Union[PagedKV, LatentKV, LinearState]
 
 
 @dataclass(frozen=True)
@@ -136,6 +184,19 @@ class KVCacheSpec:
     def bytes_per_request(self) -> int:
         """Fixed per-request state (recurrent layers); 0 for pure attention models."""
         return sum(layer.bytes_per_request() for layer in self.layers)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers are linear-attention layers with a per-request state slot."""
+        return any(isinstance(layer, LinearState) for layer in self.layers)
+
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        """Indices of the layers that keep paged KV (everything but LinearState)."""
+        return tuple(i for i, layer in enumerate(self.layers) if not isinstance(layer, LinearState))
+
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        """Indices of the LinearState layers (their state lives in the state pool)."""
+        return tuple(i for i, layer in enumerate(self.layers) if isinstance(layer, LinearState))
 
     def capacity_tokens(self, memory_bytes: float, page_size: int = 1) -> int:
         """Tokens a pool of ``memory_bytes`` holds in whole pages of ``page_size`` tokens (the

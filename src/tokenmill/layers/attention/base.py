@@ -72,11 +72,14 @@ class ForwardContext:
     capture_layers: frozenset[int] = frozenset()
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
     logits: torch.Tensor | None = None   # set by the runner after the forward
+    # Hybrid models: the state pool (tokenmill.layers.state_pool.StatePool); each sequence's
+    # slot is ``batch.state_slots[i]``. None for pure attention models.
+    states: Any = None
 
     @classmethod
     def prepare(cls, attn: AttentionBackend, batch: ForwardBatch, kv_caches: Sequence[Any],
-                capture_layers: frozenset[int] = frozenset()) -> ForwardContext:
-        return cls(batch, attn, attn.build_metadata(batch), kv_caches, capture_layers)
+                capture_layers: frozenset[int] = frozenset(), states: Any = None) -> ForwardContext:
+        return cls(batch, attn, attn.build_metadata(batch), kv_caches, capture_layers, states=states)
 
     def capture(self, layer: int, hidden: torch.Tensor) -> None:
         if layer in self.capture_layers:
