@@ -480,10 +480,17 @@ class PageLeaf:
 
 def page_leaves(kv_caches: list[Any], num_pages: int) -> list[PageLeaf]:
     """The pool's tensors and their page dimension: dense K/V ``[2, N, P, H, D]`` (dim 1), MLA
-    latents ``[N, P, E]`` (dim 0); fp8 pages are (bytes, scales) pairs with the same rule."""
+    latents ``[N, P, E]`` (dim 0); fp8 pages are their bytes plus, with per-token scales, the
+    scales, with the same rule (static fp8 scales have no page dimension: they are part of the
+    pool's identity, see :func:`static_scales_digest`)."""
+    from tokenmill.layers.attention.fp8 import FP8Pages
+
     leaves: list[PageLeaf] = []
     for entry in kv_caches:
-        tensors = [entry] if isinstance(entry, torch.Tensor) else list(entry)
+        if isinstance(entry, FP8Pages):
+            tensors = entry.page_tensors()
+        else:
+            tensors = [entry] if isinstance(entry, torch.Tensor) else list(entry)
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"the tiered KV cache cannot copy pages of a {type(t).__name__}")
@@ -497,6 +504,22 @@ def page_leaves(kv_caches: list[Any], num_pages: int) -> list[PageLeaf]:
     if not leaves:
         raise ValueError("the KV pool has no tensors")
     return leaves
+
+
+def static_scales_digest(kv_caches: list[Any]) -> str:
+    """A digest of the pool's static fp8 scales ("" when there are none): pages quantized under
+    other scales must not be shared, so the digest is part of the tier namespace."""
+    import hashlib
+
+    from tokenmill.layers.attention.fp8 import static_scale_tensors
+
+    scales = static_scale_tensors(kv_caches)
+    if not scales:
+        return ""
+    h = hashlib.sha256()
+    for s in scales:
+        h.update(s.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _as_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -526,6 +549,9 @@ def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any
     leaves = page_leaves(kv_caches, num_pages)
     layout = "|".join(f"{tuple(l.page_shape)}:{l.page_dim}:{l.tensor.dtype}" for l in leaves) + \
         f"|{kv_spec.layers!r}"
+    digest = static_scales_digest(kv_caches)
+    if digest:
+        layout += f"|fp8-static-scales:{digest}"
     identity = f"{model_name}|{model_fingerprint(runner.model)}"
     namespace = make_namespace(identity, layout, str(kv_spec.dtype), config.page_size)
     keyer = PageKeyer(namespace, config.page_size)
