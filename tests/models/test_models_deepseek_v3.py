@@ -54,7 +54,8 @@ def test_sharded_checkpoint_and_latent_kv_spec(pairs):
     spec = loaded.model.kv_cache_spec()
     assert spec.layers == (LatentKV(32, 8),) * 2
     assert spec.bytes_per_token() == 2 * (32 + 8) * 4
-    assert spec.with_dtype("float8_e4m3fn").bytes_per_token() == 2 * (40 + 4)
+    assert spec.with_dtype("float8_e4m3fn").bytes_per_token() == 2 * 40                 # static scales
+    assert spec.with_dtype("float8_e4m3fn").with_fp8_scales("token").bytes_per_token() == 2 * (40 + 4)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -120,8 +121,8 @@ def test_router_matches_hf_including_ties(pairs):
     assert torch.equal(ours_ids, hf_ids) and torch.equal(ours_w, hf_w)
 
 
-@pytest.mark.parametrize("grouped_mm", [True, False])
-def test_grouped_experts_match_a_dense_reference(grouped_mm):
+@pytest.mark.parametrize("mode", GroupedExperts.MODES)
+def test_grouped_experts_match_a_dense_reference(mode):
     torch.manual_seed(0)
     e, h, f, t, k = 8, 32, 16, 40, 3
     gate_up, down = torch.randn(e, 2 * f, h) * 0.2, torch.randn(e, h, f) * 0.2
@@ -129,14 +130,31 @@ def test_grouped_experts_match_a_dense_reference(grouped_mm):
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     ids[:, 0] = 5                        # a crowded expert; others get few or none
     weights = torch.rand(t, k)
-    experts = GroupedExperts(gate_up, down, use_grouped_mm=grouped_mm)
+    experts = GroupedExperts(gate_up, down, mode=mode)
+    assert experts.mode == mode
     got = experts(x, weights, ids)
+    shared = torch.randn(t, h)
+    assert torch.allclose(experts(x, weights, ids, out=shared.clone()), got + shared, atol=1e-5)
     want = torch.zeros(t, h)
     for i in range(t):
         for j in range(k):
             g, u = (gate_up[ids[i, j]] @ x[i]).split(f)
             want[i] += weights[i, j] * (down[ids[i, j]] @ (torch.nn.functional.silu(g) * u))
     assert (got - want).abs().max().item() < 1e-4
+    # the dense (shared-expert) path: every token through expert 0
+    g, u = (x @ gate_up[0].T).split(f, dim=-1)
+    assert (experts.dense(x) - (torch.nn.functional.silu(g) * u) @ down[0].T).abs().max().item() < 1e-4
+    # a token's result does not depend on the other tokens in the batch
+    assert (experts(x[3:4], weights[3:4], ids[3:4]) - got[3:4]).abs().max().item() < 1e-5
+
+
+def test_grouped_experts_pick_prepacked_onednn_on_cpu():
+    gate_up, down = torch.randn(4, 16, 8), torch.randn(4, 8, 8)
+    if torch.backends.mkldnn.is_available():
+        assert GroupedExperts(gate_up, down).mode == "packed"
+    assert GroupedExperts(gate_up, down, use_grouped_mm=False).mode == "loop"
+    with pytest.raises(ValueError, match="mode must be one of"):
+        GroupedExperts(gate_up, down, mode="fast")
 
 
 @pytest.mark.parametrize("scales", ["static", "token"])
