@@ -146,6 +146,9 @@ def test_grouped_experts_match_a_dense_reference(mode):
     assert (experts.dense(x) - (torch.nn.functional.silu(g) * u) @ down[0].T).abs().max().item() < 1e-4
     # a token's result does not depend on the other tokens in the batch
     assert (experts(x[3:4], weights[3:4], ids[3:4]) - got[3:4]).abs().max().item() < 1e-5
+    # expert parallelism: two shards of 4 experts each sum to the whole
+    halves = [GroupedExperts(gate_up[i:i + 4], down[i:i + 4], mode=mode).local_sum(x, weights, ids, i) for i in (0, 4)]
+    assert (halves[0] + halves[1] - got).abs().max().item() < 1e-5
 
 
 def test_grouped_experts_pick_prepacked_onednn_on_cpu():

@@ -164,6 +164,32 @@ class GroupedExperts:
             y = F.linear(self._act(F.linear(x, self.gate_up[0]), None), self.down[0])
         return y if out is None else out.add_(y)
 
+    def _run(self, rows: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert ``e``'s MLP over its run of ``counts[e]`` consecutive rows of ``rows``, each row's
+        result times ``scale`` (its routing weight, [rows, 1]) when given."""
+        if self.mode == "grouped":
+            assert _GROUPED_MM is not None and self._gate_up_t is not None and self._down_t is not None
+            offs = counts.cumsum(0).to(torch.int32)
+            act = self._act(_GROUPED_MM(rows, self._gate_up_t, offs=offs), scale)   # weight on the narrow side
+            return _GROUPED_MM(act, self._down_t, offs=offs)
+        out_sorted = torch.empty_like(rows)
+        start = 0
+        if self.mode == "packed":
+            _, linear = _onednn_ops()  # type: ignore[misc]
+            packed = self._packed_weights()
+        for e, n in enumerate(counts.tolist()):   # one matmul pair per expert with rows
+            if n:
+                sl = slice(start, start + n)
+                sc = None if scale is None else scale[sl]
+                if self.mode == "packed":
+                    gu, dn = packed[e]
+                    out_sorted[sl] = linear(self._act(linear(rows[sl], gu, None, "none", [], ""), sc), dn, None,
+                                            "none", [], "")
+                else:
+                    out_sorted[sl] = F.linear(self._act(F.linear(rows[sl], self.gate_up[e]), sc), self.down[e])
+                start += n
+        return out_sorted
+
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` for every token ``t`` of ``x`` [T, H].
@@ -174,34 +200,29 @@ class GroupedExperts:
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)          # (token, slot) pairs grouped by expert
         token = order // k                                 # the token of each sorted row
-        rows = x.index_select(0, token)                    # [T*k, H] tokens in expert order
         scale = weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
         counts = torch.bincount(flat, minlength=self.num_experts)
+        out_sorted = self._run(x.index_select(0, token), counts, scale)
         if out is None:
             out = torch.zeros_like(x)
-        if self.mode == "grouped":
-            assert _GROUPED_MM is not None and self._gate_up_t is not None and self._down_t is not None
-            offs = counts.cumsum(0).to(torch.int32)
-            act = self._act(_GROUPED_MM(rows, self._gate_up_t, offs=offs), scale)   # weight on the narrow side
-            # one pass back to token order, summing each token's k rows (in expert order: the
-            # same order whatever else is in the batch)
-            return out.index_add_(0, token, _GROUPED_MM(act, self._down_t, offs=offs))
-        start = 0
-        if self.mode == "packed":
-            _, linear = _onednn_ops()  # type: ignore[misc]
-            packed = self._packed_weights()
-            for e, n in enumerate(counts.tolist()):   # one prepacked matmul pair per expert with rows
-                if n:
-                    sl = slice(start, start + n)
-                    gu, dn = packed[e]
-                    act = self._act(linear(rows[sl], gu, None, "none", [], ""), scale[sl])
-                    out.index_add_(0, token[sl], linear(act, dn, None, "none", [], ""))
-                    start += n
+        # one pass back to token order, summing each token's k rows (in expert order: the same
+        # order whatever else is in the batch)
+        return out.index_add_(0, token, out_sorted)
+
+    def local_sum(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor:
+        """The part of :meth:`__call__`'s sum that falls on experts ``first .. first + E - 1`` (the
+        experts held here, numbered from ``first`` in ``ids``; expert parallelism); zero rows for
+        tokens routed elsewhere. Only the (token, slot) pairs routed here are computed."""
+        t, k = ids.shape
+        local = ids.reshape(-1) - first
+        pairs = ((local >= 0) & (local < self.num_experts)).nonzero().squeeze(1)   # local (token, slot) pairs
+        out = x.new_zeros(t, x.shape[1])
+        if pairs.numel() == 0:
             return out
-        for e, n in enumerate(counts.tolist()):       # one F.linear pair per expert with rows
-            if n:
-                sl = slice(start, start + n)
-                act = self._act(F.linear(rows[sl], self.gate_up[e]), scale[sl])
-                out.index_add_(0, token[sl], F.linear(act, self.down[e]))
-                start += n
-        return out
+        local = local[pairs]
+        order = torch.argsort(local, stable=True)
+        pairs = pairs[order]                                # grouped by local expert
+        tokens = pairs // k
+        counts = torch.bincount(local, minlength=self.num_experts)
+        scale = weights.reshape(-1)[pairs].to(x.dtype).unsqueeze(1)
+        return out.index_add_(0, tokens, self._run(x.index_select(0, tokens), counts, scale))
