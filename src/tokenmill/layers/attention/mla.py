@@ -38,7 +38,9 @@ LatentPages = torch.Tensor | FP8Pages
 
 
 def check_latent_spec(spec: KVCacheSpec) -> LatentKV:
-    kinds = set(spec.layers)
+    """The one LatentKV entry of ``spec``'s attention layers (a hybrid model's LinearState layers
+    keep no pages and are skipped)."""
+    kinds = {spec.layers[i] for i in spec.attention_layer_ids()}
     if len(kinds) != 1 or not isinstance(next(iter(kinds)), LatentKV):
         raise ValueError(f"the MLA backend needs the same LatentKV entry in every layer, got {sorted(map(repr, kinds))}")
     return next(iter(kinds))
@@ -55,13 +57,22 @@ class MLAAttention(AttentionBackend):
         self.layer = check_latent_spec(spec)
         self.absorb_decode = absorb_decode
 
-    def allocate(self, num_pages: int, page_size: int) -> list[LatentPages]:
+    def allocate(self, num_pages: int, page_size: int) -> list[LatentPages | None]:
+        """One page pool per attention layer; None for LinearState layers (their state lives in
+        the state pool)."""
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         shape = (num_pages, page_size, self.layer.elements_per_token())
-        if self.spec.is_fp8:
-            return [allocate_fp8(shape, self.device) for _ in self.spec.layers]
-        return [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.spec.layers]
+        attention = set(self.spec.attention_layer_ids())
+
+        def one(i: int) -> LatentPages | None:
+            if i not in attention:
+                return None
+            if self.spec.is_fp8:
+                return allocate_fp8(shape, self.device)
+            return torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+
+        return [one(i) for i in range(self.spec.num_layers)]
 
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
         return TorchPagedAttention.build_metadata(self, batch)  # type: ignore[arg-type]
