@@ -203,3 +203,43 @@ def test_unsupported_config_values_are_refused_naming_the_field(tmp_path, field,
     shown = {"num_expert_group": "n_group"}.get(field, field)
     with pytest.raises(ModelLoadError, match=shown):
         load_model(str(path))
+
+
+def test_router_matches_hf_bailing_router_including_ties(pairs):
+    """HF's BailingHybridTopkRouter and tokenmill's route_sigmoid_grouped pick the same experts with
+    the same weights, bit for bit, with equal scores inside and across groups."""
+    from tokenmill.layers.moe import route_sigmoid_grouped
+
+    _, ref = pairs["all_moe_no_shared"]
+    gate = ref.model.layers[1].mlp.gate
+    x = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
+    x[:12] = x[0]
+    with torch.no_grad():
+        w = gate.weight.clone()
+        w[4:8] = w[0:4]                  # groups 0 and 1 score the same
+        w[9] = w[8]                      # two equal experts inside group 2
+        gate.weight.copy_(w)
+        _, hf_w, hf_ids = gate(x)
+    c = ref.config
+    ours_w, ours_ids = route_sigmoid_grouped(
+        x, w, gate.e_score_correction_bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
+        topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
+    assert torch.equal(ours_ids, hf_ids) and torch.equal(ours_w, hf_w)
+
+
+def test_bf16_model_keeps_state_and_gate_params_in_fp32(pairs):
+    """In bf16 the conv weights, A_log, dt_bias and the state pool stay fp32 (as in HF), and the
+    logits are as close to the fp32 oracle as HF's own bf16 model is (mean error within 2x)."""
+    loaded, ref = pairs["base"]
+    bf16 = load_model(str(loaded.source), dtype=torch.bfloat16)
+    kda = bf16.model.layers[0].self_attn
+    assert kda.conv_weight.dtype == kda.A_log.dtype == kda.dt_bias.dtype == torch.float32
+    assert kda.qkv_proj.dtype == torch.bfloat16
+    toks = _tokens(24, 41)
+    drv = HybridDriver(bf16.model)
+    assert drv.states.rec[0].dtype == torch.float32
+    got = drv.step([("a", toks)], all_rows=True)
+    want = hf_logits(ref, toks)
+    hf_bf16 = hf_logits(build_hf_reference(bf16), toks)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert (got - want).abs().mean() <= 2 * (hf_bf16 - want).abs().mean()
