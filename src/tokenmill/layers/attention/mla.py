@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec, LatentKV
-from tokenmill.layers.attention.base import AttentionBackend
+from tokenmill.layers.attention.base import AttentionBackend, attention_kinds, per_layer
 from tokenmill.layers.attention.fp8 import FP8Pages, allocate_fp8, dequantize, write_fp8
 from tokenmill.layers.attention.torch_ref import AttentionMetadata, PrefillSegment, TorchPagedAttention
 
@@ -38,11 +38,12 @@ LatentPages = torch.Tensor | FP8Pages
 
 
 def check_latent_spec(spec: KVCacheSpec) -> LatentKV:
-    """The one LatentKV entry of ``spec``'s attention layers (a hybrid model's LinearState layers
-    keep no pages and are skipped)."""
-    kinds = {spec.layers[i] for i in spec.attention_layer_ids()}
+    """The one LatentKV shape of every attention layer (a hybrid model's LinearState layers are
+    ignored: their state lives in the state pool)."""
+    kinds = attention_kinds(spec)
     if len(kinds) != 1 or not isinstance(next(iter(kinds)), LatentKV):
-        raise ValueError(f"the MLA backend needs the same LatentKV entry in every layer, got {sorted(map(repr, kinds))}")
+        raise ValueError(f"the MLA backend needs the same LatentKV entry in every attention layer, got "
+                         f"{sorted(map(repr, kinds))}")
     return next(iter(kinds))
 
 
@@ -57,22 +58,13 @@ class MLAAttention(AttentionBackend):
         self.layer = check_latent_spec(spec)
         self.absorb_decode = absorb_decode
 
-    def allocate(self, num_pages: int, page_size: int) -> list[LatentPages | None]:
-        """One page pool per attention layer; None for LinearState layers (their state lives in
-        the state pool)."""
+    def allocate(self, num_pages: int, page_size: int) -> list[LatentPages]:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         shape = (num_pages, page_size, self.layer.elements_per_token())
-        attention = set(self.spec.attention_layer_ids())
-
-        def one(i: int) -> LatentPages | None:
-            if i not in attention:
-                return None
-            if self.spec.is_fp8:
-                return allocate_fp8(shape, self.device)
-            return torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
-
-        return [one(i) for i in range(self.spec.num_layers)]
+        if self.spec.is_fp8:
+            return per_layer(self.spec, lambda: allocate_fp8(shape, self.device))
+        return per_layer(self.spec, lambda: torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
 
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
         return TorchPagedAttention.build_metadata(self, batch)  # type: ignore[arg-type]
