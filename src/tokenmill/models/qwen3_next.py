@@ -404,6 +404,8 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def load_weights(self, weights: Mapping[str, Any]) -> None:
         weights = self._fuse_experts(weights)
+        if not self.args.shared_expert_intermediate_size:   # HF saves zero-width shared experts
+            weights = {k: v for k, v in weights.items() if not (".shared_expert." in k and v.numel() == 0)}
         self.check_weights(weights, self._hf_layout())
 
         def get(name: str) -> torch.Tensor:
