@@ -1,20 +1,15 @@
 """Tiny Ling (BailingHybridForCausalLM: MLA + KDA linear attention + MoE) against HF transformers,
-driven over the paged latent cache and a state pool the way the engine drives it."""
+driven over the paged latent cache and a state pool the way the engine drives it (PagedDriver)."""
 from __future__ import annotations
 
 import json
 import random
-from typing import Sequence
-
 import pytest
 import torch
 from paged_driver import PagedDriver, hf_logits
 
-from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.errors import ModelLoadError
 from tokenmill.contracts.kv import LatentKV, LinearState
-from tokenmill.layers.attention import ForwardContext
-from tokenmill.layers.state_pool import StatePool
 from tokenmill.loader import build_hf_reference, load_model
 from tokenmill.loader.tiny import build_tiny_checkpoint
 
@@ -42,43 +37,6 @@ def _tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(49152) for _ in range(n)]
 
 
-class HybridDriver(PagedDriver):
-    """PagedDriver plus a state pool: every named sequence owns one slot."""
-
-    def __init__(self, model, num_pages: int = 96, page_size: int = 4, seed: int = 0, num_slots: int = 8) -> None:
-        super().__init__(model, num_pages, page_size, seed)
-        self.states = StatePool(model.kv_cache_spec(), num_slots)
-        self.slot_of: dict[str, int] = {}
-
-    def step(self, chunks: Sequence[tuple[str, Sequence[int]]], all_rows: bool = False) -> torch.Tensor:
-        ps = self.page_size
-        ids, pos, slots, qsl, seq_lens, tables, state_slots = [], [], [], [0], [], [], []
-        for seq, toks in chunks:
-            start = self.lens.get(seq, 0)
-            end = start + len(toks)
-            table = self.pages.setdefault(seq, [])
-            while len(table) * ps < end:
-                table.append(self.free.pop())
-            self.lens[seq] = end
-            state_slots.append(self.slot_of.setdefault(seq, len(self.slot_of)))
-            ids.extend(toks)
-            for p in range(start, end):
-                pos.append(p)
-                slots.append(table[p // ps] * ps + p % ps)
-            qsl.append(qsl[-1] + len(toks))
-            seq_lens.append(end)
-            tables.append(list(table))
-        width = max(len(t) for t in tables)
-        rows = list(range(qsl[-1])) if all_rows else [q - 1 for q in qsl[1:]]
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids), positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
-            query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor(seq_lens),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-            logits_indices=torch.tensor(rows), page_size=ps, max_seq_len=max(seq_lens),
-            state_slots=torch.tensor(state_slots))
-        return self.model(ForwardContext.prepare(self.attn, batch, self.kv, states=self.states))
-
-
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     out = {}
@@ -97,7 +55,7 @@ def test_kv_spec_mixes_latent_and_linear_state(pairs):
     assert spec.attention_layer_ids() == (1, 3) and spec.linear_layer_ids() == (0, 2)
     assert spec.bytes_per_token() == 2 * (32 + 8) * 4
     assert spec.bytes_per_request() == 2 * (4 * 16 * 16 + 192 * 3) * 4
-    drv = HybridDriver(loaded.model)
+    drv = PagedDriver(loaded.model)
     assert drv.kv[0] is None and drv.kv[2] is None and drv.kv[1].shape == (96, 4, 40)
     loaded3, _ = pairs["group3_dense_unsafe_gate"]
     kinds = [type(x).__name__ for x in loaded3.model.kv_cache_spec().layers]
@@ -108,7 +66,7 @@ def test_kv_spec_mixes_latent_and_linear_state(pairs):
 def test_prefill_logits_match_hf(pairs, name):
     loaded, ref = pairs[name]
     toks = _tokens(70, seed=3)  # past YaRN's original 32 positions, more than one 64-token block
-    ours = HybridDriver(loaded.model).step([("a", toks)], all_rows=True)
+    ours = PagedDriver(loaded.model).step([("a", toks)], all_rows=True)
     diff = (ours - hf_logits(ref, toks)).abs().max().item()
     assert diff < 1e-4, f"{name}: max abs diff {diff}"
 
@@ -119,7 +77,7 @@ def test_mixed_batch_with_chunks_and_decodes_matches_hf(pairs, name):
     pure-decode steps; every produced row equals HF's full-sequence logits at that position."""
     loaded, ref = pairs[name]
     a, b, c = _tokens(29, 10), _tokens(41, 11), _tokens(12, 12)
-    drv = HybridDriver(loaded.model, page_size=4)
+    drv = PagedDriver(loaded.model, page_size=4)
     full = {"a": hf_logits(ref, a), "b": hf_logits(ref, b), "c": hf_logits(ref, c)}
     got = []
     for chunks in ([("a", a[:26]), ("b", b[:7]), ("c", c[:9])],
@@ -139,9 +97,9 @@ def test_fresh_sequence_ignores_a_dirty_slot(pairs):
     """A slot reused by a new request (its first chunk starts at position 0) is not read."""
     loaded, ref = pairs["base"]
     toks = _tokens(15, 21)
-    drv = HybridDriver(loaded.model)
+    drv = PagedDriver(loaded.model)
     drv.step([("old", _tokens(30, 22))])
-    drv.slot_of["new"] = drv.slot_of["old"]
+    drv.slots["new"] = drv.slots["old"]
     out = drv.step([("new", toks)], all_rows=True)
     assert (out - hf_logits(ref, toks)).abs().max().item() < 1e-4
 
@@ -151,7 +109,7 @@ def test_greedy_matches_hf_generate(pairs):
     equals HF generate on each prompt alone (HF's own cache and recurrent kernel)."""
     loaded, ref = pairs["base"]
     prompts = {"a": _tokens(5, 31), "b": _tokens(19, 32), "c": _tokens(11, 33)}
-    drv = HybridDriver(loaded.model)
+    drv = PagedDriver(loaded.model)
     rows = drv.step(list(prompts.items()))
     outs = {s: [int(r.argmax())] for s, r in zip(prompts, rows)}
     for _ in range(7):
@@ -181,7 +139,7 @@ def test_checkpoint_names_and_mtp_layers(tmp_path, pairs):
     loaded = load_model(str(path))
     assert set(loaded.model.mtp_weights) == set(mtp)
     toks = _tokens(20, 5)
-    out = HybridDriver(loaded.model).step([("a", toks)], all_rows=True)
+    out = PagedDriver(loaded.model).step([("a", toks)], all_rows=True)
     assert (out - hf_logits(pairs["base"][1], toks)).abs().max() < 1e-4
     cfg = json.loads((path / "config.json").read_text())
     cfg["num_nextn_predict_layers"] = 0
@@ -236,7 +194,7 @@ def test_bf16_model_keeps_state_and_gate_params_in_fp32(pairs):
     assert kda.conv_weight.dtype == kda.A_log.dtype == kda.dt_bias.dtype == torch.float32
     assert kda.qkv_proj.dtype == torch.bfloat16
     toks = _tokens(24, 41)
-    drv = HybridDriver(bf16.model)
+    drv = PagedDriver(bf16.model)
     assert drv.states.rec[0].dtype == torch.float32
     got = drv.step([("a", toks)], all_rows=True)
     want = hf_logits(ref, toks)

@@ -85,6 +85,22 @@ class BailingHybridArgs:
         return self.mla.num_layers
 
     @property
+    def vocab_size(self) -> int:
+        return self.mla.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.mla.hidden_size
+
+    @property
+    def num_heads(self) -> int:
+        return self.mla.num_heads
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.mla.max_position_embeddings
+
+    @property
     def qkv_dim(self) -> int:
         return self.linear_num_heads * self.linear_head_dim
 
