@@ -201,3 +201,18 @@ def test_bf16_model_keeps_state_and_gate_params_in_fp32(pairs):
     hf_bf16 = hf_logits(build_hf_reference(bf16), toks)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     assert (got - want).abs().mean() <= 2 * (hf_bf16 - want).abs().mean()
+
+
+@pytest.mark.parametrize("name", ["base", "group3_dense_unsafe_gate"])
+def test_planner_state_and_kv_bytes_equal_the_engine_pools(pairs, name):
+    """`tokenmill plan` on the checkpoint's config.json computes exactly the state-pool slot and
+    the per-token latent bytes the engine allocates for this model."""
+    from tokenmill.layers.state_pool import StatePool
+    from tokenmill.plan.capacity import Deployment, kv_bytes
+    from tokenmill.plan.models import load_model as plan_model
+
+    loaded, _ = pairs[name]
+    spec = loaded.model.kv_cache_spec()
+    plan = kv_bytes(plan_model(str(loaded.source)), Deployment(tp=1, kv_dtype="fp32"))
+    assert plan.state_per_request_per_device == StatePool(spec, 3).bytes_per_slot == spec.bytes_per_request()
+    assert plan.per_token_per_device == spec.bytes_per_token()
