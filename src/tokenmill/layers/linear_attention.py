@@ -22,8 +22,11 @@ Two forms, equal up to fp32 rounding:
       o         = scale * ((q * exp(G)) S0 + P u), P[t, s] = sum_d q_t[d] k_s[d] exp(G_t[d] - G_s[d])      (s <= t)
       S_end     = exp(G_last) * S0 + (k * exp(G_last - G))^T u
 
-  Only differences ``G_t - G_s`` with ``t >= s`` are exponentiated, so nothing overflows however
-  strong the decay. The Python loop runs over blocks, never over positions.
+  With per-channel decay, ``exp(G_t - G_s)`` is computed as ``exp(G_t) * exp(-G_s)`` (so ``A`` and
+  ``P`` are plain matmuls) while the block's cumulative decay stays within fp32's normal range
+  (``-80 <= G <= 0``); a block with more decay is halved, and below 8 positions each difference
+  ``G_t - G_s`` (``t >= s``) is exponentiated on its own, so nothing overflows however strong the
+  decay. The Python loop runs over blocks, never over positions.
 * :func:`recurrent_gated_delta_rule`: one token for each of B sequences, states ``[B, H, Dk, Dv]``.
 
 Short causal conv (:func:`causal_conv1d_varlen`): depthwise, width K, over a varlen batch of
@@ -44,6 +47,12 @@ import torch
 import torch.nn.functional as F
 
 L2NORM_EPS = 1e-6
+# Per-channel decay: a block whose cumulative log-decay stays within [-_MAX_LOG_DECAY, 0] is
+# computed with exp(G_t) and exp(-G_s) as separate factors (plain matmuls; e^80 and e^-80 are
+# normal fp32 numbers); a block with more decay is halved, down to _MIN_SPLIT positions, below
+# which every pairwise difference is exponentiated.
+_MAX_LOG_DECAY = 80.0
+_MIN_SPLIT = 8
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -57,6 +66,10 @@ def _prepare_qk(q: torch.Tensor, k: torch.Tensor, use_l2norm: bool,
     if use_l2norm:
         q, k = l2norm(q), l2norm(k)
     return q * (q.shape[-1] ** -0.5 if scale is None else scale), k
+
+
+def _factorizable(cum: torch.Tensor) -> bool:
+    return bool(cum.max() <= 0) and bool(cum.min() >= -_MAX_LOG_DECAY)
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
@@ -112,20 +125,32 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     s = (torch.zeros(h, dk, dv, dtype=torch.float32, device=v.device) if initial_state is None
          else initial_state.float().clone())
     out = torch.empty(h, t, dv, dtype=torch.float32, device=v.device)
-    for c0 in range(0, t, chunk_size):
-        c1 = min(t, c0 + chunk_size)
+    blocks = [(c0, min(t, c0 + chunk_size)) for c0 in range(0, t, chunk_size)][::-1]
+    while blocks:
+        c0, c1 = blocks.pop()
         n = c1 - c0
         qc, kc, vc, bc = q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1]
         cum = g[:, c0:c1].cumsum(dim=1)                       # [H, n] or [H, n, Dk]
         causal = torch.ones(n, n, dtype=torch.bool, device=v.device).tril()
+        last = cum[:, -1]                                      # [H] or [H, Dk]
         if per_channel:
-            diff = (cum[:, :, None, :] - cum[:, None, :, :]).masked_fill(~causal[None, :, :, None], float("-inf"))
-            pair = diff.exp()                                  # [H, n, n, Dk]
-            kk = torch.einsum("htd,hsd,htsd->hts", kc, kc, pair)
-            qk = torch.einsum("htd,hsd,htsd->hts", qc, kc, pair)
-            k_read = kc * cum.exp()
-            q_read = qc * cum.exp()
-            last = cum[:, -1]                                  # [H, Dk]
+            if n > _MIN_SPLIT and not _factorizable(cum):
+                mid = c0 + n // 2                               # too much decay inside: halve the block
+                blocks += [(mid, c1), (c0, mid)]
+                continue
+            eg = cum.exp()
+            if _factorizable(cum):
+                # exp(G_t - G_s) = exp(G_t) * exp(-G_s): two matmuls, exact while neither factor
+                # leaves fp32's normal range (checked above)
+                k_inv = kc * (-cum).exp()
+                kk = (kc * eg) @ k_inv.transpose(1, 2)
+                qk = ((qc * eg) @ k_inv.transpose(1, 2)).masked_fill(~causal, 0.0)
+            else:  # a short block with extreme decay: exponentiate each difference
+                diff = (cum[:, :, None, :] - cum[:, None, :, :]).masked_fill(~causal[None, :, :, None], float("-inf"))
+                pair = diff.exp()                              # [H, n, n, Dk]
+                kk = torch.einsum("htd,hsd,htsd->hts", kc, kc, pair)
+                qk = torch.einsum("htd,hsd,htsd->hts", qc, kc, pair)
+            k_read, q_read = kc * eg, qc * eg
             k_write = kc * (last[:, None, :] - cum).exp()
             s_decay = last.exp()[:, :, None]
         else:
@@ -134,7 +159,6 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             qk = (qc @ kc.transpose(1, 2)) * pair
             k_read = kc * cum.exp()[..., None]
             q_read = qc * cum.exp()[..., None]
-            last = cum[:, -1]                                  # [H]
             k_write = kc * (last[:, None] - cum).exp()[..., None]
             s_decay = last.exp()[:, None, None]
         system = (bc[..., None] * kk).tril(-1) + torch.eye(n, dtype=torch.float32, device=v.device)
