@@ -55,6 +55,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="int4: symmetric groups (scale only, zero exact) instead of scale + min")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="paged-attention implementation (auto: the fastest that supports the model here)")
+    g.add_argument("--state-snapshot-memory", dest="state_snapshot_memory_gib", type=float,
+                   default=d.state_snapshot_memory_gib, metavar="GIB",
+                   help="hybrid (linear-attention) models: state-pool memory for prefix-cache state "
+                        "snapshots, beside one state slot per running request (default: 0)")
     add_speculative_arguments(parser)
     add_cache_tier_arguments(parser)
 

@@ -79,6 +79,9 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     suffix_cache_tokens: int = 20_000    # suffix: output tokens kept in the global index
     suffix_min_prob: float = 0.1         # suffix: stop a draft when its estimated probability drops below
     tensor_parallel_size: int = 1    # worker ranks, each holding a shard of weights and KV (1: in process)
+    # Hybrid (linear-attention) models: memory for prefix-cache state snapshots, in slots of the
+    # state pool beside the max_running_requests request slots (docs/models.md); 0: none
+    state_snapshot_memory_gib: float = 0.0
     tp_pin_cores: bool = False       # CPU tensor parallelism: pin rank r to one core (r mod cores)
 
     def __post_init__(self) -> None:
@@ -156,6 +159,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"cache_prefetch_min_pages must be >= 1, got {self.cache_prefetch_min_pages}")
         if not self.enable_prefix_cache and (self.host_cache_memory_gib > 0 or self.cache_storage not in ("", "none")):
             raise ValueError("the host and storage cache tiers need the prefix cache (drop --no-prefix-cache)")
+        if self.state_snapshot_memory_gib < 0:
+            raise ValueError(f"state_snapshot_memory_gib must be >= 0, got {self.state_snapshot_memory_gib}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and (self.host_cache_memory_gib > 0

@@ -23,8 +23,19 @@ match continues through pages that L2/L3 can supply; they are copied into fresh 
 inserted in the tree before the request's prefill. Newly computed pages are reported to the
 tiers (write-through), and the radix tree's eviction hook demotes evicted pages.
 
-Invariant (checked by :meth:`KVManager.check`):
-``pool.num_free() + cache.num_cached_pages + sum(request-only pages) == pool.num_pages``.
+Hybrid models (``slots``, a :class:`~tokenmill.cache.state_slots.StateSlotPool`): each running
+request also owns one state slot (the recurrent and conv state of every linear-attention layer).
+Admission takes a slot *and* pages (:meth:`take_slot` first, then :meth:`allocate`); whatever
+makes a request leave (finish, abort, preemption, a failed admission) goes through
+:meth:`release`, which gives back both. A prefix hit on a hybrid model would also have to
+restore the linear layers' state at the end of the match; :meth:`_match_hybrid` is the hook that
+decides it (today: no hit, so every request computes its state from position 0 and results are
+exact).
+
+Invariants (checked by :meth:`KVManager.check`):
+``pool.num_free() + cache.num_cached_pages + sum(request-only pages) == pool.num_pages``;
+with slots, every running request holds a distinct request slot that is not on the free list,
+and ``slots.num_free() + running requests == slots.num_request_slots``.
 """
 from __future__ import annotations
 
@@ -36,19 +47,26 @@ from tokenmill.engine.request import Request
 
 if TYPE_CHECKING:
     from tokenmill.cache.radix import RadixCache
+    from tokenmill.cache.state_slots import StateSlotPool
 
 
 class KVManager:
     def __init__(self, pool: PagePool, page_size: int, cache: RadixCache | None = None,
-                 tiers: Any = None) -> None:
+                 tiers: Any = None, slots: StateSlotPool | None = None) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if tiers is not None and cache is None:
             raise ValueError("lower cache tiers need the prefix cache")
+        if tiers is not None and slots is not None:
+            raise ValueError("lower cache tiers do not hold the state of a hybrid model's linear layers")
         self.pool = pool
         self.page_size = page_size
         self.cache = cache
         self.tiers = tiers
+        self.slots = slots
+        # Whether admission may reuse cached pages: always for attention-only models; for hybrid
+        # models only once a hit can restore the linear layers' state (see _match_hybrid).
+        self.prefix_reuse = cache is not None and slots is None
 
     # -- capacity ------------------------------------------------------------------------------
     @property
@@ -71,6 +89,33 @@ class KVManager:
         """Share of the pool pinned by running requests (evictable cached pages count as free)."""
         return 1.0 - self.num_reclaimable_pages() / self.pool.num_pages
 
+    def state_usage(self) -> float:
+        """Share of the request state slots held by running requests (0 without a state pool)."""
+        if self.slots is None:
+            return 0.0
+        return self.slots.num_used() / self.slots.num_request_slots
+
+    # -- state slots (hybrid models) -------------------------------------------------------------
+    def take_slot(self, req: Request) -> bool:
+        """At admission: give ``req`` a request state slot (a no-op without a state pool).
+
+        Returns False, changing nothing, when every slot is taken. The slot's old contents are
+        never read: a request's first chunk starts at position 0 from a zero state.
+        """
+        if self.slots is None or req.state_slot is not None:
+            return True
+        slot = self.slots.alloc()
+        if slot is None:
+            return False
+        req.state_slot = slot
+        return True
+
+    def _release_slot(self, req: Request) -> None:
+        if req.state_slot is not None:
+            assert self.slots is not None
+            self.slots.free(req.state_slot)
+            req.state_slot = None
+
     # -- request pages ---------------------------------------------------------------------------
     def match(self, req: Request) -> int:
         """At admission: reuse the longest cached whole-page prefix of ``req``'s tokens.
@@ -84,6 +129,8 @@ class KVManager:
         """
         if self.cache is None or req.page_table or req.prompt_logprobs is not None:
             return 0
+        if self.slots is not None:
+            return self._match_hybrid(req)
         P = self.page_size
         per = self.cache.page_size   # key elements per page (P for the engine, 1 in the sim)
         max_pages = (req.num_tokens - 1) // P
@@ -127,6 +174,19 @@ class KVManager:
         req.num_computed_tokens = len(pages) * P
         return len(pages) * P
 
+    def _match_hybrid(self, req: Request) -> int:
+        """The prefix hit of a hybrid model's request (the snapshot hook).
+
+        A hit is usable only where the state of every linear layer at the end of the matched
+        tokens can be restored into ``req.state_slot``. Until the cache holds such snapshots no
+        hit is taken: the request is computed from position 0 (its first chunk starts from a
+        zero state), so outputs are exactly those of an uncached run.
+        """
+        if req.num_cached_tokens is None:
+            req.cached_tokens_by_tier = {"l1": 0, "l2": 0, "l3": 0}
+        req.page_table = []
+        return 0
+
     def admitted(self, req: Request) -> None:
         """``req`` was admitted for the first time: count its hits per tier."""
         if self.tiers is not None and req.cached_tokens_by_tier is not None:
@@ -135,7 +195,7 @@ class KVManager:
     def cached_prefix_tokens(self, req: Request) -> int:
         """Tokens :meth:`match` would reuse for ``req`` now: a probe that locks nothing and
         leaves cache recency alone (for cache-aware admission)."""
-        if self.cache is None or req.page_table or req.prompt_logprobs is not None:
+        if not self.prefix_reuse or req.page_table or req.prompt_logprobs is not None:
             return 0
         per_page = self.cache.page_size
         n = (req.num_tokens - 1) // self.page_size * per_page
@@ -189,11 +249,12 @@ class KVManager:
         req.num_tree_pages = full
 
     def release(self, req: Request, *, keep_in_cache: bool = True) -> None:
-        """``req`` leaves (finished, aborted or preempted): hand its pages back.
+        """``req`` leaves (finished, aborted or preempted): hand its pages and state slot back.
 
         With ``keep_in_cache`` its whole computed pages stay in the prefix cache (unlocked, so
         they become evictable); the rest go back to the pool.
         """
+        self._release_slot(req)
         if keep_in_cache:
             self.cache_computed(req)
         if req.cache_node is not None:
@@ -217,7 +278,12 @@ class KVManager:
             self.tiers.flush_host()
 
     def check(self, requests: Iterable[Request]) -> None:
-        """Verify page accounting; raise AssertionError naming the mismatch."""
+        """Verify page (and state-slot) accounting; raise AssertionError naming the mismatch.
+
+        ``requests`` are the running requests (the only ones that hold pages or slots)."""
+        requests = list(requests)
+        if self.slots is not None:
+            self._check_slots(requests)
         request_only = sum(len(r.page_table) - r.num_tree_pages for r in requests)
         cached = 0
         if self.cache is not None:
@@ -228,3 +294,19 @@ class KVManager:
             raise AssertionError(
                 f"page accounting broken: free {free} + cached {cached} + request-only "
                 f"{request_only} != total {self.pool.num_pages}")
+
+    def _check_slots(self, requests: list[Request]) -> None:
+        assert self.slots is not None
+        held = [r.state_slot for r in requests]
+        if any(s is None for s in held):
+            missing = next(r.request_id for r in requests if r.state_slot is None)
+            raise AssertionError(f"state-slot accounting broken: running request {missing!r} holds no slot")
+        if len(set(held)) != len(held):
+            raise AssertionError(f"state-slot accounting broken: two running requests share a slot ({sorted(held)})")
+        for slot in held:
+            if not 0 <= slot < self.slots.num_request_slots or self.slots.is_free(slot):
+                raise AssertionError(f"state-slot accounting broken: slot {slot} is held but not allocated")
+        if self.slots.num_free() + len(held) != self.slots.num_request_slots:
+            raise AssertionError(
+                f"state-slot accounting broken: free {self.slots.num_free()} + held {len(held)} != "
+                f"total {self.slots.num_request_slots}")

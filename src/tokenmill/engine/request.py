@@ -63,6 +63,7 @@ class Request:
     page_table: list[int] = field(default_factory=list)
     num_tree_pages: int = 0
     cache_node: Any = None            # locked radix node, or None
+    state_slot: int | None = None     # hybrid models: the state-pool slot held while running
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     cached_tokens_by_tier: dict[str, int] | None = None  # that hit split by tier (l1, l2, l3)
     tier_state: Any = None            # lower-tier bookkeeping (engine.kv_tiers.TierState)

@@ -16,7 +16,9 @@ Order within a step:
    :meth:`~tokenmill.engine.step_cost.StepCost.prefill_budget`, so a decode's next token is not
    held up by seconds of prefill (step time is learned online from the engine's own steps);
 3. waiting requests, admitted while budget, pages and ``max_running_requests`` allow (none in
-   a step that had to preempt). From the front of the queue, except that while the queue is
+   a step that had to preempt); a hybrid model's request also needs a free state slot
+   (:meth:`KVManager.take_slot`), and every way out (finish, abort, preemption) frees both.
+   From the front of the queue, except that while the queue is
    short (``prefer_cached_max_queue``) the request with the longest cached prefix goes first;
    a request passed over ``admission_max_skips`` times, or one resuming after preemption, is
    never passed over again, so nobody starves. ``prefer_cached_prefix = False`` gives FIFO.
@@ -179,6 +181,8 @@ class Scheduler:
                 req = self._first_not_waiting()
                 if req is None:
                     return
+            if not self.kv.take_slot(req):   # hybrid models: every state slot is taken
+                return
             matched = self.kv.match(req)
             n = min(req.num_uncomputed_tokens, plan.budget)
             if not self.kv.allocate(req, req.num_computed_tokens + n):
@@ -199,7 +203,7 @@ class Scheduler:
         """The waiting request to admit next: the queue front, or (short queue, cache on) the
         one with the longest cached prefix, unless someone was passed over too often."""
         head = self.waiting[0]
-        if (not self.prefer_cached_prefix or self.kv.cache is None or len(self.waiting) == 1
+        if (not self.prefer_cached_prefix or not self.kv.prefix_reuse or len(self.waiting) == 1
                 or len(self.waiting) > self.prefer_cached_max_queue or head.num_preemptions):
             return head
         best, best_hit = head, -1
@@ -222,7 +226,7 @@ class Scheduler:
         not already have cached, and only while the other one is still prefilling, so the wait
         is bounded by one prefill.
         """
-        if self.kv.cache is None or req.num_preemptions or req.page_table:
+        if not self.kv.prefix_reuse or req.num_preemptions or req.page_table:
             return False
         P = self.kv.page_size
         E = self.kv.cache.page_size   # cache-key elements per page (P: the token ids themselves)
