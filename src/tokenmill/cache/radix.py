@@ -253,11 +253,18 @@ class RadixCache:
         recency touched) and reads the tokens in place, one edge at a time, instead of copying
         the whole sequence first. For cache-aware admission and routing scores.
         """
+        return self._probe(tokens, limit, self.snapshot_slots is not None)
+
+    def page_prefix_length(self, tokens: Sequence[int], limit: int | None = None) -> int:
+        """Tokens of ``tokens[:limit]`` whose pages are cached, wherever the snapshots are (the
+        match a dense model would get); a pure probe like :meth:`cached_prefix_length`."""
+        return self._probe(tokens, limit, False)
+
+    def _probe(self, tokens: Sequence[int], limit: int | None, hybrid: bool) -> int:
         P = self.page_size
         n = len(tokens) if limit is None else min(limit, len(tokens))
         n -= n % P
         node, pos = self.root, 0
-        hybrid = self.snapshot_slots is not None
         best = 0   # with snapshots: the end of the deepest whole node matched that has one
         while pos < n:
             child = node.children.get(tuple(tokens[pos:pos + P]))
@@ -388,6 +395,10 @@ class RadixCache:
 
     def has_snapshot(self, slot: int) -> bool:
         return slot in self._snapshots
+
+    def snapshot(self, slot: int) -> Snapshot | None:
+        """The live snapshot in ``slot`` (compare by identity: a dropped snapshot's slot is reused)."""
+        return self._snapshots.get(slot)
 
     def drop_snapshot(self, slot: int) -> bool:
         """Drop the snapshot in ``slot`` (its pages stay); False if it is gone or locked."""
