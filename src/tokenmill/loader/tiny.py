@@ -15,6 +15,27 @@ from tokenmill.loader.resolve import DEFAULT_MODEL, resolve_model_path
 
 TINY_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")   # dense
 TINY_MOE_ARCHS = ("DeepseekV3ForCausalLM",)                                   # MLA + MoE
+TINY_QWEN3_NEXT = "Qwen3NextForCausalLM"   # hybrid: Gated DeltaNet + gated attention, MoE
+
+
+def tiny_qwen3_next_dict(**overrides: Any) -> dict[str, Any]:
+    """A four-layer Qwen3-Next: three Gated DeltaNet layers then one gated full-attention layer
+    (``full_attention_interval`` 4), 2 key / 4 value heads of 16 in the linear layers, conv width 4,
+    a dense first layer (``mlp_only_layers`` [0]) then MoE of 8 experts (top 2) with a shared
+    expert, rotary on a quarter of the head. Override any field (``layer_types`` included)."""
+    cfg: dict[str, Any] = dict(
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+        vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, full_attention_interval=4,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True,
+        partial_rotary_factor=0.25, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        attention_bias=False, bos_token_id=1, eos_token_id=2, initializer_range=0.1, torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    return cfg
 
 
 def tiny_deepseek_v3_dict(**overrides: Any) -> dict[str, Any]:
@@ -45,8 +66,11 @@ def default_tokenizer_dir() -> Path:
 def tiny_config_dict(arch: str = "LlamaForCausalLM", **overrides: Any) -> dict[str, Any]:
     if arch in TINY_MOE_ARCHS:
         return tiny_deepseek_v3_dict(**overrides)
+    if arch == TINY_QWEN3_NEXT:
+        return tiny_qwen3_next_dict(**overrides)
     if arch not in TINY_ARCHS:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS + TINY_MOE_ARCHS}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from "
+                         f"{TINY_ARCHS + TINY_MOE_ARCHS + (TINY_QWEN3_NEXT,)}")
     cfg: dict[str, Any] = dict(
         architectures=[arch],
         vocab_size=49152,
@@ -101,6 +125,10 @@ def build_tiny_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", s
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
                     p.copy_(torch.randn(p.shape) * 0.1)
+        if arch == TINY_QWEN3_NEXT:  # HF starts norms at (1 + 0) and biases at 0; make them count
+            for name, p in model.named_parameters():
+                if name.endswith(("norm.weight", ".bias")):
+                    p.add_(torch.randn(p.shape) * 0.1)
     extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(out), safe_serialization=True, **extra)
     tok_dir = default_tokenizer_dir()

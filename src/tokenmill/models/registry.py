@@ -10,6 +10,7 @@ from tokenmill.contracts.errors import ModelLoadError
 from tokenmill.models.base import CausalLM, ModelArgs
 from tokenmill.models.deepseek_v3 import DeepseekV3Args, DeepseekV3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.qwen3_next import Qwen3NextArgs, Qwen3NextForCausalLM
 
 
 def _rope(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -101,6 +102,49 @@ def _deepseek_v3(config: Any) -> DeepseekV3Args:
         raise ModelLoadError(f"invalid DeepSeek-V3 config: {e}") from e
 
 
+def _qwen3_next(config: Any) -> Qwen3NextArgs:
+    """Qwen3NextArgs from a Qwen3NextConfig; refuses values the math here does not implement."""
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        raise ModelLoadError(f"config sets quantization_config (quant_method={method!r}): quantized Qwen3-Next "
+                             "checkpoints are not supported; use a bf16/fp32 checkpoint")
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        raise ModelLoadError(f"config sets hidden_act={config.hidden_act!r}; only silu is supported")
+    theta, scaling = _rope(config)
+    params = getattr(config, "rope_parameters", None) or {}
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 0.25)) \
+        if isinstance(params, dict) else getattr(config, "partial_rotary_factor", 0.25)
+    if scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}
+    try:
+        heads = int(config.num_attention_heads)
+        return Qwen3NextArgs(
+            vocab_size=int(config.vocab_size), hidden_size=int(config.hidden_size),
+            intermediate_size=int(config.intermediate_size), num_heads=heads,
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+            rms_norm_eps=float(config.rms_norm_eps), rope_theta=theta,
+            max_position_embeddings=int(config.max_position_embeddings),
+            layer_types=tuple(config.layer_types)[:int(config.num_hidden_layers)],
+            linear_num_key_heads=int(config.linear_num_key_heads),
+            linear_num_value_heads=int(config.linear_num_value_heads),
+            linear_key_head_dim=int(config.linear_key_head_dim), linear_value_head_dim=int(config.linear_value_head_dim),
+            linear_conv_kernel_dim=int(config.linear_conv_kernel_dim),
+            num_experts=int(getattr(config, "num_experts", 0) or 0),
+            num_experts_per_tok=int(getattr(config, "num_experts_per_tok", 1) or 1),
+            moe_intermediate_size=int(getattr(config, "moe_intermediate_size", 0) or 0),
+            shared_expert_intermediate_size=int(getattr(config, "shared_expert_intermediate_size", 0) or 0),
+            norm_topk_prob=bool(getattr(config, "norm_topk_prob", True)),
+            decoder_sparse_step=int(getattr(config, "decoder_sparse_step", 1) or 1),
+            mlp_only_layers=tuple(int(i) for i in (getattr(config, "mlp_only_layers", None) or ())),
+            partial_rotary_factor=float(partial), rope_scaling=scaling,
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+    except (AttributeError, TypeError) as e:
+        raise ModelLoadError(f"invalid Qwen3-Next config: {e}") from e
+
+
 class Architecture(NamedTuple):
     model_class: type[CausalLM]
     args_from_config: Callable[[Any], Any]
@@ -113,6 +157,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, lambda c: _common(
         c, qkv_bias=bool(getattr(c, "attention_bias", False)), qk_norm=True)),
     "DeepseekV3ForCausalLM": Architecture(DeepseekV3ForCausalLM, _deepseek_v3),  # also Kimi K2
+    "Qwen3NextForCausalLM": Architecture(Qwen3NextForCausalLM, _qwen3_next),      # hybrid: GDN + attention
 }
 
 
