@@ -42,10 +42,10 @@ a step whose computed tokens end on a page boundary:
 * at a *branch point*: where a request's cached pages run further than its snapshot match (the
   prompt diverges from a cached one there), the request's chunk is cut at the end of those pages
   and the state there is kept, so the next request sharing that prefix hits all of it;
-* at the request's latest page boundary (prefill chunks and decodes crossing one): the request
-  keeps one such *tail* snapshot, replaced as it advances, so when it leaves (finished, aborted or
-  preempted) the tree holds the state at the last page boundary of its prompt + output; turn 2
-  of a session hits turn 1's prompt + output there.
+* at the request's latest page boundary (the prefill is cut at the prompt's last one; decodes
+  cross the later ones): the request keeps one such *tail* snapshot, replaced as it advances, so
+  when it leaves (finished, aborted or preempted) the tree holds the state at the last page
+  boundary of its prompt + output; turn 2 of a session hits turn 1's prompt + output there.
 
 Invariants (checked by :meth:`KVManager.check`):
 ``pool.num_free() + cache.num_cached_pages + sum(request-only pages) == pool.num_pages``;
@@ -236,11 +236,16 @@ class KVManager:
 
     def chunk_limit(self, req: Request, num_tokens: int) -> int:
         """A prefill chunk of ``num_tokens`` from ``req.num_computed_tokens``, cut (hybrid models)
-        at the next snapshot point: the next multiple of ``snapshot_interval`` or the branch point."""
+        at the next snapshot point: the next multiple of ``snapshot_interval``, the branch point,
+        or the last page boundary of the request's tokens (so that its state is kept even if the
+        request ends before decoding reaches the next boundary; the rest is under a page)."""
         if self.slots is None or self.cache is None or num_tokens <= 1:
             return num_tokens
         start = req.num_computed_tokens
         end = start + num_tokens
+        last = req.num_tokens // self.page_size * self.page_size
+        if start < last < end:
+            end = last
         if self.snapshot_interval:
             nxt = (start // self.snapshot_interval + 1) * self.snapshot_interval
             if nxt < end:
