@@ -170,7 +170,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            n = min(req.num_uncomputed_tokens, plan.budget)
+            n = self.kv.chunk_limit(req, min(req.num_uncomputed_tokens, plan.budget))
             if self._allocate_or_preempt(req, req.num_computed_tokens + n, plan):
                 plan.add(req, n)
 
@@ -184,7 +184,7 @@ class Scheduler:
             if not self.kv.take_slot(req):   # hybrid models: every state slot is taken
                 return
             matched = self.kv.match(req)
-            n = min(req.num_uncomputed_tokens, plan.budget)
+            n = self.kv.chunk_limit(req, min(req.num_uncomputed_tokens, plan.budget))
             if not self.kv.allocate(req, req.num_computed_tokens + n):
                 self.kv.release(req, keep_in_cache=False)
                 req.num_computed_tokens = 0
@@ -226,7 +226,8 @@ class Scheduler:
         not already have cached, and only while the other one is still prefilling, so the wait
         is bounded by one prefill.
         """
-        if not self.kv.prefix_reuse or req.num_preemptions or req.page_table:
+        if not self.kv.prefix_reuse or self.kv.slots is not None or req.num_preemptions or req.page_table:
+            # (a hybrid model's request would reuse only up to a snapshot: it does not wait)
             return False
         P = self.kv.page_size
         E = self.kv.cache.page_size   # cache-key elements per page (P: the token ids themselves)
@@ -307,6 +308,8 @@ class Scheduler:
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens = s.start + s.num_tokens - s.num_draft
+            if self.kv.slots is not None:   # hybrid: restores done, snapshots taken, pages cached
+                self.kv.after_step(req)
             if s.num_tokens - s.num_draft > 1 or not s.samples:
                 # a prefill chunk, the last one included: publish its whole pages at once, so
                 # requests sharing the prompt reuse them (decode pages join at release)
