@@ -174,3 +174,17 @@ def test_integrity_under_random_workload_with_evictions_aborts_and_preemption(hy
         assert outputs[rid] == off.generate([prompts[rid]], params)[0].token_ids, rid
     engine.kv.flush()
     assert engine.kv.pool.num_free() == engine.kv.pool.num_pages and cache.num_snapshots == 0
+
+
+def test_parallel_requests_sharing_a_system_prompt(hybrid: Any) -> None:
+    """Requests arriving together with one system prompt: the first computes it and, asked by
+    the scheduler, snapshots where the prompts part; the others wait for that and hit it."""
+    rng = random.Random(70)
+    on, off = make_llm(hybrid), make_llm(hybrid, enable_prefix_cache=False)
+    system = fresh(rng, 4 * P + 3)
+    prompts = [system + fresh(rng, P + i) for i in range(4)]
+    outs = on.generate(prompts, GREEDY)
+    for p, a in zip(prompts, outs):
+        assert a.token_ids == off.generate([p], GREEDY)[0].token_ids
+    assert [a.cached_tokens for a in outs] == [0, 4 * P, 4 * P, 4 * P]
+    on.engine.check_pages()
