@@ -42,10 +42,11 @@ a step whose computed tokens end on a page boundary:
 * at a *branch point*: where a request's cached pages run further than its snapshot match (the
   prompt diverges from a cached one there), the request's chunk is cut at the end of those pages
   and the state there is kept, so the next request sharing that prefix hits all of it;
-* at the request's latest page boundary (the prefill is cut at the prompt's last one; decodes
-  cross the later ones): the request keeps one such *tail* snapshot, replaced as it advances, so
-  when it leaves (finished, aborted or preempted) the tree holds the state at the last page
-  boundary of its prompt + output; turn 2 of a session hits turn 1's prompt + output there.
+* at the request's latest page boundary (decodes crossing one; the prefill is cut at the
+  prompt's last one when ``max_tokens`` cannot reach the next): the request keeps one such
+  *tail* snapshot, replaced as it advances, so when it leaves (finished, aborted or preempted)
+  the tree holds the state at the last page boundary of its prompt + output; turn 2 of a
+  session hits turn 1's prompt + output there.
 
 Invariants (checked by :meth:`KVManager.check`):
 ``pool.num_free() + cache.num_cached_pages + sum(request-only pages) == pool.num_pages``;
@@ -236,15 +237,19 @@ class KVManager:
 
     def chunk_limit(self, req: Request, num_tokens: int) -> int:
         """A prefill chunk of ``num_tokens`` from ``req.num_computed_tokens``, cut (hybrid models)
-        at the next snapshot point: the next multiple of ``snapshot_interval``, the branch point,
-        or the last page boundary of the request's tokens (so that its state is kept even if the
-        request ends before decoding reaches the next boundary; the rest is under a page)."""
+        at the next snapshot point: the next multiple of ``snapshot_interval``, a branch point, or
+        the last page boundary of the request's tokens when its ``max_tokens`` cannot take decoding
+        to the next one (so the state at the end of its prompt + output is still kept; the rest
+        of the chunk is under a page). A request that may decode past the next boundary gets its
+        tail snapshot there instead, and its prefill is not cut."""
         if self.slots is None or self.cache is None or num_tokens <= 1:
             return num_tokens
+        P = self.page_size
         start = req.num_computed_tokens
         end = start + num_tokens
-        last = req.num_tokens // self.page_size * self.page_size
-        if start < last < end:
+        n = req.num_tokens
+        last = n // P * P
+        if start < last < end and n + req.params.max_tokens - req.num_output_tokens - 1 < last + P:
             end = last
         if self.snapshot_interval:
             nxt = (start // self.snapshot_interval + 1) * self.snapshot_interval
