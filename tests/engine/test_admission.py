@@ -83,11 +83,13 @@ def test_start_estimator_predicts_from_recent_finishes() -> None:
     s.add_request(req("w1"))
     s.add_request(req("w2"))
     assert est.predicted_wait(s, 13.0) == pytest.approx(3.0)   # two ahead, then itself
-    admission.check_predicted_wait(s, est, 13.0, queue_deadline=16.5)
+    admission.check_predicted_wait(s, est, 13.0, queue_deadline=17.0)   # 3 s x WAIT_MARGIN 1.25 fits in 4 s
     admission.check_predicted_wait(s, est, 13.0, queue_deadline=None)
     with pytest.raises(admission.WaitTooLongError) as e:
         admission.check_predicted_wait(s, est, 13.0, queue_deadline=15.0)
     assert isinstance(e.value, admission.QueueFullError) and e.value.reason == "predicted_wait"
     assert e.value.retry_after_s == pytest.approx(3.0) and "about 3.0 s" in str(e.value)
+    with pytest.raises(admission.WaitTooLongError):       # fits by itself, not with the margin
+        admission.check_predicted_wait(s, est, 13.0, queue_deadline=16.5)
     assert est.finish_rate(13.0 + 61.0) is None            # history past the horizon is forgotten
     assert est.predicted_wait(s, 13.0 + 61.0) == 0.0

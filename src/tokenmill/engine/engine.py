@@ -73,6 +73,7 @@ class EngineStats:
     state_pool_usage: float = 0.0
     state_snapshot_slots: int = 0
     state_bytes_per_request: int = 0
+    predicted_wait_s: float = 0.0    # how long a request queued now would wait to start (admission.py)
 
     @property
     def cache_hit_rate(self) -> float:
@@ -521,6 +522,7 @@ class Engine:
             tensor_parallel_size=self.config.tensor_parallel_size,
             tiers=self.tiers.snapshot_stats() if self.tiers is not None else None,
             **self._state_stats(),
+            predicted_wait_s=self.start_estimator.predicted_wait(s, time.monotonic()),
         )
 
     def _state_stats(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import torch
 
 from tokenmill.layers.rotary import SUPPORTED_ROPE_TYPES
 from tokenmill.contracts.errors import ModelLoadError
+from tokenmill.models.bailing_hybrid import BailingHybridArgs, BailingHybridForCausalLM
 from tokenmill.models.base import CausalLM, ModelArgs
 from tokenmill.models.deepseek_v3 import DeepseekV3Args, DeepseekV3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
@@ -102,6 +103,68 @@ def _deepseek_v3(config: Any) -> DeepseekV3Args:
         raise ModelLoadError(f"invalid DeepSeek-V3 config: {e}") from e
 
 
+def _bailing_hybrid(config: Any) -> BailingHybridArgs:
+    """BailingHybridArgs from a BailingHybridConfig (Ling); refuses values the math here does not
+    implement, naming the field."""
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        raise ModelLoadError("config sets quantization_config: quantized BailingHybrid checkpoints are not "
+                             "supported; use a bf16/fp32 checkpoint")
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        raise ModelLoadError(f"config sets hidden_act={config.hidden_act!r}; only silu is supported "
+                             "(BailingHybrid uses it for the MLPs and the KDA convolutions)")
+    heads = int(config.num_attention_heads)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if kv_heads is not None and int(kv_heads) != heads:
+        raise ModelLoadError(f"config sets num_key_value_heads={kv_heads}; BailingHybrid's MLA expands one "
+                             f"key/value head per query head, so it must equal num_attention_heads={heads}")
+    if getattr(config, "tie_word_embeddings", False):
+        raise ModelLoadError("config sets tie_word_embeddings=true; HF's BailingHybridForCausalLM keeps lm_head "
+                             "separate, so a tied checkpoint is not supported")
+    theta, scaling = _rope(config)
+    n = int(config.num_hidden_layers)
+    group = int(getattr(config, "layer_group_size", 0) or 0)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        if group <= 0:
+            raise ModelLoadError(f"config sets layer_group_size={group!r}; it must be positive")
+        layer_types = ["full_attention" if (i + 1) % group == 0 else "linear_attention" for i in range(n)]
+    first_dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    mlp_types = getattr(config, "mlp_layer_types", None) or [
+        "dense" if i < first_dense else "sparse" for i in range(n)]
+    sparse = [i for i, t in enumerate(mlp_types) if t == "sparse"]
+
+    def opt_int(name: str, default: int) -> int:
+        value = getattr(config, name, None)
+        return default if value is None else int(value)
+
+    try:
+        mla = DeepseekV3Args(
+            vocab_size=int(config.vocab_size), hidden_size=int(config.hidden_size),
+            intermediate_size=int(config.intermediate_size), moe_intermediate_size=int(config.moe_intermediate_size),
+            num_layers=n, num_heads=heads, q_lora_rank=None, kv_lora_rank=int(config.kv_lora_rank),
+            qk_nope_head_dim=int(config.qk_nope_head_dim), qk_rope_head_dim=int(config.qk_rope_head_dim),
+            v_head_dim=int(config.v_head_dim), rope_interleave=True, rms_norm_eps=float(config.rms_norm_eps),
+            rope_theta=theta, max_position_embeddings=int(config.max_position_embeddings), rope_scaling=scaling,
+            n_routed_experts=opt_int("num_local_experts", 0), num_experts_per_tok=opt_int("num_experts_per_tok", 1),
+            n_shared_experts=opt_int("n_shared_experts", 0),
+            first_k_dense_replace=sparse[0] if sparse else n,   # MoE sizes are validated when any layer is sparse
+            n_group=opt_int("n_group", 1), topk_group=opt_int("topk_group", 1),
+            norm_topk_prob=bool(getattr(config, "norm_topk_prob", True)),
+            routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)),
+            attention_bias=bool(getattr(config, "attention_bias", False)), tie_word_embeddings=False,
+            num_mtp_layers=opt_int("num_mtp_layers", 0), hidden_act=str(getattr(config, "hidden_act", "silu")))
+        return BailingHybridArgs(
+            mla=mla, layer_types=tuple(layer_types), mlp_layer_types=tuple(mlp_types),
+            linear_num_heads=opt_int("linear_num_heads", heads),
+            linear_head_dim=int(getattr(config, "linear_head_dim", None) or config.head_dim),
+            conv_kernel=int(getattr(config, "linear_conv_kernel_dim", None) or config.short_conv_kernel_size),
+            kda_safe_gate=bool(getattr(config, "kda_safe_gate", True)),
+            kda_lower_bound=float(getattr(config, "kda_lower_bound", -5.0)))
+    except (AttributeError, TypeError) as e:
+        raise ModelLoadError(f"invalid BailingHybrid config: {e}") from e
+
+
 def _qwen3_next(config: Any) -> Qwen3NextArgs:
     """Qwen3NextArgs from a Qwen3NextConfig; refuses values the math here does not implement."""
     quant = getattr(config, "quantization_config", None)
@@ -157,6 +220,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, lambda c: _common(
         c, qkv_bias=bool(getattr(c, "attention_bias", False)), qk_norm=True)),
     "DeepseekV3ForCausalLM": Architecture(DeepseekV3ForCausalLM, _deepseek_v3),  # also Kimi K2
+    "BailingHybridForCausalLM": Architecture(BailingHybridForCausalLM, _bailing_hybrid),  # Ling
     "Qwen3NextForCausalLM": Architecture(Qwen3NextForCausalLM, _qwen3_next),      # hybrid: GDN + attention
 }
 
