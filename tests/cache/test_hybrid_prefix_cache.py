@@ -20,7 +20,7 @@ from tokenmill.engine.request import RequestStatus
 P = 8          # page size of every engine here
 K = 5          # output tokens per request (ignore_eos: always exactly K)
 GREEDY = SamplingParams(max_tokens=K, temperature=0.0, ignore_eos=True)
-HYBRID_ARCHS = ["Qwen3NextForCausalLM"]
+HYBRID_ARCHS = ["Qwen3NextForCausalLM", "BailingHybridForCausalLM"]
 
 
 @pytest.fixture(scope="module", params=HYBRID_ARCHS)
