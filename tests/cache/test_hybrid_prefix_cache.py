@@ -20,7 +20,7 @@ from tokenmill.engine.request import RequestStatus
 P = 8          # page size of every engine here
 K = 5          # output tokens per request (ignore_eos: always exactly K)
 GREEDY = SamplingParams(max_tokens=K, temperature=0.0, ignore_eos=True)
-HYBRID_ARCHS = ["Qwen3NextForCausalLM"]
+HYBRID_ARCHS = ["Qwen3NextForCausalLM", "BailingHybridForCausalLM"]
 
 
 @pytest.fixture(scope="module", params=HYBRID_ARCHS)
@@ -53,19 +53,24 @@ def run_both(on: LLM, off: LLM, prompt: list[int]) -> Any:
     return a
 
 
+@pytest.mark.parametrize("k", [K, 2 * P + 3], ids=["short-output", "long-output"])
 @pytest.mark.parametrize("residue", [0, P - 1, 1], ids=["on-page", "page-minus-1", "page-plus-1"])
-def test_session_turns_hit_previous_prompt_and_output(hybrid: Any, residue: int) -> None:
+def test_session_turns_hit_previous_prompt_and_output(hybrid: Any, residue: int, k: int) -> None:
     """Turn t resends turn t-1's prompt + output plus new tokens; the previous sequence ends on,
     one before, or one after a page boundary. The hit is what a dense model gets: the whole pages
-    of the previous sequence's computed tokens (its last sampled token has no KV or state yet)."""
-    rng = random.Random(20 + residue)
+    of the previous sequence's computed tokens (its last sampled token has no KV or state yet),
+    whether the last page boundary falls in the prompt (short output: the prefill is cut there)
+    or in the output (long output: decoding crosses it)."""
+    rng = random.Random(20 + residue + k)
+    params = SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
     on, off = make_llm(hybrid), make_llm(hybrid, enable_prefix_cache=False)
-    prompt = fresh(rng, 3 * P + residue - K if residue else 3 * P - K)
+    prompt = fresh(rng, 3 * P + residue - k if residue else 3 * P - k)
     prev: list[int] = []
     for turn in range(3):
         if turn:
-            prompt = prev + fresh(rng, 2 * P - K)
-        a = run_both(on, off, prompt)
+            prompt = prev + fresh(rng, (-k) % P + P)
+        a = on.generate([prompt], params)[0]
+        assert a.token_ids == off.generate([prompt], params)[0].token_ids, f"turn {turn}: cache changed the output"
         want = (len(prev) - 1) // P * P if prev else 0
         assert a.cached_tokens == want, f"turn {turn}"
         prev = prompt + a.token_ids
@@ -174,3 +179,17 @@ def test_integrity_under_random_workload_with_evictions_aborts_and_preemption(hy
         assert outputs[rid] == off.generate([prompts[rid]], params)[0].token_ids, rid
     engine.kv.flush()
     assert engine.kv.pool.num_free() == engine.kv.pool.num_pages and cache.num_snapshots == 0
+
+
+def test_parallel_requests_sharing_a_system_prompt(hybrid: Any) -> None:
+    """Requests arriving together with one system prompt: the first computes it and, asked by
+    the scheduler, snapshots where the prompts part; the others wait for that and hit it."""
+    rng = random.Random(70)
+    on, off = make_llm(hybrid), make_llm(hybrid, enable_prefix_cache=False)
+    system = fresh(rng, 4 * P + 3)
+    prompts = [system + fresh(rng, P + i) for i in range(4)]
+    outs = on.generate(prompts, GREEDY)
+    for p, a in zip(prompts, outs):
+        assert a.token_ids == off.generate([p], GREEDY)[0].token_ids
+    assert [a.cached_tokens for a in outs] == [0, 4 * P, 4 * P, 4 * P]
+    on.engine.check_pages()

@@ -42,10 +42,11 @@ a step whose computed tokens end on a page boundary:
 * at a *branch point*: where a request's cached pages run further than its snapshot match (the
   prompt diverges from a cached one there), the request's chunk is cut at the end of those pages
   and the state there is kept, so the next request sharing that prefix hits all of it;
-* at the request's latest page boundary (the prefill is cut at the prompt's last one; decodes
-  cross the later ones): the request keeps one such *tail* snapshot, replaced as it advances, so
-  when it leaves (finished, aborted or preempted) the tree holds the state at the last page
-  boundary of its prompt + output; turn 2 of a session hits turn 1's prompt + output there.
+* at the request's latest page boundary (decodes crossing one; the prefill is cut at the
+  prompt's last one when ``max_tokens`` cannot reach the next): the request keeps one such
+  *tail* snapshot, replaced as it advances, so when it leaves (finished, aborted or preempted)
+  the tree holds the state at the last page boundary of its prompt + output; turn 2 of a
+  session hits turn 1's prompt + output there.
 
 Invariants (checked by :meth:`KVManager.check`):
 ``pool.num_free() + cache.num_cached_pages + sum(request-only pages) == pool.num_pages``;
@@ -209,7 +210,7 @@ class KVManager:
         The snapshot is locked (with its path) until the model runner has restored it into
         ``req.state_slot`` (``req.snapshot_restore``); with no snapshot on the path the request
         is computed from position 0 (a zero state). Where the cached pages run further than the
-        snapshot, ``req.snapshot_cut`` marks that branch point for a snapshot.
+        snapshot, that branch point joins ``req.snapshot_cuts`` (positions to snapshot at).
         """
         assert self.cache is not None
         P = self.page_size
@@ -218,7 +219,7 @@ class KVManager:
         key = req.cache_key(max_pages * per)[:max_pages * per]
         m = self.cache.match_prefix(key)
         paged = self.cache.page_prefix_length(key) // per * P
-        req.snapshot_cut = paged if paged > m.num_tokens // per * P else None
+        req.snapshot_cuts = [paged] if paged > m.num_tokens // per * P else []
         if req.num_cached_tokens is None:
             req.cached_tokens_by_tier = {"l1": m.num_tokens // per * P, "l2": 0, "l3": 0}
         if m.snapshot is None:
@@ -236,24 +237,37 @@ class KVManager:
 
     def chunk_limit(self, req: Request, num_tokens: int) -> int:
         """A prefill chunk of ``num_tokens`` from ``req.num_computed_tokens``, cut (hybrid models)
-        at the next snapshot point: the next multiple of ``snapshot_interval``, the branch point,
-        or the last page boundary of the request's tokens (so that its state is kept even if the
-        request ends before decoding reaches the next boundary; the rest is under a page)."""
+        at the next snapshot point: the next multiple of ``snapshot_interval``, a branch point, or
+        the last page boundary of the request's tokens when its ``max_tokens`` cannot take decoding
+        to the next one (so the state at the end of its prompt + output is still kept; the rest
+        of the chunk is under a page). A request that may decode past the next boundary gets its
+        tail snapshot there instead, and its prefill is not cut."""
         if self.slots is None or self.cache is None or num_tokens <= 1:
             return num_tokens
+        P = self.page_size
         start = req.num_computed_tokens
         end = start + num_tokens
-        last = req.num_tokens // self.page_size * self.page_size
-        if start < last < end:
+        n = req.num_tokens
+        last = n // P * P
+        if start < last < end and n + req.params.max_tokens - req.num_output_tokens - 1 < last + P:
             end = last
         if self.snapshot_interval:
             nxt = (start // self.snapshot_interval + 1) * self.snapshot_interval
             if nxt < end:
                 end = nxt
-        cut = req.snapshot_cut
-        if cut is not None and start < cut < end:
-            end = cut
+        for cut in req.snapshot_cuts:
+            if start < cut < end:
+                end = cut
         return end - start
+
+    def request_snapshot(self, req: Request, num_tokens: int) -> None:
+        """Have running ``req`` snapshot its state after ``num_tokens`` tokens (a page boundary it
+        has not computed yet); the scheduler asks for it where a waiting request shares ``req``'s
+        prompt up to there. A no-op for attention-only models."""
+        if (self.slots is None or self.cache is None or num_tokens % self.page_size
+                or num_tokens <= req.num_computed_tokens or num_tokens in req.snapshot_cuts):
+            return
+        req.snapshot_cuts.append(num_tokens)
 
     def after_step(self, req: Request) -> None:
         """A hybrid model's request after a step (``num_computed_tokens`` updated): the restore
@@ -275,10 +289,11 @@ class KVManager:
         if slot is not None:
             self.copy_state(req.state_slot, slot)
             self.num_snapshots_taken += 1
-        cut = req.snapshot_cut
-        if cut is not None and p >= cut:
-            req.snapshot_cut = None
-        if (self.snapshot_interval and p % self.snapshot_interval == 0) or p == cut:
+        cuts = req.snapshot_cuts
+        at_cut = p in cuts
+        if cuts:
+            req.snapshot_cuts = [c for c in cuts if c > p]
+        if (self.snapshot_interval and p % self.snapshot_interval == 0) or at_cut:
             return                                    # kept for others: not the request's tail
         tail = req.tail_snapshot
         if tail is not None and cache.snapshot(tail.slot) is tail:
@@ -358,7 +373,7 @@ class KVManager:
             self.cache.unlock_snapshot(req.snapshot_restore)
             req.snapshot_restore = None
         req.tail_snapshot = None                      # stays in the tree as an ordinary snapshot
-        req.snapshot_cut = None
+        req.snapshot_cuts = []
         if keep_in_cache:
             self.cache_computed(req)
         if req.cache_node is not None:
