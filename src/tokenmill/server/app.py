@@ -100,7 +100,7 @@ def build_app(state: ServerState) -> FastAPI:
         wait_limit = state.config.max_queue_wait_s
         if wait_too_long(stats.predicted_wait_s, wait_limit):
             state.metrics.rejected["predicted_wait"] += 1
-            raise APIError(429, f"the server is overloaded: a new request would wait about "
+            raise APIError(429, f"the server is overloaded: a new request could wait up to "
                                 f"{stats.predicted_wait_s:.1f} s to start (limit {wait_limit:g} s); retry later",
                            type="rate_limit_error", code="predicted_wait",
                            headers=state.overload_headers(stats.predicted_wait_s))
