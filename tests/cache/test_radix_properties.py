@@ -363,8 +363,9 @@ class SnapshotRadixMachine(RadixMachine):
         self._setup(page_size, num_pages, num_snapshots)
 
     def snap_lru_unlocked(self) -> list[tuple[int, ...]]:
+        """Eviction order: unprotected snapshots, then session-protected ones, oldest first."""
         return sorted((p for p in self.snaps if not self.snap_locks.get(p)),
-                      key=lambda p: self.snap_access[p])
+                      key=lambda p: (self.protected(p), self.snap_access[p]))
 
     def forget_snapshot(self, pre: tuple[int, ...], reused: bool = False) -> None:
         slot = self.snaps.pop(pre)
