@@ -64,7 +64,12 @@ def size_overrides(arch: str, hidden: int, layers: int) -> dict:
                     linear_num_key_heads=heads, linear_num_value_heads=heads * 2,
                     linear_key_head_dim=32, linear_value_head_dim=32,
                     moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden)
-    return dict(hidden_size=hidden, num_hidden_layers=layers)
+    if arch == "BailingHybridForCausalLM":   # KDA heads = attention heads, MLA latent of hidden / 4
+        return dict(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                    num_attention_heads=heads * 2, num_key_value_heads=heads * 2, head_dim=32,
+                    kv_lora_rank=hidden // 4, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                    moe_intermediate_size=hidden)
+    raise SystemExit(f"no size overrides for {arch}")
 
 
 async def _drive_http(base_url: str, model: str, w, args: argparse.Namespace, mode: str) -> ModeResult:
