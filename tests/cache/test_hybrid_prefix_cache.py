@@ -77,6 +77,7 @@ def test_session_turns_hit_previous_prompt_and_output(hybrid: Any, residue: int,
         assert len(prev) % P == residue
     stats = on.engine.stats()
     assert stats.cached_tokens_total > 0
+    assert stats.state_snapshots_cached == on.engine.kv.cache.num_snapshots > 0
     on.engine.check_pages()
 
 

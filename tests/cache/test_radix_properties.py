@@ -344,6 +344,8 @@ class RadixMachine(RuleBasedStateMachine):
             want = self.model_match(seq)
             self.check_match(self.cache.match_prefix(seq, touch=False), want)
             assert self.cache.cached_prefix_length(seq) == len(want) * self.P
+            pages = [pre for pre in self.prefixes(seq, len(seq) // self.P) if pre in self.cached]
+            assert self.cache.page_prefix_length(seq) == len(pages) * self.P   # snapshots ignored
         assert self.cache.num_snapshots == len(self.snaps)
         assert self.cache.num_locked_snapshots == sum(1 for n in self.snap_locks.values() if n)
         for slot in self.snaps.values():
@@ -361,8 +363,9 @@ class SnapshotRadixMachine(RadixMachine):
         self._setup(page_size, num_pages, num_snapshots)
 
     def snap_lru_unlocked(self) -> list[tuple[int, ...]]:
+        """Eviction order: unprotected snapshots, then session-protected ones, oldest first."""
         return sorted((p for p in self.snaps if not self.snap_locks.get(p)),
-                      key=lambda p: self.snap_access[p])
+                      key=lambda p: (self.protected(p), self.snap_access[p]))
 
     def forget_snapshot(self, pre: tuple[int, ...], reused: bool = False) -> None:
         slot = self.snaps.pop(pre)

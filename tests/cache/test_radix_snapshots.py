@@ -152,3 +152,21 @@ def test_check_invariants_catches_snapshot_leaks() -> None:
     slots.alloc_snapshot()                       # a slot taken behind the tree's back
     with pytest.raises(AssertionError, match="snapshot accounting"):
         cache.check_invariants()
+
+
+def test_snapshots_of_a_retained_session_are_evicted_last() -> None:
+    now = [0.0]
+    pool, slots = PagePool(32), StateSlotPool(1, 2)
+    cache = RadixCache(pool, P, session_retention_s=10.0, clock=lambda: now[0], snapshot_slots=slots)
+    a, b, c = [1] * 8, [2] * 8, [3] * 8
+    cache.insert(a, pool.alloc(2), session_id="s")
+    cache.insert(b, pool.alloc(2))
+    cache.insert(c, pool.alloc(2))
+    sa = cache.add_snapshot(a)                   # oldest, but its session is retained
+    sb = cache.add_snapshot(b)
+    cache.session_finished("s")
+    assert cache.add_snapshot(c) == sb           # b goes first although a is older
+    assert cache.has_snapshot(sa)
+    now[0] = 11.0                                # the window closed: plain LRU again
+    assert cache.add_snapshot(b) == sa
+    cache.check_invariants()

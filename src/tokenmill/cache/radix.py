@@ -50,9 +50,9 @@ State snapshots (hybrid models)
     at the deepest matched node that has one and returns its slot; pages past it are not
     reused. Snapshots have their own budget (the allocator's slots) and their own LRU, apart
     from the pages': ``add_snapshot`` takes a free slot or the least recently used unlocked
-    snapshot's. Evicting a node's pages (all of them, or its tail) drops its snapshot and
-    returns the slot; dropping a snapshot leaves the pages, so a match falls back to the
-    nearest earlier snapshot. ``lock_snapshot`` pins a snapshot (and its node's path) while
+    snapshot's (those of retained sessions last, as for pages). Evicting a node's pages (all
+    of them, or its tail) drops its snapshot and returns the slot; dropping a snapshot leaves
+    the pages, so a match falls back to the nearest earlier snapshot. ``lock_snapshot`` pins a snapshot (and its node's path) while
     the engine restores it. Without ``snapshot_slots`` (dense models) none of this applies.
 
 Lower tiers
@@ -409,15 +409,25 @@ class RadixCache:
         return True
 
     def evict_snapshots(self, n: int) -> int:
-        """Drop up to ``n`` unlocked snapshots, least recently used first; returns how many."""
+        """Drop up to ``n`` unlocked snapshots, least recently used first; returns how many.
+
+        Two tiers like page eviction: snapshots of no retained session first, then those whose
+        node is protected by a session retention window (oldest first in each)."""
         if n <= 0:
             return 0
-        victims = []
+        now = self._clock()
+        victims: list[Snapshot] = []
+        protected: list[Snapshot] = []
         for snap in self._snapshots.values():
             if len(victims) == n:
                 break
-            if not snap.lock_ref:
+            if snap.lock_ref:
+                continue
+            if snap.node.sessions and self._protected_until(snap.node, now) > now:
+                protected.append(snap)
+            else:
                 victims.append(snap)
+        victims.extend(protected[:n - len(victims)])
         for snap in victims:
             self._drop_snapshot(snap)
         return len(victims)

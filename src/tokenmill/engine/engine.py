@@ -72,6 +72,7 @@ class EngineStats:
     state_slots_free: int = 0
     state_pool_usage: float = 0.0
     state_snapshot_slots: int = 0
+    state_snapshots_cached: int = 0    # snapshot slots holding a snapshot of the prefix cache
     state_bytes_per_request: int = 0
     predicted_wait_s: float = 0.0    # how long a request queued now would wait to start (admission.py)
 
@@ -531,4 +532,5 @@ class Engine:
             return {}
         return dict(state_slots_total=slots.num_request_slots, state_slots_free=slots.num_free(),
                     state_pool_usage=self.kv.state_usage(), state_snapshot_slots=slots.num_snapshot_slots,
+                    state_snapshots_cached=slots.num_snapshot_slots - slots.num_free_snapshots(),
                     state_bytes_per_request=self.kv_spec.bytes_per_request())
