@@ -27,19 +27,37 @@ Hybrid models (``slots``, a :class:`~tokenmill.cache.state_slots.StateSlotPool`)
 request also owns one state slot (the recurrent and conv state of every linear-attention layer).
 Admission takes a slot *and* pages (:meth:`take_slot` first, then :meth:`allocate`); whatever
 makes a request leave (finish, abort, preemption, a failed admission) goes through
-:meth:`release`, which gives back both. A prefix hit on a hybrid model would also have to
-restore the linear layers' state at the end of the match; :meth:`_match_hybrid` is the hook that
-decides it (today: no hit, so every request computes its state from position 0 and results are
-exact).
+:meth:`release`, which gives back both.
+
+Prefix hits of a hybrid model (the cache has ``snapshot_slots``): the tree also holds state
+snapshots, slots of the same state pool holding the linear layers' state after a page-aligned
+prefix, and a match ends only at one (:meth:`_match_hybrid`). The snapshot is locked and named in
+``req.snapshot_restore``; the model runner copies it into the request's slot before the
+request's first step, after which :meth:`after_step` unlocks it. Computation then continues from
+the snapshot's position, exactly as if the prefix had been computed. Snapshots are taken in
+:meth:`after_step` by copying the request's slot (``copy_state``, set by the engine) right after
+a step whose computed tokens end on a page boundary:
+
+* every ``snapshot_interval`` tokens (the scheduler cuts prefill chunks there, :meth:`chunk_limit`);
+* at a *branch point*: where a request's cached pages run further than its snapshot match (the
+  prompt diverges from a cached one there), the request's chunk is cut at the end of those pages
+  and the state there is kept, so the next request sharing that prefix hits all of it;
+* at the request's latest page boundary (decodes crossing one; the prefill is cut at the
+  prompt's last one when ``max_tokens`` cannot reach the next): the request keeps one such
+  *tail* snapshot, replaced as it advances, so when it leaves (finished, aborted or preempted)
+  the tree holds the state at the last page boundary of its prompt + output; turn 2 of a
+  session hits turn 1's prompt + output there.
 
 Invariants (checked by :meth:`KVManager.check`):
 ``pool.num_free() + cache.num_cached_pages + sum(request-only pages) == pool.num_pages``;
 with slots, every running request holds a distinct request slot that is not on the free list,
-and ``slots.num_free() + running requests == slots.num_request_slots``.
+and ``slots.num_free() + running requests == slots.num_request_slots``; with snapshots, the tree's
+snapshot accounting holds (``RadixCache.check_invariants``) and its locked snapshots are exactly
+the pending restores of running requests.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.cache.page_pool import PagePool
@@ -52,7 +70,8 @@ if TYPE_CHECKING:
 
 class KVManager:
     def __init__(self, pool: PagePool, page_size: int, cache: RadixCache | None = None,
-                 tiers: Any = None, slots: StateSlotPool | None = None) -> None:
+                 tiers: Any = None, slots: StateSlotPool | None = None,
+                 snapshot_interval: int = 0) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if tiers is not None and cache is None:
@@ -64,9 +83,20 @@ class KVManager:
         self.cache = cache
         self.tiers = tiers
         self.slots = slots
-        # Whether admission may reuse cached pages: always for attention-only models; for hybrid
-        # models only once a hit can restore the linear layers' state (see _match_hybrid).
-        self.prefix_reuse = cache is not None and slots is None
+        if cache is not None and slots is not None and not cache.uses_snapshots:
+            raise ValueError("a hybrid model's prefix cache needs snapshot_slots (its matches end at "
+                             "state snapshots)")
+        if snapshot_interval < 0 or snapshot_interval % page_size:
+            raise ValueError(f"snapshot_interval must be 0 or a multiple of page_size {page_size}, "
+                             f"got {snapshot_interval}")
+        self.snapshot_interval = snapshot_interval
+        # Whether admission may reuse cached pages (a hybrid model's hits end at snapshots).
+        self.prefix_reuse = cache is not None
+        # Hybrid models: copy_state(src_slot, dst_slot) copies every linear layer's state; the
+        # engine sets it to the model runner's StatePool.copy (None: no snapshot is taken).
+        self.copy_state: Callable[[int, int], None] | None = None
+        self.num_snapshots_taken = 0
+        self.num_snapshot_hits = 0
 
     # -- capacity ------------------------------------------------------------------------------
     @property
@@ -175,17 +205,100 @@ class KVManager:
         return len(pages) * P
 
     def _match_hybrid(self, req: Request) -> int:
-        """The prefix hit of a hybrid model's request (the snapshot hook).
+        """The prefix hit of a hybrid model's request: up to the deepest cached snapshot.
 
-        A hit is usable only where the state of every linear layer at the end of the matched
-        tokens can be restored into ``req.state_slot``. Until the cache holds such snapshots no
-        hit is taken: the request is computed from position 0 (its first chunk starts from a
-        zero state), so outputs are exactly those of an uncached run.
+        The snapshot is locked (with its path) until the model runner has restored it into
+        ``req.state_slot`` (``req.snapshot_restore``); with no snapshot on the path the request
+        is computed from position 0 (a zero state). Where the cached pages run further than the
+        snapshot, that branch point joins ``req.snapshot_cuts`` (positions to snapshot at).
         """
+        assert self.cache is not None
+        P = self.page_size
+        per = self.cache.page_size
+        max_pages = (req.num_tokens - 1) // P
+        key = req.cache_key(max_pages * per)[:max_pages * per]
+        m = self.cache.match_prefix(key)
+        paged = self.cache.page_prefix_length(key) // per * P
+        req.snapshot_cuts = [paged] if paged > m.num_tokens // per * P else []
         if req.num_cached_tokens is None:
-            req.cached_tokens_by_tier = {"l1": 0, "l2": 0, "l3": 0}
-        req.page_table = []
-        return 0
+            req.cached_tokens_by_tier = {"l1": m.num_tokens // per * P, "l2": 0, "l3": 0}
+        if m.snapshot is None:
+            req.page_table = []
+            return 0
+        self.cache.lock(m.node)
+        self.cache.lock_snapshot(m.snapshot)
+        req.snapshot_restore = m.snapshot
+        req.cache_node = m.node
+        req.page_table = list(m.pages)
+        req.num_tree_pages = len(m.pages)
+        req.num_computed_tokens = len(m.pages) * P
+        self.num_snapshot_hits += 1
+        return req.num_computed_tokens
+
+    def chunk_limit(self, req: Request, num_tokens: int) -> int:
+        """A prefill chunk of ``num_tokens`` from ``req.num_computed_tokens``, cut (hybrid models)
+        at the next snapshot point: the next multiple of ``snapshot_interval``, a branch point, or
+        the last page boundary of the request's tokens when its ``max_tokens`` cannot take decoding
+        to the next one (so the state at the end of its prompt + output is still kept; the rest
+        of the chunk is under a page). A request that may decode past the next boundary gets its
+        tail snapshot there instead, and its prefill is not cut."""
+        if self.slots is None or self.cache is None or num_tokens <= 1:
+            return num_tokens
+        P = self.page_size
+        start = req.num_computed_tokens
+        end = start + num_tokens
+        n = req.num_tokens
+        last = n // P * P
+        if start < last < end and n + req.params.max_tokens - req.num_output_tokens - 1 < last + P:
+            end = last
+        if self.snapshot_interval:
+            nxt = (start // self.snapshot_interval + 1) * self.snapshot_interval
+            if nxt < end:
+                end = nxt
+        for cut in req.snapshot_cuts:
+            if start < cut < end:
+                end = cut
+        return end - start
+
+    def request_snapshot(self, req: Request, num_tokens: int) -> None:
+        """Have running ``req`` snapshot its state after ``num_tokens`` tokens (a page boundary it
+        has not computed yet); the scheduler asks for it where a waiting request shares ``req``'s
+        prompt up to there. A no-op for attention-only models."""
+        if (self.slots is None or self.cache is None or num_tokens % self.page_size
+                or num_tokens <= req.num_computed_tokens or num_tokens in req.snapshot_cuts):
+            return
+        req.snapshot_cuts.append(num_tokens)
+
+    def after_step(self, req: Request) -> None:
+        """A hybrid model's request after a step (``num_computed_tokens`` updated): the restore
+        is done, and when the computed tokens end on a page boundary the state is snapshotted."""
+        cache = self.cache
+        if self.slots is None or cache is None:
+            return
+        if req.snapshot_restore is not None:
+            cache.unlock_snapshot(req.snapshot_restore)
+            req.snapshot_restore = None
+        p = req.num_computed_tokens
+        P = self.page_size
+        if p == 0 or p % P or self.copy_state is None or req.state_slot is None:
+            return
+        self.cache_computed(req)                      # the pages up to p join the tree first
+        per = cache.page_size
+        n = p // P * per
+        slot = cache.add_snapshot(req.cache_key(n)[:n])
+        if slot is not None:
+            self.copy_state(req.state_slot, slot)
+            self.num_snapshots_taken += 1
+        cuts = req.snapshot_cuts
+        at_cut = p in cuts
+        if cuts:
+            req.snapshot_cuts = [c for c in cuts if c > p]
+        if (self.snapshot_interval and p % self.snapshot_interval == 0) or at_cut:
+            return                                    # kept for others: not the request's tail
+        tail = req.tail_snapshot
+        if tail is not None and cache.snapshot(tail.slot) is tail:
+            cache.drop_snapshot(tail.slot)            # superseded by the one at p (unless locked)
+        req.tail_snapshot = cache.snapshot(slot) if slot is not None else None
 
     def admitted(self, req: Request) -> None:
         """``req`` was admitted for the first time: count its hits per tier."""
@@ -255,6 +368,12 @@ class KVManager:
         they become evictable); the rest go back to the pool.
         """
         self._release_slot(req)
+        if req.snapshot_restore is not None:          # left before its first step
+            assert self.cache is not None
+            self.cache.unlock_snapshot(req.snapshot_restore)
+            req.snapshot_restore = None
+        req.tail_snapshot = None                      # stays in the tree as an ordinary snapshot
+        req.snapshot_cuts = []
         if keep_in_cache:
             self.cache_computed(req)
         if req.cache_node is not None:
@@ -284,6 +403,8 @@ class KVManager:
         requests = list(requests)
         if self.slots is not None:
             self._check_slots(requests)
+            if self.cache is not None:
+                self._check_restores(requests)
         request_only = sum(len(r.page_table) - r.num_tree_pages for r in requests)
         cached = 0
         if self.cache is not None:
@@ -294,6 +415,22 @@ class KVManager:
             raise AssertionError(
                 f"page accounting broken: free {free} + cached {cached} + request-only "
                 f"{request_only} != total {self.pool.num_pages}")
+
+    def _check_restores(self, requests: list[Request]) -> None:
+        """The tree's snapshot locks are exactly the running requests' pending restores."""
+        assert self.cache is not None
+        want: dict[int, int] = {}
+        for r in requests:
+            if r.snapshot_restore is not None:
+                want[r.snapshot_restore] = want.get(r.snapshot_restore, 0) + 1
+        for slot, n in want.items():
+            snap = self.cache.snapshot(slot)
+            if snap is None or snap.lock_ref != n:
+                raise AssertionError(f"snapshot accounting broken: slot {slot} is being restored by {n} "
+                                     f"requests but holds {snap.lock_ref if snap else 'no snapshot'} locks")
+        if len(want) != self.cache.num_locked_snapshots:
+            raise AssertionError(f"snapshot accounting broken: {self.cache.num_locked_snapshots} locked "
+                                 f"snapshots but {len(want)} being restored")
 
     def _check_slots(self, requests: list[Request]) -> None:
         assert self.slots is not None

@@ -176,8 +176,19 @@ class ModelRunner:
         ctx.logits = self.model(ctx)
         return ctx
 
+    def restore_states(self, out: SchedulerOutput) -> None:
+        """Hybrid models: copy each prefix hit's state snapshot into its request's slot, before
+        the request's first step (``req.snapshot_restore``; the KV manager unlocks it after)."""
+        if self.states is None:
+            return
+        for s in out.scheduled:
+            snap = s.request.snapshot_restore
+            if snap is not None:
+                self.states.copy(snap, s.request.state_slot)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        self.restore_states(out)
         batch, samplers = self.build_batch(out)
         ctx = self.forward(batch, self.capture_layers)
         logits = ctx.logits

@@ -180,6 +180,10 @@ def _qwen3_next(config: Any) -> Qwen3NextArgs:
         if isinstance(params, dict) else getattr(config, "partial_rotary_factor", 0.25)
     if scaling is not None:
         scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}
+    types = list(getattr(config, "layer_types", None) or [])
+    if len(types) < int(config.num_hidden_layers):
+        raise ModelLoadError(f"config sets layer_types with {len(types)} entries for num_hidden_layers="
+                             f"{config.num_hidden_layers}; it needs one per layer")
     try:
         heads = int(config.num_attention_heads)
         return Qwen3NextArgs(

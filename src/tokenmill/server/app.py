@@ -100,7 +100,7 @@ def build_app(state: ServerState) -> FastAPI:
         wait_limit = state.config.max_queue_wait_s
         if wait_too_long(stats.predicted_wait_s, wait_limit):
             state.metrics.rejected["predicted_wait"] += 1
-            raise APIError(429, f"the server is overloaded: a new request would wait about "
+            raise APIError(429, f"the server is overloaded: a new request could wait up to "
                                 f"{stats.predicted_wait_s:.1f} s to start (limit {wait_limit:g} s); retry later",
                            type="rate_limit_error", code="predicted_wait",
                            headers=state.overload_headers(stats.predicted_wait_s))
@@ -193,6 +193,7 @@ def build_app(state: ServerState) -> FastAPI:
             # hybrid models' state pool (zeros for attention-only models): request slots
             "state_pool_usage": s.state_pool_usage, "state_slots_total": s.state_slots_total,
             "state_slots_free": s.state_slots_free, "state_snapshot_slots": s.state_snapshot_slots,
+            "state_snapshots_cached": s.state_snapshots_cached,
             "state_bytes_per_request": s.state_bytes_per_request,
             "cached_tokens": s.cached_tokens_total,
             "prompt_tokens": s.prompt_tokens_total, "generation_tokens": s.generation_tokens_total,

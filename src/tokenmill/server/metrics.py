@@ -158,6 +158,8 @@ class _EngineCollector:
             yield family(g, "state_slots_free", "State-pool request slots free.", stats.state_slots_free)
             yield family(g, "state_snapshot_slots", "State-pool slots for prefix-cache state snapshots.",
                          stats.state_snapshot_slots)
+            yield family(g, "state_snapshots_cached", "Snapshot slots holding a prefix-cache state snapshot.",
+                         stats.state_snapshots_cached)
             yield family(g, "state_bytes_per_request", "State-pool bytes of one request slot (all linear layers).",
                          stats.state_bytes_per_request)
         queries = stats.prompt_tokens_total if self.m.prefix_cache_enabled else 0
