@@ -194,26 +194,28 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         state = torch.zeros(b, c, kw - 1, dtype=torch.float32, device=x.device)
     if tuple(state.shape) != (b, c, kw - 1):
         raise ValueError(f"conv state must be [B={b}, C={c}, K-1={kw - 1}], got {tuple(state.shape)}")
-    xf = x.float()
-    # Extended buffer: for each sequence its K-1 state inputs then its own inputs, [T + B(K-1), C].
-    pieces, window_rows, tail_rows = [], [], []
-    offset = 0
-    for i in range(b):
-        n = qsl[i + 1] - qsl[i]
-        pieces.append(state[i].float().transpose(0, 1))
-        pieces.append(xf[qsl[i]:qsl[i + 1]])
-        window_rows.append(torch.arange(offset, offset + n, device=x.device))
-        tail_rows.append(torch.arange(offset + n, offset + n + kw - 1, device=x.device))
-        offset += n + kw - 1
-    ext = torch.cat(pieces, dim=0)
-    taps = torch.arange(kw, device=x.device)
-    idx = torch.cat(window_rows)[:, None] + taps[None, :]          # [T, K]
+    t, dev, w1 = x.shape[0], x.device, kw - 1
+    if b == 0:
+        return ConvOutput(x.new_empty(0, c), state)
+    # Extended buffer [T + B(K-1), C], built without a loop over sequences: sequence i's K-1 state
+    # inputs at rows qsl[i] + i(K-1) .., then its tokens; token r's window (its K inputs, oldest
+    # first) starts at row r + i(K-1).
+    lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(b)], device=dev)
+    seq_of = torch.repeat_interleave(torch.arange(b, device=dev), lens)                  # [T]
+    rows = torch.arange(t, device=dev) + seq_of * w1                                    # window start
+    seq_start = torch.tensor(qsl[:-1], device=dev) + torch.arange(b, device=dev) * w1   # [B]
+    taps = torch.arange(w1, device=dev)
+    ext = torch.empty(t + b * w1, c, dtype=torch.float32, device=dev)
+    ext[rows + w1] = x.float()
+    ext[(seq_start[:, None] + taps[None, :]).reshape(-1)] = state.float().transpose(1, 2).reshape(-1, c)
+    idx = rows[:, None] + torch.arange(kw, device=dev)[None, :]                        # [T, K]
     out = (ext[idx] * weight.float().transpose(0, 1)[None]).sum(dim=1)
     if bias is not None:
         out = out + bias.float()
     if activation is not None:
         out = F.silu(out)
-    new_state = ext[torch.stack(tail_rows)].transpose(1, 2) if b else state
+    tail = (seq_start + lens)[:, None] + taps[None, :]                                   # [B, K-1]
+    new_state = ext[tail].transpose(1, 2)
     return ConvOutput(out.to(x.dtype), new_state.contiguous())
 
 
