@@ -270,3 +270,87 @@ def test_a_rank_failing_to_start_is_reported(tiny_dir) -> None:
     path = str(tiny_dir("DeepseekV3ForCausalLM"))
     with pytest.raises(ReplicaFailedError, match=r"rank \d failed to start: .*(MLA|native|latent)"):
         LLM(path, tensor_parallel_size=2, attention_backend="native", **{k: v for k, v in KW.items()})
+
+
+# ---------------------------------------------------------------------------------- expert parallelism
+def test_ep2_deepseek_v3_matches_one_rank(tiny_dir) -> None:
+    """moe_parallel='ep' at N=2: each rank holds 4 of the 8 routed experts whole (the router and the
+    activations are replicated, tokens go to the owner's experts, partial sums all-reduced);
+    greedy tokens identical to N=1, logprobs within 1e-5, a cache hit on turn 2."""
+    path = str(tiny_dir("DeepseekV3ForCausalLM"))
+    loaded = load_model(path)
+    one = LLM(path, loaded=loaded, **KW)
+    ref = _run(one)
+    with LLM(path, loaded=loaded, tensor_parallel_size=2, moe_parallel="ep", **KW) as two:
+        info = two.engine.runner.rank_info
+        assert [tuple(i["experts"]) for i in info] == [(0, 4), (4, 8)]
+        got = _run(two)
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        turn1 = two.generate([LONG[:70]], params)[0]
+        turn2 = LONG[:70] + list(turn1.token_ids) + [9, 8, 7]
+        second = two.generate([turn2], params)[0]
+        assert second.cached_tokens >= 64
+        assert list(second.token_ids) == list(one.generate([turn2], params)[0].token_ids)
+    _assert_same(ref, got)
+
+
+def test_ep3_uneven_experts_match_one_rank_and_the_planner(tmp_path: Path) -> None:
+    """8 experts over 3 ranks (3 + 3 + 2, the first E % N ranks hold one more); 6 query heads so
+    N=3 divides them. Each rank's expert weight bytes are its experts' share of the planner's
+    per-device figure for the same --ep (the planner itself refuses an uneven split)."""
+    from tokenmill.plan.capacity import Deployment
+    from tokenmill.plan.hardware import get_hardware
+    from tokenmill.plan.models import load_model as plan_model
+    from tokenmill.plan.moe import MoEBoundsInput, moe_bounds
+
+    path = str(build_tiny_checkpoint(tmp_path, arch="DeepseekV3ForCausalLM", seed=3, num_attention_heads=6,
+                                     num_key_value_heads=6, moe_intermediate_size=48))
+    loaded = load_model(path)
+    ref = _run(LLM(path, loaded=loaded, **KW))
+    with LLM(path, loaded=loaded, tensor_parallel_size=3, moe_parallel="ep", **KW) as three:
+        info = three.engine.runner.rank_info
+        got = _run(three)
+    assert [tuple(i["experts"]) for i in info] == [(0, 3), (3, 6), (6, 8)]
+    _assert_same(ref, got)
+    a = loaded.model.args
+    moe_layers = a.num_layers - a.first_k_dense_replace
+    spec = plan_model(path)
+    for ep, per_rank in ((1, 8), (2, 4), (4, 2)):   # the planner's even splits of the same 8 experts
+        b = moe_bounds(spec, get_hardware("h200"), Deployment(tp=ep, ep=ep, weight_bits={"experts": 32}),
+                       MoEBoundsInput(tokens=1))
+        assert b.local_experts == per_rank
+        per_expert = b.expert_weight_bytes / per_rank
+    assert [i["expert_weight_bytes"] for i in info] == [moe_layers * n * per_expert for n in (3, 3, 2)]
+
+
+def test_expert_parallel_settings_are_checked() -> None:
+    import dataclasses
+
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.models.deepseek_v3 import DeepseekV3Args
+    from tokenmill.models.tensor_parallel import check_deepseek_tensor_parallel, expert_range
+
+    assert [expert_range(8, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 8)]
+    assert [expert_range(4, r, 4) for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    with pytest.raises(ValueError, match="moe_parallel must be one of"):
+        EngineConfig(model="x", moe_parallel="dp")
+    args = DeepseekV3Args(vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                          num_layers=2, num_heads=16, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                          qk_rope_head_dim=8, v_head_dim=8, rope_interleave=True, rms_norm_eps=1e-6,
+                          rope_theta=1e4, max_position_embeddings=256, rope_scaling=None, n_routed_experts=8,
+                          num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                          first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.0)
+    check_deepseek_tensor_parallel(args, 8, "ep")
+    with pytest.raises(ValueError, match="needs at least 16 routed experts; the model has 8"):
+        check_deepseek_tensor_parallel(args, 16, "ep")
+    odd = dataclasses.replace(args, moe_intermediate_size=36)
+    with pytest.raises(ValueError, match="shared experts' intermediate size 36"):
+        check_deepseek_tensor_parallel(odd, 8, "ep")
+    with pytest.raises(ValueError, match="does not divide moe_intermediate_size=36.*moe_parallel='ep'"):
+        check_deepseek_tensor_parallel(odd, 8, "tp")
+    check_deepseek_tensor_parallel(dataclasses.replace(odd, n_shared_experts=2), 8, "ep")   # 72 splits
+
+
+def test_expert_parallel_refused_for_a_dense_model(tiny_gqa: Path) -> None:
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        LLM(str(tiny_gqa), kv_cache_tokens=256, tensor_parallel_size=2, moe_parallel="ep")

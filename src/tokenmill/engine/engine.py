@@ -89,7 +89,8 @@ class Engine:
                 model=str(self.loaded.source) if loaded is not None else config.model, dtype=config.dtype,
                 tp=config.tensor_parallel_size, num_pages=self.kv.num_pages, page_size=config.page_size,
                 device=self.device.type, kv_dtype=self.kv_spec.dtype, attention_backend=config.attention_backend,
-                num_threads=config.num_threads, pin_cores=config.tp_pin_cores, init_method=new_init_method()),
+                num_threads=config.num_threads, pin_cores=config.tp_pin_cores, init_method=new_init_method(),
+                moe_parallel=config.moe_parallel),
                 self.loaded.model)
             self.tiers = None                # refused with tensor parallelism by EngineConfig
             self.kv.tiers = None
@@ -147,7 +148,7 @@ class Engine:
         from tokenmill.models.tensor_parallel import rank_kv_cache_spec
 
         check_tensor_parallel_devices(tp, self.config.device)
-        return rank_kv_cache_spec(model, tp)
+        return rank_kv_cache_spec(model, tp, self.config.moe_parallel)
 
     def _init_kv(self) -> None:
         cfg = self.config

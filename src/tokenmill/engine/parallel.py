@@ -65,6 +65,7 @@ class WorkerSpec:
     pin_cores: bool            # CPU: pin rank r to core r % cpu_count
     init_method: str
     seed: int | None = None
+    moe_parallel: str = "tp"   # MoE experts: "tp" (intermediate split) or "ep" (whole experts per rank)
 
 
 def check_tensor_parallel_devices(tp: int, device: str) -> None:
@@ -113,7 +114,7 @@ class ParallelRunner:
             # shared memory (torch.multiprocessing), so no rank reads or holds the whole checkpoint
             shards = []
             for rank in range(spec.tp):
-                kind, full_args, part = shard_weights(model, rank, spec.tp)
+                kind, full_args, part = shard_weights(model, rank, spec.tp, spec.moe_parallel)
                 part = {k: v.contiguous().share_memory_() for k, v in part.items()}
                 shards.append(part)
                 try:
@@ -132,6 +133,10 @@ class ParallelRunner:
         log.info("tensor parallel: %d ranks ready (%s), KV per rank: %d pages x %d tokens, %d B/token",
                  spec.tp, "gloo" if spec.device == "cpu" else "nccl", spec.num_pages, spec.page_size,
                  self.rank_info[0]["kv_bytes_per_token"])
+        if spec.moe_parallel == "ep" and self.rank_info[0].get("experts") is not None:
+            log.info("expert parallel: %s", ", ".join(
+                f"rank {i['rank']} experts {i['experts'][0]}..{i['experts'][1] - 1} "
+                f"({i['expert_weight_bytes'] / 2**20:.1f} MiB)" for i in self.rank_info))
 
     # ---- the ModelRunner interface -------------------------------------------------------------
     def make_generator(self, seed: int | None) -> None:
@@ -298,9 +303,13 @@ def _worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
 
+    m_args = runner.model.args
     _send(conn, ("ready", {"rank": rank, "kv_bytes_per_token": runner.kv_spec.bytes_per_token(),
-                           "num_heads": runner.model.args.num_heads,
-                           "num_kv_heads": getattr(runner.model.args, "num_kv_heads", None)}))
+                           "num_heads": m_args.num_heads,
+                           "num_kv_heads": getattr(m_args, "num_kv_heads", None),
+                           "experts": getattr(m_args, "local_experts", None),
+                           "expert_weight_bytes": (runner.model.expert_weight_bytes()
+                                                   if hasattr(runner.model, "expert_weight_bytes") else 0)}))
     steps = 0
     try:
         while True:
@@ -367,7 +376,7 @@ def _worker_setup(rank: int, spec: WorkerSpec, conn: Connection) -> tuple[Any, _
     what, kind, full_args, weights = conn.recv()
     if what != "weights":
         raise RuntimeError(f"expected this rank's weights first, got {what!r}")
-    shard = build_shard(kind, full_args, rank, spec.tp, dtype, weights)
+    shard = build_shard(kind, full_args, rank, spec.tp, dtype, weights, spec.moe_parallel)
     del weights
     kv_spec = shard.kv_cache_spec().with_dtype(spec.kv_dtype)
     runner = ModelRunner(shard, spec.num_pages, spec.page_size, shard.full_args.vocab_size, device=device,
