@@ -354,3 +354,90 @@ def test_expert_parallel_settings_are_checked() -> None:
 def test_expert_parallel_refused_for_a_dense_model(tiny_gqa: Path) -> None:
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         LLM(str(tiny_gqa), kv_cache_tokens=256, tensor_parallel_size=2, moe_parallel="ep")
+
+
+# ---------------------------------------------------------------------------------- speculative decoding
+SPEC_PROMPTS = [p + p[:9] + p for p in ([(11 * i + 5) % 900 + 20 for i in range(30)], [401, 402, 403, 404] * 3,
+                                        LONG[:50])]   # repeats give the model-free proposers matches
+
+
+def test_tp2_speculative_decoding_matches_one_rank(tiny_gqa: Path) -> None:
+    """Suffix speculation and a scripted proposer (70% right drafts: accepts and rejects in one
+    step) at N=2: greedy tokens and logprobs of N=1 without speculation (suffix drafts learnt from
+    the first run's outputs are accepted on the second); rank 0 verifies, every rank's K/V follows
+    the scheduler's rollback. Seeded sampling with the same drafts equals N=1's."""
+    import random
+
+    from tokenmill.engine.spec.base import Draft, Proposer
+
+    class Scripted(Proposer):
+        name = "scripted"
+
+        def __init__(self, continuations: dict, seed: int = 0) -> None:
+            self.continuations, self.rng = continuations, random.Random(seed)
+
+        def propose(self, requests, num_tokens):
+            out = []
+            for req, k in zip(requests, num_tokens):
+                draft = self.continuations[tuple(req.prompt_token_ids)][req.num_output_tokens:req.num_output_tokens + k]
+                out.append(Draft([t if self.rng.random() < 0.7 else (t + 1) % 49152 for t in draft]))
+            return out
+
+    loaded = load_model(str(tiny_gqa))
+    kw = dict(KW, max_batch_tokens=64, speculative_method="suffix", speculative_adaptive=False)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=20)
+    ref = _run(LLM(str(tiny_gqa), loaded=loaded, **KW), SPEC_PROMPTS, params)
+    script = {tuple(p): list(o.token_ids) + [5] * 8 for p, o in zip(SPEC_PROMPTS, ref)}
+    sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=s, ignore_eos=True) for s in (5, 6, 7)]
+    one_spec = LLM(str(tiny_gqa), loaded=loaded, **kw)
+    one_spec.engine.spec.proposer = Scripted(script, seed=3)
+    ref_sampled = one_spec.generate(SPEC_PROMPTS, sampled)
+    with LLM(str(tiny_gqa), loaded=loaded, tensor_parallel_size=2, **kw) as two:
+        spec = two.engine.spec
+        for run in range(3):
+            if run == 2:
+                spec.proposer = Scripted(script)
+            before = (spec.stats.proposed, spec.stats.accepted)
+            _assert_same(ref, _run(two, SPEC_PROMPTS, params))
+            proposed, accepted = spec.stats.proposed - before[0], spec.stats.accepted - before[1]
+            if run:
+                assert accepted > 0 and proposed > 0, spec.proposer.name
+        assert proposed > accepted              # the scripted run rejected drafts, rolled back
+        spec.proposer = Scripted(script, seed=3)
+        got_sampled = two.generate(SPEC_PROMPTS, sampled)
+    assert [list(o.token_ids) for o in got_sampled] == [list(o.token_ids) for o in ref_sampled]
+
+
+def test_tp2_dflash_drafter_reads_the_same_hidden_states(tiny_gqa: Path, tmp_path: Path) -> None:
+    """DFlash at N=2: rank 0 returns the hidden states of the target layers (whole after the
+    all-reduces) and the drafter proposes what it proposes at N=1; greedy tokens unchanged."""
+    from tokenmill.models.dflash import DrafterConfig, init_drafter, save_drafter
+
+    loaded = load_model(str(tiny_gqa))
+    a = loaded.model.args
+    cfg = DrafterConfig(target_hidden_size=a.hidden_size, vocab_size=a.vocab_size, target_layers=[0, a.num_layers - 1],
+                        hidden_size=a.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+                        head_dim=a.head_dim, intermediate_size=64, block_size=5, context_window=16)
+    save_drafter(init_drafter(cfg, seed=1), tmp_path)
+    kw = dict(KW, speculative_method="dflash", speculative_model=str(tmp_path), speculative_adaptive=False)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    def recorded(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
+        proposer, drafts = llm.engine.spec.proposer, []
+        inner = proposer.propose
+
+        def propose(requests, num_tokens):
+            out = inner(requests, num_tokens)
+            drafts.extend(list(d.token_ids) for d in out)
+            return out
+
+        proposer.propose = propose
+        return [list(o.token_ids) for o in llm.generate(SPEC_PROMPTS, params)], drafts
+
+    plain = [list(o.token_ids) for o in LLM(str(tiny_gqa), loaded=loaded, **KW).generate(SPEC_PROMPTS, params)]
+    ref_tokens, ref_drafts = recorded(LLM(str(tiny_gqa), loaded=loaded, **kw))
+    with LLM(str(tiny_gqa), loaded=loaded, tensor_parallel_size=2, **kw) as two:
+        tokens, drafts = recorded(two)
+        assert two.engine.stats().spec.proposed > 0
+    assert tokens == ref_tokens == plain
+    assert sum(map(len, drafts)) > 0 and drafts == ref_drafts

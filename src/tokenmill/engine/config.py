@@ -168,9 +168,6 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
                                               or self.cache_storage not in ("", "none")):
             raise ValueError("the host and storage cache tiers run with tensor_parallel_size=1 only (their page "
                              "moves would have to reach every rank's KV shard)")
-        if self.tensor_parallel_size > 1 and self.speculative_method is not None:
-            raise ValueError("speculative decoding runs with tensor_parallel_size=1 only for now (the ranks do not "
-                             "verify drafts or capture hidden states)")
         if not self.device or not (self.device == "cpu" or self.device.startswith(("cuda", "mps", "xpu"))):
             raise ValueError(f"device must be cpu or a torch accelerator such as cuda or cuda:1, got {self.device!r}")
 

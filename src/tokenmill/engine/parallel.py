@@ -15,9 +15,17 @@ request the next-token bitmask its grammar allows (grammars advance in the sched
 for prompt logprobs how many it already holds; plus the ids of requests that have left. Every rank mirrors the requests (the same :class:`Request` objects
 the single-process runner reads), builds the same batch and runs its shard; the all-reduces
 inside the model keep the ranks in lockstep. Only rank 0 gets logits (vocabulary-parallel LM
-head gathered to it), samples, and sends back ``(token, logprob)`` per sampling request, so
+head gathered to it), samples, and sends back the tokens (and logprobs) per sampling request, so
 seeded sampling is the one-process code path with one random stream per request; prompt logprobs
 computed by rank 0 come back with the tokens.
+
+Speculative decoding: the proposer runs in the scheduler process (n-gram and suffix need only
+the token ids; a DFlash drafter reads the target's hidden states, which rank 0 captures after the
+all-reduces, where they are whole, and returns with the step). A request's drafts travel in the
+step description as more tokens of the step; every rank computes their K/V, rank 0 verifies them
+(:func:`~tokenmill.layers.speculative.verify`, the one-process code) and returns the accepted
+tokens plus one. The scheduler's rollback frees the pages past the accepted end; the ranks keep no
+page state of their own, so the next page tables are the whole rollback on every rank.
 
 Failure: the scheduler waits for rank 0's answer *and* every rank's process sentinel. A rank that
 dies (or reports an exception) makes :meth:`ParallelRunner.execute` raise
@@ -101,6 +109,9 @@ class ParallelRunner:
         self._sent: dict[str, tuple[Request, int]] = {}   # request id -> (request, tokens the ranks hold)
         self._closed = False
         self.rank_info: list[dict[str, Any]] = []
+        # target layers whose hidden states rank 0 returns with each step (a learned drafter's;
+        # after the all-reduces the hidden states are whole and the same on every rank)
+        self.capture_layers: frozenset[int] = frozenset()
         for rank in range(spec.tp):
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_worker_main, args=(rank, spec, child), name=f"tokenmill-tp{rank}", daemon=True)
@@ -159,15 +170,15 @@ class ParallelRunner:
             time.sleep(0.2)
             dead = self._dead_ranks_message()
             self._fail(f"rank 0: {msg[1]}" + (f" ({dead})" if dead and "rank 0 exited" not in dead else ""))
-        results, prompt_lps = msg[1], msg[2]
+        results, prompt_lps, captured, q_start = msg[1], msg[2], msg[3], msg[4]
         if len(results) != len(samplers):
             self._fail(f"rank 0 returned {len(results)} tokens for {len(samplers)} sampling requests")
         for s in out.scheduled:
             new = prompt_lps.get(s.request.request_id)
             if new and s.request.prompt_logprobs is not None:
                 s.request.prompt_logprobs.extend(new)
-        return StepResult([SampledTokens(req, [tok], [lp] if lp is not None else None)
-                           for req, (tok, lp) in zip(samplers, results)], {}, [])
+        return StepResult([SampledTokens(req, toks, lps, nd, na) for req, (toks, lps, nd, na) in zip(samplers, results)],
+                          captured, q_start)
 
     def stats(self) -> list[dict[str, Any]]:
         """Each rank's counters: all-reduce seconds, collective bytes, steps."""
@@ -189,7 +200,7 @@ class ParallelRunner:
         samplers: list[Request] = []
         for s in out.scheduled:
             req = s.request
-            end = s.start + s.num_tokens
+            end = s.start + s.num_tokens - s.num_draft   # drafts are not (yet) the request's tokens
             known = self._sent.get(req.request_id)
             if known is not None and known[0] is not req:  # an id reused after the old request left
                 drops.append(req.request_id)
@@ -204,10 +215,16 @@ class ParallelRunner:
             # a constrained request's allowed tokens: its grammar lives here, rank 0 applies the mask
             mask = self._grammar_mask(req) if s.samples and req.grammar is not None else None
             plp = len(req.prompt_logprobs) if req.prompt_logprobs is not None else None
-            items.append((req.request_id, s.start, s.num_tokens, s.samples, delta, req.page_table, new, mask, plp))
+            # speculative drafts (and their draft distribution, when the proposer has one): rank 0
+            # verifies them; a rejected draft's K/V sits past the request's end on every rank and
+            # is overwritten there (the scheduler's rollback frees those pages, the ranks follow
+            # the page tables)
+            probs = req.spec_probs[: s.num_draft] if s.num_draft and req.spec_probs is not None else None
+            items.append((req.request_id, s.start, s.num_tokens, s.samples, delta, req.page_table, new, mask, plp,
+                          s.draft_token_ids, probs))
             if s.samples:
                 samplers.append(req)
-        return {"drop": drops, "items": items}, samplers
+        return {"drop": drops, "items": items, "capture": self.capture_layers}, samplers
 
     def _grammar_mask(self, req: Request) -> Any:
         import xgrammar as xgr
@@ -325,12 +342,14 @@ def _worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
                                        "comm_bytes": m.comm_bytes}))
                 continue
             out = mirror.apply(body)
+            if rank == 0:
+                runner.capture_layers = body["capture"]
             with torch.inference_mode():
-                sampled = runner.execute(out)
+                result = runner.execute(out)
             steps += 1
             if rank == 0:
-                _send(conn, ("ok", [(s.token_ids[0], s.logprobs[0] if s.logprobs else None) for s in sampled.sampled],
-                                 mirror.new_prompt_logprobs()))
+                _send(conn, ("ok", [(s.token_ids, s.logprobs, s.num_draft, s.num_accepted) for s in result.sampled],
+                                 mirror.new_prompt_logprobs(), result.captured, result.query_start))
     except BaseException as e:  # noqa: BLE001
         logging.getLogger(__name__).error("rank %d failed:\n%s", rank, traceback.format_exc())
         _send(conn, ("error", f"rank {rank}: {type(e).__name__}: {e}"))
@@ -406,7 +425,7 @@ class _Mirror:
             self.requests.pop(rid, None)
         scheduled = []
         self._plp_before = {}
-        for rid, start, n, samples, delta, page_table, new, mask, plp in desc["items"]:
+        for rid, start, n, samples, delta, page_table, new, mask, plp, drafts, probs in desc["items"]:
             if new is not None:
                 prompt, params = new
                 req = Request(rid, list(prompt), params)
@@ -423,7 +442,8 @@ class _Mirror:
                 lps = req.prompt_logprobs if req.prompt_logprobs is not None else []
                 req.prompt_logprobs = (lps + [None] * plp)[:plp]
                 self._plp_before[rid] = plp
-            scheduled.append(ScheduledRequest(req, start, n, samples))
+            req.spec_probs = probs
+            scheduled.append(ScheduledRequest(req, start, n, samples, drafts))
         return SchedulerOutput(scheduled=scheduled)
 
 
