@@ -164,10 +164,6 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.moe_parallel not in MOE_PARALLEL:
             raise ValueError(f"moe_parallel must be one of {MOE_PARALLEL}, got {self.moe_parallel!r}")
-        if self.tensor_parallel_size > 1 and (self.host_cache_memory_gib > 0
-                                              or self.cache_storage not in ("", "none")):
-            raise ValueError("the host and storage cache tiers run with tensor_parallel_size=1 only (their page "
-                             "moves would have to reach every rank's KV shard)")
         if not self.device or not (self.device == "cpu" or self.device.startswith(("cuda", "mps", "xpu"))):
             raise ValueError(f"device must be cpu or a torch accelerator such as cuda or cuda:1, got {self.device!r}")
 

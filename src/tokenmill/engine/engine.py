@@ -92,8 +92,11 @@ class Engine:
                 num_threads=config.num_threads, pin_cores=config.tp_pin_cores, init_method=new_init_method(),
                 moe_parallel=config.moe_parallel),
                 self.loaded.model)
-            self.tiers = None                # refused with tensor parallelism by EngineConfig
-            self.kv.tiers = None
+            try:
+                self._init_tiers()
+            except BaseException:
+                self.runner.close()
+                raise
         else:
             self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
                                       self.vocab_size, device=self.device, kv_spec=self.kv_spec,
@@ -193,7 +196,8 @@ class Engine:
     def _init_tiers(self) -> None:
         from tokenmill.engine.kv_tiers import build_tiers
 
-        self.tiers = build_tiers(self.config, self.runner, self.kv, self.model_name, self.kv_spec)
+        self.tiers = build_tiers(self.config, self.runner, self.kv, self.model_name, self.kv_spec,
+                                 self.loaded.model)
         self.kv.tiers = self.tiers
 
     def _init_speculative(self) -> None:

@@ -112,6 +112,7 @@ class ParallelRunner:
         # target layers whose hidden states rank 0 returns with each step (a learned drafter's;
         # after the all-reduces the hidden states are whole and the same on every rank)
         self.capture_layers: frozenset[int] = frozenset()
+        self.page_ops: Any = None   # kv_tiers.RemotePages: the tier copies every rank replays
         for rank in range(spec.tp):
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_worker_main, args=(rank, spec, child), name=f"tokenmill-tp{rank}", daemon=True)
@@ -158,12 +159,9 @@ class ParallelRunner:
         if self._closed:
             raise ReplicaFailedError("the tensor-parallel replica has shut down")
         desc, samplers = self._describe(out)
-        payload = pickle.dumps(("step", desc), protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            for conn in self._conns:
-                conn.send_bytes(payload)
-        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-            self._fail(self._dead_ranks_message() or "a rank's pipe broke while sending the step")
+        ops, data = self.page_ops.take() if self.page_ops is not None else ([], None)
+        desc["ops"] = ops
+        self._send_all("step", desc, data)
         msg = self._recv(0, None, what="step")
         if msg[0] != "ok":
             # a rank's error is often another rank's death seen in a collective: name the dead too
@@ -180,10 +178,53 @@ class ParallelRunner:
         return StepResult([SampledTokens(req, toks, lps, nd, na) for req, (toks, lps, nd, na) in zip(samplers, results)],
                           captured, q_start)
 
+    def _send_all(self, kind: str, body: Any, data: list[list[list[bytes]]] | None) -> None:
+        """Send ``(kind, body, this rank's data)`` to every rank; one pickle when no rank data."""
+        try:
+            if data is None or not any(data):
+                payload = pickle.dumps((kind, body, None), protocol=pickle.HIGHEST_PROTOCOL)
+                for conn in self._conns:
+                    conn.send_bytes(payload)
+            else:
+                for conn, part in zip(self._conns, data):
+                    conn.send_bytes(pickle.dumps((kind, body, part), protocol=pickle.HIGHEST_PROTOCOL))
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            self._fail(self._dead_ranks_message() or f"a rank's pipe broke while sending the {kind}")
+
+    # ---- KV tiers (engine/kv_tiers.py) ---------------------------------------------------------
+    def init_tiers(self, host_pages: int, host_dtype: Any, storage: str, namespaces: list[bytes],
+                   timeout_s: float) -> None:
+        """Give every rank its L2 slots and (with L3) its own storage writer under ``namespaces[r]``."""
+        for rank, conn in enumerate(self._conns):
+            conn.send_bytes(pickle.dumps(("tiers_init", {"host_pages": host_pages, "host_dtype": host_dtype,
+                                                         "storage": storage, "namespace": namespaces[rank],
+                                                         "timeout_s": timeout_s}, None)))
+        for rank in range(self.tp):
+            msg = self._recv(rank, 60.0, what="tiers_init")
+            if msg[0] != "tiers_ready":
+                self._fail(f"rank {rank} could not set up its KV tiers: {msg[1]}")
+
+    def sync_tiers(self, timeout_s: float) -> tuple[bool, dict[str, tuple[int, int, int, int]]]:
+        """Run the queued page ops on every rank now and wait for the ranks' L3 writes.
+        Returns (all drained, L3 write counters: bytes summed over ranks; pages, pages already
+        present and dropped writes as the least-written rank counts them)."""
+        if self._closed:
+            return False, {}
+        ops, data = self.page_ops.take() if self.page_ops is not None else ([], None)
+        self._send_all("tiers_sync", {"ops": ops, "timeout_s": timeout_s}, data)
+        replies = [self._recv(r, timeout_s + 30.0, what="tiers_sync") for r in range(self.tp)]
+        for r, msg in enumerate(replies):
+            if msg[0] != "synced":
+                self._fail(f"rank {r}: {msg[1]}")
+        counts = [msg[2] for msg in replies]
+        merged = {"l3": (sum(c[0] for c in counts), min(c[1] for c in counts), min(c[2] for c in counts),
+                         max(c[3] for c in counts))}
+        return all(msg[1] for msg in replies), merged
+
     def stats(self) -> list[dict[str, Any]]:
         """Each rank's counters: all-reduce seconds, collective bytes, steps."""
         for conn in self._conns:
-            conn.send_bytes(pickle.dumps(("stats", None)))
+            conn.send_bytes(pickle.dumps(("stats", None, None)))
         return [self._recv(r, 60.0, what="stats")[1] for r in range(self.tp)]
 
     def close(self) -> None:
@@ -283,7 +324,7 @@ def _stop_workers(conns: list[Connection], procs: list[Any]) -> None:
     """Ask every rank to exit, then terminate, then kill whatever is left (never blocks long)."""
     for conn in conns:
         try:
-            conn.send_bytes(pickle.dumps(("shutdown", None)))
+            conn.send_bytes(pickle.dumps(("shutdown", None, None)))
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
             pass
     deadline = time.monotonic() + STOP_GRACE_S
@@ -320,27 +361,42 @@ def _worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
 
+    from tokenmill.engine.kv_tiers import describe_pool
+
     m_args = runner.model.args
     _send(conn, ("ready", {"rank": rank, "kv_bytes_per_token": runner.kv_spec.bytes_per_token(),
                            "num_heads": m_args.num_heads,
                            "num_kv_heads": getattr(m_args, "num_kv_heads", None),
                            "experts": getattr(m_args, "local_experts", None),
                            "expert_weight_bytes": (runner.model.expert_weight_bytes()
-                                                   if hasattr(runner.model, "expert_weight_bytes") else 0)}))
+                                                   if hasattr(runner.model, "expert_weight_bytes") else 0),
+                           "kv_pool": describe_pool(runner.kv_caches, spec.num_pages)}))
     steps = 0
+    tiers = _RankTiers()
     try:
         while True:
             try:
-                kind, body = pickle.loads(conn.recv_bytes())
+                kind, body, data = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):  # the scheduler is gone
                 break
             if kind == "shutdown":
                 break
+            if kind == "tiers_init":
+                tiers.setup(runner, spec.num_pages, body)
+                _send(conn, ("tiers_ready",))
+                continue
+            if kind == "tiers_sync":
+                tiers.run(body["ops"], data)
+                ok = tiers.drain(body["timeout_s"])
+                _send(conn, ("synced", ok, tiers.counts()))
+                continue
             if kind == "stats":
                 m = runner.model
                 _send(conn, ("stats", {"rank": rank, "steps": steps, "allreduce_s": m.allreduce_s,
                                        "comm_bytes": m.comm_bytes}))
                 continue
+            if body["ops"]:   # the step's tier copies (demotions, reloads, L3 writes) come first
+                tiers.run(body["ops"], data)
             out = mirror.apply(body)
             if rank == 0:
                 runner.capture_layers = body["capture"]
@@ -354,6 +410,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         logging.getLogger(__name__).error("rank %d failed:\n%s", rank, traceback.format_exc())
         _send(conn, ("error", f"rank {rank}: {type(e).__name__}: {e}"))
         os._exit(1)
+    tiers.close()
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the group may already be broken at shutdown
@@ -401,6 +458,55 @@ def _worker_setup(rank: int, spec: WorkerSpec, conn: Connection) -> tuple[Any, _
     runner = ModelRunner(shard, spec.num_pages, spec.page_size, shard.full_args.vocab_size, device=device,
                          seed=spec.seed, kv_spec=kv_spec, attention_backend=spec.attention_backend)
     return runner, _Mirror(runner)
+
+
+class _RankTiers:
+    """One rank's side of the KV tiers: its L2 slots and L3 writer over its own shard."""
+
+    def __init__(self) -> None:
+        self.pages: Any = None
+        self.writer: Any = None
+        self._counts = [0, 0, 0]   # L3 bytes written, pages written, pages already present
+
+    def setup(self, runner: Any, num_pages: int, cfg: dict[str, Any]) -> None:
+        from tokenmill.cache.storage import StorageWorker, open_storage
+        from tokenmill.engine.kv_tiers import LocalPages
+
+        self.pages = LocalPages(runner.kv_caches, num_pages, cfg["host_pages"], cfg["host_dtype"])
+        backend = open_storage(cfg["storage"], cfg["namespace"], timeout_s=cfg["timeout_s"])
+        if backend is not None:
+            self.writer = StorageWorker(backend, on_error=self._on_error, on_io=self._on_io)
+            self.pages.attach_writer(self.writer)
+
+    def _on_error(self, kind: str, message: str) -> None:
+        log.warning("KV storage tier (this rank's shard): %s: %s", kind, message)
+
+    def _on_io(self, op: str, nbytes: int, pages: int) -> None:
+        if op == "write":
+            self._counts[0] += nbytes
+            self._counts[1] += pages
+        elif op == "present":
+            self._counts[2] += pages
+
+    def run(self, ops: list[Any], data: Any) -> None:
+        from tokenmill.engine.kv_tiers import run_page_ops
+
+        if ops:
+            if self.pages is None:
+                raise RuntimeError("page ops arrived before the KV tiers were set up")
+            run_page_ops(self.pages, ops, data or [])
+
+    def drain(self, timeout: float) -> bool:
+        return self.writer.drain(timeout) if self.writer is not None else True
+
+    def counts(self) -> tuple[int, int, int, int]:
+        dropped = self.writer.dropped_writes if self.writer is not None else 0
+        return (self._counts[0], self._counts[1], self._counts[2], dropped)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 class _Mirror:
