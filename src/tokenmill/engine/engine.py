@@ -64,6 +64,7 @@ class EngineStats:
                                      # holds its KV heads' share of every token)
     tiers: Any = None               # cache.tiers.TierStats when lower tiers are configured
     tensor_parallel_size: int = 1
+    predicted_wait_s: float = 0.0    # how long a request queued now would wait to start (admission.py)
 
     @property
     def cache_hit_rate(self) -> float:
@@ -462,4 +463,5 @@ class Engine:
             kv_capacity_tokens=self.kv_capacity_tokens,
             tensor_parallel_size=self.config.tensor_parallel_size,
             tiers=self.tiers.snapshot_stats() if self.tiers is not None else None,
+            predicted_wait_s=self.start_estimator.predicted_wait(s, time.monotonic()),
         )
