@@ -484,3 +484,5 @@ def test_tp2_kv_tiers_host_and_file_hits_match_one_rank(tiny_gqa: Path, tmp_path
             assert list(s[0].token_ids) == list(b[0].token_ids)
             assert s[0].cached_tokens_by_tier["l3"] == (len(p) - 1) // P * P
         assert again.engine.stats().tiers.bytes_read["l3"] > 0
+        assert again.engine.flush_storage_cache() >= 20      # every rank's namespace emptied
+    assert all(not any(d.glob("*/*.kvpage")) for d in shards)

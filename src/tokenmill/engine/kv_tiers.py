@@ -413,6 +413,8 @@ class TieredKV:
         """Delete this model's pages from L3; returns how many were deleted."""
         if self.worker is None:
             return 0
+        self.end_step()
+        self.mover.sync(30.0)      # tensor parallelism: the ranks' queued writes land first
         self.worker.drain()
         n = int(self.worker.call(self.worker.backend.flush_namespace))  # type: ignore[arg-type]
         self.l3_known.clear()
