@@ -280,6 +280,16 @@ def test_ep2_deepseek_v3_matches_one_rank(tiny_dir) -> None:
     with LLM(path, loaded=loaded, tensor_parallel_size=2, moe_parallel="ep", **KW) as two:
         info = two.engine.runner.rank_info
         assert [tuple(i["experts"]) for i in info] == [(0, 4), (4, 8)]
+        # each rank's routed-expert weights are what `tokenmill plan --tp 2 --ep 2` puts on a device
+        from tokenmill.plan.capacity import Deployment
+        from tokenmill.plan.hardware import get_hardware
+        from tokenmill.plan.models import load_model as plan_model
+        from tokenmill.plan.moe import MoEBoundsInput, moe_bounds
+
+        a = loaded.model.args
+        planned = moe_bounds(plan_model(path), get_hardware("h200"), Deployment(tp=2, ep=2, weight_bits={"experts": 32}),
+                             MoEBoundsInput(tokens=1)).expert_weight_bytes
+        assert [i["expert_weight_bytes"] for i in info] == [(a.num_layers - a.first_k_dense_replace) * planned] * 2
         got = _run(two)
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         turn1 = two.generate([LONG[:70]], params)[0]
