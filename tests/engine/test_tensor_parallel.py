@@ -336,6 +336,15 @@ def test_expert_parallel_settings_are_checked() -> None:
     from tokenmill.models.deepseek_v3 import DeepseekV3Args
     from tokenmill.models.tensor_parallel import check_deepseek_tensor_parallel, expert_range
 
+    import argparse
+
+    from tokenmill.engine.cli import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args(["-tp", "2"])).moe_parallel == "tp"
+    for flags in (["--moe-parallel", "ep"], ["--enable-expert-parallel"]):
+        assert engine_config_from_args(parser.parse_args(["-tp", "2", *flags])).moe_parallel == "ep"
     assert [expert_range(8, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 8)]
     assert [expert_range(4, r, 4) for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     with pytest.raises(ValueError, match="moe_parallel must be one of"):
