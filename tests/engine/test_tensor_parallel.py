@@ -505,3 +505,26 @@ def test_tp2_kv_tiers_host_and_file_hits_match_one_rank(tiny_gqa: Path, tmp_path
         assert again.engine.stats().tiers.bytes_read["l3"] > 0
         assert again.engine.flush_storage_cache() >= 20      # every rank's namespace emptied
     assert all(not any(d.glob("*/*.kvpage")) for d in shards)
+
+
+def test_tp2_mla_latent_is_stored_once_in_l3(tiny_dir, tmp_path: Path) -> None:
+    """DeepSeek-V3 at N=2: both ranks hold the whole latent, so rank 0 alone writes it (one
+    namespace in the store); after a restart both ranks load it and the tokens are N=1's."""
+    path = str(tiny_dir("DeepseekV3ForCausalLM"))
+    loaded = load_model(path)
+    P = 8
+    prompts = [LONG[:41], [(13 * i + 7) % 3000 + 40 for i in range(33)]]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    kw = dict(page_size=P, kv_cache_tokens=256, num_threads=1, decode_slowdown=None)
+    ref = LLM(path, loaded=loaded, enable_prefix_cache=False, **kw).generate(prompts, params)
+    store = f"file:{tmp_path / 'kv'}"
+    with LLM(path, loaded=loaded, tensor_parallel_size=2, cache_storage=store, **kw) as first:
+        first.generate(prompts, params)
+        assert first.engine.tiers.drain()
+        assert first.engine.stats().tiers.pages_written["l3"] >= 5 + 4
+    assert len(list((tmp_path / "kv").iterdir())) == 1
+    with LLM(path, loaded=loaded, tensor_parallel_size=2, cache_storage=store, **kw) as again:
+        got = again.generate(prompts, params)
+    for r, g, p in zip(ref, got, prompts):
+        assert list(g.token_ids) == list(r.token_ids)
+        assert g.cached_tokens_by_tier["l3"] == (len(p) - 1) // P * P

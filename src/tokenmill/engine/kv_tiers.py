@@ -24,10 +24,11 @@ Tensor parallelism: every rank holds its own shard of every page. The decisions 
 the L2 index, prefetches, what to write) stay in the scheduler process; each copy becomes an op
 (:class:`RemotePages`) shipped with the next step description and replayed by every rank on its
 shard, in the same order, before the step's forward (:func:`run_page_ops`). Each rank has its own
-L2 slots (same slot ids everywhere) and writes its shard of a page to L3 under its own namespace
-(:func:`rank_namespace`); a page is an L3 hit only when every rank's record of it is present and
-valid (:class:`~tokenmill.cache.storage.RankShardedStorage`, read here), and each rank is sent
-only its part of the payload.
+L2 slots (same slot ids everywhere). Each distinct shard of a page is written to L3 by one rank,
+under that rank's namespace (:func:`rank_namespace`); ranks holding the same bytes (a replicated
+KV head, the MLA latent) share that copy. A page is an L3 hit only when every shard's record of it
+is present and valid (:class:`~tokenmill.cache.storage.RankShardedStorage`, read here), and each
+rank is sent only its shard of the payload.
 
 L2 may store pages in a narrower dtype than L1 (``host_dtype``): bfloat16 halves host memory
 for a float32 pool, and a page loaded back is then rounded to bfloat16 precision. The default
@@ -527,20 +528,25 @@ class RemotePages:
     :class:`~tokenmill.engine.parallel.ParallelRunner` ships with the next step description (or
     at :meth:`sync`); every rank replays the ops in order on its own shard before the step's
     forward (:func:`run_page_ops`), which is the order they happen in one process. L3 writes are
-    made by the ranks, each into its own namespace; an L3 payload read here (all ranks' records
-    of a page, joined) is split so each rank receives only its part."""
+    made by the ranks, each distinct shard by its owner into the owner's namespace (ranks that
+    hold the same bytes, as with a replicated KV head or the MLA latent, share one copy); an L3
+    payload read here (every shard's record of a page, joined) is split so each rank receives
+    only its shard."""
 
-    def __init__(self, runner: Any, rank_payload_bytes: list[int], host_pages: int, host_page_bytes: int,
-                 kv_dtype: torch.dtype, host_dtype: torch.dtype | None) -> None:
+    def __init__(self, runner: Any, shard_payload_bytes: list[int], shard_of_rank: list[int], host_pages: int,
+                 host_page_bytes: int, kv_dtype: torch.dtype, host_dtype: torch.dtype | None) -> None:
+        """``shard_payload_bytes``: one page's bytes of each distinct KV shard (the L3 payload is
+        their concatenation); ``shard_of_rank[r]``: the shard rank ``r`` holds."""
         self.runner = runner
-        self.rank_payload_bytes = rank_payload_bytes
-        self.payload_bytes = sum(rank_payload_bytes)
+        self.shard_payload_bytes = shard_payload_bytes
+        self.shard_of_rank = shard_of_rank
+        self.payload_bytes = sum(shard_payload_bytes)
         self.host_pages = host_pages
         self.host_page_bytes = host_page_bytes        # all ranks' slots of one page together
         self.kv_dtype = kv_dtype
         self.host_dtype = host_dtype
         self.ops: list[tuple[Any, ...]] = []
-        self.rank_data: list[list[list[bytes]]] = [[] for _ in rank_payload_bytes]
+        self.rank_data: list[list[list[bytes]]] = [[] for _ in shard_of_rank]
         self.writes = False
         self._counts: dict[str, tuple[int, int, int, int]] = {}
         runner.page_ops = self   # the runner takes the queued ops with every step
@@ -551,7 +557,7 @@ class RemotePages:
     def take(self) -> tuple[list[tuple[Any, ...]], list[list[list[bytes]]]]:
         """The queued ops and each rank's L3 payloads (emptied)."""
         ops, data = self.ops, self.rank_data
-        self.ops, self.rank_data = [], [[] for _ in self.rank_payload_bytes]
+        self.ops, self.rank_data = [], [[] for _ in self.shard_of_rank]
         return ops, data
 
     def sync(self, timeout: float) -> bool:
@@ -588,10 +594,10 @@ class RemotePages:
         self.ops.append(("from_host", slots, pages))
 
     def load_payloads(self, payloads: list[bytes], pages: list[int]) -> None:
-        off = 0
-        for r, n in enumerate(self.rank_payload_bytes):
-            self.rank_data[r].append([p[off:off + n] for p in payloads])
-            off += n
+        starts = [sum(self.shard_payload_bytes[:i]) for i in range(len(self.shard_payload_bytes))]
+        for r, i in enumerate(self.shard_of_rank):
+            a, n = starts[i], self.shard_payload_bytes[i]
+            self.rank_data[r].append([p[a:a + n] for p in payloads])
         self.ops.append(("load", len(self.rank_data[0]) - 1, pages))
 
 
@@ -720,23 +726,39 @@ def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any
                          f"{host_page_bytes} bytes")
     payload_bytes = sum(math.prod(shape) * item for shape, _, _, item, _ in leaves)
     timeout = config.cache_storage_timeout_s
+    owners: list[int] = []          # per distinct KV shard, the rank that writes it to L3
+    shard_index: list[int] = []     # per rank, its distinct shard (index into owners)
+    if tp > 1:
+        from tokenmill.models.tensor_parallel import kv_shard_of
+
+        full = model if model is not None else runner.model
+        ids = [kv_shard_of(full, r, tp) for r in range(tp)]
+        for r, i in enumerate(ids):
+            if ids.index(i) == r:
+                owners.append(r)
+            shard_index.append(owners.index(ids.index(i)))
     try:
         if tp > 1:
-            spaces = [rank_namespace(namespace, r, tp) for r in range(tp)]
-            backends = [open_storage(storage_spec, ns, timeout_s=timeout) for ns in spaces]
+            backends = [open_storage(storage_spec, rank_namespace(namespace, r, tp), timeout_s=timeout)
+                        for r in owners]
             storage = None
             if backends[0] is not None:
-                storage = RankShardedStorage(namespace, backends, [payload_bytes] * tp)   # type: ignore[arg-type]
+                storage = RankShardedStorage(namespace, backends,   # type: ignore[arg-type]
+                                             [payload_bytes] * len(owners))
         else:
             storage = open_storage(storage_spec, namespace, timeout_s=timeout)
     except StorageError as e:
         raise ValueError(f"--cache-storage {storage_spec}: {e}") from None
     mover: LocalPages | RemotePages
     if tp > 1:
+        # ranks holding the same bytes (replicated KV heads, the MLA latent) share one L3 copy,
+        # written by its owner under the owner's namespace
         runner.init_tiers(host_pages, host_dtype, storage_spec if storage is not None else "none",
-                          [rank_namespace(namespace, r, tp) for r in range(tp)], timeout)
+                          [rank_namespace(namespace, owners[i], tp) for i in shard_index],
+                          [r in owners for r in range(tp)], timeout)
         kv_dtype = getattr(torch, leaves[0][2].removeprefix("torch."))
-        mover = RemotePages(runner, [payload_bytes] * tp, host_pages, host_page_bytes * tp, kv_dtype, host_dtype)
+        mover = RemotePages(runner, [payload_bytes] * len(owners), shard_index, host_pages, host_page_bytes * tp,
+                            kv_dtype, host_dtype)
     else:
         mover = LocalPages(runner.kv_caches, num_pages, host_pages, host_dtype)
     tiers = TieredKV(mover, keyer, kv.cache, storage=storage, write_policy=config.cache_write_policy,

@@ -113,6 +113,7 @@ class ParallelRunner:
         # after the all-reduces the hidden states are whole and the same on every rank)
         self.capture_layers: frozenset[int] = frozenset()
         self.page_ops: Any = None   # kv_tiers.RemotePages: the tier copies every rank replays
+        self._tier_writers: list[int] = []
         for rank in range(spec.tp):
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_worker_main, args=(rank, spec, child), name=f"tokenmill-tp{rank}", daemon=True)
@@ -193,11 +194,14 @@ class ParallelRunner:
 
     # ---- KV tiers (engine/kv_tiers.py) ---------------------------------------------------------
     def init_tiers(self, host_pages: int, host_dtype: Any, storage: str, namespaces: list[bytes],
-                   timeout_s: float) -> None:
-        """Give every rank its L2 slots and (with L3) its own storage writer under ``namespaces[r]``."""
+                   writers: list[bool], timeout_s: float) -> None:
+        """Give every rank its L2 slots and, with L3, the ranks in ``writers`` a storage writer of
+        their own under ``namespaces[r]`` (the others hold a copy of a writer's shard)."""
+        self._tier_writers = [r for r, w in enumerate(writers) if w]
         for rank, conn in enumerate(self._conns):
             conn.send_bytes(pickle.dumps(("tiers_init", {"host_pages": host_pages, "host_dtype": host_dtype,
-                                                         "storage": storage, "namespace": namespaces[rank],
+                                                         "storage": storage if writers[rank] else "none",
+                                                         "namespace": namespaces[rank],
                                                          "timeout_s": timeout_s}, None)))
         for rank in range(self.tp):
             msg = self._recv(rank, 60.0, what="tiers_init")
@@ -206,8 +210,8 @@ class ParallelRunner:
 
     def sync_tiers(self, timeout_s: float) -> tuple[bool, dict[str, tuple[int, int, int, int]]]:
         """Run the queued page ops on every rank now and wait for the ranks' L3 writes.
-        Returns (all drained, L3 write counters: bytes summed over ranks; pages, pages already
-        present and dropped writes as the least-written rank counts them)."""
+        Returns (all drained, L3 write counters: bytes summed over the writing ranks; pages, pages
+        already present and dropped writes as the least-written of them counts them)."""
         if self._closed:
             return False, {}
         ops, data = self.page_ops.take() if self.page_ops is not None else ([], None)
@@ -216,7 +220,7 @@ class ParallelRunner:
         for r, msg in enumerate(replies):
             if msg[0] != "synced":
                 self._fail(f"rank {r}: {msg[1]}")
-        counts = [msg[2] for msg in replies]
+        counts = [replies[r][2] for r in self._tier_writers]
         merged = {"l3": (sum(c[0] for c in counts), min(c[1] for c in counts), min(c[2] for c in counts),
                          max(c[3] for c in counts))}
         return all(msg[1] for msg in replies), merged

@@ -59,7 +59,7 @@ from tokenmill.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.layers.rotary import CosSin, apply_rotary
 
 __all__ = ["TPDeepseekV3ForCausalLM", "TPLlamaForCausalLM", "build_shard", "check_model_tensor_parallel",
-           "check_tensor_parallel", "expert_range", "kv_heads_per_rank", "rank_kv_cache_spec", "shard_args", "shard_weights"]
+           "check_tensor_parallel", "expert_range", "kv_heads_per_rank", "kv_shard_of", "rank_kv_cache_spec", "shard_args", "shard_weights"]
 
 
 def check_tensor_parallel(args: ModelArgs, tp: int) -> None:
@@ -400,6 +400,16 @@ def rank_kv_cache_spec(model: CausalLM, tp: int, moe_parallel: str = "tp") -> KV
         return KVCacheSpec.dense(a.num_layers, kv_heads_per_rank(a.num_kv_heads, tp), a.head_dim,
                                  str(model.dtype).removeprefix("torch."))
     return model.kv_cache_spec()
+
+
+def kv_shard_of(model: CausalLM, rank: int, tp: int) -> int:
+    """Which distinct KV shard rank ``rank`` holds: ranks with the same number hold the same
+    K/V bytes of every token (a replicated KV head, or DeepSeek-V3's replicated latent), so one
+    copy of it is enough in a shared cache tier."""
+    if isinstance(model, LlamaForCausalLM):
+        k = model.args.num_kv_heads
+        return rank if k >= tp else rank // (tp // k)
+    return 0   # MLA: every rank caches the whole latent
 
 
 def shard_weights(model: CausalLM, rank: int, tp: int,
