@@ -151,6 +151,25 @@ def test_grouped_experts_match_a_dense_reference(mode):
     assert (halves[0] + halves[1] - got).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("mode", GroupedExperts.MODES)
+def test_expert_shards_local_sums_add_up_to_all_experts(mode):
+    """Expert parallelism: shards holding experts [0, 3), [3, 6), [6, 8) each sum only the pairs
+    routed to them (zero rows elsewhere); the shards' sums add up to the whole layer's output."""
+    torch.manual_seed(1)
+    e, h, f, t, k = 8, 32, 16, 40, 3
+    gate_up, down = torch.randn(e, 2 * f, h) * 0.2, torch.randn(e, h, f) * 0.2
+    x = torch.randn(t, h)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    ids[:5] = torch.tensor([0, 1, 2])     # tokens with no expert on the later shards
+    weights = torch.rand(t, k)
+    whole = GroupedExperts(gate_up, down, mode=mode)(x, weights, ids)
+    parts = [GroupedExperts(gate_up[lo:hi], down[lo:hi], mode=mode).local_sum(x, weights, ids, lo)
+             for lo, hi in ((0, 3), (3, 6), (6, 8))]
+    assert parts[1][:5].abs().max().item() == 0 and parts[2][:5].abs().max().item() == 0
+    assert all(p.abs().sum().item() > 0 for p in parts)
+    assert (sum(parts) - whole).abs().max().item() < 1e-5
+
+
 def test_grouped_experts_pick_prepacked_onednn_on_cpu():
     gate_up, down = torch.randn(4, 16, 8), torch.randn(4, 8, 8)
     if torch.backends.mkldnn.is_available():

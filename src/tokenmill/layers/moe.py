@@ -24,6 +24,10 @@ weights prepacked once per expert (see :class:`GroupedExperts` for why), else on
 that has rows. No work is done for experts without tokens, nothing loops over tokens, and no
 per-expert mask is built. ``index_add_`` sums each token's rows back into token order (into the
 shared experts' output when given, so there is no separate add).
+
+Expert parallelism (:meth:`GroupedExperts.local_sum`): a shard holding experts ``lo .. hi-1``
+computes only the (token, slot) pairs routed to them and adds each weighted output into its
+token's row; the other rows stay zero, and an all-reduce over the shards completes the sum.
 """
 from __future__ import annotations
 
