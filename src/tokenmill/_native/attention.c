@@ -24,6 +24,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "attention.h"
+
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -566,6 +568,18 @@ static void run_problem(const Problem *P, int num_seqs, int nthreads) {
 /* paged_attention(q_ptr, q_stride, out_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, qsl_ptr,
  *                 seq_lens_ptr, num_seqs, page_size, num_q_heads, num_kv_heads, head_dim,
  *                 scale, num_threads, kv_bf16) */
+/* The C entry point (exported in a capsule, see attention.h): 0, or -1 on an unsupported shape.
+ * Called without the GIL. */
+static int c_paged_attention(const float *q, int64_t q_stride, float *out, const void *kc, const void *vc,
+                             int kv_bf16, const int64_t *bt, int64_t bt_stride, const int64_t *qsl,
+                             const int64_t *sl, int num_seqs, int ps, int hq, int hkv, int d, float scale,
+                             int nthreads) {
+    if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) return -1;
+    Problem P = {q, q_stride, out, kc, vc, kv_bf16 != 0, bt, bt_stride, qsl, sl, ps, hq, hkv, d, hq / hkv, scale};
+    run_problem(&P, num_seqs, nthreads < 1 ? 1 : nthreads);
+    return 0;
+}
+
 static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     unsigned long long q, out, kc, vc, bt, qsl, sl;
     long long q_stride, bt_stride;
@@ -602,4 +616,15 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_attention", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__attention(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__attention(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    tm_paged_attention_fn fn = c_paged_attention;
+    PyObject *cap = PyCapsule_New((void *)fn, TM_ATTENTION_CAPSULE, NULL);
+    if (!cap || PyModule_AddObject(m, "_C_API", cap) < 0) {
+        Py_XDECREF(cap);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

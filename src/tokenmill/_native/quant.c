@@ -27,6 +27,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "quant.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -436,6 +438,23 @@ static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int 
     }
 }
 
+/* The one entry point other C files use (decoder.c): y[M, N] = x[M, K] @ W^T (+ bias) with the
+ * integer kernels. Returns 0, or -1 when out of memory. */
+int tmq_matmul(const TmqMat *w, const float *x, int64_t M, const float *bias, float *y, int nt) {
+    ActBuf a;
+    if (act_quantize(x, M, w->K, &a)) return -1;
+    if (w->kind == TMQ_U4)
+        gemm_u4(x, M, w->K, (const uint8_t *)w->qs, w->sc, w->mn, w->f16, w->N, w->group, bias, y, nt < 1 ? 1 : nt, &a);
+    else
+        gemm_s8(M, w->K, (const int8_t *)w->qs, w->sc, w->f16, w->N, w->group, bias, y, nt < 1 ? 1 : nt, &a);
+    free(a.mem);
+    return 0;
+}
+
+int tmq_check_mat(const TmqMat *w) {
+    return (w->kind == TMQ_U4 || w->kind == TMQ_S8) && w->N > 0 && w->K > 0 && check_group(w->K, w->group);
+}
+
 /* ---- Python bindings ------------------------------------------------------------------------ */
 #define PTR(T, v) ((T)(uintptr_t)(v))
 
@@ -595,6 +614,9 @@ static PyMethodDef methods[] = {
     {"dequant_u4", py_dequant_u4, METH_VARARGS, "fp32 [N,K] of a u4 weight"},
     {"dequant_s8", py_dequant_s8, METH_VARARGS, "fp32 [N,K] of an s8 weight"},
     {"quantize_act", py_quantize_act, METH_VARARGS, "int16 block quantization of activations"},
+    {"decode_layers", tmq_py_decode_layers, METH_VARARGS, "fused decode through packed Llama layers (decoder.c)"},
+    {"layer_fields", tmq_py_layer_fields, METH_NOARGS, "int64 fields per layer row of decode_layers"},
+    {"decode_profile", tmq_py_decode_profile, METH_VARARGS, "phase timers of decode_layers: (on) -> seconds so far"},
     {"isa", py_isa, METH_NOARGS, "kernel set in use"},
     {"best_isa", py_best_isa, METH_NOARGS, "best kernel set this CPU supports"},
     {"set_isa", py_set_isa, METH_VARARGS, "choose the kernel set (no better than best_isa())"},

@@ -76,3 +76,21 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     xs = torch.empty(m, nb)
     ext.quantize_act(x.data_ptr(), m, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
     return xq, xd, xs
+
+
+def decode_layers(*args) -> None:
+    """Fused decode through packed Llama layers (``decoder.c``); see
+    ``tokenmill.layers.quant.fused_decode`` for the arguments."""
+    _need().decode_layers(*args)
+
+
+def layer_fields() -> int:
+    """int64 values per layer row of ``decode_layers``' table."""
+    return int(_need().layer_fields())
+
+
+def decode_profile(on: bool | None = None) -> dict[str, float]:
+    """Seconds spent so far in each phase of ``decode_layers`` (RMSNorm, each matmul, attention,
+    ...). ``on`` True / False also zeroes the timers and turns them on / off (off by default)."""
+    ext = _need()
+    return dict(ext.decode_profile() if on is None else ext.decode_profile(int(on)))
