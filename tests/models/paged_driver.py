@@ -28,10 +28,12 @@ class PagedDriver:
         self.pages: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
 
-    def step(self, chunks: Sequence[tuple[str, Sequence[int]]], all_rows: bool = False) -> torch.Tensor:
+    def step(self, chunks: Sequence[tuple[str, Sequence[int]]], all_rows: bool = False,
+             capture_layers: frozenset[int] = frozenset()) -> torch.Tensor:
         """Append each ``(seq, tokens)`` chunk to its sequence and run one forward.
 
-        Returns logits of each chunk's last token (``all_rows``: of every token), in order.
+        Returns logits of each chunk's last token (``all_rows``: of every token), in order. The
+        step's context (with the hidden states of ``capture_layers``) is kept in ``last_ctx``.
         """
         ps = self.page_size
         ids: list[int] = []
@@ -62,7 +64,8 @@ class PagedDriver:
             slot_mapping=torch.tensor(slots, dtype=torch.long), query_start_loc=torch.tensor(qsl, dtype=torch.long),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long), block_tables=bt,
             logits_indices=torch.tensor(rows, dtype=torch.long), page_size=ps, max_seq_len=max(seq_lens))
-        return self.model(ForwardContext.prepare(self.attn, batch, self.kv))
+        self.last_ctx = ForwardContext.prepare(self.attn, batch, self.kv, capture_layers)
+        return self.model(self.last_ctx)
 
 
 def hf_logits(ref: Any, tokens: Sequence[int]) -> torch.Tensor:

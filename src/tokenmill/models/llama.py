@@ -84,6 +84,7 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling,
                                       initial_positions=min(args.max_position_embeddings, 4096))
         self._fused: FusedDecodeStack | None | bool = False   # False: not built yet
+        self._fused_on = True
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec.dense(self.args.num_layers, self.args.num_kv_heads, self.args.head_dim,
@@ -97,7 +98,7 @@ class LlamaForCausalLM(CausalLM):
         cs = self.rotary.lookup(batch.positions, self.dtype, batch.max_seq_len)
         h = self.embed_tokens.embedding(batch.input_ids, self.dtype)
         ctx.capture(-1, h)
-        stack = self.fused_decode_stack()
+        stack = self.fused_decode_stack() if self._fused_on else None
         if stack is not None and stack.applies(h.shape[0], ctx.attn, ctx.kv_caches):
             h = self._forward_fused(stack, h, cs, ctx)
         else:
@@ -123,7 +124,7 @@ class LlamaForCausalLM(CausalLM):
     def set_fused_decode(self, enabled: bool) -> None:
         """Turn the native fused decode path on (the default, where the weights fit it) or off
         (every step then runs layer by layer; for A/B measurements and tests)."""
-        self._fused = False if enabled else None
+        self._fused_on = bool(enabled)
 
     def fused_decode_stack(self) -> FusedDecodeStack | None:
         """The native decode path over this model's layers, or None when its weights do not fit it
