@@ -156,6 +156,11 @@ def test_nibble_packing_round_trips_and_rows_select_and_concatenate():
         assert torch.equal(both.dequantize(), torch.cat([m.dequantize(), m.dequantize()[idx]]))
         ids = torch.tensor([[1, 2], [9, 9]])
         assert torch.equal(m.embedding(ids), m.dequantize()[ids])
+    w = torch.randn(7, 70, generator=gen)   # a row length off the block size, fp16 scales
+    i4 = Int4Linear.from_float(w, 64)
+    for m in (Int4Linear(i4.qs, i4.scales.half(), i4.mins.half(), 70, 64), Int8Linear.from_float(w)):
+        ids = torch.tensor([6, 0, 6, 3])
+        assert torch.equal(m.embedding(ids), m.dequantize()[ids])
 
 
 def test_bad_layouts_are_refused():

@@ -217,6 +217,16 @@ class Int8Linear(_Packed):
     def _dequantize_torch(self) -> torch.Tensor:
         return self.qs[:, : self.in_features].float() * self._expand(self.scales)
 
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if not native.available():
+            return super().embedding(ids, dtype)
+        flat = ids.reshape(-1)
+        qs, sc = self.qs.index_select(0, flat), self.scales.index_select(0, flat)
+        out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
+        native.dequant_s8(qs.data_ptr(), sc.data_ptr(), self._scale_f16(), flat.numel(), self.in_features,
+                          self.group_size, out.data_ptr(), 1)
+        return out.to(dtype).reshape(*ids.shape, self.in_features)
+
     def select_rows(self, index: torch.Tensor) -> "Int8Linear":
         return Int8Linear(self.qs[index], self.scales[index], self.in_features, self.group_size)
 
@@ -311,6 +321,16 @@ class Int4Linear(_Packed):
     def _dequantize_torch(self) -> torch.Tensor:
         q = unpack_nibbles(self.qs)[:, : self.in_features].float()
         return torch.addcmul(self._expand(self.mins), q, self._expand(self.scales))
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if not native.available():
+            return super().embedding(ids, dtype)
+        flat = ids.reshape(-1)
+        qs, sc, mn = (t.index_select(0, flat) for t in (self.qs, self.scales, self.mins))
+        out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
+        native.dequant_u4(qs.data_ptr(), sc.data_ptr(), mn.data_ptr(), self._scale_f16(), flat.numel(),
+                          self.in_features, self.group_size, out.data_ptr(), 1)
+        return out.to(dtype).reshape(*ids.shape, self.in_features)
 
     def select_rows(self, index: torch.Tensor) -> "Int4Linear":
         return Int4Linear(self.qs[index], self.scales[index], self.mins[index], self.in_features, self.group_size)
