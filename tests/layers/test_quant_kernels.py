@@ -18,8 +18,8 @@ from tokenmill.layers.quant.packed import GEMV_MAX_ROWS, Int4Linear, Int8Linear,
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
 
-ORDER = ["scalar", "avx2", "avxvnni"]
-KERNELS = ORDER[: ORDER.index(native.best_kernel()) + 1] if native.available() else []
+ORDER = ["scalar", "avx2", "avxvnni", "avx512vnni"]
+KERNELS = native.supported_kernels()   # every set this CPU runs (each is tested against the reference)
 # (N, K, group): odd row counts, K not a multiple of 32, and groups whose last one is short
 SHAPES = [(1, 32, 32), (7, 100, 32), (33, 576, 64), (5, 45, 32), (9, 96, 64), (64, 1536, 128), (3, 200, 128),
           (17, 300, 96), (6, 544, 32), (2, 1000, 32)]
@@ -124,6 +124,11 @@ def test_kernel_is_chosen_from_the_cpu():
         assert native.best_kernel() == "scalar"
     with pytest.raises(ValueError, match="unknown kernel set"):
         native.set_kernel("sse9")
+    assert KERNELS[0] == "scalar" and KERNELS[-1] == native.best_kernel() and set(KERNELS) <= set(ORDER)
+    if flags:  # each set is offered exactly when the CPU reports its instructions
+        assert ("avx2" in KERNELS) == ("avx2" in flags and "fma" in flags and "f16c" in flags)
+        assert ("avxvnni" in KERNELS) <= ("avx_vnni" in flags)
+        assert ("avx512vnni" in KERNELS) <= all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
 
 
 def test_quantizers_stay_within_half_a_step():

@@ -110,6 +110,67 @@ static void kv_write(void *cache, const float *src, int64_t src_stride, const in
     }
 }
 
+/* a[i] = silu(g[i]) * u[i], silu(x) = x / (1 + exp(-x)) */
+static void silu_mul_scalar(const float *g, const float *u, float *a, int64_t n) {
+    for (int64_t i = 0; i < n; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define TGT_AVX2 __attribute__((target("avx2,fma")))
+/* exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2/2, then 2^n times a degree-7 Taylor
+ * polynomial of e^r (relative error below 2e-7, about two float ulps); x below -87 gives 0. */
+TGT_AVX2 static inline __m256 exp_nonpos(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);        /* ln2 split in two parts */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.f / 5040.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* silu through e = exp(-|x|), which never overflows: sigmoid(x) = 1/(1+e) for x >= 0, e/(1+e) below */
+TGT_AVX2 static void silu_mul_avx2(const float *g, const float *u, float *a, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 e = exp_nonpos(_mm256_or_ps(x, sign));                 /* exp(-|x|) */
+        __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+        __m256 num = _mm256_blendv_ps(one, e, neg);
+        __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+    }
+    silu_mul_scalar(g + i, u + i, a + i, n - i);
+}
+
+static int have_avx2_fma(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return cached;
+}
+#endif
+
+static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (have_avx2_fma()) { silu_mul_avx2(g, u, a, n); return; }
+#endif
+    silu_mul_scalar(g, u, a, n);
+}
+
 typedef struct {
     int64_t M, H, hq, hkv, d, inter;
     float eps, scale;
@@ -149,11 +210,7 @@ static int run_layer(const int64_t *row, const Step *S, float *h, float *x, floa
     w = layer_mat(row, W_GATE_UP);
     if (tmq_matmul(&w, x, M, NULL, gu, S->nt)) return -1;
     TICK(P_GATE_UP);
-    for (int64_t t = 0; t < M; t++) {
-        const float *g = gu + t * 2 * I, *u = g + I;
-        float *a = act + t * I;
-        for (int64_t i = 0; i < I; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-    }
+    for (int64_t t = 0; t < M; t++) silu_mul(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
     TICK(P_SILU);
     w = layer_mat(row, W_DOWN);
     if (tmq_matmul(&w, act, M, NULL, tmp, S->nt)) return -1;

@@ -1,7 +1,7 @@
 """Python side of the quantized-matmul kernels (``tokenmill._native._quant``, see ``quant.c``).
 
 ``available()`` says whether the extension was built; ``kernel()`` names the instruction set it
-chose from the CPU at start-up ("avxvnni", "avx2" or the portable "scalar"). Callers pass raw
+chose from the CPU at start-up ("avx512vnni", "avxvnni", "avx2" or the portable "scalar"). Callers pass raw
 pointers of contiguous CPU tensors; the thread count follows ``torch.get_num_threads()``.
 """
 from __future__ import annotations
@@ -34,8 +34,13 @@ def best_kernel() -> str:
     return _ext.best_isa() if _ext is not None else "unavailable"
 
 
+def supported_kernels() -> list[str]:
+    """Every kernel set this CPU runs ("scalar", "avx2", "avxvnni", "avx512vnni"), worst first."""
+    return list(_ext.supported_isas()) if _ext is not None else []
+
+
 def set_kernel(name: str) -> None:
-    """Use the ``name`` kernel set ("scalar", "avx2", "avxvnni"); ValueError if the CPU lacks it."""
+    """Use the ``name`` kernel set (one of :func:`supported_kernels`); ValueError if the CPU lacks it."""
     _need().set_isa(name)
 
 
