@@ -7,7 +7,9 @@ Systems, all on the default model's Q4_1 GGUF (SmolLM2-135M-Instruct from ``llm-
     tokenmill-fp32   tokenmill serve --quantization none  (the dequantized weights in fp32)
     llama-server     llama.cpp's C++ server, 16 parallel slots, continuous batching
 
-Measured for each, over HTTP with the same client code (``/v1/completions``, text prompts of the
+All servers run at once and every measurement goes round-robin over them (the order reversed
+every other repetition), so a change of load on a shared machine hits every system alike; the
+16-request bursts run one system at a time. Measured for each, over HTTP with the same client code (``/v1/completions``, text prompts of the
 stated token length, ``ignore_eos``, greedy):
 
 - single-stream decode tok/s at context 128 and 2,048: (completion tokens - 1) / (last - first
@@ -25,6 +27,7 @@ Every prompt starts with a unique line, so no system gets a prefix-cache hit. Us
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -200,25 +203,43 @@ def start_tokenmill(quantization: str, gguf: Path, threads: int, log_dir: Path) 
     return srv.start(900)
 
 
-def measure(name: str, srv: PeerServer, prompts: Prompts, reps: int) -> dict[str, Any]:
-    base, model = srv.base_url, srv.model
-    complete(base, model, prompts.make(64), 8)  # warm-up
-    res: dict[str, Any] = {"startup_s": srv.startup_s}
+def measure(servers: dict[str, PeerServer], prompts: Prompts, reps: int) -> dict[str, dict[str, Any]]:
+    """Every measurement round-robin over the running servers (the order reversed every other rep),
+    so a change of load on this shared machine hits every system alike."""
+    res: dict[str, dict[str, Any]] = {}
+    for name, srv in servers.items():
+        complete(srv.base_url, srv.model, prompts.make(64), 8)  # warm-up
+        res[name] = {"startup_s": srv.startup_s}
+
+    def rounds(fn: Any) -> dict[str, list[dict[str, float]]]:
+        runs: dict[str, list[dict[str, float]]] = {n: [] for n in servers}
+        for rep in range(reps):
+            order = list(servers.items()) if rep % 2 == 0 else list(servers.items())[::-1]
+            for name, srv in order:
+                runs[name].append(fn(srv))
+        return runs
+
     for ctx in (128, 2048):
-        runs = [stream_decode(base, model, prompts.make(ctx), 64) for _ in range(reps)]
-        res[f"decode_tok_s@{ctx}"] = statistics.median(r["decode_tok_s"] for r in runs)
-        res[f"prompt_tokens@{ctx}"] = runs[0]["prompt_tokens"]
-        print(f"  {name}: decode @{ctx}: {res[f'decode_tok_s@{ctx}']:.1f} tok/s "
-              f"({[round(r['decode_tok_s'], 1) for r in runs]})", flush=True)
-    runs = [stream_decode(base, model, prompts.make(1000), 2) for _ in range(reps)]
-    res["prefill_tok_s@1000"] = statistics.median(r["prompt_tokens"] / r["ttft_s"] for r in runs)
-    print(f"  {name}: prefill 1000: {res['prefill_tok_s@1000']:.0f} tok/s", flush=True)
-    b = burst(base, model, [prompts.make(CONC_IN) for _ in range(CONC)], CONC_OUT)
-    res.update({f"conc16_{k}": v for k, v in b.items()})
-    print(f"  {name}: 16 x {CONC_IN}/{CONC_OUT}: {b['output_tok_s']:.1f} out tok/s, {b['total_tok_s']:.0f} total "
-          f"tok/s in {b['wall_s']:.1f}s", flush=True)
-    assert srv.pid is not None
-    res.update({f"rss_{k}_mib": v for k, v in peak_rss_mib(srv.pid).items()})
+        runs = rounds(lambda srv: stream_decode(srv.base_url, srv.model, prompts.make(ctx), 64))
+        for name, rr in runs.items():
+            res[name][f"decode_tok_s@{ctx}"] = statistics.median(r["decode_tok_s"] for r in rr)
+            res[name][f"prompt_tokens@{ctx}"] = rr[0]["prompt_tokens"]
+            print(f"  {name}: decode @{ctx}: {res[name][f'decode_tok_s@{ctx}']:.1f} tok/s "
+                  f"({[round(r['decode_tok_s'], 1) for r in rr]})", flush=True)
+    runs = rounds(lambda srv: stream_decode(srv.base_url, srv.model, prompts.make(1000), 2))
+    for name, rr in runs.items():
+        res[name]["prefill_tok_s@1000"] = statistics.median(r["prompt_tokens"] / r["ttft_s"] for r in rr)
+        print(f"  {name}: prefill 1000: {res[name]['prefill_tok_s@1000']:.0f} tok/s "
+              f"({[round(r['prompt_tokens'] / r['ttft_s']) for r in rr]})", flush=True)
+    for name, srv in servers.items():  # one burst each (they are long), one system at a time
+        b = burst(srv.base_url, srv.model, [prompts.make(CONC_IN) for _ in range(CONC)], CONC_OUT)
+        res[name].update({f"conc16_{k}": v for k, v in b.items()})
+        res[name]["conc16_loadavg"] = os.getloadavg()[0]
+        print(f"  {name}: 16 x {CONC_IN}/{CONC_OUT}: {b['output_tok_s']:.1f} out tok/s, {b['total_tok_s']:.0f} total "
+              f"tok/s in {b['wall_s']:.1f}s (load {os.getloadavg()[0]:.1f})", flush=True)
+    for name, srv in servers.items():
+        assert srv.pid is not None
+        res[name].update({f"rss_{k}_mib": v for k, v in peak_rss_mib(srv.pid).items()})
     return res
 
 
@@ -249,23 +270,27 @@ def main(argv: list[str] | None = None) -> int:
           f"({args.threads} threads)", flush=True)
     results: dict[str, Any] = {"machine": {"loadavg_start": load0, "read_bandwidth_gbs": bw, "threads": args.threads,
                                            "gguf": str(gguf)}, "systems": {}}
-    for name in systems:
-        print(f"{name}:", flush=True)
-        try:
-            if name == "llama-server":
-                wbytes = gguf_weight_bytes(gguf)
-                srv = start_llama_server(gguf=gguf, slots=CONC, threads=args.threads, ctx_per_slot=CTX_PER_SLOT,
-                                         log_path=log_dir / "llama-server.log")
-            else:
-                wbytes = weight_bytes_of(QUANT[name], gguf)
-                srv = start_tokenmill(QUANT[name], gguf, args.threads, log_dir)
-        except PeerNotInstalled as e:
-            print(f"  skipped: {e}", flush=True)
-            continue
-        with srv:
-            r = measure(name, srv, prompts, args.reps)
-        r["weight_bytes"] = wbytes
-        r["bandwidth_bound_tok_s"] = bw * 1e9 / wbytes
+    wbytes: dict[str, int] = {}
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, PeerServer] = {}
+        for name in systems:  # all started first, then measured side by side
+            try:
+                if name == "llama-server":
+                    wbytes[name] = gguf_weight_bytes(gguf)
+                    srv = start_llama_server(gguf=gguf, slots=CONC, threads=args.threads, ctx_per_slot=CTX_PER_SLOT,
+                                             log_path=log_dir / "llama-server.log")
+                else:
+                    wbytes[name] = weight_bytes_of(QUANT[name], gguf)
+                    srv = start_tokenmill(QUANT[name], gguf, args.threads, log_dir)
+            except PeerNotInstalled as e:
+                print(f"{name}: skipped: {e}", flush=True)
+                continue
+            servers[name] = stack.enter_context(srv)
+            print(f"{name}: started in {srv.startup_s:.0f} s", flush=True)
+        measured = measure(servers, prompts, args.reps)
+    for name, r in measured.items():
+        r["weight_bytes"] = wbytes[name]
+        r["bandwidth_bound_tok_s"] = bw * 1e9 / wbytes[name]
         r["fraction_of_bound@128"] = r["decode_tok_s@128"] / r["bandwidth_bound_tok_s"]
         results["systems"][name] = r
     results["machine"]["loadavg_end"] = os.getloadavg()
