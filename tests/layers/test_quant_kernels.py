@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tokenmill._native import quant as native
+from tokenmill.layers.quant import packed
 from tokenmill.layers.quant.packed import GEMV_MAX_ROWS, Int4Linear, Int8Linear, pack_nibbles, unpack_nibbles
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
@@ -177,3 +178,16 @@ def test_bad_layouts_are_refused():
         Int4Linear(m.qs[:, :-1], m.scales, m.mins, 64, 32)
     with pytest.raises(ValueError, match="scales must be"):
         Int8Linear(torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 3), 64, 32)
+
+
+def test_prefill_gemm_reuses_one_scratch_buffer_without_stale_weights():
+    """The prefill path dequantizes every matrix into the same scratch buffer before the fp32 GEMM
+    (oneDNN's when available): each call must see its own weights."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(GEMV_MAX_ROWS + 9, 96, generator=gen)
+    mats = [Int4Linear.from_float(torch.randn(40, 96, generator=gen), 32) for _ in range(3)]
+    for _ in range(2):
+        for m in mats:
+            torch.testing.assert_close(m(x), x @ m.dequantize().t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(packed.fp32_gemm(x, mats[0].dequantize()), x @ mats[0].dequantize().t(),
+                               rtol=1e-5, atol=1e-4)
