@@ -114,11 +114,11 @@ class LlamaForCausalLM(CausalLM):
             h = h.clone(memory_format=torch.contiguous_format)  # updated in place from here on
         start = 0
         for i in sorted(c for c in ctx.capture_layers if 0 <= c < len(self.layers)):
-            stack.run(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, start, i + 1)
+            h = stack.run(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, start, i + 1)
             ctx.capture(i, h.clone())
             start = i + 1
         if start < len(self.layers):
-            stack.run(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, start)
+            h = stack.run(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, start)
         return h
 
     def set_fused_decode(self, enabled: bool) -> None:
