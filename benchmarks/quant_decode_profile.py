@@ -1,6 +1,6 @@
 """Where one batch-1 decode step of the default model goes, by part, for a given weight format.
 
-Runs the offline engine (``LLM``) over a 128-token prompt and ``--tokens`` greedy tokens, with
+Runs the offline engine (``LLM``) over a ``--context``-token prompt (128) and ``--tokens`` greedy tokens, with
 timers around each part, for the two decode paths of a packed model, interleaved in one process
 (``--rounds`` rounds of each, so load changes hit both alike):
 
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--paths", default="layers,fused")
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens before the timed decode")
     args = ap.parse_args(argv)
 
     from tokenmill import LLM, SamplingParams
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.layers.quant.fused_decode import FusedDecodeStack
 
     torch.set_num_threads(args.threads)
-    llm = LLM(quantization=args.quantization, num_threads=args.threads, kv_cache_tokens=4096)
+    llm = LLM(quantization=args.quantization, num_threads=args.threads,
+              kv_cache_tokens=max(4096, 2 * (args.context + args.tokens) + 512))
     model = llm.engine.loaded.model
     names = {id(m): n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, LinearMethod)}
     if model.lm_head is model.embed_tokens:
@@ -67,18 +69,23 @@ def main(argv: list[str] | None = None) -> int:
             m.forward = timed(f"matmul {names[id(m)]}", m.forward)
     FusedDecodeStack.run = timed("fused layers (one native call)", FusedDecodeStack.run)  # type: ignore[method-assign]
     model_forward = model.forward
-    armed = [False]
-    first_end = [0.0]
+    starts: list[float] = []   # start / end time of every single-row (decode) forward
+    ends: list[float] = []
 
-    def forward(*a: Any, **k: Any) -> Any:
+    def forward(ctx: Any, *a: Any, **k: Any) -> Any:
+        decode = ctx.batch.input_ids.numel() == 1
         t = time.perf_counter()
-        out = model_forward(*a, **k)
-        if counting[0]:
-            spent["model forward (total)"] += time.perf_counter() - t
-        elif armed[0]:  # the timed request's prefill step ends: count from here on
-            armed[0], counting[0] = False, True
-            first_end[0] = time.perf_counter()
-        return out
+        if decode:
+            starts.append(t)
+        counting[0] = decode and len(starts) > 1   # from the second decode step on
+        try:
+            return model_forward(ctx, *a, **k)
+        finally:
+            if counting[0]:
+                spent["model forward (total)"] += time.perf_counter() - t
+            if decode:
+                ends.append(time.perf_counter())
+            counting[0] = False
 
     model.forward = forward
     attn = llm.engine.runner.attn
@@ -99,18 +106,19 @@ def main(argv: list[str] | None = None) -> int:
             if hasattr(model, "set_fused_decode"):
                 model.set_fused_decode(path == "fused")
             spent.clear()
+            starts.clear()
+            ends.clear()
             if path == "fused":
                 native.decode_profile(True)
-            armed[0] = True
-            prompt_base += 200  # a fresh prompt each time (no prefix-cache hit)
-            llm.generate([list(range(prompt_base, prompt_base + 128))], params)
-            wall = time.perf_counter() - first_end[0]
-            counting[0] = False
+            prompt_base += 7  # a fresh prompt each time (no prefix-cache hit)
+            llm.generate([[(prompt_base + 31 * i) % 40000 + 100 for i in range(args.context)]], params)
+            # decode steps 2..n counted: from the start of the 2nd decode forward to the end of the last
+            wall = ends[-1] - starts[1]
             if path == "fused":
                 for k, v in native.decode_profile(False).items():
                     spent[f"  in fused: {k}"] = v
             results[path].append((wall, dict(spent)))
-    steps = args.tokens - 1
+    steps = args.tokens - 2   # decode forwards counted: all but the first (the first token is the prefill's)
     for path in paths:
         wall, sp = sorted(results[path], key=lambda x: x[0])[len(results[path]) // 2]
         rounds = [f"{steps / w:.1f}" for w, _ in results[path]]

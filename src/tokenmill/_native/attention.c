@@ -47,6 +47,9 @@
 #define MAX_QVEC 256      /* query vectors (rows x heads of one group) in one task */
 #define MAX_HEAD_DIM 512
 #define SPLIT_KEYS 1024  /* keys per split-K chunk of a long decode */
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 4 /* key blocks requested ahead of use (see prefetch_keys) */
+#endif
 
 typedef struct {
     int seq;        /* sequence index */
@@ -66,6 +69,22 @@ typedef struct {
     int page_size, hq, hkv, d, group;
     float scale;
 } Problem;
+
+/* Ask for the K and V rows of keys [j0, j1) of one kv head ahead of use. Pages are scattered
+ * and one head's row is a short piece of each page row, so the hardware prefetchers miss them:
+ * without this a long decode reading its context from DRAM waits on memory latency key by key
+ * (measured: 3 GB/s at a 2,048-token context over 30 layers, against 34 GB/s from cache). */
+static inline void prefetch_keys(const Problem *P, const int64_t *table, int kvh, int j0, int j1, size_t esz) {
+    const size_t bytes = (size_t)P->d * esz;
+    for (int j = j0; j < j1; j++) {
+        int64_t off = ((table[j / P->page_size] * P->page_size + j % P->page_size) * P->hkv + kvh) * P->d;
+        const char *k = (const char *)P->kc + off * esz, *v = (const char *)P->vc + off * esz;
+        for (size_t c = 0; c < bytes; c += 64) {
+            __builtin_prefetch(k + c, 0, 3);
+            __builtin_prefetch(v + c, 0, 3);
+        }
+    }
+}
 
 /* ---------------------------------------------------------------------------------------- */
 /* scalar path                                                                              */
@@ -222,6 +241,12 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
             kp[j - j0] = (const char *)P->kc + off * esz;
             vp[j - j0] = (const char *)P->vc + off * esz;
         }
+        if (j0 == T->k0)  /* the blocks PREFETCH_BLOCKS ahead are requested as each block starts */
+            prefetch_keys(P, table, T->kvh, j1, j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK < T->k1 ? j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK : T->k1, esz);
+        {
+            int64_t pa = (int64_t)j0 + PREFETCH_BLOCKS * KEY_BLOCK, pb = pa + KEY_BLOCK;
+            if (pa < T->k1) prefetch_keys(P, table, T->kvh, (int)pa, (int)(pb < T->k1 ? pb : T->k1), esz);
+        }
         for (int r = 0; r < nrow; r++) {
             int64_t pos = L - n + T->r0 + r;
             int nk = (int)((pos + 1 < j1 ? pos + 1 : j1) - j0);
@@ -353,6 +378,12 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
             int64_t off = ((table[j / ps] * ps + j % ps) * P->hkv + T->kvh) * D;
             kp[j - j0] = (const char *)P->kc + off * esz;
             vp[j - j0] = (const char *)P->vc + off * esz;
+        }
+        if (j0 == T->k0)  /* the blocks PREFETCH_BLOCKS ahead are requested as each block starts */
+            prefetch_keys(P, table, T->kvh, j1, j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK < T->k1 ? j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK : T->k1, esz);
+        {
+            int64_t pa = (int64_t)j0 + PREFETCH_BLOCKS * KEY_BLOCK, pb = pa + KEY_BLOCK;
+            if (pa < T->k1) prefetch_keys(P, table, T->kvh, (int)pa, (int)(pb < T->k1 ? pb : T->k1), esz);
         }
         for (int r = 0; r < nrow; r++) {
             int64_t pos = L - n + T->r0 + r;
