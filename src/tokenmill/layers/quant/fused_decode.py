@@ -82,6 +82,7 @@ class FusedDecodeStack:
             rows.append(row)
         self._table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), _LAYER_FIELDS)
         self._kv: Sequence[Any] | None = None
+        self._kv_ptrs: tuple[int, int] = (0, 0)
 
     def _ptr(self, t: torch.Tensor) -> int:
         t = t.detach().float().contiguous()
@@ -117,7 +118,7 @@ class FusedDecodeStack:
 
     def _bind_kv(self, kv_caches: Sequence[Any]) -> None:
         """Point the table's KV fields at this pool (once per pool)."""
-        if self._kv is kv_caches:
+        if self._kv is kv_caches and self._kv_ptrs == (kv_caches[0].data_ptr(), kv_caches[-1].data_ptr()):
             return
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV cache entries, got {len(kv_caches)}")
@@ -128,6 +129,7 @@ class FusedDecodeStack:
             self._table[i, _K_CACHE] = c[0].data_ptr()
             self._table[i, _V_CACHE] = c[1].data_ptr()
         self._kv = kv_caches
+        self._kv_ptrs = (kv_caches[0].data_ptr(), kv_caches[-1].data_ptr())
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
             meta: NativeMetadata, start: int = 0, stop: int | None = None) -> torch.Tensor:
