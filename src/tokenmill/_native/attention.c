@@ -44,8 +44,8 @@
 #endif
 
 #define KEY_BLOCK 32      /* keys scored at once before the softmax update */
-#define MAX_QVEC 256      /* query vectors (rows x heads of one group) in one task */
-#define MAX_HEAD_DIM 512
+#define MAX_QVEC TM_ATTENTION_MAX_GROUP   /* query vectors (rows x heads of one group) in one task */
+#define MAX_HEAD_DIM TM_ATTENTION_MAX_HEAD_DIM
 #define SPLIT_KEYS 1024  /* keys per split-K chunk of a long decode */
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 4 /* key blocks requested ahead of use (see prefetch_keys) */

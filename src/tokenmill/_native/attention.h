@@ -7,6 +7,8 @@
 #include <stdint.h>
 
 #define TM_ATTENTION_CAPSULE "tokenmill._native._attention._C_API"
+#define TM_ATTENTION_MAX_HEAD_DIM 512   /* the kernel refuses larger heads ... */
+#define TM_ATTENTION_MAX_GROUP 256      /* ... and more query heads per kv head */
 
 typedef int (*tm_paged_attention_fn)(const float *q, int64_t q_stride, float *out, const void *k_cache,
                                      const void *v_cache, int kv_bf16, const int64_t *block_tables,

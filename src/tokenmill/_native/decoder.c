@@ -261,7 +261,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
                           &nt))
         return NULL;
     if (M <= 0 || L < 0 || H <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || inter <= 0 ||
-        num_seqs <= 0 || page_size <= 0) {
+        num_seqs <= 0 || page_size <= 0 || d > TM_ATTENTION_MAX_HEAD_DIM || hq / hkv > TM_ATTENTION_MAX_GROUP) {
         PyErr_Format(PyExc_ValueError, "decode_layers: bad sizes (M=%lld H=%lld heads %lld/%lld d=%lld inter=%lld "
                      "seqs=%d page=%d)", M, H, hq, hkv, d, inter, num_seqs, page_size);
         return NULL;

@@ -133,9 +133,11 @@ class LlamaForCausalLM(CausalLM):
         if self._fused is False:
             layers = [DecoderLayerWeights(l.input_layernorm.weight, l.post_attention_layernorm.weight, l.qkv_proj,
                                           l.qkv_bias, l.o_proj, l.gate_up_proj, l.down_proj) for l in self.layers]
-            reason = (FusedDecodeStack.unsupported_reason(layers, self.dtype)
-                      or ("per-head q/k norms" if any(l.q_norm is not None for l in self.layers) else None))
             a = self.args
+            reason = (FusedDecodeStack.unsupported_reason(layers, self.dtype)
+                      or ("per-head q/k norms" if any(l.q_norm is not None for l in self.layers) else None)
+                      or ("head shape beyond the attention kernel" if a.head_dim > 512 or a.head_dim % 2
+                          or a.num_heads // a.num_kv_heads > 256 else None))
             self._fused = None if reason else FusedDecodeStack(
                 layers, hidden=a.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
                 head_dim=a.head_dim, intermediate=a.intermediate_size, eps=a.rms_norm_eps,
