@@ -21,8 +21,11 @@
  * dequant_* and runs torch's GEMM, which keeps activations in fp32.
  *
  * Vector code is compiled through function target attributes and chosen at run time from
- * __builtin_cpu_supports; a portable scalar path does the same arithmetic everywhere else. Work
- * is split over output rows with OpenMP, the thread count given by the caller (torch's).
+ * __builtin_cpu_supports (sets: avx2, avxvnni, avx512vnni; each checked on its own); a portable
+ * scalar path does the same arithmetic everywhere else. With several x rows the avx512vnni set
+ * widens each weight block to 32 int16 lanes once per 4 rows and runs one 512-bit dpwssd per row.
+ * Work is split over output rows with OpenMP, the thread count given by the caller (torch's).
+ * tmq_matmul() is the entry point of decoder.c's fused decode path.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
