@@ -90,8 +90,9 @@ def decode_layers(*args) -> None:
 
 
 def layer_fields() -> int:
-    """int64 values per layer row of ``decode_layers``' table."""
-    return int(_need().layer_fields())
+    """int64 values per layer row of ``decode_layers``' table (-1: an older build without it)."""
+    fn = getattr(_need(), "layer_fields", None)
+    return int(fn()) if fn is not None else -1
 
 
 def decode_profile(on: bool | None = None) -> dict[str, float]:
