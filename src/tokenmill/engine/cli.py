@@ -5,7 +5,7 @@ import argparse
 import sys
 from dataclasses import fields
 
-from tokenmill.engine.config import (ATTENTION_BACKENDS, CACHE_WRITE_POLICIES, HOST_CACHE_DTYPES,
+from tokenmill.engine.config import (ATTENTION_BACKENDS, LINEAR_BACKENDS, CACHE_WRITE_POLICIES, HOST_CACHE_DTYPES,
                                      KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig)
 from tokenmill.loader.resolve import DEFAULT_MODEL
 
@@ -55,6 +55,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="int4: symmetric groups (scale only, zero exact) instead of scale + min")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="paged-attention implementation (auto: the fastest that supports the model here)")
+    g.add_argument("--linear-backend", default=d.linear_backend, choices=LINEAR_BACKENDS,
+                   help="fp32 weight matmuls: auto = oneDNN on weights prepacked at start-up when on CPU, "
+                        "torch = F.linear, onednn = oneDNN or refuse")
     add_speculative_arguments(parser)
     add_cache_tier_arguments(parser)
 

@@ -18,6 +18,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bf16", "fp16", "fp32", "fp8", "float8_e4
                    "float32")
 assert set(KV_CACHE_DTYPES) == {"auto", *KV_DTYPE_NAMES}
 ATTENTION_BACKENDS = ("auto", "torch", "native")
+LINEAR_BACKENDS = ("auto", "torch", "onednn")  # tokenmill.layers.linear.select_linear_backend
 SPECULATIVE_METHODS = ("ngram", "suffix", "dflash")
 HOST_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the KV pool's dtype
 CACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -53,6 +54,7 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     device: str = "cpu"              # torch device the model runner owns ("cpu", "cuda", "cuda:1")
     kv_cache_dtype: str = "auto"     # KV storage: auto (the model's dtype), fp8_e4m3, bf16, fp16, fp32
     attention_backend: str = "auto"  # see tokenmill.layers.attention.select_attention_backend
+    linear_backend: str = "auto"     # fp32 matmuls: auto (oneDNN prepacked on CPU), torch, onednn
     # Lower cache tiers (docs/kv-tiers.md): L2 host memory, L3 shared storage.
     host_cache_memory_gib: float = 0.0   # L2 size; 0 = no host tier
     host_cache_dtype: str = "auto"       # storage dtype of L2 pages (auto = the KV pool's dtype)
@@ -111,6 +113,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"decode_slowdown must be > 1 (or None to turn the bound off), got {self.decode_slowdown}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATIONS:

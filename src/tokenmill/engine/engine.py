@@ -89,14 +89,16 @@ class Engine:
                 model=str(self.loaded.source) if loaded is not None else config.model, dtype=config.dtype,
                 tp=config.tensor_parallel_size, num_pages=self.kv.num_pages, page_size=config.page_size,
                 device=self.device.type, kv_dtype=self.kv_spec.dtype, attention_backend=config.attention_backend,
-                num_threads=config.num_threads, pin_cores=config.tp_pin_cores, init_method=new_init_method()),
+                num_threads=config.num_threads, pin_cores=config.tp_pin_cores, init_method=new_init_method(),
+                linear_backend=config.linear_backend),
                 self.loaded.model)
             self.tiers = None                # refused with tensor parallelism by EngineConfig
             self.kv.tiers = None
         else:
             self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
                                       self.vocab_size, device=self.device, kv_spec=self.kv_spec,
-                                      attention_backend=config.attention_backend)
+                                      attention_backend=config.attention_backend,
+                                      linear_backend=config.linear_backend)
             self._init_tiers()
         self.generation_tokens_total = 0
         self._arrivals = 0

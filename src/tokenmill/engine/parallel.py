@@ -65,6 +65,7 @@ class WorkerSpec:
     pin_cores: bool            # CPU: pin rank r to core r % cpu_count
     init_method: str
     seed: int | None = None
+    linear_backend: str = "auto"
 
 
 def check_tensor_parallel_devices(tp: int, device: str) -> None:
@@ -371,7 +372,8 @@ def _worker_setup(rank: int, spec: WorkerSpec, conn: Connection) -> tuple[Any, _
     del weights
     kv_spec = shard.kv_cache_spec().with_dtype(spec.kv_dtype)
     runner = ModelRunner(shard, spec.num_pages, spec.page_size, shard.full_args.vocab_size, device=device,
-                         seed=spec.seed, kv_spec=kv_spec, attention_backend=spec.attention_backend)
+                         seed=spec.seed, kv_spec=kv_spec, attention_backend=spec.attention_backend,
+                         linear_backend=spec.linear_backend)
     return runner, _Mirror(runner)
 
 
