@@ -58,6 +58,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--linear-backend", default=d.linear_backend, choices=LINEAR_BACKENDS,
                    help="fp32 weight matmuls: auto = oneDNN on weights prepacked at start-up when on CPU, "
                         "torch = F.linear, onednn = oneDNN or refuse")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
+                   help="fuse the elementwise work around the matmuls with torch.compile for steps of 64+ "
+                        "tokens (compiled at start-up, cached in TORCHINDUCTOR_CACHE_DIR, default "
+                        "~/.cache/tokenmill/inductor; default: %(default)s)")
     add_speculative_arguments(parser)
     add_cache_tier_arguments(parser)
 

@@ -55,6 +55,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     kv_cache_dtype: str = "auto"     # KV storage: auto (the model's dtype), fp8_e4m3, bf16, fp16, fp32
     attention_backend: str = "auto"  # see tokenmill.layers.attention.select_attention_backend
     linear_backend: str = "auto"     # fp32 matmuls: auto (oneDNN prepacked on CPU), torch, onednn
+    compile: bool = False            # fuse the elementwise ops around the matmuls (layers/fused.py;
+                                     # process-wide, compiled at start-up, cached on disk)
     # Lower cache tiers (docs/kv-tiers.md): L2 host memory, L3 shared storage.
     host_cache_memory_gib: float = 0.0   # L2 size; 0 = no host tier
     host_cache_dtype: str = "auto"       # storage dtype of L2 pages (auto = the KV pool's dtype)

@@ -90,7 +90,7 @@ class Engine:
                 tp=config.tensor_parallel_size, num_pages=self.kv.num_pages, page_size=config.page_size,
                 device=self.device.type, kv_dtype=self.kv_spec.dtype, attention_backend=config.attention_backend,
                 num_threads=config.num_threads, pin_cores=config.tp_pin_cores, init_method=new_init_method(),
-                linear_backend=config.linear_backend),
+                linear_backend=config.linear_backend, compile=config.compile),
                 self.loaded.model)
             self.tiers = None                # refused with tensor parallelism by EngineConfig
             self.kv.tiers = None
@@ -98,7 +98,7 @@ class Engine:
             self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
                                       self.vocab_size, device=self.device, kv_spec=self.kv_spec,
                                       attention_backend=config.attention_backend,
-                                      linear_backend=config.linear_backend)
+                                      linear_backend=config.linear_backend, compile=config.compile)
             self._init_tiers()
         self.generation_tokens_total = 0
         self._arrivals = 0

@@ -30,6 +30,7 @@ from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import ForwardContext, select_attention_backend
+from tokenmill.layers import fused
 from tokenmill.layers.linear import select_linear_backend, use_linear_backend
 from tokenmill.engine.structured import apply_grammar_masks
 from tokenmill.layers.sampling import PenaltyState, Sampler, SamplingInputs
@@ -70,12 +71,16 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_pages: int, page_size: int, vocab_size: int,
                  device: torch.device | str = "cpu", seed: int | None = None, *,
                  kv_spec: KVCacheSpec | None = None, attention_backend: str = "auto",
-                 linear_backend: str = "auto") -> None:
+                 linear_backend: str = "auto", compile: bool = False) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device)
         # fp32 on CPU: weights reordered once for oneDNN (layers/linear.py); "torch" undoes it
         self.linear_backend = select_linear_backend(linear_backend, self.device, model.dtype)
         use_linear_backend(self.model, self.linear_backend)
+        # elementwise fusion (process-wide): the start-up compile is timed and logged
+        args = model.args
+        self.compile_seconds = fused.enable(compile, hidden_size=int(args.hidden_size),
+                                            head_dim=int(getattr(args, "head_dim", 0) or 16), dtype=model.dtype)
         self.page_size = page_size
         self.vocab_size = vocab_size
         self.kv_spec = kv_spec or model.kv_cache_spec()

@@ -66,6 +66,7 @@ class WorkerSpec:
     init_method: str
     seed: int | None = None
     linear_backend: str = "auto"
+    compile: bool = False
 
 
 def check_tensor_parallel_devices(tp: int, device: str) -> None:
@@ -373,7 +374,7 @@ def _worker_setup(rank: int, spec: WorkerSpec, conn: Connection) -> tuple[Any, _
     kv_spec = shard.kv_cache_spec().with_dtype(spec.kv_dtype)
     runner = ModelRunner(shard, spec.num_pages, spec.page_size, shard.full_args.vocab_size, device=device,
                          seed=spec.seed, kv_spec=kv_spec, attention_backend=spec.attention_backend,
-                         linear_backend=spec.linear_backend)
+                         linear_backend=spec.linear_backend, compile=spec.compile)
     return runner, _Mirror(runner)
 
 
