@@ -116,3 +116,15 @@ def test_compiled_fusion_matches_eager(tiny_model, tmp_path, monkeypatch) -> Non
         fused.enable(False)
     assert not fused.enabled()
     assert LLM(loaded=lm, kv_cache_tokens=256).engine.runner.compile_seconds == 0.0
+
+
+@needs_onednn
+def test_a_packed_model_deep_copies(tiny_model) -> None:
+    lm, _ = tiny_model("LlamaForCausalLM")
+    model = copy.deepcopy(lm.model)
+    use_linear_backend(model, "onednn")
+    twin = copy.deepcopy(model)
+    assert twin.lm_head is twin.embed_tokens or model.lm_head is not model.embed_tokens
+    x = torch.randn(3, model.args.hidden_size)
+    assert torch.equal(twin.layers[1].down_proj.dequantize(), model.layers[1].down_proj.dequantize())
+    assert torch.equal(twin.layers[0].qkv_proj(x), model.layers[0].qkv_proj(x))

@@ -195,6 +195,10 @@ class OneDNNLinear(LinearMethod):
     def cat_rows(cls, parts: Sequence[LinearMethod]) -> "OneDNNLinear":
         return OneDNNLinear(torch.cat([p.dequantize() for p in parts], dim=0))
 
+    def __deepcopy__(self, memo: dict) -> "OneDNNLinear":
+        # the opaque packed tensor has no storage to copy: repack from the plain rows
+        return OneDNNLinear(self.dequantize().clone(), keep_dense=self.dense is not None)
+
     def extra_repr(self) -> str:
         return f"onednn fp32, out={self.out_features}, in={self.in_features}"
 
