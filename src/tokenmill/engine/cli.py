@@ -62,6 +62,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="fuse the elementwise work around the matmuls with torch.compile for steps of 64+ "
                         "tokens (compiled at start-up, cached in TORCHINDUCTOR_CACHE_DIR, default "
                         "~/.cache/tokenmill/inductor; default: %(default)s)")
+    g.add_argument("--state-snapshot-memory", dest="state_snapshot_memory_gib", type=float,
+                   default=d.state_snapshot_memory_gib, metavar="GIB",
+                   help="hybrid (linear-attention) models: state-pool memory for prefix-cache state "
+                        "snapshots, beside one state slot per running request (default: 4 snapshots per "
+                        "request slot, at most 1 GiB; 0: no prefix hits)")
+    g.add_argument("--state-snapshot-slots", type=int, default=d.state_snapshot_slots, metavar="N",
+                   help="hybrid models: the snapshot budget as a count of slots (instead of "
+                        "--state-snapshot-memory)")
+    g.add_argument("--state-snapshot-interval", type=int, default=d.state_snapshot_interval, metavar="TOKENS",
+                   help="hybrid models: also snapshot the state every TOKENS tokens of a long prefill, a "
+                        "rounded up to whole pages (default %(default)s; 0: only at request ends and branch points)")
     add_speculative_arguments(parser)
     add_cache_tier_arguments(parser)
 

@@ -148,6 +148,10 @@ class MLA(nn.Module):
         self.scale = a.softmax_scale
 
     def forward(self, x: torch.Tensor, cs: CosSin, kv_cache: Any, ctx: ForwardContext) -> torch.Tensor:
+        return F.linear(self.attend(x, cs, kv_cache, ctx), self.o_proj, self.o_bias)
+
+    def attend(self, x: torch.Tensor, cs: CosSin, kv_cache: Any, ctx: ForwardContext) -> torch.Tensor:
+        """Everything but the output projection: the heads' outputs ``[T, H * v_head_dim]``."""
         a, t = self.a, x.shape[0]
         if a.q_lora_rank is None:
             q = F.linear(x, self.q_proj)
@@ -163,8 +167,7 @@ class MLA(nn.Module):
         attn = ctx.attn
         if not isinstance(attn, MLAAttention):
             raise TypeError(f"DeepSeek-V3 needs the MLA attention backend, got {type(attn).__name__}")
-        o = attn.forward_mla(q_nope, q_rope, latent, k_rope, kv_cache, ctx.meta, self.scale, self.kv_b_proj)
-        return F.linear(o, self.o_proj, self.o_bias)
+        return attn.forward_mla(q_nope, q_rope, latent, k_rope, kv_cache, ctx.meta, self.scale, self.kv_b_proj)
 
 
 class DenseMLP(nn.Module):
@@ -306,48 +309,11 @@ class DeepseekV3ForCausalLM(CausalLM):
         return out
 
     def _fuse_experts(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Checkpoints store one tensor per expert (``experts.{j}.gate_proj.weight``): stack them
-        into HF's fused ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]."""
-        out: dict[str, torch.Tensor] = {}
-        per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-        for name, t in weights.items():
-            m = _EXPERT.match(name)
-            if m:
-                per_expert.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
-            else:
-                out[name] = t
-        e = self.args.n_routed_experts
-        for prefix, experts in per_expert.items():
-            if prefix + ".gate_up_proj" in out:
-                raise ModelLoadError(f"checkpoint has both fused and per-expert weights for {prefix}")
-            missing = [f"{prefix}.{j}.{w}.weight" for j in range(e) for w in ("gate_proj", "up_proj", "down_proj")
-                       if w not in experts.get(j, {})]
-            extra = sorted(j for j in experts if not 0 <= j < e)
-            if extra:
-                raise ModelLoadError(f"checkpoint has expert {extra[0]} in {prefix}, but n_routed_experts={e}")
-            if missing:
-                raise ModelLoadError(f"checkpoint is missing tensor(s) {', '.join(missing[:5])}")
-            try:
-                out[prefix + ".gate_up_proj"] = torch.stack(
-                    [torch.cat((experts[j]["gate_proj"], experts[j]["up_proj"]), dim=0) for j in range(e)])
-                out[prefix + ".down_proj"] = torch.stack([experts[j]["down_proj"] for j in range(e)])
-            except RuntimeError as err:
-                raise ModelLoadError(f"expert weights of {prefix} have inconsistent shapes: {err}") from err
-        return out
+        return fuse_expert_weights(weights, self.args.n_routed_experts)
 
     def _split_mtp(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Take the MTP layers (``model.layers.{n}`` and up) out of ``weights`` into mtp_weights."""
-        n, k = self.args.num_layers, self.args.num_mtp_layers
-        main: dict[str, torch.Tensor] = {}
-        for name, t in weights.items():
-            m = re.match(r"^model\.layers\.(\d+)\.", name)
-            if m and int(m.group(1)) >= n:
-                if int(m.group(1)) >= n + k:
-                    raise ModelLoadError(f"checkpoint tensor {name} belongs to layer {m.group(1)}, beyond "
-                                         f"num_hidden_layers={n} + num_mtp_layers={k}")
-                self.mtp_weights[name] = t.to(self.dtype) if t.is_floating_point() else t
-            else:
-                main[name] = t
+        main, mtp = split_mtp_weights(weights, self.args.num_layers, self.args.num_mtp_layers, self.dtype)
+        self.mtp_weights.update(mtp)
         return main
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -449,3 +415,52 @@ class DeepseekV3ForCausalLM(CausalLM):
                 out[m + "up_proj.weight"] = mlp.gate_up_proj[fi:]
                 out[m + "down_proj.weight"] = mlp.down_proj
         return {k: v.detach() for k, v in out.items()}
+
+
+def fuse_expert_weights(weights: Mapping[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """Checkpoints store one tensor per expert (``experts.{j}.gate_proj.weight``): stack them into
+    HF's fused ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]."""
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in weights.items():
+        m = _EXPERT.match(name)
+        if m:
+            per_expert.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+        else:
+            out[name] = t
+    e = num_experts
+    for prefix, experts in per_expert.items():
+        if prefix + ".gate_up_proj" in out:
+            raise ModelLoadError(f"checkpoint has both fused and per-expert weights for {prefix}")
+        missing = [f"{prefix}.{j}.{w}.weight" for j in range(e) for w in ("gate_proj", "up_proj", "down_proj")
+                   if w not in experts.get(j, {})]
+        extra = sorted(j for j in experts if not 0 <= j < e)
+        if extra:
+            raise ModelLoadError(f"checkpoint has expert {extra[0]} in {prefix}, but the config has {e} experts")
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing tensor(s) {', '.join(missing[:5])}")
+        try:
+            out[prefix + ".gate_up_proj"] = torch.stack(
+                [torch.cat((experts[j]["gate_proj"], experts[j]["up_proj"]), dim=0) for j in range(e)])
+            out[prefix + ".down_proj"] = torch.stack([experts[j]["down_proj"] for j in range(e)])
+        except RuntimeError as err:
+            raise ModelLoadError(f"expert weights of {prefix} have inconsistent shapes: {err}") from err
+    return out
+
+
+def split_mtp_weights(weights: Mapping[str, torch.Tensor], num_layers: int, num_mtp_layers: int,
+                      dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(main, mtp)``: the MTP layers (``model.layers.{num_layers}`` and up) split from the rest;
+    a layer beyond ``num_layers + num_mtp_layers`` is refused."""
+    main: dict[str, torch.Tensor] = {}
+    mtp: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        m = re.match(r"^model\.layers\.(\d+)\.", name)
+        if m and int(m.group(1)) >= num_layers:
+            if int(m.group(1)) >= num_layers + num_mtp_layers:
+                raise ModelLoadError(f"checkpoint tensor {name} belongs to layer {m.group(1)}, beyond "
+                                     f"num_hidden_layers={num_layers} + num_mtp_layers={num_mtp_layers}")
+            mtp[name] = t.to(dtype) if t.is_floating_point() else t
+        else:
+            main[name] = t
+    return main, mtp

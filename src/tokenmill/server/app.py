@@ -33,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenmill.engine.admission import wait_too_long
 from tokenmill.server import openapi
 from tokenmill.server.common import ServerState, read_json_body
 from tokenmill.server.errors import APIError
@@ -91,10 +92,18 @@ def build_app(state: ServerState) -> FastAPI:
         """429 before reading the body when the engine's queue is already full (a fast path:
         the engine's own check on submit is the authoritative one)."""
         limit = state.config.max_waiting_requests
-        if limit is not None and state.engine.stats().num_waiting >= limit:
+        stats = state.engine.stats()
+        if limit is not None and stats.num_waiting >= limit:
             state.metrics.rejected["queue_full"] += 1
             raise APIError(429, f"the server is overloaded: {limit} requests are already waiting; retry later",
                            type="rate_limit_error", code="queue_full", headers=state.overload_headers())
+        wait_limit = state.config.max_queue_wait_s
+        if wait_too_long(stats.predicted_wait_s, wait_limit):
+            state.metrics.rejected["predicted_wait"] += 1
+            raise APIError(429, f"the server is overloaded: a new request could wait up to "
+                                f"{stats.predicted_wait_s:.1f} s to start (limit {wait_limit:g} s); retry later",
+                           type="rate_limit_error", code="predicted_wait",
+                           headers=state.overload_headers(stats.predicted_wait_s))
 
     async def run_generation(request: Request, handler: Handler, *, anthropic: bool = False) -> Response:
         arrival = time.monotonic()
@@ -181,6 +190,11 @@ def build_app(state: ServerState) -> FastAPI:
             "kv_pages_in_use": s.kv_pages_in_use,
             "kv_cache_dtype": s.kv_cache_dtype, "kv_bytes_per_token": s.kv_bytes_per_token,
             "kv_capacity_tokens": s.kv_capacity_tokens,
+            # hybrid models' state pool (zeros for attention-only models): request slots
+            "state_pool_usage": s.state_pool_usage, "state_slots_total": s.state_slots_total,
+            "state_slots_free": s.state_slots_free, "state_snapshot_slots": s.state_snapshot_slots,
+            "state_snapshots_cached": s.state_snapshots_cached,
+            "state_bytes_per_request": s.state_bytes_per_request,
             "cached_tokens": s.cached_tokens_total,
             "prompt_tokens": s.prompt_tokens_total, "generation_tokens": s.generation_tokens_total,
         })

@@ -9,7 +9,7 @@ server as outputs reach the event loop (the time a client would see, minus the n
   tokens at once counts k gaps of interval / k);
 * ``e2e_request_latency_seconds``: request received -> last output.
 
-Admission and limits: ``requests_rejected_total{reason}`` counts refused requests (queue_full,
+Admission and limits: ``requests_rejected_total{reason}`` counts refused requests (queue_full, predicted_wait,
 queue_timeout, request_too_large, json_too_deep), ``request_deadline_expired_total`` requests cut
 by their deadline, ``max_waiting_requests`` is the queue bound (``num_requests_waiting`` is the
 queue length). ``event_loop_tasks`` and ``process_threads`` show what a leak would grow.
@@ -41,7 +41,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "deadline", "queue_timeout")
-REJECT_REASONS = ("queue_full", "queue_timeout", "request_too_large", "json_too_deep")
+REJECT_REASONS = ("queue_full", "predicted_wait", "queue_timeout", "request_too_large", "json_too_deep")
 
 
 class CounterView:
@@ -150,6 +150,18 @@ class _EngineCollector:
         yield family(g, "kv_cache_capacity_tokens", "Tokens the KV-cache pool holds.", stats.kv_capacity_tokens)
         yield family(g, "kv_cache_bytes_per_token", "KV bytes per token over all layers (fp8 scales included).",
                      stats.kv_bytes_per_token)
+        if getattr(stats, "state_slots_total", 0):   # hybrid models: the state pool beside the pages
+            yield family(g, "state_pool_usage_perc", "Fraction of state-pool request slots in use (1 = full).",
+                         stats.state_pool_usage)
+            yield family(g, "state_slots_total", "State-pool request slots (one per running request).",
+                         stats.state_slots_total)
+            yield family(g, "state_slots_free", "State-pool request slots free.", stats.state_slots_free)
+            yield family(g, "state_snapshot_slots", "State-pool slots for prefix-cache state snapshots.",
+                         stats.state_snapshot_slots)
+            yield family(g, "state_snapshots_cached", "Snapshot slots holding a prefix-cache state snapshot.",
+                         stats.state_snapshots_cached)
+            yield family(g, "state_bytes_per_request", "State-pool bytes of one request slot (all linear layers).",
+                         stats.state_bytes_per_request)
         queries = stats.prompt_tokens_total if self.m.prefix_cache_enabled else 0
         yield family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
         yield family(c, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.cached_tokens_total)
