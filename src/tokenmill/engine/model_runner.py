@@ -23,6 +23,8 @@ are masked by their grammar before sampling (engine/structured.py).
 """
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -67,6 +69,9 @@ class _NoGrammar:
     grammar = None
 
 
+log = logging.getLogger(__name__)
+
+
 def _token_logprob(tok: int, lp: Any) -> TokenLogprob:
     return TokenLogprob(tok, lp[0], [TopLogprob(t, v) for t, v in lp[1]])
 
@@ -80,7 +85,11 @@ class ModelRunner:
         self.model = model.to(self.device)
         # fp32 on CPU: weights reordered once for oneDNN (layers/linear.py); "torch" undoes it
         self.linear_backend = select_linear_backend(linear_backend, self.device, model.dtype)
-        use_linear_backend(self.model, self.linear_backend)
+        t0 = time.perf_counter()
+        changed = use_linear_backend(self.model, self.linear_backend)
+        if changed:
+            log.info("linear backend %s: %d weight matrices repacked in %.2f s", self.linear_backend, changed,
+                     time.perf_counter() - t0)
         # elementwise fusion (process-wide): the start-up compile is timed and logged
         args = model.args
         self.compile_seconds = fused.enable(compile, hidden_size=int(args.hidden_size),
