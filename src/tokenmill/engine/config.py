@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.contracts.kv import KV_DTYPE_NAMES, kv_storage_dtype
+from tokenmill.contracts.kv import FP8_SCALE_SCHEMES, KV_DTYPE_NAMES, kv_storage_dtype
 
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats (tokenmill.layers.quant.methods)
@@ -20,6 +20,7 @@ assert set(KV_CACHE_DTYPES) == {"auto", *KV_DTYPE_NAMES}
 ATTENTION_BACKENDS = ("auto", "torch", "native")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")  # tokenmill.layers.linear.select_linear_backend
 SPECULATIVE_METHODS = ("ngram", "suffix", "dflash")
+MOE_PARALLEL = ("tp", "ep")       # MoE under tensor parallelism: TP inside experts, or expert parallelism
 HOST_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the KV pool's dtype
 CACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DEFAULT_KV_SESSIONS = 4          # full-length sequences the default pool holds
@@ -55,6 +56,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     max_waiting_requests: int | None = None  # bounded waiting queue (engine/admission.py); None: unbounded
     device: str = "cpu"              # torch device the model runner owns ("cpu", "cuda", "cuda:1")
     kv_cache_dtype: str = "auto"     # KV storage: auto (the model's dtype), fp8_e4m3, bf16, fp16, fp32
+    kv_cache_fp8_scales: str = "static"   # fp8 KV scales: static (per layer and head, calibrated at
+                                          # start-up, 4x fp32's tokens) or token (per token and head)
     attention_backend: str = "auto"  # see tokenmill.layers.attention.select_attention_backend
     linear_backend: str = "auto"     # fp32 matmuls: auto (oneDNN prepacked on CPU), torch, onednn
     compile: bool = False            # fuse the elementwise ops around the matmuls (layers/fused.py;
@@ -95,6 +98,9 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     # only the snapshots at request ends and branch points)
     state_snapshot_interval: int = 512
     tp_pin_cores: bool = False       # CPU tensor parallelism: pin rank r to one core (r mod cores)
+    # how a mixture of experts splits over the ranks: "tp" (each expert's intermediate split) or
+    # "ep" (expert parallelism: whole experts per rank); see models/tensor_parallel.py
+    moe_parallel: str = "tp"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -128,6 +134,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
+        if self.kv_cache_fp8_scales not in FP8_SCALE_SCHEMES:
+            raise ValueError(f"kv_cache_fp8_scales must be one of {FP8_SCALE_SCHEMES}, got {self.kv_cache_fp8_scales!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -183,13 +191,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"state_snapshot_interval must be >= 0, got {self.state_snapshot_interval}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and (self.host_cache_memory_gib > 0
-                                              or self.cache_storage not in ("", "none")):
-            raise ValueError("the host and storage cache tiers run with tensor_parallel_size=1 only (their page "
-                             "moves would have to reach every rank's KV shard)")
-        if self.tensor_parallel_size > 1 and self.speculative_method is not None:
-            raise ValueError("speculative decoding runs with tensor_parallel_size=1 only for now (the ranks do not "
-                             "verify drafts or capture hidden states)")
+        if self.moe_parallel not in MOE_PARALLEL:
+            raise ValueError(f"moe_parallel must be one of {MOE_PARALLEL}, got {self.moe_parallel!r}")
         if not self.device or not (self.device == "cpu" or self.device.startswith(("cuda", "mps", "xpu"))):
             raise ValueError(f"device must be cpu or a torch accelerator such as cuda or cuda:1, got {self.device!r}")
 
