@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.attention import ForwardContext
@@ -21,7 +20,8 @@ from tokenmill.layers.linear import DenseLinear, as_linear
 from tokenmill.layers.quant.fused_decode import DecoderLayerWeights, FusedDecodeStack
 from tokenmill.layers.quant.methods import cat_linears
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import CosSin, RotaryEmbedding, apply_rotary
+from tokenmill.layers import fused
+from tokenmill.layers.rotary import CosSin, RotaryEmbedding
 from tokenmill.models.base import CausalLM, KVCacheSpec, ModelArgs
 
 
@@ -55,17 +55,16 @@ class LlamaDecoderLayer(nn.Module):
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, cs), apply_rotary(k, cs)
+            q, k = fused.rotary(q, cs), fused.rotary(k, cs)
         else:  # q and k are adjacent in qkv: rotate all their heads in one pass
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cs)
+            qk = fused.rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cs)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = ctx.attn.forward(q, k, v, kv_cache, ctx.meta, self.scale)
-        h = h + self.o_proj(o)
-        x = self.post_attention_layernorm(h)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        norm = self.post_attention_layernorm
+        h, x = fused.add_rms_norm(h, self.o_proj(o), norm.weight, norm.eps)
+        return h + self.down_proj(fused.swiglu(self.gate_up_proj(x)))
 
 
 class LlamaForCausalLM(CausalLM):
