@@ -106,8 +106,6 @@ class SpeculativeDecoder:
         for req in self.scheduler.running:
             if req.num_uncomputed_tokens != 1 or not req.params.speculative:
                 continue
-            if req.grammar is not None:
-                continue   # constrained decoding does not speculate (see docs/speculative.md)
             k = self._draft_len(req)
             # never draft past max_tokens or the context limit (the step emits up to k + 1)
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1,
@@ -122,6 +120,8 @@ class SpeculativeDecoder:
             ks = [min(k, share) for k in ks]
         for req, k, draft in zip(reqs, ks, self.proposer.propose(reqs, ks)):
             tokens = list(draft.token_ids[:k])
+            if req.grammar is not None and tokens:   # cut at the first draft the grammar rejects
+                tokens = tokens[:req.grammar.draft_prefix(tokens, keep_rejected=draft.probs is not None)]
             if req.draft_validator is not None and tokens:
                 tokens = list(req.draft_validator(req, tokens))
             req.spec_token_ids = tokens
