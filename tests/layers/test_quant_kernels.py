@@ -167,3 +167,19 @@ def test_bad_layouts_are_refused():
         Int4Linear(m.qs[:, :-1], m.scales, m.mins, 64, 32)
     with pytest.raises(ValueError, match="scales must be"):
         Int8Linear(torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 3), 64, 32)
+
+
+@pytest.mark.parametrize("n,k,group", [(7, 100, 32), (33, 576, 64), (6, 544, 32), (2, 1000, 32), (64, 1536, 128),
+                                       (9, 96, 64), (5, 45, 32)])
+def test_a_row_gives_the_same_bits_alone_or_with_others(kernel, n, k, group):
+    """Up to GEMV_MAX_ROWS rows (a decode with speculative drafts, a small batch), every row's
+    result is bit-identical to that row computed alone: the engine's greedy output cannot depend
+    on how many drafts or requests share its step."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    for name, method in _methods(w, group).items():
+        for m in (2, 3, 4, 5, 8, 9, GEMV_MAX_ROWS):
+            x = torch.randn(m, k, generator=gen) * 2
+            together = method(x)
+            alone = torch.cat([method(x[i:i + 1]) for i in range(m)])
+            assert torch.equal(together, alone), (name, m, (together - alone).abs().max().item())

@@ -186,6 +186,21 @@ TGT static inline __m256i s8dot_##SUFFIX(const int8_t *p, const int16_t *x) {   
     return MADD2(lo, _mm256_loadu_si256((const __m256i *)x), hi, _mm256_loadu_si256((const __m256i *)(x + 16))); \
 }
 
+/* The same block dots in two halves: decode 32 weights to 16 bits once (lo: values 0-15, hi:
+ * 16-31), then one product per activation row; integer arithmetic, so bit-identical to the above. */
+#define DEFINE_BLOCK_DECODE(TGT)                                                                          \
+TGT static inline void u4dec(const uint8_t *p, __m256i *lo, __m256i *hi) {                                \
+    __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);                             \
+    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, m));                                                      \
+    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), m));                                   \
+}                                                                                                         \
+TGT static inline void s8dec(const int8_t *p, __m256i *lo, __m256i *hi) {                                 \
+    __m256i w = _mm256_loadu_si256((const __m256i *)p);                                                   \
+    *lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));                                                \
+    *hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));                                           \
+}
+DEFINE_BLOCK_DECODE(TGT_AVX2)
+
 TGT_AVX2 static inline __m256i madd2_avx2(__m256i a, __m256i x, __m256i b, __m256i y) {
     return _mm256_add_epi32(_mm256_madd_epi16(a, x), _mm256_madd_epi16(b, y));
 }
@@ -193,7 +208,7 @@ DEFINE_BLOCK_DOTS(avx2, TGT_AVX2, madd2_avx2)
 
 /* One weight row (u4 or s8) against nrows_x activation rows. For one row, two accumulator chains
  * over even and odd blocks; for several, up to 4 rows share each decoded weight block. */
-#define DEFINE_ROW_DOT(NAME, TGT, BLOCKDOT, WT, WSTRIDE, HAS_MIN)                                          \
+#define DEFINE_ROW_DOT(NAME, TGT, BLOCKDOT, DECODE, MADD2, WT, WSTRIDE, HAS_MIN)                                          \
 TGT static void NAME(const WT *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb,   \
                      int64_t bpg, const int16_t *xq, const float *xd, const float *xs, int64_t nrows_x,    \
                      int64_t x_stride, int64_t xb_stride, float *out, int64_t out_stride) {                \
@@ -245,26 +260,93 @@ TGT static void NAME(const WT *qs, const void *sc, const void *mn, int f16, int6
         out[0] = hsum8(_mm256_add_ps(a0, a1)) + (m0s + m1s);                                              \
         return;                                                                                           \
     }                                                                                                     \
+    /* Several rows: per row exactly the arithmetic of the one-row path above (so a row's result          \
+     * does not depend on how many rows come with it), with each weight block decoded once for up         \
+     * to 4 rows. */                                                                                      \
     for (int64_t m0 = 0; m0 < nrows_x; m0 += 4) {                                                         \
-        int64_t mr = nrows_x - m0 < 4 ? nrows_x - m0 : 4;                                                 \
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
-        float accm[4] = {0.f, 0.f, 0.f, 0.f};                                                            \
-        for (int64_t b = 0; b < nb; b++) {                                                                \
-            int64_t g = row_g0 + b / bpg;                                                                 \
-            float s = scale_avx2(sc, g, f16), mm = HAS_MIN ? scale_avx2(mn, g, f16) : 0.f;                \
+        const int64_t mr = nrows_x - m0 < 4 ? nrows_x - m0 : 4;                                           \
+        __m256 a0[4], a1[4];                                                                              \
+        float m0s[4] = {0.f, 0.f, 0.f, 0.f}, m1s[4] = {0.f, 0.f, 0.f, 0.f};                               \
+        const int16_t *xr[4];                                                                             \
+        const float *xdr[4], *xsr[4];                                                                     \
+        for (int64_t j = 0; j < 4; j++) {                                                                 \
+            const int64_t m = m0 + (j < mr ? j : 0);                                                      \
+            a0[j] = _mm256_setzero_ps();                                                                  \
+            a1[j] = _mm256_setzero_ps();                                                                  \
+            xr[j] = xq + m * x_stride;                                                                    \
+            xdr[j] = xd + m * xb_stride;                                                                  \
+            xsr[j] = xs + m * xb_stride;                                                                  \
+        }                                                                                                 \
+        int64_t b = 0;                                                                                    \
+        if (bpg == 1 || bpg >= nb) {                                                                      \
+            const int one = bpg >= nb;                                                                    \
+            const __m256 sc1 = _mm256_set1_ps(scale_avx2(sc, row_g0, f16));                               \
+            const __m256 mn1 = HAS_MIN ? _mm256_set1_ps(scale_avx2(mn, row_g0, f16)) : _mm256_setzero_ps();\
+            __m256 vm[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};\
+            for (; b + 8 <= nb; b += 8) {                                                                 \
+                __m256i p[4][8];                                                                          \
+                for (int64_t q = 0; q < 8; q++) {                                                         \
+                    __m256i lo, hi;                                                                       \
+                    DECODE(qs + (b + q) * WSTRIDE, &lo, &hi);                                             \
+                    for (int64_t j = 0; j < mr; j++) {                                                    \
+                        const int16_t *x = xr[j] + (b + q) * QK;                                          \
+                        p[j][q] = MADD2(lo, _mm256_loadu_si256((const __m256i *)x),                       \
+                                        hi, _mm256_loadu_si256((const __m256i *)(x + 16)));               \
+                    }                                                                                     \
+                }                                                                                         \
+                const __m256 sv = one ? sc1 : scales8(sc, row_g0 + b, f16);                               \
+                const __m256 mv = HAS_MIN ? (one ? mn1 : scales8(mn, row_g0 + b, f16)) : _mm256_setzero_ps();\
+                for (int64_t j = 0; j < mr; j++) {                                                        \
+                    __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[j][0], p[j][1]), _mm256_hadd_epi32(p[j][2], p[j][3]));\
+                    __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[j][4], p[j][5]), _mm256_hadd_epi32(p[j][6], p[j][7]));\
+                    __m256i t = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20),                 \
+                                                 _mm256_permute2x128_si256(s0, s1, 0x31));                \
+                    a0[j] = _mm256_fmadd_ps(_mm256_mul_ps(sv, _mm256_loadu_ps(xdr[j] + b)), _mm256_cvtepi32_ps(t), a0[j]);\
+                    if (HAS_MIN) vm[j] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsr[j] + b), vm[j]);         \
+                }                                                                                         \
+            }                                                                                             \
+            for (int64_t j = 0; j < mr; j++) a1[j] = _mm256_add_ps(a1[j], vm[j]);                         \
+        }                                                                                                 \
+        for (; b + 1 < nb; b += 2) {                                                                      \
+            int64_t g0 = row_g0 + b / bpg, g1 = row_g0 + (b + 1) / bpg;                                   \
+            __m256i lo0, hi0, lo1, hi1;                                                                   \
+            DECODE(qs + b * WSTRIDE, &lo0, &hi0);                                                         \
+            DECODE(qs + (b + 1) * WSTRIDE, &lo1, &hi1);                                                   \
+            const float s0 = scale_avx2(sc, g0, f16), s1 = scale_avx2(sc, g1, f16);                       \
             for (int64_t j = 0; j < mr; j++) {                                                            \
-                int64_t m = m0 + j;                                                                       \
-                __m256 p = _mm256_cvtepi32_ps(BLOCKDOT(qs + b * WSTRIDE, xq + m * x_stride + b * QK));    \
-                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(s * xd[m * xb_stride + b]), p, acc[j]);           \
-                if (HAS_MIN) accm[j] += mm * xs[m * xb_stride + b];                                       \
+                const int16_t *x = xr[j] + b * QK;                                                        \
+                __m256 p0 = _mm256_cvtepi32_ps(MADD2(lo0, _mm256_loadu_si256((const __m256i *)x),         \
+                                                     hi0, _mm256_loadu_si256((const __m256i *)(x + 16))));\
+                __m256 p1 = _mm256_cvtepi32_ps(MADD2(lo1, _mm256_loadu_si256((const __m256i *)(x + QK)),  \
+                                                     hi1, _mm256_loadu_si256((const __m256i *)(x + QK + 16))));\
+                a0[j] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * xdr[j][b]), p0, a0[j]);                       \
+                a1[j] = _mm256_fmadd_ps(_mm256_set1_ps(s1 * xdr[j][b + 1]), p1, a1[j]);                   \
+                if (HAS_MIN) {                                                                            \
+                    m0s[j] += scale_avx2(mn, g0, f16) * xsr[j][b];                                        \
+                    m1s[j] += scale_avx2(mn, g1, f16) * xsr[j][b + 1];                                    \
+                }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
-        for (int64_t j = 0; j < mr; j++) out[(m0 + j) * out_stride] = hsum8(acc[j]) + accm[j];            \
+        if (b < nb) {                                                                                     \
+            int64_t g0 = row_g0 + b / bpg;                                                                \
+            __m256i lo0, hi0;                                                                             \
+            DECODE(qs + b * WSTRIDE, &lo0, &hi0);                                                         \
+            const float s0 = scale_avx2(sc, g0, f16);                                                     \
+            for (int64_t j = 0; j < mr; j++) {                                                            \
+                const int16_t *x = xr[j] + b * QK;                                                        \
+                __m256 p0 = _mm256_cvtepi32_ps(MADD2(lo0, _mm256_loadu_si256((const __m256i *)x),         \
+                                                     hi0, _mm256_loadu_si256((const __m256i *)(x + 16))));\
+                a0[j] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * xdr[j][b]), p0, a0[j]);                       \
+                if (HAS_MIN) m0s[j] += scale_avx2(mn, g0, f16) * xsr[j][b];                               \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int64_t j = 0; j < mr; j++)                                                                  \
+            out[(m0 + j) * out_stride] = hsum8(_mm256_add_ps(a0[j], a1[j])) + (m0s[j] + m1s[j]);          \
     }                                                                                                     \
 }
 
-DEFINE_ROW_DOT(dot_u4_avx2, TGT_AVX2, u4dot_avx2, uint8_t, 16, 1)
-DEFINE_ROW_DOT(dot_s8_avx2, TGT_AVX2, s8dot_avx2, int8_t, QK, 0)
+DEFINE_ROW_DOT(dot_u4_avx2, TGT_AVX2, u4dot_avx2, u4dec, madd2_avx2, uint8_t, 16, 1)
+DEFINE_ROW_DOT(dot_s8_avx2, TGT_AVX2, s8dot_avx2, s8dec, madd2_avx2, int8_t, QK, 0)
 
 #if __GNUC__ >= 11
 #define TGT_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
@@ -272,8 +354,8 @@ TGT_VNNI static inline __m256i madd2_vnni(__m256i a, __m256i x, __m256i b, __m25
     return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(a, x), b, y);
 }
 DEFINE_BLOCK_DOTS(vnni, TGT_VNNI, madd2_vnni)
-DEFINE_ROW_DOT(dot_u4_vnni, TGT_VNNI, u4dot_vnni, uint8_t, 16, 1)
-DEFINE_ROW_DOT(dot_s8_vnni, TGT_VNNI, s8dot_vnni, int8_t, QK, 0)
+DEFINE_ROW_DOT(dot_u4_vnni, TGT_VNNI, u4dot_vnni, u4dec, madd2_vnni, uint8_t, 16, 1)
+DEFINE_ROW_DOT(dot_s8_vnni, TGT_VNNI, s8dot_vnni, s8dec, madd2_vnni, int8_t, QK, 0)
 #endif
 
 /* AVX2 activation quantization, same arithmetic as quantize_rows */

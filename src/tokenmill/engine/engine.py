@@ -297,8 +297,11 @@ class Engine:
             return expired + failed
         t0 = time.perf_counter()
         result = self.runner.execute(out)
+        seconds = time.perf_counter() - t0
         if self.step_cost is not None:
-            self.step_cost.observe(out.num_tokens, time.perf_counter() - t0)
+            self.step_cost.observe(out.num_tokens, seconds)
+        if self.spec is not None:
+            self.spec.observe_step(out, seconds)
         self.scheduler.post_step(out)
         outputs = failed + [self._process_sampled(s) for s in result.sampled]
         if self.spec is not None:
