@@ -2,14 +2,18 @@
 
     .venv/bin/python benchmarks/overload.py [--model smollm2-135m-instruct|tiny|PATH]
         [--concurrency 8] [--prompt-tokens 64] [--output-tokens 32] [--measure-s 20] [--level-s 30]
-        [--setups single,router]
+        [--setups single,router] [--queue-wait-s W]
 
 Setups: ``single`` is one ``tokenmill serve``; ``router`` is two replicas behind ``tokenmill route``.
-Each replica runs with ``--max-running-requests C --max-waiting-requests C/2`` (C =
-``--concurrency``), so it admits what it can start soon and answers 429 for the rest
-(``--max-queue-wait-s 60`` is only a safety net).
+Each replica runs with ``--max-running-requests C --max-waiting-requests C`` (C = ``--concurrency``)
+and a queue-wait limit ``--max-queue-wait-s W``: the engine refuses (429 ``predicted_wait``) a
+request that, at the rate running requests have been finishing, would not start within W seconds,
+so admitted requests wait about W at most whatever the load. W is ``--queue-wait-s``, or by
+default the mean latency of one request at capacity (one completion's time: an admitted request
+waits for at most about one request ahead of it to finish).
 
-1. Capacity: C closed-loop clients (C per replica) for ``--measure-s``; capacity = completed req/s.
+1. Capacity: C closed-loop clients (C per replica) for ``--measure-s``; capacity = completed req/s,
+   and the mean request latency gives W. The replicas are then restarted with that W.
 2. For each factor in 1x, 2x, 4x: Poisson arrivals at factor x capacity for ``--level-s``, every
    request a streamed completion of ``--output-tokens`` tokens (ignore_eos), each on a fresh
    random prompt (no prefix-cache help).
@@ -75,21 +79,23 @@ async def one(client: httpx.AsyncClient, rng: random.Random, args: argparse.Name
     return Result(200, ttft, tokens, time.monotonic() - t0)
 
 
-async def closed_loop(base: str, clients: int, seconds: float, args: argparse.Namespace) -> float:
-    done = 0
+async def closed_loop(base: str, clients: int, seconds: float, args: argparse.Namespace) -> tuple[float, float]:
+    """Completed requests per second, and their mean latency in seconds."""
+    latencies: list[float] = []
     stop = time.monotonic() + seconds
 
     async def loop(seed: int) -> None:
-        nonlocal done
         rng = random.Random(seed)
         async with httpx.AsyncClient(base_url=base, timeout=300) as c:
             while time.monotonic() < stop:
-                if (await one(c, rng, args)).status == 200:
-                    done += 1
+                r = await one(c, rng, args)
+                if r.status == 200:
+                    latencies.append(r.latency)
 
     t0 = time.monotonic()
     await asyncio.gather(*(loop(i) for i in range(clients)))
-    return done / (time.monotonic() - t0)
+    mean = sum(latencies) / len(latencies) if latencies else float("nan")
+    return len(latencies) / (time.monotonic() - t0), mean
 
 
 async def open_loop(base: str, rate: float, seconds: float, args: argparse.Namespace, seed: int) -> list[Result]:
@@ -124,31 +130,42 @@ def summarize(results: list[Result], seconds: float) -> dict[str, float]:
             "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99), "requests": float(len(results))}
 
 
-def replica_argv(model: str, c: int) -> list[str]:
+def replica_argv(model: str, c: int, queue_wait_s: float) -> list[str]:
     return ["serve", "--model", model, "--served-model-name", "m", "--max-running-requests", str(c),
-            "--max-waiting-requests", str(max(1, c // 2)), "--max-queue-wait-s", "60", "--kv-cache-tokens", "32768",
-            "--log-level", "warning"]
+            "--max-waiting-requests", str(c), "--max-queue-wait-s", f"{queue_wait_s:.3f}",
+            "--kv-cache-tokens", "32768", "--log-level", "warning"]
+
+
+def start(stack: ExitStack, name: str, model: str, args: argparse.Namespace, out: Path, queue_wait_s: float,
+          tag: str) -> str:
+    """Start the setup's replicas (and router); return the base URL clients use."""
+    replicas = 1 if name == "single" else 2
+    procs = [ServiceProcess(replica_argv(model, args.concurrency, queue_wait_s), env={"OMP_NUM_THREADS": "1"},
+                            log_path=out / f"{name}-{tag}-replica{i}.log", start_timeout=600) for i in range(replicas)]
+    for p in procs:
+        stack.enter_context(p)
+    if name != "router":
+        return procs[0].base_url
+    argv = ["route", "--log-level", "warning", "--health-interval", "0.5"]
+    for p in procs:
+        argv += ["--replica", p.base_url]
+    return stack.enter_context(ServiceProcess(argv, log_path=out / f"router-{tag}.log")).base_url
 
 
 def run_setup(name: str, model: str, args: argparse.Namespace, out: Path) -> dict:
     replicas = 1 if name == "single" else 2
     with ExitStack() as stack:
-        procs = [ServiceProcess(replica_argv(model, args.concurrency), env={"OMP_NUM_THREADS": "1"},
-                                log_path=out / f"{name}-replica{i}.log", start_timeout=600) for i in range(replicas)]
-        for p in procs:
-            stack.enter_context(p)
-        base = procs[0].base_url
-        if name == "router":
-            argv = ["route", "--log-level", "warning", "--health-interval", "0.5"]
-            for p in procs:
-                argv += ["--replica", p.base_url]
-            base = stack.enter_context(ServiceProcess(argv, log_path=out / "router.log")).base_url
+        base = start(stack, name, model, args, out, 600.0, "capacity")
         asyncio.run(closed_loop(base, 2 * replicas, 5, args))          # warm-up
-        capacity = asyncio.run(closed_loop(base, args.concurrency * replicas, args.measure_s, args))
-        print(f"[{name}] capacity {capacity:.2f} req/s with {args.concurrency * replicas} closed-loop clients",
-              flush=True)
-        if capacity <= 0:
-            raise SystemExit(f"[{name}] no request completed while measuring capacity; see the logs in {out}")
+        capacity, latency = asyncio.run(closed_loop(base, args.concurrency * replicas, args.measure_s, args))
+    queue_wait = args.queue_wait_s if args.queue_wait_s is not None else latency
+    print(f"[{name}] capacity {capacity:.2f} req/s with {args.concurrency * replicas} closed-loop clients, "
+          f"mean latency {latency:.2f} s; queue-wait limit {queue_wait:.2f} s", flush=True)
+    if capacity <= 0:
+        raise SystemExit(f"[{name}] no request completed while measuring capacity; see the logs in {out}")
+    with ExitStack() as stack:
+        base = start(stack, name, model, args, out, queue_wait, "levels")
+        asyncio.run(closed_loop(base, 2 * replicas, 5, args))          # warm-up (and finish history)
         levels = {}
         for factor in (1, 2, 4):
             res = asyncio.run(open_loop(base, capacity * factor, args.level_s, args, seed=factor))
@@ -169,8 +186,8 @@ def run_setup(name: str, model: str, args: argparse.Namespace, out: Path) -> dic
     print(f"[{name}] 4x/1x: p99 TTFT x{ratio_ttft:.2f}  goodput x{ratio_good:.2f}")
     for k, ok in aims.items():
         print(f"[{name}] {'MET ' if ok else 'MISS'} {k}")
-    return {"capacity_rps": capacity, "levels": levels, "aims": aims, "ttft_p99_ratio": ratio_ttft,
-            "goodput_ratio": ratio_good}
+    return {"capacity_rps": capacity, "capacity_latency_s": latency, "queue_wait_s": queue_wait,
+            "levels": levels, "aims": aims, "ttft_p99_ratio": ratio_ttft, "goodput_ratio": ratio_good}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure-s", type=float, default=20.0)
     ap.add_argument("--level-s", type=float, default=30.0)
     ap.add_argument("--setups", default="single,router")
+    ap.add_argument("--queue-wait-s", type=float, default=None,
+                    help="the replicas' --max-queue-wait-s (default: the mean request latency at capacity)")
     ap.add_argument("--out", default="overload-out")
     args = ap.parse_args(argv)
     out = Path(args.out)

@@ -67,3 +67,28 @@ def test_queue_deadline_applies_only_before_the_first_admission() -> None:
     s.preempt(first)                  # back in the queue, but it had started: exempt
     assert first.status is RequestStatus.WAITING and admission.expire(s, 7.0) == []
     s.check_pages()
+
+
+def test_start_estimator_predicts_from_recent_finishes() -> None:
+    s = make(max_running=1)
+    est = admission.StartEstimator(window=8, horizon_s=60.0, min_samples=4)
+    assert est.predicted_wait(s, 0.0) == 0.0               # a free slot: starts next step
+    s.add_request(req("run"))
+    s.post_step(s.schedule())                              # the one slot is busy
+    assert est.predicted_wait(s, 0.0) == 0.0               # no history: no prediction, admit
+    for t in (10.0, 11.0, 12.0, 13.0):                     # one finish a second
+        est.finished(t)
+    assert est.finish_rate(13.0) == pytest.approx(1.0)
+    assert est.predicted_wait(s, 13.0) == pytest.approx(3.0)          # k = 1: (1 + 2) / 1
+    s.add_request(req("w1"))
+    s.add_request(req("w2"))
+    upper = 3.0 + 2.0 * 3.0 ** 0.5                                    # k = 3
+    assert est.predicted_wait(s, 13.0) == pytest.approx(upper)
+    admission.check_predicted_wait(s, est, 13.0, queue_deadline=13.0 + upper + 0.1)
+    admission.check_predicted_wait(s, est, 13.0, queue_deadline=None)
+    with pytest.raises(admission.WaitTooLongError) as e:
+        admission.check_predicted_wait(s, est, 13.0, queue_deadline=13.0 + upper - 0.1)
+    assert isinstance(e.value, admission.QueueFullError) and e.value.reason == "predicted_wait"
+    assert e.value.retry_after_s == pytest.approx(upper) and "up to 6.5 s" in str(e.value)
+    assert est.finish_rate(13.0 + 61.0) is None            # history past the horizon is forgotten
+    assert est.predicted_wait(s, 13.0 + 61.0) == 0.0

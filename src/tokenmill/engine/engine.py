@@ -64,6 +64,7 @@ class EngineStats:
                                      # holds its KV heads' share of every token)
     tiers: Any = None               # cache.tiers.TierStats when lower tiers are configured
     tensor_parallel_size: int = 1
+    predicted_wait_s: float = 0.0    # how long a request queued now would wait to start (admission.py)
 
     @property
     def cache_hit_rate(self) -> float:
@@ -101,6 +102,7 @@ class Engine:
         self.generation_tokens_total = 0
         self._arrivals = 0
         self._num_timed = 0   # requests added with a deadline (expiry is skipped while there are none)
+        self.start_estimator = admission.StartEstimator()   # predicted queue wait (engine/admission.py)
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         self._compiling = GrammarWaitRoom()
@@ -241,6 +243,7 @@ class Engine:
         if self.scheduler.get(request_id) is not None or request_id in self._compiling:
             raise ValueError(f"request id {request_id!r} is already in use")
         admission.check_queue(self.scheduler, self.config.max_waiting_requests)
+        admission.check_predicted_wait(self.scheduler, self.start_estimator, time.monotonic(), queue_deadline)
         req = Request(request_id, ids, params, session_id=session_id, arrival_index=self._arrivals,
                       deadline=deadline, queue_deadline=queue_deadline)
         if deadline is not None or queue_deadline is not None:
@@ -367,6 +370,7 @@ class Engine:
             if not isinstance(stop_reason, str):
                 req.detokenizer.flush()
             self.scheduler.finish(req, reason, stop_reason)
+            self.start_estimator.finished(time.monotonic())
             if self.spec is not None:
                 self.spec.request_finished(req)
             return True
@@ -457,4 +461,5 @@ class Engine:
             kv_capacity_tokens=self.kv_capacity_tokens,
             tensor_parallel_size=self.config.tensor_parallel_size,
             tiers=self.tiers.snapshot_stats() if self.tiers is not None else None,
+            predicted_wait_s=self.start_estimator.predicted_wait(s, time.monotonic()),
         )

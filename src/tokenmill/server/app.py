@@ -33,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenmill.engine.admission import wait_too_long
 from tokenmill.server import openapi
 from tokenmill.server.common import ServerState, read_json_body
 from tokenmill.server.errors import APIError
@@ -91,10 +92,18 @@ def build_app(state: ServerState) -> FastAPI:
         """429 before reading the body when the engine's queue is already full (a fast path:
         the engine's own check on submit is the authoritative one)."""
         limit = state.config.max_waiting_requests
-        if limit is not None and state.engine.stats().num_waiting >= limit:
+        stats = state.engine.stats()
+        if limit is not None and stats.num_waiting >= limit:
             state.metrics.rejected["queue_full"] += 1
             raise APIError(429, f"the server is overloaded: {limit} requests are already waiting; retry later",
                            type="rate_limit_error", code="queue_full", headers=state.overload_headers())
+        wait_limit = state.config.max_queue_wait_s
+        if wait_too_long(stats.predicted_wait_s, wait_limit):
+            state.metrics.rejected["predicted_wait"] += 1
+            raise APIError(429, f"the server is overloaded: a new request could wait up to "
+                                f"{stats.predicted_wait_s:.1f} s to start (limit {wait_limit:g} s); retry later",
+                           type="rate_limit_error", code="predicted_wait",
+                           headers=state.overload_headers(stats.predicted_wait_s))
 
     async def run_generation(request: Request, handler: Handler, *, anthropic: bool = False) -> Response:
         arrival = time.monotonic()

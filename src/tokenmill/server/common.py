@@ -7,6 +7,7 @@ import asyncio
 import copy
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -171,7 +172,11 @@ class ServerState:
                                 f"{self.max_token_chars}, so it cannot fit in the context of "
                                 f"{self.max_model_len} tokens", param=param, code="context_length_exceeded")
 
-    def overload_headers(self) -> dict[str, str]:
+    def overload_headers(self, retry_after_s: float | None = None) -> dict[str, str]:
+        """Retry-After: the predicted wait when there is one (whole seconds, at least 1), else the
+        configured default."""
+        if retry_after_s is not None:
+            return {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
         return {"Retry-After": str(self.config.retry_after_s)}
 
     @property
@@ -380,9 +385,9 @@ class Generation:
             raise bad_request(str(e)) from None
         except QueueFullError as e:
             await self.close()
-            self.state.metrics.rejected["queue_full"] += 1
-            raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
-                           headers=self.state.overload_headers()) from None
+            self.state.metrics.rejected[e.reason] += 1
+            raise APIError(429, str(e), type="rate_limit_error", code=e.reason,
+                           headers=self.state.overload_headers(e.retry_after_s)) from None
         except EngineStoppedError as e:
             await self.close()
             raise APIError(503, str(e), type="server_error", code="shutting_down") from None

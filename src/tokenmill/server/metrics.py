@@ -9,7 +9,7 @@ server as outputs reach the event loop (the time a client would see, minus the n
   tokens at once counts k gaps of interval / k);
 * ``e2e_request_latency_seconds``: request received -> last output.
 
-Admission and limits: ``requests_rejected_total{reason}`` counts refused requests (queue_full,
+Admission and limits: ``requests_rejected_total{reason}`` counts refused requests (queue_full, predicted_wait,
 queue_timeout, request_too_large, json_too_deep), ``request_deadline_expired_total`` requests cut
 by their deadline, ``max_waiting_requests`` is the queue bound (``num_requests_waiting`` is the
 queue length). ``event_loop_tasks`` and ``process_threads`` show what a leak would grow.
@@ -41,7 +41,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "deadline", "queue_timeout")
-REJECT_REASONS = ("queue_full", "queue_timeout", "request_too_large", "json_too_deep")
+REJECT_REASONS = ("queue_full", "predicted_wait", "queue_timeout", "request_too_large", "json_too_deep")
 
 
 class CounterView:
