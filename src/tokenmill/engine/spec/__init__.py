@@ -14,16 +14,18 @@
 
 Adaptive ``k`` (``speculative_adaptive``), in two stages:
 
-1. *Per request:* each request keeps a moving average ``a`` of the share of its drafts accepted.
-   Draft position ``j`` is reached and accepted with probability about ``a**j``; the request may
-   draft ``j`` tokens while ``a**j >= MIN_GAIN``, i.e. ``k_i = floor(log(MIN_GAIN) / log(a))``
-   capped at ``k``. Below ``a = MIN_GAIN`` it stops drafting and tries a one-token draft every
-   ``PROBE_EVERY`` steps so it can recover.
+1. *Per request:* each request keeps two moving averages: ``f``, how often the first draft of a
+   step is accepted, and ``c``, how often a draft is accepted after an accepted one (drafts
+   that copy the context come in runs: once one holds, the next usually does too). Draft
+   position ``j`` (1-based) is reached and accepted with probability about ``f * c**(j-1)``;
+   the request may draft ``j`` tokens while that is ``>= MIN_GAIN``, capped at ``k``. Below
+   ``f = MIN_GAIN`` it stops drafting and tries a one-token draft every ``PROBE_EVERY`` steps
+   so it can recover.
 2. *Against the measured cost:* the decoder fits the time of decode-only steps as a line in
    their token count, ``T(n) = t0 + t1 * n`` (:class:`~tokenmill.engine.step_cost.StepCost`),
    and times the proposer itself (``D`` per step). A step with ``B`` decodes and no drafts
    yields about ``B`` tokens in ``T(B)``. Draft rows are taken in order of their expected
-   gain ``a_i**j`` while each one raises the expected tokens per second, i.e. while
+   gain ``f_i * c_i**(j-1)`` while each one raises the expected tokens per second, i.e. while
    ``gain * T >= t1 * E`` (``T``, ``E``: time and expected tokens so far); then, if even the
    chosen drafts do not pay for ``D``, the step drafts nothing. So where a verify row costs
    nearly nothing (a weight-bound step) every promising draft goes out, where rows are dear
@@ -87,7 +89,7 @@ class SpeculativeDecoder:
         self.stats = SpecStats(proposer.name, num_speculative_tokens)
         # decode-only step time as a line in its tokens (fed by the engine), and the proposer's
         # own time per step (observe + propose): the costs stage 2 of adaptive k weighs
-        self.cost = StepCost(decay=0.9)
+        self.cost = StepCost(decay=0.97, min_samples=8.0)
         self.propose_seconds = 0.0
         self._steps = 0
         self.steps_off = 0     # steps on which drafting did not pay and was skipped (not probes)
@@ -96,6 +98,9 @@ class SpeculativeDecoder:
         """The engine's wall time for the forward + verification of ``out``; decode-only
         steps (every request one token behind, plus its drafts) feed the cost line."""
         if out.scheduled and all(s.num_tokens == 1 + s.num_draft for s in out.scheduled):
+            expected = self.cost.predict(out.num_tokens)
+            if expected is not None and expected > 0:   # a step slowed by another process: clip it
+                seconds = min(seconds, 1.5 * expected)
             self.cost.observe(out.num_tokens, seconds)
 
     def after_step(self, out: SchedulerOutput, result: StepResult) -> None:
@@ -108,6 +113,12 @@ class SpeculativeDecoder:
                 req.num_draft_tokens += s.num_draft
                 rate = s.num_accepted / s.num_draft
                 req.spec_accept_rate += EMA_WEIGHT * (rate - req.spec_accept_rate)
+                first = 1.0 if s.num_accepted else 0.0
+                req.spec_first_rate += EMA_WEIGHT * (first - req.spec_first_rate)
+                trials = min(s.num_accepted, s.num_draft - 1)   # positions reached after an accepted one
+                if trials > 0:
+                    cont = (s.num_accepted - 1) / trials
+                    req.spec_continue_rate += EMA_WEIGHT * (cont - req.spec_continue_rate)
         t0 = time.perf_counter()
         if result.captured:
             self._observe(out, result)
@@ -181,11 +192,11 @@ class SpeculativeDecoder:
         base_time = max(t0 + t1 * n, 1e-6)
         if t1 <= 0.0:                      # extra rows look free: only the proposer's time counts
             chosen = list(ks)
-            gain = sum(_gain(r.spec_accept_rate, k) for r, k in zip(reqs, ks))
+            gain = sum(_row_gain(r, j) for r, k in zip(reqs, ks) for j in range(k))
             extra = 0.0
         else:
-            rows = sorted(((r.spec_accept_rate ** (j + 1), i) for i, (r, k) in enumerate(zip(reqs, ks))
-                           for j in range(k)), reverse=True)
+            rows = sorted(((_row_gain(r, j), i) for i, (r, k) in enumerate(zip(reqs, ks)) for j in range(k)),
+                          reverse=True)
             chosen = [0] * len(ks)
             time_s, tokens = base_time, float(n)
             for g, i in rows:
@@ -204,22 +215,25 @@ class SpeculativeDecoder:
     def _draft_len(self, req: Request) -> int:
         if not self.adaptive:
             return self.k
-        a = req.spec_accept_rate
-        if a < MIN_GAIN:
+        f, c = req.spec_first_rate, req.spec_continue_rate
+        if f < MIN_GAIN:
             req.spec_steps_off += 1
             if req.spec_steps_off >= PROBE_EVERY:
                 req.spec_steps_off = 0
                 return 1
             return 0
         req.spec_steps_off = 0
-        if a >= 0.999:
+        if c >= 0.999:
             return self.k
-        return max(1, min(self.k, int(math.log(MIN_GAIN) / math.log(a))))
+        if c <= 0.0:
+            return 1
+        return max(1, min(self.k, 1 + int(math.log(MIN_GAIN / f) / math.log(c))))
 
     def request_finished(self, req: Request) -> None:
         self.proposer.request_finished(req)
 
 
-def _gain(a: float, k: int) -> float:
-    """Expected accepted drafts of a ``k``-token draft whose positions each hold with rate ``a``."""
-    return sum(a ** (j + 1) for j in range(k))
+def _row_gain(req: Request, j: int) -> float:
+    """Expected tokens the request's draft at position ``j`` (0-based) adds: the chance it is
+    reached and accepted, ``f * c**j``."""
+    return req.spec_first_rate * req.spec_continue_rate ** j
