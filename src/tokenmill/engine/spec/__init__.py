@@ -19,8 +19,9 @@ Adaptive ``k`` (``speculative_adaptive``), in two stages:
    that copy the context come in runs: once one holds, the next usually does too). Draft
    position ``j`` (1-based) is reached and accepted with probability about ``f * c**(j-1)``;
    the request may draft ``j`` tokens while that is ``>= MIN_GAIN``, capped at ``k``. Below
-   ``f = MIN_GAIN`` it stops drafting and tries a one-token draft every ``PROBE_EVERY`` steps
-   so it can recover.
+   ``f = MIN_GAIN`` it stops drafting and tries a one-token draft after ``PROBE_EVERY`` steps
+   so it can recover; each probe that fails doubles the wait (up to ``MAX_PROBE_EVERY``), so a
+   proposer that keeps missing costs almost nothing.
 2. *Against the measured cost:* the decoder fits the time of decode-only steps as a line in
    their token count, ``T(n) = t0 + t1 * n`` (:class:`~tokenmill.engine.step_cost.StepCost`),
    and times the proposer itself (``D`` per step). A step with ``B`` decodes and no drafts
@@ -30,7 +31,7 @@ Adaptive ``k`` (``speculative_adaptive``), in two stages:
    chosen drafts do not pay for ``D``, the step drafts nothing. So where a verify row costs
    nearly nothing (a weight-bound step) every promising draft goes out, where rows are dear
    (a compute-bound kernel or a large batch) only the likely ones do, and a proposer whose
-   drafts are rarely accepted is switched off (it is tried again every ``PROBE_EVERY`` steps,
+   drafts are rarely accepted is switched off (it is tried again every ``COST_PROBE_EVERY`` steps,
    so the estimates stay fresh). Until the fit has seen enough steps, stage 1 alone decides.
    On top, one step's drafts are capped at ``speculative_max_draft_tokens`` in total.
 """
@@ -51,7 +52,9 @@ if TYPE_CHECKING:
     from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 
 MIN_GAIN = 0.15      # draft position j while accept_rate ** j >= MIN_GAIN
-PROBE_EVERY = 8      # steps between one-token probes of a request whose drafts are poor
+PROBE_EVERY = 8      # steps between one-token probes of a request whose drafts are poor ...
+MAX_PROBE_EVERY = 64  # ... doubling after each probe that fails, up to this
+COST_PROBE_EVERY = 32  # steps between short drafts while drafting does not pay for its cost
 EMA_WEIGHT = 0.3     # weight of the newest step in the acceptance-rate average
 COST_WEIGHT = 0.2    # weight of the newest step in the proposer-time average
 
@@ -207,7 +210,7 @@ class SpeculativeDecoder:
                 tokens += g
             gain, extra = tokens - n, time_s - base_time
         if gain <= 0.0 or (n + gain) * base_time < n * (base_time + extra + self.propose_seconds):
-            if self._steps % PROBE_EVERY == 0:   # keep the estimates fresh: a short draft now and then
+            if self._steps % COST_PROBE_EVERY == 0:   # keep the estimates fresh: a short draft now and then
                 return [min(1, k) for k in ks]
             self.steps_off += 1
             return [0] * len(ks)
@@ -218,11 +221,14 @@ class SpeculativeDecoder:
         f, c = req.spec_first_rate, req.spec_continue_rate
         if f < MIN_GAIN:
             req.spec_steps_off += 1
-            if req.spec_steps_off >= PROBE_EVERY:
+            if req.spec_steps_off >= req.spec_probe_every:
                 req.spec_steps_off = 0
+                # the next probe waits twice as long unless this one brings the rate back
+                req.spec_probe_every = min(2 * req.spec_probe_every, MAX_PROBE_EVERY)
                 return 1
             return 0
         req.spec_steps_off = 0
+        req.spec_probe_every = PROBE_EVERY
         if c >= 0.999:
             return self.k
         if c <= 0.0:

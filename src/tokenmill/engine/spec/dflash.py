@@ -95,7 +95,8 @@ class DFlashProposer(Proposer):
         if isinstance(head, torch.Tensor):
             logits = torch.matmul(h.to(head.dtype), head.t())
         else:   # the target's linear method (quantized or dense): its own matmul
-            logits = head(h.reshape(-1, h.shape[-1]).to(head.dtype)).reshape(*h.shape[:-1], -1)
+            dt = getattr(head, "dtype", torch.float32)   # dense: its weight dtype; packed kernels: fp32 in
+            logits = head(h.reshape(-1, h.shape[-1]).to(dt)).reshape(*h.shape[:-1], -1)
         best = logits.argmax(dim=-1).tolist()
         for j, i in enumerate(rows):
             drafts[i] = Draft(best[j][: num_tokens[i]])
