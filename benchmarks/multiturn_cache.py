@@ -102,12 +102,13 @@ class ModeResult:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def run_mode(mode: str, loaded, w: Workload, args: argparse.Namespace) -> ModeResult:
+def run_mode(mode: str, loaded, w: Workload, args: argparse.Namespace, **config) -> ModeResult:
+    """One mode on a fresh engine; ``config``: further EngineConfig fields."""
     cfg = EngineConfig(model=args.model, page_size=args.page_size,
                        kv_cache_tokens=args.kv_cache_tokens,
                        max_batch_tokens=args.max_batch_tokens,
                        max_running_requests=args.max_running_requests,
-                       enable_prefix_cache=(mode != "off"))
+                       enable_prefix_cache=(mode != "off"), **config)
     engine = Engine(cfg, loaded=loaded)
     if hasattr(engine.scheduler, "prefer_cached_prefix"):
         engine.scheduler.prefer_cached_prefix = (mode == "on")

@@ -5,6 +5,11 @@ recency tick and a session set per prefix. Requests run the engine's life cycle 
 at admission, allocate pages for the rest, insert completed pages as prefill goes, insert
 everything at finish and release the rest). After every step the tree's invariants hold, the
 tree agrees with the model, and every page is accounted for.
+
+:class:`SnapshotRadixMachine` runs the same life cycle on a hybrid model's cache: the model adds
+a dict from prefix to snapshot slot with its own recency and locks; matches end at the deepest
+snapshot, snapshots are added, dropped, evicted (LRU, apart from pages), locked, and go with
+the pages they sit on; every snapshot slot is accounted for.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from tokenmill.cache.page_pool import PagePool
 from tokenmill.cache.radix import InsertResult, RadixCache, RadixNode
+from tokenmill.cache.state_slots import StateSlotPool
 
 SESSIONS = st.sampled_from([None, "s1", "s2", "s3"])
 # A 3-letter alphabet and short sequences make shared prefixes, splits and divergences common.
@@ -38,11 +44,21 @@ class Req:
 class RadixMachine(RuleBasedStateMachine):
     @initialize(page_size=st.sampled_from([1, 2, 3]), num_pages=st.integers(3, 24))
     def setup(self, page_size: int, num_pages: int) -> None:
+        self._setup(page_size, num_pages, None)
+
+    def _setup(self, page_size: int, num_pages: int, num_snapshots: int | None) -> None:
         self.P = page_size
         self.now = 0.0
         self.pool = PagePool(num_pages)
+        self.slots = StateSlotPool(1, num_snapshots) if num_snapshots is not None else None
         self.cache = RadixCache(self.pool, page_size, session_retention_s=RETENTION,
-                                clock=lambda: self.now)
+                                clock=lambda: self.now, snapshot_slots=self.slots)
+        # snapshots (hybrid only): prefix -> slot, recency, locks, bare lock_snapshot holders
+        self.snaps: dict[tuple[int, ...], int] = {}
+        self.snap_access: dict[tuple[int, ...], int] = {}
+        self.snap_locks: dict[tuple[int, ...], int] = {}
+        self.snap_tick = 0
+        self.snap_pins: list[tuple[int, tuple[int, ...]]] = []
         self.cached: dict[tuple[int, ...], int] = {}
         self.locks: dict[tuple[int, ...], int] = {}
         self.access: dict[tuple[int, ...], int] = {}
@@ -63,7 +79,22 @@ class RadixMachine(RuleBasedStateMachine):
             if pre not in self.cached:
                 break
             out.append(pre)
+        if self.slots is not None:   # a match ends at the deepest snapshot
+            while out and out[-1] not in self.snaps:
+                out.pop()
         return out
+
+    def check_match(self, got, want: list[tuple[int, ...]]) -> None:
+        assert got.num_tokens == len(want) * self.P
+        assert got.pages == [self.cached[p] for p in want]
+        assert got.snapshot == (self.snaps[want[-1]] if want and self.slots is not None else None)
+
+    def note_match(self, want: list[tuple[int, ...]]) -> None:
+        """Recency after a touching match: pages, and the snapshot it ends on."""
+        self.touch(want)
+        if want and self.slots is not None:
+            self.snap_tick += 1
+            self.snap_access[want[-1]] = self.snap_tick
 
     def touch(self, prefixes: list[tuple[int, ...]]) -> None:
         if prefixes:
@@ -106,6 +137,11 @@ class RadixMachine(RuleBasedStateMachine):
         for pre in removed:
             self.access.pop(pre, None)
             self.sessions.pop(pre, None)
+            slot = self.snaps.pop(pre, None)   # a snapshot goes with the page it ends on
+            if slot is not None:
+                assert not self.snap_locks.get(pre), "a locked snapshot was evicted"
+                assert not self.cache.has_snapshot(slot), "a snapshot outlived its page"
+                self.snap_access.pop(pre)
         return freed
 
     def model_insert(self, tokens: tuple[int, ...], pages: list[int], session: str | None,
@@ -175,9 +211,8 @@ class RadixMachine(RuleBasedStateMachine):
             t = self.known[pick % len(self.known)] + t
         got = self.cache.match_prefix(t)
         want = self.model_match(t)
-        assert got.num_tokens == len(want) * self.P
-        assert got.pages == [self.cached[p] for p in want]
-        self.touch(want)
+        self.check_match(got, want)
+        self.note_match(want)
 
     @rule(tokens=TOKENS, pick=st.integers(0, 100), extend=st.booleans(), session=SESSIONS)
     def start_request(self, tokens: list[int], pick: int, extend: bool,
@@ -189,8 +224,8 @@ class RadixMachine(RuleBasedStateMachine):
             return
         m = self.cache.match_prefix(t[:-1])   # the last prompt token is always computed
         want = self.model_match(t[:-1])
-        assert m.pages == [self.cached[p] for p in want]
-        self.touch(want)
+        self.check_match(m, want)
+        self.note_match(want)
         self.cache.lock(m.node)
         for pre in want:
             self.locks[pre] = self.locks.get(pre, 0) + 1
@@ -248,8 +283,8 @@ class RadixMachine(RuleBasedStateMachine):
         t = self.known[pick % len(self.known)][:cut]
         m = self.cache.match_prefix(t)
         want = self.model_match(t)
-        assert m.pages == [self.cached[p] for p in want]
-        self.touch(want)
+        self.check_match(m, want)
+        self.note_match(want)
         self.cache.lock(m.node)
         for pre in want:
             self.locks[pre] = self.locks.get(pre, 0) + 1
@@ -278,7 +313,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule()
     def reset(self) -> None:
-        if any(r.locked for r in self.reqs) or any(p for _, p in self.pins):
+        if any(r.locked for r in self.reqs) or any(p for _, p in self.pins) or self.snap_pins:
             try:
                 self.cache.reset()
             except RuntimeError:
@@ -289,6 +324,9 @@ class RadixMachine(RuleBasedStateMachine):
         self.access.clear()
         self.sessions.clear()
         self.locks.clear()
+        self.snaps.clear()
+        self.snap_access.clear()
+        self.snap_locks.clear()
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -303,11 +341,104 @@ class RadixMachine(RuleBasedStateMachine):
         assert self.cache.num_locked_pages == locked
         assert self.cache.num_evictable_pages == len(self.cached) - locked
         for seq in self.known:   # probes must not disturb recency
-            got = self.cache.match_prefix(seq, touch=False)
-            assert got.pages == [self.cached[p] for p in self.model_match(seq)]
+            want = self.model_match(seq)
+            self.check_match(self.cache.match_prefix(seq, touch=False), want)
+            assert self.cache.cached_prefix_length(seq) == len(want) * self.P
+            pages = [pre for pre in self.prefixes(seq, len(seq) // self.P) if pre in self.cached]
+            assert self.cache.page_prefix_length(seq) == len(pages) * self.P   # snapshots ignored
+        assert self.cache.num_snapshots == len(self.snaps)
+        assert self.cache.num_locked_snapshots == sum(1 for n in self.snap_locks.values() if n)
+        for slot in self.snaps.values():
+            assert self.cache.has_snapshot(slot)
+        if self.slots is not None:
+            assert self.slots.num_free_snapshots() + len(self.snaps) == self.slots.num_snapshot_slots
 
 
-RadixMachine.TestCase.settings = settings(
-    max_examples=250, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+class SnapshotRadixMachine(RadixMachine):
+    """The same life cycle on a hybrid model's cache, with snapshot operations."""
+
+    @initialize(page_size=st.sampled_from([1, 2, 3]), num_pages=st.integers(3, 24),
+                num_snapshots=st.integers(0, 4))
+    def setup(self, page_size: int, num_pages: int, num_snapshots: int) -> None:  # type: ignore[override]
+        self._setup(page_size, num_pages, num_snapshots)
+
+    def snap_lru_unlocked(self) -> list[tuple[int, ...]]:
+        """Eviction order: unprotected snapshots, then session-protected ones, oldest first."""
+        return sorted((p for p in self.snaps if not self.snap_locks.get(p)),
+                      key=lambda p: (self.protected(p), self.snap_access[p]))
+
+    def forget_snapshot(self, pre: tuple[int, ...], reused: bool = False) -> None:
+        slot = self.snaps.pop(pre)
+        self.snap_access.pop(pre)
+        assert reused or not self.cache.has_snapshot(slot)
+
+    @precondition(lambda self: self.known)
+    @rule(pick=st.integers(0, 100), cut=st.integers(1, 5))
+    def add_snapshot(self, pick: int, cut: int) -> None:
+        t = self.known[pick % len(self.known)][:cut * self.P]
+        assert self.slots is not None
+        free = self.slots.num_free_snapshots()
+        lru = self.snap_lru_unlocked()
+        slot = self.cache.add_snapshot(t)
+        if t not in self.cached:
+            assert slot is None
+            return
+        if t in self.snaps:
+            assert slot is None
+            self.snap_tick += 1
+            self.snap_access[t] = self.snap_tick
+            return
+        if not free:
+            if not lru:
+                assert slot is None
+                return
+            assert slot == self.snaps[lru[0]], "the LRU unlocked snapshot gives up its slot"
+            self.forget_snapshot(lru[0], reused=True)
+        assert slot is not None and slot not in self.snaps.values()
+        self.snaps[t] = slot
+        self.snap_tick += 1
+        self.snap_access[t] = self.snap_tick
+
+    @precondition(lambda self: self.snaps)
+    @rule(pick=st.integers(0, 100))
+    def drop_snapshot(self, pick: int) -> None:
+        pre = sorted(self.snaps)[pick % len(self.snaps)]
+        dropped = self.cache.drop_snapshot(self.snaps[pre])
+        assert dropped == (not self.snap_locks.get(pre))
+        if dropped:
+            self.forget_snapshot(pre)
+
+    @rule(n=st.integers(0, 5))
+    def evict_snapshots(self, n: int) -> None:
+        lru = self.snap_lru_unlocked()
+        assert self.cache.evict_snapshots(n) == min(n, len(lru))
+        for pre in lru[:n]:
+            self.forget_snapshot(pre)
+
+    @precondition(lambda self: self.snaps)
+    @rule(pick=st.integers(0, 100))
+    def lock_snapshot(self, pick: int) -> None:
+        """Pin a snapshot as the engine does while restoring it: it and its path."""
+        pre = sorted(self.snaps)[pick % len(self.snaps)]
+        self.cache.lock_snapshot(self.snaps[pre])
+        self.snap_locks[pre] = self.snap_locks.get(pre, 0) + 1
+        for p in self.prefixes(pre, len(pre) // self.P):
+            self.locks[p] = self.locks.get(p, 0) + 1
+        self.snap_pins.append((self.snaps[pre], pre))
+
+    @precondition(lambda self: self.snap_pins)
+    @rule(pick=st.integers(0, 100))
+    def unlock_snapshot(self, pick: int) -> None:
+        slot, pre = self.snap_pins.pop(pick % len(self.snap_pins))
+        self.cache.unlock_snapshot(slot)
+        self.snap_locks[pre] -= 1
+        for p in self.prefixes(pre, len(pre) // self.P):
+            self.locks[p] -= 1
+
+
+_SETTINGS = settings(max_examples=250, stateful_step_count=40, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+RadixMachine.TestCase.settings = _SETTINGS
 TestRadixMachine = RadixMachine.TestCase
+SnapshotRadixMachine.TestCase.settings = _SETTINGS
+TestSnapshotRadixMachine = SnapshotRadixMachine.TestCase

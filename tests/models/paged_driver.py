@@ -8,6 +8,7 @@ import torch
 
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.layers.attention import ForwardContext, select_attention_backend
+from tokenmill.layers.state_pool import StatePool
 from tokenmill.models.base import CausalLM
 
 
@@ -15,10 +16,12 @@ class PagedDriver:
     """Keeps page tables for named sequences and runs steps of mixed chunks through a model.
 
     Pages are handed out in a shuffled order so that a sequence's pages are never contiguous.
+    A hybrid model (LinearState layers in its spec) also gets a state pool; each sequence takes
+    a slot (in a shuffled order too) on its first chunk.
     """
 
     def __init__(self, model: CausalLM, num_pages: int = 96, page_size: int = 4, seed: int = 0,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", num_state_slots: int = 8) -> None:
         self.model = model
         self.page_size = page_size
         self.attn = select_attention_backend(model.kv_cache_spec(), "cpu", model.dtype, backend)
@@ -27,6 +30,11 @@ class PagedDriver:
         random.Random(seed).shuffle(self.free)
         self.pages: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
+        spec = model.kv_cache_spec()
+        self.states = StatePool(spec, num_state_slots) if spec.is_hybrid else None
+        self.free_slots = list(range(num_state_slots))
+        random.Random(seed + 1).shuffle(self.free_slots)
+        self.slots: dict[str, int] = {}
 
     def step(self, chunks: Sequence[tuple[str, Sequence[int]]], all_rows: bool = False) -> torch.Tensor:
         """Append each ``(seq, tokens)`` chunk to its sequence and run one forward.
@@ -54,6 +62,8 @@ class PagedDriver:
             qsl.append(qsl[-1] + len(toks))
             seq_lens.append(end)
             tables.append(list(table))
+            if self.states is not None and seq not in self.slots:
+                self.slots[seq] = self.free_slots.pop()
         width = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         rows = list(range(qsl[-1])) if all_rows else [q - 1 for q in qsl[1:]]
@@ -61,8 +71,10 @@ class PagedDriver:
             input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(pos, dtype=torch.long),
             slot_mapping=torch.tensor(slots, dtype=torch.long), query_start_loc=torch.tensor(qsl, dtype=torch.long),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long), block_tables=bt,
-            logits_indices=torch.tensor(rows, dtype=torch.long), page_size=ps, max_seq_len=max(seq_lens))
-        return self.model(ForwardContext.prepare(self.attn, batch, self.kv))
+            logits_indices=torch.tensor(rows, dtype=torch.long), page_size=ps, max_seq_len=max(seq_lens),
+            state_slots=(torch.tensor([self.slots[seq] for seq, _ in chunks], dtype=torch.long)
+                         if self.states is not None else None))
+        return self.model(ForwardContext.prepare(self.attn, batch, self.kv, states=self.states))
 
 
 def hf_logits(ref: Any, tokens: Sequence[int]) -> torch.Tensor:

@@ -40,6 +40,21 @@ Page ownership
     Invariant: ``pool.num_free() + num_cached_pages + pages held only by requests
     == pool.num_pages``.
 
+State snapshots (hybrid models)
+    A hybrid model's linear-attention layers carry a fixed-size recurrent state instead of KV per
+    token, so reusing cached pages is only exact from a point where that state is known. With
+    ``snapshot_slots`` (an allocator of state-pool slot ids, see
+    :class:`~tokenmill.cache.state_slots.StateSlotPool`) the tree keeps *snapshots*: slot ids
+    holding the state after a page-aligned prefix. A snapshot always sits at the end of a node
+    (``add_snapshot`` splits the edge there), at most one per node. ``match_prefix`` then ends
+    at the deepest matched node that has one and returns its slot; pages past it are not
+    reused. Snapshots have their own budget (the allocator's slots) and their own LRU, apart
+    from the pages': ``add_snapshot`` takes a free slot or the least recently used unlocked
+    snapshot's (those of retained sessions last, as for pages). Evicting a node's pages (all
+    of them, or its tail) drops its snapshot and returns the slot; dropping a snapshot leaves
+    the pages, so a match falls back to the nearest earlier snapshot. ``lock_snapshot`` pins a snapshot (and its node's path) while
+    the engine restores it. Without ``snapshot_slots`` (dense models) none of this applies.
+
 Lower tiers
     ``evict_hook(prefix_tokens, pages)``, when set, is called just before evicted pages return
     to the pool: ``prefix_tokens`` runs from the root to the end of the evicted pages, which hold
@@ -52,19 +67,32 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from tokenmill.cache.page_pool import PagePool
 
-__all__ = ["InsertResult", "MatchResult", "RadixCache", "RadixNode"]
+__all__ = ["InsertResult", "MatchResult", "RadixCache", "RadixNode", "Snapshot", "SnapshotSlots"]
+
+
+class SnapshotSlots(Protocol):
+    """What the tree needs from a snapshot-slot allocator (``StateSlotPool`` provides it)."""
+
+    num_snapshot_slots: int
+
+    def alloc_snapshot(self) -> int | None: ...
+
+    def free_snapshot(self, slot: int) -> None: ...
+
+    def num_free_snapshots(self) -> int: ...
 
 
 class RadixNode:
     """One edge of the tree. Callers only pass nodes back to ``lock``/``unlock``."""
 
     __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "sessions",
-                 "attached")
+                 "attached", "snapshot")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: RadixNode | None,
                  last_access: int) -> None:
@@ -76,16 +104,32 @@ class RadixNode:
         self.last_access = last_access
         self.sessions: set[str] | None = None
         self.attached = True
+        self.snapshot: Snapshot | None = None   # state after the last token of ``key``
 
     def __repr__(self) -> str:
         return (f"RadixNode(pages={self.pages}, lock_ref={self.lock_ref}, "
                 f"children={len(self.children)})")
 
 
+class Snapshot:
+    """A state-pool slot holding the linear layers' state after the end of ``node``."""
+
+    __slots__ = ("slot", "node", "lock_ref")
+
+    def __init__(self, slot: int, node: RadixNode) -> None:
+        self.slot = slot
+        self.node = node
+        self.lock_ref = 0
+
+    def __repr__(self) -> str:
+        return f"Snapshot(slot={self.slot}, lock_ref={self.lock_ref})"
+
+
 class MatchResult(NamedTuple):
     node: RadixNode   # deepest matched node; pass to lock()/unlock()
     num_tokens: int   # always a multiple of page_size
     pages: list[int]  # num_tokens // page_size page ids, in order
+    snapshot: int | None = None   # with snapshots: slot of the state after num_tokens (None: no match)
 
 
 class InsertResult(NamedTuple):
@@ -106,10 +150,14 @@ class RadixCache:
       * ``insert`` takes ownership of new pages and frees the caller's duplicate pages.
       * ``evict(n)`` frees up to ``n`` unlocked pages to the pool and returns how many it freed;
         it never raises for lack of evictable pages.
+      * With ``snapshot_slots``: a match ends only at a snapshot; ``add_snapshot`` /
+        ``drop_snapshot`` / ``evict_snapshots`` / ``lock_snapshot`` / ``unlock_snapshot``
+        manage them (the tree owns every snapshot slot of the allocator).
     """
 
     def __init__(self, pool: PagePool, page_size: int, *, session_retention_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 snapshot_slots: SnapshotSlots | None = None) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if session_retention_s < 0:
@@ -125,6 +173,7 @@ class RadixCache:
         self._retained_until: dict[str, float] = {}
         # The root object lives as long as the cache: requests holding it stay valid on reset.
         self.root = RadixNode((), [], None, 0)
+        self.snapshot_slots = snapshot_slots
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -138,6 +187,9 @@ class RadixCache:
         self._num_locks = 0  # outstanding lock() calls on non-root nodes
         self.num_cached_pages = 0
         self.num_locked_pages = 0
+        # Snapshots by slot, least recently used first.
+        self._snapshots: OrderedDict[int, Snapshot] = OrderedDict()
+        self.num_locked_snapshots = 0
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -149,23 +201,50 @@ class RadixCache:
     def num_nodes(self) -> int:
         return self._num_nodes
 
+    @property
+    def uses_snapshots(self) -> bool:
+        """True for a hybrid model's cache: matches end only at state snapshots."""
+        return self.snapshot_slots is not None
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._snapshots)
+
+    @property
+    def num_snapshot_slots(self) -> int:
+        return self.snapshot_slots.num_snapshot_slots if self.snapshot_slots is not None else 0
+
     # ------------------------------------------------------------------ lookup
     def match_prefix(self, tokens: Sequence[int], *, touch: bool = True) -> MatchResult:
         """Longest cached prefix of ``tokens`` made of whole pages.
 
         The engine passes the prompt without its last token, since that token must be computed
         to produce logits. ``touch=False`` leaves recency alone (for routing/scoring probes).
+        With snapshots the match is cut back to the deepest matched node holding one (pages and
+        snapshot recency are touched up to there); no snapshot on the path means no match.
         """
         P = self.page_size
         n = len(tokens) - len(tokens) % P
         path, pos = self._descend(tuple(tokens[:n]))
+        snap: Snapshot | None = None
+        if self.snapshot_slots is not None:
+            k = len(path)
+            while k and path[k - 1].snapshot is None:
+                k -= 1
+            if k < len(path):
+                pos -= sum(len(node.key) for node in path[k:])
+                del path[k:]
+            if path:
+                snap = path[-1].snapshot
         pages: list[int] = []
         for node in path:
             pages.extend(node.pages)
         end = path[-1] if path else self.root
         if touch and path:
             self._touch(path)
-        return MatchResult(end, pos, pages)
+            if snap is not None:
+                self._snapshots.move_to_end(snap.slot)
+        return MatchResult(end, pos, pages, snap.slot if snap is not None else None)
 
     def cached_prefix_length(self, tokens: Sequence[int], limit: int | None = None) -> int:
         """Tokens of ``tokens[:limit]`` that :meth:`match_prefix` would match, as a pure probe.
@@ -174,10 +253,19 @@ class RadixCache:
         recency touched) and reads the tokens in place, one edge at a time, instead of copying
         the whole sequence first. For cache-aware admission and routing scores.
         """
+        return self._probe(tokens, limit, self.snapshot_slots is not None)
+
+    def page_prefix_length(self, tokens: Sequence[int], limit: int | None = None) -> int:
+        """Tokens of ``tokens[:limit]`` whose pages are cached, wherever the snapshots are (the
+        match a dense model would get); a pure probe like :meth:`cached_prefix_length`."""
+        return self._probe(tokens, limit, False)
+
+    def _probe(self, tokens: Sequence[int], limit: int | None, hybrid: bool) -> int:
         P = self.page_size
         n = len(tokens) if limit is None else min(limit, len(tokens))
         n -= n % P
         node, pos = self.root, 0
+        best = 0   # with snapshots: the end of the deepest whole node matched that has one
         while pos < n:
             child = node.children.get(tuple(tokens[pos:pos + P]))
             if child is None:
@@ -194,7 +282,9 @@ class RadixCache:
             if m < klen:
                 break
             node = child
-        return pos
+            if hybrid and child.snapshot is not None:
+                best = pos
+        return best if hybrid else pos
 
     # ------------------------------------------------------------------ pinning
     def lock(self, node: RadixNode) -> None:
@@ -270,6 +360,105 @@ class RadixCache:
         end = path[-1] if path else self.root
         return InsertResult(new_tokens, canonical, end)
 
+    # ------------------------------------------------------------------ snapshots
+    def add_snapshot(self, tokens: Sequence[int]) -> int | None:
+        """Record a state snapshot after ``tokens`` (whole pages, all of them cached).
+
+        Returns the slot the caller must fill *now* with the state after ``tokens[-1]``, or
+        ``None`` when nothing is to be copied: the tree has no snapshots, the prefix is not
+        cached, a snapshot is already there (its recency is refreshed), or every slot is taken
+        by a locked snapshot. A full budget gives up the least recently used unlocked snapshot.
+        Changes no page and no page recency (it may split the edge at ``len(tokens)``).
+        """
+        if self.snapshot_slots is None:
+            return None
+        P = self.page_size
+        if not tokens or len(tokens) % P:
+            raise ValueError(f"a snapshot sits on a page boundary: {len(tokens)} tokens is not a "
+                             f"positive multiple of page_size {P}")
+        path, pos = self._descend(tuple(tokens))
+        if pos < len(tokens):
+            return None
+        node = path[-1]
+        if node.snapshot is not None:
+            self._snapshots.move_to_end(node.snapshot.slot)
+            return None
+        slot = self.snapshot_slots.alloc_snapshot()
+        if slot is None and self.evict_snapshots(1):
+            slot = self.snapshot_slots.alloc_snapshot()
+        if slot is None:
+            return None
+        snap = Snapshot(slot, node)
+        node.snapshot = snap
+        self._snapshots[slot] = snap
+        return slot
+
+    def has_snapshot(self, slot: int) -> bool:
+        return slot in self._snapshots
+
+    def snapshot(self, slot: int) -> Snapshot | None:
+        """The live snapshot in ``slot`` (compare by identity: a dropped snapshot's slot is reused)."""
+        return self._snapshots.get(slot)
+
+    def drop_snapshot(self, slot: int) -> bool:
+        """Drop the snapshot in ``slot`` (its pages stay); False if it is gone or locked."""
+        snap = self._snapshots.get(slot)
+        if snap is None or snap.lock_ref:
+            return False
+        self._drop_snapshot(snap)
+        return True
+
+    def evict_snapshots(self, n: int) -> int:
+        """Drop up to ``n`` unlocked snapshots, least recently used first; returns how many.
+
+        Two tiers like page eviction: snapshots of no retained session first, then those whose
+        node is protected by a session retention window (oldest first in each)."""
+        if n <= 0:
+            return 0
+        now = self._clock()
+        victims: list[Snapshot] = []
+        protected: list[Snapshot] = []
+        for snap in self._snapshots.values():
+            if len(victims) == n:
+                break
+            if snap.lock_ref:
+                continue
+            if snap.node.sessions and self._protected_until(snap.node, now) > now:
+                protected.append(snap)
+            else:
+                victims.append(snap)
+        victims.extend(protected[:n - len(victims)])
+        for snap in victims:
+            self._drop_snapshot(snap)
+        return len(victims)
+
+    def lock_snapshot(self, slot: int) -> None:
+        """Pin the snapshot in ``slot`` and its node's path (while its state is being restored)."""
+        snap = self._snapshots.get(slot)
+        if snap is None:
+            raise ValueError(f"no snapshot in slot {slot}: lock a match result at once")
+        self.lock(snap.node)
+        if snap.lock_ref == 0:
+            self.num_locked_snapshots += 1
+        snap.lock_ref += 1
+
+    def unlock_snapshot(self, slot: int) -> None:
+        """Undo one ``lock_snapshot(slot)``."""
+        snap = self._snapshots.get(slot)
+        if snap is None or snap.lock_ref <= 0:
+            raise ValueError(f"unlock of snapshot slot {slot}, which is not locked")
+        snap.lock_ref -= 1
+        if snap.lock_ref == 0:
+            self.num_locked_snapshots -= 1
+        self.unlock(snap.node)
+
+    def _drop_snapshot(self, snap: Snapshot) -> None:
+        assert snap.lock_ref == 0, "dropping a locked snapshot"
+        assert self.snapshot_slots is not None
+        snap.node.snapshot = None
+        del self._snapshots[snap.slot]
+        self.snapshot_slots.free_snapshot(snap.slot)
+
     # ------------------------------------------------------------------ eviction
     def evict(self, num_pages: int) -> int:
         """Free up to ``num_pages`` unlocked pages, LRU first; returns the number freed.
@@ -331,6 +520,8 @@ class RadixCache:
         n = len(node.pages)
         if self.evict_hook is not None:
             self.evict_hook(self._path_tokens(node), node.pages[max(n - want, 0):])
+        if node.snapshot is not None:   # it sits at the node's end, which goes either way
+            self._drop_snapshot(node.snapshot)
         if want < n:
             freed_pages = node.pages[n - want:]
             del node.pages[n - want:]
@@ -400,6 +591,8 @@ class RadixCache:
             node = stack.pop()
             self.pool.free(node.pages)
             node.attached = False
+            if node.snapshot is not None:
+                self._drop_snapshot(node.snapshot)
             stack.extend(node.children.values())
         self._init_tree()
 
@@ -494,6 +687,9 @@ class RadixCache:
         P = self.page_size
         seen: set[int] = set()
         cached = locked = nodes = locks_at_leaves = 0
+        snaps: set[int] = set()
+        snaps_locked = 0
+        assert self.root.snapshot is None, "a snapshot of the empty prefix"
         stack = [self.root]
         while stack:
             node = stack.pop()
@@ -518,6 +714,16 @@ class RadixCache:
                 own = child.lock_ref - sum(c.lock_ref for c in child.children.values())
                 assert own >= 0, "child lock counts exceed the parent's"
                 locks_at_leaves += own
+                snap = child.snapshot
+                if snap is not None:
+                    assert self.snapshot_slots is not None, "a snapshot in a cache without snapshots"
+                    assert snap.node is child, "snapshot.node does not point to its node"
+                    assert self._snapshots.get(snap.slot) is snap, f"snapshot {snap.slot} not in the LRU"
+                    assert snap.slot not in snaps, f"snapshot slot {snap.slot} used twice"
+                    assert snap.lock_ref >= 0, "negative snapshot lock count"
+                    assert child.lock_ref >= snap.lock_ref, "locked snapshot on a less locked node"
+                    snaps.add(snap.slot)
+                    snaps_locked += snap.lock_ref > 0
                 stack.append(child)
         assert cached == self.num_cached_pages, (
             f"num_cached_pages {self.num_cached_pages} != {cached} pages in the tree")
@@ -527,3 +733,12 @@ class RadixCache:
         assert locks_at_leaves == self._num_locks, (
             f"{self._num_locks} outstanding locks but the tree holds {locks_at_leaves}")
         assert self.pool.num_free() + cached <= self.pool.num_pages, "pages over-committed"
+        assert len(snaps) == len(self._snapshots), (
+            f"{len(self._snapshots)} snapshots in the LRU but {len(snaps)} in the tree")
+        assert snaps_locked == self.num_locked_snapshots, (
+            f"num_locked_snapshots {self.num_locked_snapshots} != {snaps_locked} in the tree")
+        if self.snapshot_slots is not None:
+            free = self.snapshot_slots.num_free_snapshots()
+            assert free + len(snaps) == self.snapshot_slots.num_snapshot_slots, (
+                f"snapshot accounting broken: free {free} + in tree {len(snaps)} != "
+                f"{self.snapshot_slots.num_snapshot_slots} slots")

@@ -41,6 +41,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="worker ranks sharing the model (torch.distributed: gloo on cpu, NCCL on cuda)")
     g.add_argument("--tp-pin-cores", action="store_true",
                    help="CPU tensor parallelism: pin each rank to one core")
+    g.add_argument("--moe-parallel", default=d.moe_parallel, choices=["tp", "ep"],
+                   help="how MoE experts split over the tensor-parallel ranks: tp = every expert's intermediate "
+                        "dimension split (default), ep = expert parallelism, whole experts per rank")
+    g.add_argument("--enable-expert-parallel", dest="moe_parallel", action="store_const", const="ep",
+                   help="the same as --moe-parallel ep")
     g.add_argument("--device", default=d.device, help="torch device of the model runner (default: cpu)")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="KV pool storage: auto (the model's dtype), fp8_e4m3 (float8_e4m3fn + fp32 scales per "
@@ -55,6 +60,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="int4: symmetric groups (scale only, zero exact) instead of scale + min")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="paged-attention implementation (auto: the fastest that supports the model here)")
+    g.add_argument("--state-snapshot-memory", dest="state_snapshot_memory_gib", type=float,
+                   default=d.state_snapshot_memory_gib, metavar="GIB",
+                   help="hybrid (linear-attention) models: state-pool memory for prefix-cache state "
+                        "snapshots, beside one state slot per running request (default: 4 snapshots per "
+                        "request slot, at most 1 GiB; 0: no prefix hits)")
+    g.add_argument("--state-snapshot-slots", type=int, default=d.state_snapshot_slots, metavar="N",
+                   help="hybrid models: the snapshot budget as a count of slots (instead of "
+                        "--state-snapshot-memory)")
+    g.add_argument("--state-snapshot-interval", type=int, default=d.state_snapshot_interval, metavar="TOKENS",
+                   help="hybrid models: also snapshot the state every TOKENS tokens of a long prefill, a "
+                        "rounded up to whole pages (default %(default)s; 0: only at request ends and branch points)")
     add_speculative_arguments(parser)
     add_cache_tier_arguments(parser)
 

@@ -19,11 +19,14 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bf16", "fp16", "fp32", "fp8", "float8_e4
 assert set(KV_CACHE_DTYPES) == {"auto", *KV_DTYPE_NAMES}
 ATTENTION_BACKENDS = ("auto", "torch", "native")
 SPECULATIVE_METHODS = ("ngram", "suffix", "dflash")
+MOE_PARALLEL = ("tp", "ep")       # MoE under tensor parallelism: TP inside experts, or expert parallelism
 HOST_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the KV pool's dtype
 CACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DEFAULT_KV_SESSIONS = 4          # full-length sequences the default pool holds
 DEFAULT_KV_MEMORY_SHARE = 0.25   # at most this share of available memory by default
 DEFAULT_KV_MEMORY_CAP_GIB = 4.0  # and never more than this by default
+DEFAULT_SNAPSHOTS_PER_REQUEST = 4     # hybrid models: default state snapshots per request slot
+DEFAULT_SNAPSHOT_MEMORY_CAP_GIB = 1.0  # and never more memory than this by default
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,19 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     suffix_cache_tokens: int = 20_000    # suffix: output tokens kept in the global index
     suffix_min_prob: float = 0.1         # suffix: stop a draft when its estimated probability drops below
     tensor_parallel_size: int = 1    # worker ranks, each holding a shard of weights and KV (1: in process)
+    # Hybrid (linear-attention) models: memory for prefix-cache state snapshots, in slots of the
+    # state pool beside the max_running_requests request slots (docs/prefix_cache.md); 0: none
+    # (no prefix hits), None: DEFAULT_SNAPSHOTS_PER_REQUEST per request slot, at most
+    # DEFAULT_SNAPSHOT_MEMORY_CAP_GIB. state_snapshot_slots, when given, is the count instead.
+    state_snapshot_memory_gib: float | None = None
+    state_snapshot_slots: int | None = None
+    # ... and a snapshot every this many tokens of a long prefill (rounded up to whole pages; 0:
+    # only the snapshots at request ends and branch points)
+    state_snapshot_interval: int = 512
     tp_pin_cores: bool = False       # CPU tensor parallelism: pin rank r to one core (r mod cores)
+    # how a mixture of experts splits over the ranks: "tp" (each expert's intermediate split) or
+    # "ep" (expert parallelism: whole experts per rank); see models/tensor_parallel.py
+    moe_parallel: str = "tp"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -156,15 +171,18 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"cache_prefetch_min_pages must be >= 1, got {self.cache_prefetch_min_pages}")
         if not self.enable_prefix_cache and (self.host_cache_memory_gib > 0 or self.cache_storage not in ("", "none")):
             raise ValueError("the host and storage cache tiers need the prefix cache (drop --no-prefix-cache)")
+        if self.state_snapshot_memory_gib is not None and self.state_snapshot_memory_gib < 0:
+            raise ValueError(f"state_snapshot_memory_gib must be >= 0, got {self.state_snapshot_memory_gib}")
+        if self.state_snapshot_slots is not None and self.state_snapshot_slots < 0:
+            raise ValueError(f"state_snapshot_slots must be >= 0, got {self.state_snapshot_slots}")
+        if self.state_snapshot_slots is not None and self.state_snapshot_memory_gib is not None:
+            raise ValueError("give at most one of state_snapshot_memory_gib and state_snapshot_slots")
+        if self.state_snapshot_interval < 0:
+            raise ValueError(f"state_snapshot_interval must be >= 0, got {self.state_snapshot_interval}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and (self.host_cache_memory_gib > 0
-                                              or self.cache_storage not in ("", "none")):
-            raise ValueError("the host and storage cache tiers run with tensor_parallel_size=1 only (their page "
-                             "moves would have to reach every rank's KV shard)")
-        if self.tensor_parallel_size > 1 and self.speculative_method is not None:
-            raise ValueError("speculative decoding runs with tensor_parallel_size=1 only for now (the ranks do not "
-                             "verify drafts or capture hidden states)")
+        if self.moe_parallel not in MOE_PARALLEL:
+            raise ValueError(f"moe_parallel must be one of {MOE_PARALLEL}, got {self.moe_parallel!r}")
         if not self.device or not (self.device == "cpu" or self.device.startswith(("cuda", "mps", "xpu"))):
             raise ValueError(f"device must be cpu or a torch accelerator such as cuda or cuda:1, got {self.device!r}")
 

@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tokenmill.cache.page_pool import PagePool
+from tokenmill.cache.state_slots import StateSlotPool
 from tokenmill.engine import admission
-from tokenmill.engine.config import EngineConfig, default_kv_cache_tokens, resolve_kv_dtype
+from tokenmill.engine.config import (DEFAULT_SNAPSHOT_MEMORY_CAP_GIB, DEFAULT_SNAPSHOTS_PER_REQUEST, EngineConfig,
+                                     default_kv_cache_tokens, resolve_kv_dtype)
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.model_runner import ModelRunner, SampledTokens
@@ -64,6 +66,14 @@ class EngineStats:
                                      # holds its KV heads' share of every token)
     tiers: Any = None               # cache.tiers.TierStats when lower tiers are configured
     tensor_parallel_size: int = 1
+    # hybrid models' state pool (all 0 for attention-only models): request slots, those free,
+    # the share held by running requests, snapshot slots, and the bytes of one slot
+    state_slots_total: int = 0
+    state_slots_free: int = 0
+    state_pool_usage: float = 0.0
+    state_snapshot_slots: int = 0
+    state_snapshots_cached: int = 0    # snapshot slots holding a snapshot of the prefix cache
+    state_bytes_per_request: int = 0
     predicted_wait_s: float = 0.0    # how long a request queued now would wait to start (admission.py)
 
     @property
@@ -90,14 +100,22 @@ class Engine:
                 model=str(self.loaded.source) if loaded is not None else config.model, dtype=config.dtype,
                 tp=config.tensor_parallel_size, num_pages=self.kv.num_pages, page_size=config.page_size,
                 device=self.device.type, kv_dtype=self.kv_spec.dtype, attention_backend=config.attention_backend,
-                num_threads=config.num_threads, pin_cores=config.tp_pin_cores, init_method=new_init_method()),
+                num_threads=config.num_threads, pin_cores=config.tp_pin_cores, init_method=new_init_method(),
+                moe_parallel=config.moe_parallel),
                 self.loaded.model)
-            self.tiers = None                # refused with tensor parallelism by EngineConfig
-            self.kv.tiers = None
+            try:
+                self._init_tiers()
+            except BaseException:
+                self.runner.close()
+                raise
         else:
+            slots = self.kv.slots
             self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
                                       self.vocab_size, device=self.device, kv_spec=self.kv_spec,
-                                      attention_backend=config.attention_backend)
+                                      attention_backend=config.attention_backend,
+                                      num_state_slots=slots.num_slots if slots is not None else 0)
+            if self.runner.states is not None:   # snapshots are taken by copying a request's slot
+                self.kv.copy_state = self.runner.states.copy
             self._init_tiers()
         self.generation_tokens_total = 0
         self._arrivals = 0
@@ -149,10 +167,30 @@ class Engine:
         from tokenmill.models.tensor_parallel import rank_kv_cache_spec
 
         check_tensor_parallel_devices(tp, self.config.device)
-        return rank_kv_cache_spec(model, tp)
+        return rank_kv_cache_spec(model, tp, self.config.moe_parallel)
+
+    def _check_hybrid(self) -> None:
+        """Refuse, at start-up, the features a hybrid model's state pool does not support yet."""
+        cfg = self.config
+        if not self.loaded.model.kv_cache_spec().is_hybrid:
+            return
+        arch = type(self.loaded.model).__name__
+        if cfg.speculative_method is not None:
+            raise ValueError(f"--speculative-method {cfg.speculative_method} is not supported with the hybrid model "
+                             f"{arch}: rolling back rejected drafts would need the linear layers' state before "
+                             f"them; drop --speculative-method")
+        if cfg.tensor_parallel_size > 1:
+            raise ValueError(f"--tensor-parallel-size {cfg.tensor_parallel_size} is not supported with the hybrid "
+                             f"model {arch} (its linear-attention layers are not sharded); use "
+                             f"--tensor-parallel-size 1")
+        if cfg.host_cache_memory_gib > 0 or cfg.cache_storage not in ("", "none"):
+            flag = "--host-cache-memory" if cfg.host_cache_memory_gib > 0 else "--cache-storage"
+            raise ValueError(f"{flag} is not supported with the hybrid model {arch}: the L2/L3 cache tiers "
+                             f"hold attention pages only, not the linear layers' state; drop {flag}")
 
     def _init_kv(self) -> None:
         cfg = self.config
+        self._check_hybrid()
         spec = self._rank_kv_spec()
         spec = spec.with_dtype(resolve_kv_dtype(cfg.kv_cache_dtype, spec.dtype))
         self.kv_spec = spec
@@ -177,12 +215,16 @@ class Engine:
             raise ValueError(f"the KV cache holds {tokens} tokens, less than one page of {ps}: too small for "
                              f"one request")
         pool = PagePool(num_pages)
+        slots = self._state_slots(spec)
         cache = None
         if cfg.enable_prefix_cache:
             from tokenmill.cache.radix import RadixCache
 
-            cache = RadixCache(pool, cfg.page_size, session_retention_s=cfg.session_retention_s)
-        self.kv = KVManager(pool, cfg.page_size, cache)
+            # A hybrid model's cache keeps state snapshots in the snapshot slots (matches end there).
+            cache = RadixCache(pool, cfg.page_size, session_retention_s=cfg.session_retention_s,
+                               snapshot_slots=slots)
+        interval = -(-cfg.state_snapshot_interval // ps) * ps
+        self.kv = KVManager(pool, cfg.page_size, cache, slots=slots, snapshot_interval=interval)
         self.kv_capacity_tokens = num_pages * ps
         fp32 = spec.with_dtype("float32").bytes_per_token()
         tp = cfg.tensor_parallel_size
@@ -190,10 +232,37 @@ class Engine:
                  "= %d tokens (%.4f GiB)", f" per rank (tp={tp})" if tp > 1 else "", spec.dtype, bytes_per_token, fp32 / bytes_per_token, num_pages, ps,
                  self.kv_capacity_tokens, self.kv_capacity_tokens * bytes_per_token / 2**30)
 
+    def _state_slots(self, spec: KVCacheSpec) -> StateSlotPool | None:
+        """A hybrid model's state-slot allocator: one request slot per running request, plus the
+        snapshot slots of the prefix cache (``state_snapshot_slots``, or as many as
+        ``state_snapshot_memory_gib`` buys; by default a few per request slot, capped in memory)."""
+        if not spec.is_hybrid:
+            return None
+        cfg = self.config
+        per = spec.bytes_per_request()
+        if not cfg.enable_prefix_cache:
+            snapshots = 0
+        elif cfg.state_snapshot_slots is not None:
+            snapshots = cfg.state_snapshot_slots
+        elif cfg.state_snapshot_memory_gib is not None:
+            snapshots = int(cfg.state_snapshot_memory_gib * 2**30 // per)
+        else:
+            snapshots = min(DEFAULT_SNAPSHOTS_PER_REQUEST * cfg.max_running_requests,
+                            int(DEFAULT_SNAPSHOT_MEMORY_CAP_GIB * 2**30 // per))
+        slots = StateSlotPool(cfg.max_running_requests, snapshots)
+        log.info("state pool: %d linear-attention layers, %d B/request (fp32 recurrent + conv state), "
+                 "%d request slots (--max-running-requests) + %d snapshot slots = %d slots (%.4f GiB; "
+                 "snapshots %.4f GiB, every %d prefill tokens)",
+                 len(spec.linear_layer_ids()), per, slots.num_request_slots, snapshots, slots.num_slots,
+                 slots.num_slots * per / 2**30, snapshots * per / 2**30,
+                 -(-cfg.state_snapshot_interval // cfg.page_size) * cfg.page_size)
+        return slots
+
     def _init_tiers(self) -> None:
         from tokenmill.engine.kv_tiers import build_tiers
 
-        self.tiers = build_tiers(self.config, self.runner, self.kv, self.model_name, self.kv_spec)
+        self.tiers = build_tiers(self.config, self.runner, self.kv, self.model_name, self.kv_spec,
+                                 self.loaded.model)
         self.kv.tiers = self.tiers
 
     def _init_speculative(self) -> None:
@@ -462,4 +531,14 @@ class Engine:
             tensor_parallel_size=self.config.tensor_parallel_size,
             tiers=self.tiers.snapshot_stats() if self.tiers is not None else None,
             predicted_wait_s=self.start_estimator.predicted_wait(s, time.monotonic()),
+            **self._state_stats(),
         )
+
+    def _state_stats(self) -> dict[str, Any]:
+        slots = self.kv.slots
+        if slots is None:
+            return {}
+        return dict(state_slots_total=slots.num_request_slots, state_slots_free=slots.num_free(),
+                    state_pool_usage=self.kv.state_usage(), state_snapshot_slots=slots.num_snapshot_slots,
+                    state_snapshots_cached=slots.num_snapshot_slots - slots.num_free_snapshots(),
+                    state_bytes_per_request=self.kv_spec.bytes_per_request())

@@ -3,7 +3,10 @@ the attention backend.
 
 Construction (in order): move the model to the device, choose the attention backend for the
 model's KV spec (:func:`~tokenmill.layers.attention.select_attention_backend`), let the backend
-allocate the KV pool, and make the sampler's random stream on the device.
+allocate the KV pool (``None`` for a hybrid model's linear-attention layers), allocate a hybrid
+model's :class:`~tokenmill.layers.state_pool.StatePool` (``num_state_slots`` slots, the engine's
+state-slot ids index it; ``ForwardBatch.state_slots`` names each sequence's slot), and make the
+sampler's random stream on the device.
 
 :meth:`ModelRunner.execute` turns a :class:`~tokenmill.engine.scheduler.SchedulerOutput` into a
 :class:`~tokenmill.contracts.batch.ForwardBatch` (sequences concatenated in scheduling order),
@@ -33,6 +36,7 @@ from tokenmill.layers.attention import ForwardContext, select_attention_backend
 from tokenmill.engine.structured import apply_grammar_masks
 from tokenmill.layers.sampling import PenaltyState, Sampler, SamplingInputs
 from tokenmill.layers.speculative import VerifyInputs, verify
+from tokenmill.layers.state_pool import StatePool
 
 if TYPE_CHECKING:
     from tokenmill.models.base import CausalLM
@@ -62,7 +66,8 @@ def _token_logprob(tok: int, lp: Any) -> TokenLogprob:
 class ModelRunner:
     def __init__(self, model: CausalLM, num_pages: int, page_size: int, vocab_size: int,
                  device: torch.device | str = "cpu", seed: int | None = None, *,
-                 kv_spec: KVCacheSpec | None = None, attention_backend: str = "auto") -> None:
+                 kv_spec: KVCacheSpec | None = None, attention_backend: str = "auto",
+                 num_state_slots: int = 0) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.page_size = page_size
@@ -70,6 +75,12 @@ class ModelRunner:
         self.kv_spec = kv_spec or model.kv_cache_spec()
         self.attn = select_attention_backend(self.kv_spec, self.device, model.dtype, attention_backend)
         self.kv_caches = self.attn.allocate(num_pages, page_size)
+        # Hybrid models: the linear layers' state, one slot per id of the engine's StateSlotPool.
+        self.states: StatePool | None = None
+        if self.kv_spec.is_hybrid:
+            if num_state_slots <= 0:
+                raise ValueError("a hybrid model needs num_state_slots > 0 (the engine's state-slot pool size)")
+            self.states = StatePool(self.kv_spec, num_state_slots, self.device)
         self.sampler = Sampler(seed, device=self.device)
         self.capture_layers: frozenset[int] = frozenset()   # set by a learned drafter
         self.prompt_rows: list[PromptRows] = []
@@ -136,6 +147,9 @@ class ModelRunner:
         else:
             seq_of_token = torch.repeat_interleave(torch.arange(len(tables), device=dev), q_start_t.diff())
         slots = block_tables[seq_of_token, pos // ps] * ps + pos % ps
+        state_slots = None
+        if self.states is not None:
+            state_slots = torch.tensor([s.request.state_slot for s in out.scheduled], dtype=torch.long, device=dev)
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=pos,
@@ -146,17 +160,29 @@ class ModelRunner:
             logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             page_size=ps,
             max_seq_len=max(seq_lens),
+            state_slots=state_slots,
         )
         return batch, samplers
 
     def forward(self, batch: ForwardBatch, capture_layers: frozenset[int] = frozenset()) -> ForwardContext:
         """Run the model over ``batch``; the context holds the logits' inputs and any captures."""
-        ctx = ForwardContext.prepare(self.attn, batch, self.kv_caches, capture_layers)
+        ctx = ForwardContext.prepare(self.attn, batch, self.kv_caches, capture_layers, self.states)
         ctx.logits = self.model(ctx)
         return ctx
 
+    def restore_states(self, out: SchedulerOutput) -> None:
+        """Hybrid models: copy each prefix hit's state snapshot into its request's slot, before
+        the request's first step (``req.snapshot_restore``; the KV manager unlocks it after)."""
+        if self.states is None:
+            return
+        for s in out.scheduled:
+            snap = s.request.snapshot_restore
+            if snap is not None:
+                self.states.copy(snap, s.request.state_slot)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        self.restore_states(out)
         batch, samplers = self.build_batch(out)
         ctx = self.forward(batch, self.capture_layers)
         logits = ctx.logits

@@ -63,6 +63,13 @@ class Request:
     page_table: list[int] = field(default_factory=list)
     num_tree_pages: int = 0
     cache_node: Any = None            # locked radix node, or None
+    state_slot: int | None = None     # hybrid models: the state-pool slot held while running
+    # hybrid models' prefix cache (engine/kv_manager.py): the locked snapshot slot to restore into
+    # state_slot before the first step, the request's own latest snapshot (radix Snapshot), and
+    # the positions (tokens, page boundaries) where a snapshot is to be taken
+    snapshot_restore: int | None = None
+    tail_snapshot: Any = None
+    snapshot_cuts: list[int] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     cached_tokens_by_tier: dict[str, int] | None = None  # that hit split by tier (l1, l2, l3)
     tier_state: Any = None            # lower-tier bookkeeping (engine.kv_tiers.TierState)

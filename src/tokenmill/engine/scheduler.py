@@ -16,7 +16,9 @@ Order within a step:
    :meth:`~tokenmill.engine.step_cost.StepCost.prefill_budget`, so a decode's next token is not
    held up by seconds of prefill (step time is learned online from the engine's own steps);
 3. waiting requests, admitted while budget, pages and ``max_running_requests`` allow (none in
-   a step that had to preempt). From the front of the queue, except that while the queue is
+   a step that had to preempt); a hybrid model's request also needs a free state slot
+   (:meth:`KVManager.take_slot`), and every way out (finish, abort, preemption) frees both.
+   From the front of the queue, except that while the queue is
    short (``prefer_cached_max_queue``) the request with the longest cached prefix goes first;
    a request passed over ``admission_max_skips`` times, or one resuming after preemption, is
    never passed over again, so nobody starves. ``prefer_cached_prefix = False`` gives FIFO.
@@ -168,19 +170,21 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            n = min(req.num_uncomputed_tokens, plan.budget)
+            n = self.kv.chunk_limit(req, min(req.num_uncomputed_tokens, plan.budget))
             if self._allocate_or_preempt(req, req.num_computed_tokens + n, plan):
                 plan.add(req, n)
 
     def _admit(self, plan: _StepPlan) -> None:
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_running_requests:
             req = self._next_waiting()
-            if self._waits_for_shared_prefill(req):
-                req = self._first_not_waiting()
+            if self._waits_for_shared_prefill(req, plan):
+                req = self._first_not_waiting(plan)
                 if req is None:
                     return
+            if not self.kv.take_slot(req):   # hybrid models: every state slot is taken
+                return
             matched = self.kv.match(req)
-            n = min(req.num_uncomputed_tokens, plan.budget)
+            n = self.kv.chunk_limit(req, min(req.num_uncomputed_tokens, plan.budget))
             if not self.kv.allocate(req, req.num_computed_tokens + n):
                 self.kv.release(req, keep_in_cache=False)
                 req.num_computed_tokens = 0
@@ -199,7 +203,7 @@ class Scheduler:
         """The waiting request to admit next: the queue front, or (short queue, cache on) the
         one with the longest cached prefix, unless someone was passed over too often."""
         head = self.waiting[0]
-        if (not self.prefer_cached_prefix or self.kv.cache is None or len(self.waiting) == 1
+        if (not self.prefer_cached_prefix or not self.kv.prefix_reuse or len(self.waiting) == 1
                 or len(self.waiting) > self.prefer_cached_max_queue or head.num_preemptions):
             return head
         best, best_hit = head, -1
@@ -211,7 +215,7 @@ class Scheduler:
                 best, best_hit = req, hit
         return best
 
-    def _waits_for_shared_prefill(self, req: Request) -> bool:
+    def _waits_for_shared_prefill(self, req: Request, plan: _StepPlan | None = None) -> bool:
         """Hold ``req`` back while a running request is still prefilling a prompt it shares.
 
         Parallel requests with one prompt (``n > 1``, parallel tool calls, sessions sharing a
@@ -220,10 +224,13 @@ class Scheduler:
         (prefill chunks publish whole pages as they complete) and then reuses them. A request is
         held only for a shared part of at least ``shared_prefill_min_pages`` pages that it does
         not already have cached, and only while the other one is still prefilling, so the wait
-        is bounded by one prefill.
+        is bounded by one prefill. A hybrid model's hit must end at a state snapshot, so the
+        other request is asked to take one where the shared part ends (its chunk in ``plan`` is
+        cut there), and ``req`` waits only until the other has computed that far.
         """
-        if self.kv.cache is None or req.num_preemptions or req.page_table:
+        if not self.kv.prefix_reuse or req.num_preemptions or req.page_table:
             return False
+        hybrid = self.kv.slots is not None
         P = self.kv.page_size
         E = self.kv.cache.page_size   # cache-key elements per page (P: the token ids themselves)
         need = self.shared_prefill_min_pages * P
@@ -242,16 +249,25 @@ class Scheduler:
             common = 1
             while common < pages and o[common * E:(common + 1) * E] == ids[common * E:(common + 1) * E]:
                 common += 1
+            if hybrid and other.num_computed_tokens >= common * P:   # past the shared part already
+                continue
             if common * P - self.kv.cached_prefix_tokens(req) >= need:
+                if hybrid:
+                    self.kv.request_snapshot(other, common * P)
+                    planned = plan.tokens.get(other) if plan is not None else None
+                    if planned and other.num_computed_tokens + planned > common * P:
+                        cut = common * P - other.num_computed_tokens
+                        plan.budget += planned - cut
+                        plan.tokens[other] = cut
                 return True
         return False
 
-    def _first_not_waiting(self) -> Request | None:
+    def _first_not_waiting(self, plan: _StepPlan | None = None) -> Request | None:
         """The first of the queue's front requests that is not held by a shared prefill."""
         for i, req in enumerate(self.waiting):
             if i >= self.prefer_cached_max_queue:
                 return None
-            if not self._waits_for_shared_prefill(req):
+            if not self._waits_for_shared_prefill(req, plan):
                 return req
         return None
 
@@ -303,6 +319,8 @@ class Scheduler:
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens = s.start + s.num_tokens - s.num_draft
+            if self.kv.slots is not None:   # hybrid: restores done, snapshots taken, pages cached
+                self.kv.after_step(req)
             if s.num_tokens - s.num_draft > 1 or not s.samples:
                 # a prefill chunk, the last one included: publish its whole pages at once, so
                 # requests sharing the prompt reuse them (decode pages join at release)

@@ -27,3 +27,20 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * (1 + weight)``, all in fp32, then cast back (Qwen3-Next,
+    Gemma): the stored weight is an offset from one, so a zero weight is the identity scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        if dim <= 0 or eps <= 0:
+            raise ValueError(f"RMSNorm needs dim > 0 and eps > 0, got dim={dim}, eps={eps}")
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)

@@ -42,9 +42,11 @@ def load_hf_config(model_dir: Path) -> Any:
             return DeepseekV3Config(**fields)
         except (ValueError, KeyError, TypeError) as e:
             raise ModelLoadError(f"{cfg_path}: not a valid DeepSeek-V3 config ({raw['model_type']}): {e}") from e
+    from huggingface_hub.errors import StrictDataclassError  # transformers 5 configs validate their fields
+
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    except (ValueError, KeyError, OSError, TypeError) as e:
+    except (ValueError, KeyError, OSError, TypeError, StrictDataclassError) as e:
         raise ModelLoadError(f"{cfg_path}: transformers cannot read this config: {e}") from e
 
 

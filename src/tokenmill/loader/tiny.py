@@ -15,6 +15,28 @@ from tokenmill.loader.resolve import DEFAULT_MODEL, resolve_model_path
 
 TINY_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")   # dense
 TINY_MOE_ARCHS = ("DeepseekV3ForCausalLM",)                                   # MLA + MoE
+TINY_LING_ARCHS = ("BailingHybridForCausalLM",)                                # MLA + KDA + MoE (hybrid)
+TINY_QWEN3_NEXT = "Qwen3NextForCausalLM"   # hybrid: Gated DeltaNet + gated attention, MoE
+
+
+def tiny_qwen3_next_dict(**overrides: Any) -> dict[str, Any]:
+    """A four-layer Qwen3-Next: three Gated DeltaNet layers then one gated full-attention layer
+    (``full_attention_interval`` 4), 2 key / 4 value heads of 16 in the linear layers, conv width 4,
+    a dense first layer (``mlp_only_layers`` [0]) then MoE of 8 experts (top 2) with a shared
+    expert, rotary on a quarter of the head. Override any field (``layer_types`` included)."""
+    cfg: dict[str, Any] = dict(
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+        vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, full_attention_interval=4,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True,
+        partial_rotary_factor=0.25, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        attention_bias=False, bos_token_id=1, eos_token_id=2, initializer_range=0.1, torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    return cfg
 
 
 def tiny_deepseek_v3_dict(**overrides: Any) -> dict[str, Any]:
@@ -35,6 +57,26 @@ def tiny_deepseek_v3_dict(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
+def tiny_bailing_hybrid_dict(**overrides: Any) -> dict[str, Any]:
+    """A four-layer Ling (BailingHybrid): layer_group_size 2 gives KDA, MLA, KDA, MLA; one dense
+    layer first, then MoE layers of 8 experts (top 2, 2 groups keep 1) with one shared expert.
+    KDA: 4 heads of 16, conv width 4. Override any field."""
+    cfg: dict[str, Any] = dict(
+        architectures=["BailingHybridForCausalLM"], model_type="bailing_hybrid",
+        vocab_size=49152, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=4, layer_group_size=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        short_conv_kernel_size=4, kda_safe_gate=True, kda_lower_bound=-5.0, num_mtp_layers=0,
+        max_position_embeddings=4096, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        initializer_range=0.2, torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    return cfg
+
+
 def default_tokenizer_dir() -> Path:
     """The default model's tokenizer (from its GGUF), saved once under the tokenmill cache."""
     from tokenmill.loader.gguf import gguf_tokenizer_dir
@@ -45,8 +87,13 @@ def default_tokenizer_dir() -> Path:
 def tiny_config_dict(arch: str = "LlamaForCausalLM", **overrides: Any) -> dict[str, Any]:
     if arch in TINY_MOE_ARCHS:
         return tiny_deepseek_v3_dict(**overrides)
+    if arch in TINY_LING_ARCHS:
+        return tiny_bailing_hybrid_dict(**overrides)
+    if arch == TINY_QWEN3_NEXT:
+        return tiny_qwen3_next_dict(**overrides)
     if arch not in TINY_ARCHS:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS + TINY_MOE_ARCHS}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from "
+                         f"{TINY_ARCHS + TINY_MOE_ARCHS + TINY_LING_ARCHS + (TINY_QWEN3_NEXT,)}")
     cfg: dict[str, Any] = dict(
         architectures=[arch],
         vocab_size=49152,
@@ -97,10 +144,14 @@ def build_tiny_checkpoint(out_dir: str | Path, arch: str = "LlamaForCausalLM", s
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # HF starts it at zero; make it steer selection
                 buf.copy_(torch.randn(buf.shape) * 0.3)
-        if arch in TINY_MOE_ARCHS:  # attention_bias: HF starts biases at zero; make them count
+        if arch in TINY_MOE_ARCHS + TINY_LING_ARCHS:  # attention_bias: HF starts biases at zero; make them count
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
                     p.copy_(torch.randn(p.shape) * 0.1)
+        if arch == TINY_QWEN3_NEXT or arch in TINY_LING_ARCHS:  # HF starts norms at (1 + 0) and biases at 0; make them count
+            for name, p in model.named_parameters():
+                if name.endswith(("norm.weight", ".bias")):
+                    p.add_(torch.randn(p.shape) * 0.1)
     extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(out), safe_serialization=True, **extra)
     tok_dir = default_tokenizer_dir()

@@ -66,6 +66,10 @@ class DeepseekV3Args:
     tie_word_embeddings: bool = False
     num_mtp_layers: int = 0
     hidden_act: str = "silu"
+    # expert parallelism (models/tensor_parallel.py): this shard holds routed experts [lo, hi)
+    # only, and the shared experts' intermediate is this size; None: all experts, full size
+    expert_range: tuple[int, int] | None = None
+    shared_intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ModelLoadError:
@@ -102,6 +106,12 @@ class DeepseekV3Args:
                 raise bad("topk_group", "keeps fewer experts than num_experts_per_tok")
             if self.n_shared_experts < 0:
                 raise bad("n_shared_experts", "must be >= 0")
+            if self.expert_range is not None:
+                lo, hi = self.expert_range
+                if not 0 <= lo < hi <= self.n_routed_experts:
+                    raise bad("expert_range", f"must be a non-empty [lo, hi) within 0..{self.n_routed_experts}")
+            if self.shared_intermediate_size is not None and self.shared_intermediate_size <= 0:
+                raise bad("shared_intermediate_size", "must be positive")
         if self.num_mtp_layers < 0:
             raise bad("num_mtp_layers", "must be >= 0")
 
@@ -120,6 +130,18 @@ class DeepseekV3Args:
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense_replace
+
+    @property
+    def local_experts(self) -> tuple[int, int]:
+        """``[lo, hi)``: the routed experts this model (or expert-parallel shard) holds."""
+        return self.expert_range if self.expert_range is not None else (0, self.n_routed_experts)
+
+    @property
+    def shared_inter(self) -> int:
+        """Intermediate size of the shared experts held here (all of them fused in one MLP)."""
+        if self.shared_intermediate_size is not None:
+            return self.shared_intermediate_size
+        return self.moe_intermediate_size * self.n_shared_experts
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -148,6 +170,10 @@ class MLA(nn.Module):
         self.scale = a.softmax_scale
 
     def forward(self, x: torch.Tensor, cs: CosSin, kv_cache: Any, ctx: ForwardContext) -> torch.Tensor:
+        return F.linear(self.attend(x, cs, kv_cache, ctx), self.o_proj, self.o_bias)
+
+    def attend(self, x: torch.Tensor, cs: CosSin, kv_cache: Any, ctx: ForwardContext) -> torch.Tensor:
+        """Everything but the output projection: the heads' outputs ``[T, H * v_head_dim]``."""
         a, t = self.a, x.shape[0]
         if a.q_lora_rank is None:
             q = F.linear(x, self.q_proj)
@@ -163,8 +189,7 @@ class MLA(nn.Module):
         attn = ctx.attn
         if not isinstance(attn, MLAAttention):
             raise TypeError(f"DeepSeek-V3 needs the MLA attention backend, got {type(attn).__name__}")
-        o = attn.forward_mla(q_nope, q_rope, latent, k_rope, kv_cache, ctx.meta, self.scale, self.kv_b_proj)
-        return F.linear(o, self.o_proj, self.o_bias)
+        return attn.forward_mla(q_nope, q_rope, latent, k_rope, kv_cache, ctx.meta, self.scale, self.kv_b_proj)
 
 
 class DenseMLP(nn.Module):
@@ -184,11 +209,13 @@ class MoE(nn.Module):
         super().__init__()
         self.a = a
         e, h, f = a.n_routed_experts, a.hidden_size, a.moe_intermediate_size
-        self.gate = _param(e, h, dtype=dtype)
+        self.first_expert, hi = a.local_experts
+        self.partial = hi - self.first_expert < e   # an expert-parallel shard: some experts elsewhere
+        self.gate = _param(e, h, dtype=dtype)       # the router scores every expert, local or not
         self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
-        self.experts_gate_up = _param(e, 2 * f, h, dtype=dtype)
-        self.experts_down = _param(e, h, f, dtype=dtype)
-        self.shared = DenseMLP(h, f * a.n_shared_experts, dtype) if a.n_shared_experts else None
+        self.experts_gate_up = _param(hi - self.first_expert, 2 * f, h, dtype=dtype)
+        self.experts_down = _param(hi - self.first_expert, h, f, dtype=dtype)
+        self.shared = DenseMLP(h, a.shared_inter, dtype) if a.n_shared_experts else None
         self._experts: GroupedExperts | None = None
 
     def experts(self) -> GroupedExperts:
@@ -202,7 +229,10 @@ class MoE(nn.Module):
         weights, ids = route_sigmoid_grouped(
             x, self.gate, self.e_score_correction_bias, top_k=a.num_experts_per_tok, n_group=a.n_group,
             topk_group=a.topk_group, norm_topk_prob=a.norm_topk_prob, routed_scaling_factor=a.routed_scaling_factor)
-        out = self.experts()(x, weights, ids)
+        if self.partial:   # this shard's experts only: a partial sum, completed by an all-reduce
+            out = self.experts().local_sum(x, weights, ids, self.first_expert)
+        else:
+            out = self.experts()(x, weights, ids)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
@@ -290,12 +320,13 @@ class DeepseekV3ForCausalLM(CausalLM):
             m = p + "mlp."
             if a.is_moe_layer(i):
                 e, f = a.n_routed_experts, a.moe_intermediate_size
+                lo, hi = a.local_experts
                 out[m + "gate.weight"] = (e, h)
                 out[m + "gate.e_score_correction_bias"] = (e,)
-                out[m + "experts.gate_up_proj"] = (e, 2 * f, h)
-                out[m + "experts.down_proj"] = (e, h, f)
+                out[m + "experts.gate_up_proj"] = (hi - lo, 2 * f, h)
+                out[m + "experts.down_proj"] = (hi - lo, h, f)
                 if a.n_shared_experts:
-                    fs = f * a.n_shared_experts
+                    fs = a.shared_inter
                     out[m + "shared_experts.gate_proj.weight"] = (fs, h)
                     out[m + "shared_experts.up_proj.weight"] = (fs, h)
                     out[m + "shared_experts.down_proj.weight"] = (h, fs)
@@ -306,48 +337,11 @@ class DeepseekV3ForCausalLM(CausalLM):
         return out
 
     def _fuse_experts(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Checkpoints store one tensor per expert (``experts.{j}.gate_proj.weight``): stack them
-        into HF's fused ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]."""
-        out: dict[str, torch.Tensor] = {}
-        per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-        for name, t in weights.items():
-            m = _EXPERT.match(name)
-            if m:
-                per_expert.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
-            else:
-                out[name] = t
-        e = self.args.n_routed_experts
-        for prefix, experts in per_expert.items():
-            if prefix + ".gate_up_proj" in out:
-                raise ModelLoadError(f"checkpoint has both fused and per-expert weights for {prefix}")
-            missing = [f"{prefix}.{j}.{w}.weight" for j in range(e) for w in ("gate_proj", "up_proj", "down_proj")
-                       if w not in experts.get(j, {})]
-            extra = sorted(j for j in experts if not 0 <= j < e)
-            if extra:
-                raise ModelLoadError(f"checkpoint has expert {extra[0]} in {prefix}, but n_routed_experts={e}")
-            if missing:
-                raise ModelLoadError(f"checkpoint is missing tensor(s) {', '.join(missing[:5])}")
-            try:
-                out[prefix + ".gate_up_proj"] = torch.stack(
-                    [torch.cat((experts[j]["gate_proj"], experts[j]["up_proj"]), dim=0) for j in range(e)])
-                out[prefix + ".down_proj"] = torch.stack([experts[j]["down_proj"] for j in range(e)])
-            except RuntimeError as err:
-                raise ModelLoadError(f"expert weights of {prefix} have inconsistent shapes: {err}") from err
-        return out
+        return fuse_expert_weights(weights, self.args.n_routed_experts)
 
     def _split_mtp(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Take the MTP layers (``model.layers.{n}`` and up) out of ``weights`` into mtp_weights."""
-        n, k = self.args.num_layers, self.args.num_mtp_layers
-        main: dict[str, torch.Tensor] = {}
-        for name, t in weights.items():
-            m = re.match(r"^model\.layers\.(\d+)\.", name)
-            if m and int(m.group(1)) >= n:
-                if int(m.group(1)) >= n + k:
-                    raise ModelLoadError(f"checkpoint tensor {name} belongs to layer {m.group(1)}, beyond "
-                                         f"num_hidden_layers={n} + num_mtp_layers={k}")
-                self.mtp_weights[name] = t.to(self.dtype) if t.is_floating_point() else t
-            else:
-                main[name] = t
+        main, mtp = split_mtp_weights(weights, self.args.num_layers, self.args.num_mtp_layers, self.dtype)
+        self.mtp_weights.update(mtp)
         return main
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -449,3 +443,52 @@ class DeepseekV3ForCausalLM(CausalLM):
                 out[m + "up_proj.weight"] = mlp.gate_up_proj[fi:]
                 out[m + "down_proj.weight"] = mlp.down_proj
         return {k: v.detach() for k, v in out.items()}
+
+
+def fuse_expert_weights(weights: Mapping[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """Checkpoints store one tensor per expert (``experts.{j}.gate_proj.weight``): stack them into
+    HF's fused ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]."""
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in weights.items():
+        m = _EXPERT.match(name)
+        if m:
+            per_expert.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+        else:
+            out[name] = t
+    e = num_experts
+    for prefix, experts in per_expert.items():
+        if prefix + ".gate_up_proj" in out:
+            raise ModelLoadError(f"checkpoint has both fused and per-expert weights for {prefix}")
+        missing = [f"{prefix}.{j}.{w}.weight" for j in range(e) for w in ("gate_proj", "up_proj", "down_proj")
+                   if w not in experts.get(j, {})]
+        extra = sorted(j for j in experts if not 0 <= j < e)
+        if extra:
+            raise ModelLoadError(f"checkpoint has expert {extra[0]} in {prefix}, but the config has {e} experts")
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing tensor(s) {', '.join(missing[:5])}")
+        try:
+            out[prefix + ".gate_up_proj"] = torch.stack(
+                [torch.cat((experts[j]["gate_proj"], experts[j]["up_proj"]), dim=0) for j in range(e)])
+            out[prefix + ".down_proj"] = torch.stack([experts[j]["down_proj"] for j in range(e)])
+        except RuntimeError as err:
+            raise ModelLoadError(f"expert weights of {prefix} have inconsistent shapes: {err}") from err
+    return out
+
+
+def split_mtp_weights(weights: Mapping[str, torch.Tensor], num_layers: int, num_mtp_layers: int,
+                      dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(main, mtp)``: the MTP layers (``model.layers.{num_layers}`` and up) split from the rest;
+    a layer beyond ``num_layers + num_mtp_layers`` is refused."""
+    main: dict[str, torch.Tensor] = {}
+    mtp: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        m = re.match(r"^model\.layers\.(\d+)\.", name)
+        if m and int(m.group(1)) >= num_layers:
+            if int(m.group(1)) >= num_layers + num_mtp_layers:
+                raise ModelLoadError(f"checkpoint tensor {name} belongs to layer {m.group(1)}, beyond "
+                                     f"num_hidden_layers={num_layers} + num_mtp_layers={num_mtp_layers}")
+            mtp[name] = t.to(dtype) if t.is_floating_point() else t
+        else:
+            main[name] = t
+    return main, mtp

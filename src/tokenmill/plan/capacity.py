@@ -10,6 +10,9 @@ Sharding rules (one replica = ``tp`` devices; ``ep`` must divide ``tp``; ``dp`` 
 * MLA KV: the latent (``kv_lora_rank + qk_rope_head_dim`` elements) does **not** shard: every TP
   rank holds the full latent of every token.
 * linear attention: the recurrent state shards by head across TP; it is per request, not per token.
+  It is counted as the engine's state-pool slot (:class:`~tokenmill.contracts.kv.LinearState`:
+  recurrent ``[heads, key dim, value dim]`` + short-conv ``[channels, kernel - 1]``, both in
+  ``--state-dtype``, fp32 by default as the engine stores them; :func:`state_layer`).
 
 Because every TP rank holds a slice (or a copy) of every token's KV, a replica holds as many tokens
 as one device does: ``tokens = free bytes per device // KV bytes per token per device``.
@@ -27,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple
 
-from tokenmill.contracts.kv import KVCacheSpec, LatentKV, LayerKV, PagedKV, kv_storage_dtype
+from tokenmill.contracts.kv import KVCacheSpec, LatentKV, LayerKV, LinearState, PagedKV, kv_storage_dtype
 from tokenmill.plan.hardware import HardwareSpec, PlanError
 from tokenmill.plan.models import WEIGHT_GROUPS, ModelSpec, param_groups
 
@@ -180,6 +183,19 @@ def kv_cache_spec(spec: ModelSpec, dep: Deployment) -> KVCacheSpec | None:
     return KVCacheSpec(layers, kv_storage_dtype(dep.kv_dtype)) if layers else None
 
 
+def state_layer(spec: ModelSpec, dep: Deployment) -> LinearState | None:
+    """One device's share of one linear-attention layer's state slot, as the engine declares it
+    (:class:`~tokenmill.contracts.kv.LinearState`; None: no linear layers). With the default
+    ``--state-dtype fp32`` its ``bytes_per_request()`` times the linear layers is exactly the
+    state-pool slot the engine allocates per request."""
+    la = spec.linear
+    if la is None or not spec.num_linear_layers:
+        return None
+    conv = la.conv_channels // dep.tp if la.conv_kernel > 1 else 1
+    return LinearState(max(la.num_value_heads // dep.tp, 1), la.key_head_dim, la.value_head_dim, conv,
+                       max(la.conv_kernel, 1))
+
+
 def _per_layer(elements: str, scales: str) -> str:
     return f"({elements}{scales})" if scales else elements
 
@@ -214,16 +230,15 @@ def kv_bytes(spec: ModelSpec, dep: Deployment) -> KVResult:
     else:
         all_dev = 0
     state = 0
-    if nl and spec.linear is not None:
+    layer = state_layer(spec, dep)
+    if nl and layer is not None and spec.linear is not None:
         la = spec.linear
-        heads_dev = la.num_value_heads // tp
-        state = heads_dev * la.key_head_dim * la.value_head_dim * sb * nl
-        formula = (f"{la.num_value_heads} heads / tp {tp} = {heads_dev} x {la.key_head_dim} x "
+        # The engine's state-pool slot of one linear layer (LinearState), in --state-dtype.
+        state = (layer.state_elements() + layer.conv_elements()) * sb * nl
+        formula = (f"{la.num_value_heads} heads / tp {tp} = {layer.num_heads} x {la.key_head_dim} x "
                    f"{la.value_head_dim} x {sb} B ({dep.state_dtype}) x {nl} layers")
         if la.conv_kernel > 1:
-            conv = (la.conv_kernel - 1) * (la.conv_channels // tp) * 2 * nl
-            state += conv
-            formula += f" + conv state ({la.conv_kernel} - 1) x {la.conv_channels // tp} ch x 2 B x {nl}"
+            formula += (f" + conv state ({la.conv_kernel} - 1) x {layer.conv_dim} ch x {sb} B x {nl}")
         steps.append(Step("state.per_request_per_device", "linear-attention state per request per device",
                           state, "B", formula + "; constant in context length"))
     return KVResult(per_tok, all_dev, state, tuple(steps), kv_spec)

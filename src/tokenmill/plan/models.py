@@ -304,6 +304,14 @@ def parse_config(cfg: Mapping[str, Any], name: str, source: str = "config.json",
                 key_head_dim=int(_first(cfg, "linear_key_head_dim", default=head_dim)),
                 value_head_dim=int(_first(cfg, "linear_value_head_dim", default=head_dim)),
                 conv_kernel=int(_first(cfg, "linear_conv_kernel_dim", default=0)))
+        elif cfg.get("linear_head_dim") or cfg.get("short_conv_kernel_size"):
+            # BailingHybrid as HF saves it (KDA): linear_num_heads states of linear_head_dim^2 and a
+            # short conv over q, k and v (its "head_dim" is then the MLA rope dim, not the KDA one)
+            lh = int(_first(cfg, "linear_num_heads", default=heads))
+            ld = int(_first(cfg, "linear_head_dim", default=head_dim))
+            linear = LinearAttnSpec(lh, lh, ld, ld,
+                                    conv_kernel=int(_first(cfg, "linear_conv_kernel_dim", "short_conv_kernel_size",
+                                                           default=0)))
         else:  # Lightning / GLA (Bailing): one head_dim x head_dim state per attention head
             linear = LinearAttnSpec(heads, heads, head_dim, head_dim)
 
@@ -311,7 +319,7 @@ def parse_config(cfg: Mapping[str, Any], name: str, source: str = "config.json",
     moe = None
     mlp = ["dense"] * n_layers
     if n_experts:
-        top_k = int(_first(cfg, "num_experts_per_tok", "moe_topk", "top_k", default=0))
+        top_k = int(_first(cfg, "num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", default=0))
         expert_inter = int(_first(cfg, "moe_intermediate_size", default=inter))
         n_shared = int(_first(cfg, "n_shared_experts", "num_shared_experts", default=0))
         shared_inter = int(_first(cfg, "moe_shared_expert_intermediate_size", default=expert_inter))
@@ -322,8 +330,11 @@ def parse_config(cfg: Mapping[str, Any], name: str, source: str = "config.json",
         freq = int(_first(cfg, "moe_layer_freq", default=1)) or 1
         step = int(_first(cfg, "decoder_sparse_step", default=1)) or 1
         dense_only = set(cfg.get("mlp_only_layers") or [])
+        listed = cfg.get("mlp_layer_types")   # BailingHybrid as HF saves it: "dense" / "sparse" per layer
         for i in range(n_layers):
-            if i >= first_dense and i % freq == 0 and (i + 1) % step == 0 and i not in dense_only:
+            if listed and len(listed) == n_layers:
+                mlp[i] = "moe" if listed[i] == "sparse" else "dense"
+            elif i >= first_dense and i % freq == 0 and (i + 1) % step == 0 and i not in dense_only:
                 mlp[i] = "moe"
     return ModelSpec(name=name, source=source, hidden_size=h, vocab_size=vocab,
                      tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),

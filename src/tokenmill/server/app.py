@@ -190,6 +190,11 @@ def build_app(state: ServerState) -> FastAPI:
             "kv_pages_in_use": s.kv_pages_in_use,
             "kv_cache_dtype": s.kv_cache_dtype, "kv_bytes_per_token": s.kv_bytes_per_token,
             "kv_capacity_tokens": s.kv_capacity_tokens,
+            # hybrid models' state pool (zeros for attention-only models): request slots
+            "state_pool_usage": s.state_pool_usage, "state_slots_total": s.state_slots_total,
+            "state_slots_free": s.state_slots_free, "state_snapshot_slots": s.state_snapshot_slots,
+            "state_snapshots_cached": s.state_snapshots_cached,
+            "state_bytes_per_request": s.state_bytes_per_request,
             "cached_tokens": s.cached_tokens_total,
             "prompt_tokens": s.prompt_tokens_total, "generation_tokens": s.generation_tokens_total,
         })

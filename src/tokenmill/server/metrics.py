@@ -150,6 +150,18 @@ class _EngineCollector:
         yield family(g, "kv_cache_capacity_tokens", "Tokens the KV-cache pool holds.", stats.kv_capacity_tokens)
         yield family(g, "kv_cache_bytes_per_token", "KV bytes per token over all layers (fp8 scales included).",
                      stats.kv_bytes_per_token)
+        if getattr(stats, "state_slots_total", 0):   # hybrid models: the state pool beside the pages
+            yield family(g, "state_pool_usage_perc", "Fraction of state-pool request slots in use (1 = full).",
+                         stats.state_pool_usage)
+            yield family(g, "state_slots_total", "State-pool request slots (one per running request).",
+                         stats.state_slots_total)
+            yield family(g, "state_slots_free", "State-pool request slots free.", stats.state_slots_free)
+            yield family(g, "state_snapshot_slots", "State-pool slots for prefix-cache state snapshots.",
+                         stats.state_snapshot_slots)
+            yield family(g, "state_snapshots_cached", "Snapshot slots holding a prefix-cache state snapshot.",
+                         stats.state_snapshots_cached)
+            yield family(g, "state_bytes_per_request", "State-pool bytes of one request slot (all linear layers).",
+                         stats.state_bytes_per_request)
         queries = stats.prompt_tokens_total if self.m.prefix_cache_enabled else 0
         yield family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
         yield family(c, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.cached_tokens_total)

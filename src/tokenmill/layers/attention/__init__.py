@@ -15,7 +15,7 @@ import torch
 
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec, LatentKV
-from tokenmill.layers.attention.base import AttentionBackend, ForwardContext
+from tokenmill.layers.attention.base import AttentionBackend, ForwardContext, attention_kinds
 from tokenmill.layers.attention.fp8 import FP8Pages, fp8_supported
 from tokenmill.layers.attention.mla import MLAAttention
 from tokenmill.layers.attention.torch_ref import AttentionMetadata, PrefillSegment, TorchPagedAttention
@@ -45,7 +45,7 @@ def select_attention_backend(spec: KVCacheSpec, device: torch.device | str = "cp
             return native.NativePagedAttention(spec, device, compute_dtype)
         if name == "native":
             raise ValueError(f"the native attention backend cannot run here: {reason}")
-    if any(isinstance(layer, LatentKV) for layer in spec.layers):
+    if any(isinstance(layer, LatentKV) for layer in attention_kinds(spec)):
         return MLAAttention(spec, device, compute_dtype)
     return TorchPagedAttention(spec, device, compute_dtype)
 

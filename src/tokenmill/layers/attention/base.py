@@ -20,7 +20,18 @@ from typing import Any, Sequence
 import torch
 
 from tokenmill.contracts.batch import ForwardBatch
-from tokenmill.contracts.kv import KVCacheSpec
+from tokenmill.contracts.kv import KVCacheSpec, LinearState
+
+
+def attention_kinds(spec: KVCacheSpec) -> set[Any]:
+    """The distinct KV entries of the spec's attention layers (a hybrid model's LinearState
+    layers keep their state in the state pool, not in pages, and are left out)."""
+    return {layer for layer in spec.layers if not isinstance(layer, LinearState)}
+
+
+def per_layer(spec: KVCacheSpec, make: Any) -> list[Any]:
+    """``make()`` for every attention layer and ``None`` for every LinearState layer, in order."""
+    return [None if isinstance(layer, LinearState) else make() for layer in spec.layers]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -41,7 +52,8 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def allocate(self, num_pages: int, page_size: int) -> list[Any]:
-        """One zeroed KV entry per layer of the spec, on the backend's device."""
+        """One zeroed KV entry per layer of the spec, on the backend's device (``None`` for a
+        hybrid model's LinearState layers, whose state lives in the state pool)."""
 
     @abc.abstractmethod
     def build_metadata(self, batch: ForwardBatch) -> Any:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec, LatentKV
-from tokenmill.layers.attention.base import AttentionBackend
+from tokenmill.layers.attention.base import AttentionBackend, attention_kinds, per_layer
 from tokenmill.layers.attention.fp8 import FP8Pages, allocate_fp8, dequantize, write_fp8
 from tokenmill.layers.attention.torch_ref import AttentionMetadata, PrefillSegment, TorchPagedAttention
 
@@ -38,9 +38,12 @@ LatentPages = torch.Tensor | FP8Pages
 
 
 def check_latent_spec(spec: KVCacheSpec) -> LatentKV:
-    kinds = set(spec.layers)
+    """The one LatentKV shape of every attention layer (a hybrid model's LinearState layers are
+    ignored: their state lives in the state pool)."""
+    kinds = attention_kinds(spec)
     if len(kinds) != 1 or not isinstance(next(iter(kinds)), LatentKV):
-        raise ValueError(f"the MLA backend needs the same LatentKV entry in every layer, got {sorted(map(repr, kinds))}")
+        raise ValueError(f"the MLA backend needs the same LatentKV entry in every attention layer, got "
+                         f"{sorted(map(repr, kinds))}")
     return next(iter(kinds))
 
 
@@ -60,8 +63,8 @@ class MLAAttention(AttentionBackend):
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         shape = (num_pages, page_size, self.layer.elements_per_token())
         if self.spec.is_fp8:
-            return [allocate_fp8(shape, self.device) for _ in self.spec.layers]
-        return [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.spec.layers]
+            return per_layer(self.spec, lambda: allocate_fp8(shape, self.device))
+        return per_layer(self.spec, lambda: torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
 
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
         return TorchPagedAttention.build_metadata(self, batch)  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ from torch.profiler import record_function
 from tokenmill._native import attention as kernel
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec, PagedKV
+from tokenmill.layers.attention.base import attention_kinds
 from tokenmill.layers.attention.torch_ref import TorchPagedAttention
 
 
@@ -29,7 +30,7 @@ def unsupported_reason(spec: KVCacheSpec, device: torch.device, compute_dtype: t
         return kernel.unavailable_reason()
     if device.type != "cpu":
         return f"it runs on the CPU only, not {device}"
-    if not all(isinstance(layer, PagedKV) for layer in spec.layers):
+    if not all(isinstance(layer, PagedKV) for layer in attention_kinds(spec)):
         return "it handles standard attention layers (PagedKV) only"
     if compute_dtype != torch.float32 or spec.dtype not in ("float32", "bfloat16"):
         return f"it needs float32 activations and a float32 or bfloat16 KV pool (got {compute_dtype}, KV {spec.dtype})"

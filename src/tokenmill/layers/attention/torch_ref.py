@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.contracts.batch import ForwardBatch
-from tokenmill.contracts.kv import PagedKV
-from tokenmill.layers.attention.base import AttentionBackend
+from tokenmill.contracts.kv import KVCacheSpec, PagedKV
+from tokenmill.layers.attention.base import AttentionBackend, attention_kinds, per_layer
 from tokenmill.layers.attention.fp8 import FP8Pages, allocate_fp8, dequantize, write_fp8
 
 
@@ -52,11 +52,13 @@ class AttentionMetadata(NamedTuple):
     prefill: list[PrefillSegment]
 
 
-def check_paged_spec(spec_layers) -> PagedKV:
-    """The one PagedKV shape shared by every layer (these backends need a uniform layout)."""
-    kinds = set(spec_layers)
+def check_paged_spec(spec: KVCacheSpec) -> PagedKV:
+    """The one PagedKV shape shared by every attention layer (these backends need a uniform
+    layout; a hybrid model's LinearState layers are not theirs and are ignored)."""
+    kinds = attention_kinds(spec)
     if len(kinds) != 1 or not isinstance(next(iter(kinds)), PagedKV):
-        raise ValueError(f"this attention backend needs the same PagedKV entry in every layer, got {sorted(map(repr, kinds))}")
+        raise ValueError(f"this attention backend needs the same PagedKV entry in every attention layer, got "
+                         f"{sorted(map(repr, kinds))}")
     return next(iter(kinds))
 
 
@@ -69,11 +71,11 @@ class TorchPagedAttention(AttentionBackend):
         """One zeroed tensor per layer, ``[2, num_pages, page_size, num_kv_heads, head_dim]``."""
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
-        layer = check_paged_spec(self.spec.layers)
+        layer = check_paged_spec(self.spec)
         shape = (2, num_pages, page_size, layer.num_kv_heads, layer.head_dim)
         if self.spec.is_fp8:
-            return [allocate_fp8(shape, self.device) for _ in self.spec.layers]  # type: ignore[misc]
-        return [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.spec.layers]
+            return per_layer(self.spec, lambda: allocate_fp8(shape, self.device))
+        return per_layer(self.spec, lambda: torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
 
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
         dtype = self.compute_dtype
