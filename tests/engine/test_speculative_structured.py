@@ -240,3 +240,30 @@ def test_default_model_json_agent_turn_identical_valid_and_accepting(smollm) -> 
         jsonschema.validate(json.loads(out.text), AGENT_SCHEMA)
         st = llm.engine.stats().spec
         assert st.mean_acceptance_length > 1.5, (method, st)   # the answer copies the prompt's JSON
+
+
+def test_tensor_parallel_constrained_requests_decode_plainly_beside_drafting_ones(tmp_path) -> None:
+    """With tensor parallelism rank 0 gets one grammar-mask row per request, so constrained
+    requests do not draft there; unconstrained ones in the same batch still do, and both give
+    the tokens of one rank without speculation."""
+    from tokenmill.loader import load_model
+    from tokenmill.loader.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "gqa", seed=1)
+    loaded = load_model(str(path))
+    kw = dict(kv_cache_tokens=1024, page_size=16, max_batch_tokens=64, num_threads=1, decode_slowdown=None)
+    prompts = random_prompts([12, 20], seed=26) * 2
+    params = [SamplingParams(max_tokens=20, temperature=0.0, structured=StructuredOutputs("regex", REGEX))] * 2 \
+        + [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 2
+    ref = LLM(str(path), loaded=loaded, **kw).generate(prompts, params)
+    with LLM(str(path), loaded=loaded, tensor_parallel_size=2, speculative_method="ngram",
+             speculative_adaptive=False, **kw) as two:
+        two.engine.spec.proposer = GrammarAwareDrafter(
+            {tuple(p): list(o.token_ids) + [5] * 8 for p, o in zip(prompts, ref)}, loaded.model.args.vocab_size,
+            wrong=0.25, forbidden=0.0)
+        got = two.generate(prompts, params)
+        st = two.engine.stats().spec
+        assert st.accepted > 0 and st.proposed > st.accepted
+    assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in ref]
+    for out in got[:2]:
+        assert re.fullmatch(REGEX, out.text), out.text

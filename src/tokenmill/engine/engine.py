@@ -277,7 +277,10 @@ class Engine:
                                        num_speculative_tokens=cfg.num_speculative_tokens,
                                        max_model_len=self.max_model_len,
                                        adaptive=cfg.speculative_adaptive,
-                                       max_draft_tokens=cfg.speculative_max_draft_tokens)
+                                       max_draft_tokens=cfg.speculative_max_draft_tokens,
+                                       # with tensor parallelism rank 0 gets one grammar-mask row per
+                                       # request (engine/parallel.py), so constrained requests do not draft
+                                       constrained=cfg.tensor_parallel_size == 1)
         self.runner.capture_layers = frozenset(proposer.capture_layers)
         log.info("speculative decoding: %s, up to %d draft tokens per step", proposer.name,
                  cfg.num_speculative_tokens)

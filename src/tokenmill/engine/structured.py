@@ -194,6 +194,10 @@ class GrammarState:
         self.rollback(n)
         return n + 1 if rejected and keep_rejected else n
 
+    def fill_draft_masks(self, drafts: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
+        """Rows ``row .. row + len(drafts)`` of ``bitmask``: see :func:`fill_draft_masks`."""
+        fill_draft_masks(self, drafts, bitmask, row)
+
     def rollback(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self.num_accepted:
             raise ValueError(f"cannot roll back {num_tokens} tokens, {self.num_accepted} were accepted")
@@ -236,7 +240,7 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Request],
         if counts[i] == 1:
             g.fill_mask(bitmask, at)
         else:
-            fill_draft_masks(g, drafts[i], bitmask, at)   # type: ignore[index]
+            g.fill_draft_masks(drafts[i], bitmask, at)   # type: ignore[index]
         at += counts[i]
     if len(rows) == logits.shape[0]:
         xgr.apply_token_bitmask_inplace(logits, bitmask)

@@ -82,13 +82,17 @@ def make_proposer(config: EngineConfig, target: object = None) -> Proposer:
 
 class SpeculativeDecoder:
     def __init__(self, proposer: Proposer, scheduler: Scheduler, *, num_speculative_tokens: int,
-                 max_model_len: int, adaptive: bool = True, max_draft_tokens: int = 64) -> None:
+                 max_model_len: int, adaptive: bool = True, max_draft_tokens: int = 64,
+                 constrained: bool = True) -> None:
+        """``constrained``: requests with a grammar draft too (their drafts cut by the grammar,
+        their rows masked per draft position); False leaves them to plain decoding."""
         self.proposer = proposer
         self.scheduler = scheduler
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.adaptive = adaptive
         self.max_draft_tokens = max_draft_tokens
+        self.constrained = constrained
         self.stats = SpecStats(proposer.name, num_speculative_tokens)
         # decode-only step time as a line in its tokens (fed by the engine), and the proposer's
         # own time per step (observe + propose): the costs stage 2 of adaptive k weighs
@@ -154,7 +158,7 @@ class SpeculativeDecoder:
             if req.num_uncomputed_tokens != 1:
                 continue
             num_decode += 1
-            if not req.params.speculative:
+            if not req.params.speculative or (req.grammar is not None and not self.constrained):
                 continue
             k = self._draft_len(req)
             # never draft past max_tokens or the context limit (the step emits up to k + 1)
