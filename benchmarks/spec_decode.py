@@ -103,6 +103,7 @@ def run_tokenmill(loaded, configs: dict[str, dict], prompts: list[list[int]], ma
     for r in range(rounds):
         order = labels if r % 2 == 0 else labels[::-1]
         for i, p in enumerate(prompts[:single]):
+            _single(loaded, p, max_tokens, {})   # unmeasured: whoever runs a prompt first pays its warm-up
             for label in order:
                 ids, secs, steps = _single(loaded, p, max_tokens, configs[label])
                 a = acc[label]

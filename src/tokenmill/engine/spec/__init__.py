@@ -19,7 +19,8 @@ Adaptive ``k`` (``speculative_adaptive``), in two stages:
    that copy the context come in runs: once one holds, the next usually does too). Draft
    position ``j`` (1-based) is reached and accepted with probability about ``f * c**(j-1)``;
    the request may draft ``j`` tokens while that is ``>= MIN_GAIN``, capped at ``k``. Below
-   ``f = MIN_GAIN`` it stops drafting and tries a one-token draft after ``PROBE_EVERY`` steps
+   ``f = MIN_GAIN`` (a learned drafter may set the starting ``f`` from its measured held-out
+   acceptance, :attr:`Proposer.first_rate_prior`) it stops drafting and tries a one-token draft after ``PROBE_EVERY`` steps
    so it can recover; each probe that fails doubles the wait (up to ``MAX_PROBE_EVERY``), so a
    proposer that keeps missing costs almost nothing.
 2. *Against the measured cost:* the decoder fits the time of decode-only steps as a line in
@@ -160,6 +161,10 @@ class SpeculativeDecoder:
             num_decode += 1
             if not req.params.speculative or (req.grammar is not None and not self.constrained):
                 continue
+            if not req.spec_seen:
+                req.spec_seen = True
+                if self.proposer.first_rate_prior is not None:
+                    req.spec_first_rate = self.proposer.first_rate_prior
             k = self._draft_len(req)
             # never draft past max_tokens or the context limit (the step emits up to k + 1)
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1,
