@@ -88,6 +88,7 @@ class GrammarAwareDrafter(Proposer):
 def _llm(lm, **kw) -> LLM:
     kw.setdefault("kv_cache_tokens", 4096)
     kw.setdefault("debug_checks", True)
+    kw.setdefault("decode_slowdown", None)   # the step plan (and so the draft counts) must not depend on timing
     return LLM(loaded=lm, **kw)
 
 
