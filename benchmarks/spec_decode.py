@@ -8,12 +8,15 @@ Two workloads on SmolLM2-135M-Instruct, greedy:
   standard-library functions chosen with a seed the drafter's training traces did not use;
 * prose: free writing on topics absent from the training prompts.
 
-Per configuration and workload: single-stream decode tok/s ((tokens - 1) / (last - first token
-time), each of the first ``--single`` prompts alone, mean), acceptance length (output tokens per decode step),
-and total output tok/s with the prompts at concurrency 4. tokenmill runs in-process (offline
-engine); vLLM through its OpenAI server (streaming), started by ``benchmarks/peers.py``.
+Per configuration and workload: single-stream decode tok/s (each of the first ``--single``
+prompts alone on a fresh engine; all decode tokens after the first / their time), acceptance
+length (output tokens per decode step), and total output tok/s with the prompts at concurrency
+4. The configurations run interleaved (prompt by prompt, ``--rounds`` rounds, every other one in
+reverse order) so that the machine's changing load hits them alike. tokenmill runs in-process
+(offline engine, ``OMP_NUM_THREADS`` threads); vLLM through its OpenAI server (streaming, 2
+threads), started by ``benchmarks/peers.py``.
 
-    python benchmarks/spec_decode.py [--max-tokens 112] [--prompts 4] [--no-vllm]
+    python benchmarks/spec_decode.py [--max-tokens 112] [--prompts 4] [--rounds 2] [--no-vllm]
 """
 from __future__ import annotations
 
@@ -50,45 +53,73 @@ def workloads(n: int, tokenizer) -> dict[str, list[list[int]]]:
     return {"agent": agent, "prose": prose}
 
 
-def run_tokenmill(loaded, prompts: list[list[int]], max_tokens: int, single: int, **spec) -> dict:
+def _single(loaded, prompt: list[int], max_tokens: int, spec: dict) -> tuple[list[int], float, int]:
+    """One prompt alone on a fresh engine (so the suffix index knows nothing of earlier runs):
+    (output ids, seconds from the first to the last token, decode steps after the first)."""
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(loaded=loaded, kv_cache_tokens=16384, **spec)
     eng = llm.engine
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    rates, tokens, steps, outs = [], 0, 0, []
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    for i, p in enumerate(prompts[:single]):
-        eng.flush_cache()
-        eng.add_request(f"s{i}", p, params)
-        first = last = None
-        n_steps = 0
-        final = None
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                now = time.perf_counter()
-                if first is None:
-                    first = now
-                else:
-                    n_steps += 1
-                last = now
-                if o.finished:
-                    final = o
-        n = len(final.token_ids)
-        outs.append(list(final.token_ids))
-        if n > 1 and last > first:
-            rates.append((n - 1) / (last - first))
-            tokens += n - 1
-            steps += n_steps
-    # concurrency 4 on a fresh engine: the suffix index must not know these answers already
+    llm.generate([prompt[:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    eng.flush_cache()
+    eng.add_request("s", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    first = last = None
+    n_steps = 0
+    final = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            else:
+                n_steps += 1
+            last = now
+            if o.finished:
+                final = o
+    return list(final.token_ids), last - first, n_steps
+
+
+def _concurrent(loaded, prompts: list[list[int]], max_tokens: int, spec: dict) -> tuple[int, float]:
+    """All prompts at once on a fresh engine: (output tokens, wall seconds incl. prefill)."""
+    from tokenmill import LLM, SamplingParams
+
     llm = LLM(loaded=loaded, kv_cache_tokens=16384, **spec)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))
     llm.engine.flush_cache()
     t0 = time.perf_counter()
-    batch = llm.generate(prompts, params)
-    wall = time.perf_counter() - t0
-    return {"decode_tok_s": statistics.mean(rates), "acceptance_length": tokens / steps if steps else None,
-            "total_tok_s_c4": sum(len(o.token_ids) for o in batch) / wall, "outputs": outs}
+    batch = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return sum(len(o.token_ids) for o in batch), time.perf_counter() - t0
+
+
+def run_tokenmill(loaded, configs: dict[str, dict], prompts: list[list[int]], max_tokens: int, single: int,
+                  rounds: int) -> dict[str, dict]:
+    """Every configuration on the same prompts, interleaved: each round runs prompt 1 under every
+    configuration, then prompt 2, ... (odd rounds in reverse configuration order), so a change of
+    the machine's load hits all configurations alike. Decode tok/s = all single-stream decode
+    tokens / their time; c4 = the prompts at once, once per round, tokens / wall time."""
+    labels = list(configs)
+    acc = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "c4_tokens": 0, "c4_seconds": 0.0, "outputs": []}
+           for k in labels}
+    for r in range(rounds):
+        order = labels if r % 2 == 0 else labels[::-1]
+        for i, p in enumerate(prompts[:single]):
+            _single(loaded, p, max_tokens, {})   # unmeasured: whoever runs a prompt first pays its warm-up
+            for label in order:
+                ids, secs, steps = _single(loaded, p, max_tokens, configs[label])
+                a = acc[label]
+                a["tokens"] += len(ids) - 1
+                a["seconds"] += secs
+                a["steps"] += steps
+                if r == 0:
+                    a["outputs"].append(ids)
+        for label in order:
+            n, secs = _concurrent(loaded, prompts, max_tokens, configs[label])
+            acc[label]["c4_tokens"] += n
+            acc[label]["c4_seconds"] += secs
+    return {k: {"decode_tok_s": a["tokens"] / a["seconds"],
+                "acceptance_length": a["tokens"] / a["steps"] if a["steps"] else None,
+                "total_tok_s_c4": a["c4_tokens"] / a["c4_seconds"], "outputs": a["outputs"]}
+            for k, a in acc.items()}
 
 
 def run_vllm(prompts: dict[str, list[list[int]]], max_tokens: int, spec: dict | None, single: int) -> dict:
@@ -164,6 +195,10 @@ def main() -> int:
     ap.add_argument("--single", type=int, default=3, help="of which run single-stream")
     ap.add_argument("--base-drafter", default=str(ROOT / "drafters" / "smollm2-135m-dflash-base"))
     ap.add_argument("--drafter", default=str(ROOT / "drafters" / "smollm2-135m-dflash"))
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all configurations")
+    ap.add_argument("--workloads", default="agent,prose", help="comma-separated subset of agent,prose")
+    ap.add_argument("--num-speculative-tokens", type=int, default=None, help="k for every method (default: engine's)")
+    ap.add_argument("--quantization", default="auto", help="tokenmill weights: auto (the GGUF's Q4_1) or none (fp32)")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--configs", default=None, help="comma-separated subset of none,ngram,suffix,dflash-base,dflash-ft")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -174,23 +209,29 @@ def main() -> int:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     print(f"load average at start: {open('/proc/loadavg').read().strip()}")
-    loaded = load_model("smollm2-135m-instruct")
-    prompts = workloads(args.prompts, loaded.tokenizer)
+    loaded = load_model("smollm2-135m-instruct", quantization=args.quantization)
+    print(f"tokenmill weights: {args.quantization}, {torch.get_num_threads()} thread(s)")
+    prompts = {w: ps for w, ps in workloads(args.prompts, loaded.tokenizer).items()
+               if w in args.workloads.split(",")}
     configs = {"none": {}, "ngram": {"speculative_method": "ngram"}, "suffix": {"speculative_method": "suffix"}}
     for label, path in (("dflash-base", args.base_drafter), ("dflash-ft", args.drafter)):
         if Path(path, "config.json").is_file():
             configs[label] = {"speculative_method": "dflash", "speculative_model": path}
+    if args.num_speculative_tokens:
+        for spec in configs.values():
+            if spec:
+                spec["num_speculative_tokens"] = args.num_speculative_tokens
     if args.configs:
         keep = set(args.configs.split(",")) | {"none"}
         configs = {k: v for k, v in configs.items() if k in keep}
-    results: dict[str, dict] = {}
-    for label, spec in configs.items():
-        results[label] = {}
-        for wname, ps in prompts.items():
-            r = run_tokenmill(loaded, ps, args.max_tokens, args.single, **spec)
+    results: dict[str, dict] = {label: {} for label in configs}
+    for wname, ps in prompts.items():
+        per = run_tokenmill(loaded, configs, ps, args.max_tokens, args.single, args.rounds)
+        for label, r in per.items():
             results[label][wname] = r
             print(f"{label:12s} {wname:6s} decode {r['decode_tok_s']:6.1f} tok/s  acceptance "
                   f"{r['acceptance_length'] or 1:5.2f}  c4 total {r['total_tok_s_c4']:6.1f} tok/s", flush=True)
+        print(f"load average after {wname}: {open('/proc/loadavg').read().strip()}", flush=True)
     ref = {w: results["none"][w]["outputs"] for w in prompts}
     for label in results:
         same = all(results[label][w]["outputs"] == ref[w] for w in prompts)

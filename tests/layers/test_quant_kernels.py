@@ -191,3 +191,20 @@ def test_prefill_gemm_reuses_one_scratch_buffer_without_stale_weights():
             torch.testing.assert_close(m(x), x @ m.dequantize().t(), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(packed.fp32_gemm(x, mats[0].dequantize()), x @ mats[0].dequantize().t(),
                                rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("n,k,group", [(7, 100, 32), (33, 576, 64), (6, 544, 32), (2, 1000, 32), (64, 1536, 128),
+                                       (9, 96, 64), (5, 45, 32)])
+def test_a_row_gives_the_same_result_alone_or_with_others(kernel, n, k, group):
+    """Up to GEMV_MAX_ROWS rows (a decode with speculative drafts, a small batch), every row's
+    result equals that row computed alone up to float summation order: the one-row kernel
+    reduces eight blocks at a time, the multi-row kernel shares each decoded weight block
+    between up to four rows and sums block by block (docs/quantization.md)."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    for name, method in _methods(w, group).items():
+        for m in (2, 3, 4, 5, 8, 9, GEMV_MAX_ROWS):
+            x = torch.randn(m, k, generator=gen) * 2
+            together = method(x)
+            alone = torch.cat([method(x[i:i + 1]) for i in range(m)])
+            torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-4, msg=lambda e: f"{name} rows={m}: {e}")

@@ -292,7 +292,10 @@ class Engine:
                                        num_speculative_tokens=cfg.num_speculative_tokens,
                                        max_model_len=self.max_model_len,
                                        adaptive=cfg.speculative_adaptive,
-                                       max_draft_tokens=cfg.speculative_max_draft_tokens)
+                                       max_draft_tokens=cfg.speculative_max_draft_tokens,
+                                       # with tensor parallelism rank 0 gets one grammar-mask row per
+                                       # request (engine/parallel.py), so constrained requests do not draft
+                                       constrained=cfg.tensor_parallel_size == 1)
         self.runner.capture_layers = frozenset(proposer.capture_layers)
         log.info("speculative decoding: %s, up to %d draft tokens per step", proposer.name,
                  cfg.num_speculative_tokens)
@@ -384,8 +387,11 @@ class Engine:
             return expired + failed
         t0 = time.perf_counter()
         result = self.runner.execute(out)
+        seconds = time.perf_counter() - t0
         if self.step_cost is not None:
-            self.step_cost.observe(out.num_tokens, time.perf_counter() - t0)
+            self.step_cost.observe(out.num_tokens, seconds)
+        if self.spec is not None:
+            self.spec.observe_step(out, seconds)
         self.scheduler.post_step(out)
         outputs = failed + [self._process_sampled(s) for s in result.sampled]
         if self.spec is not None:

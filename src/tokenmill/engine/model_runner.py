@@ -16,10 +16,10 @@ tokens. Logits are computed only for those rows, except that a request carrying 
 drafts gets logits for its last token and every draft (``k + 1`` rows), which
 :func:`~tokenmill.layers.speculative.verify` checks; it then emits 1 to ``k + 1`` tokens.
 When the engine sets ``capture_layers`` (a learned drafter), the target's hidden states after
-those layers come back with the step (:class:`StepResult`), at no extra pass.
-tokens. Logits are computed only for those rows, plus the prompt rows of
-requests that ask for prompt logprobs (engine/prompt_logprobs.py). Rows of constrained requests
-are masked by their grammar before sampling (engine/structured.py).
+those layers come back with the step (:class:`StepResult`), at no extra pass. Requests that
+ask for prompt logprobs also get their prompt rows (engine/prompt_logprobs.py). Rows of
+constrained requests are masked by their grammar before sampling or verification; a draft row
+with the grammar advanced through the drafts before it (engine/structured.py).
 """
 from __future__ import annotations
 
@@ -61,12 +61,6 @@ class StepResult(NamedTuple):
     # hidden states of ``capture_layers`` for every token of the step, [T, hidden] per layer
     captured: dict[int, torch.Tensor]
     query_start: list[int]   # row of each scheduled request's first token (scheduling order)
-
-
-class _NoGrammar:
-    """Stands for a draft row in the grammar-mask row list (drafts are never constrained)."""
-
-    grammar = None
 
 
 log = logging.getLogger(__name__)
@@ -277,10 +271,8 @@ class ModelRunner:
 
     def _verify(self, logits: torch.Tensor, samplers: list[Request], drafts: dict) -> list[SampledTokens]:
         draft_ids = [drafts[r].draft_token_ids if r in drafts else () for r in samplers]
-        if any(r.grammar is not None for r in samplers):   # constrained rows carry no drafts
-            unconstrained = _NoGrammar()
-            row_reqs = [x for r, d in zip(samplers, draft_ids) for x in [r] + [unconstrained] * len(d)]
-            logits = apply_grammar_masks(logits, row_reqs)
+        # row j of a constrained request: the mask of its grammar advanced through drafts[:j]
+        logits = apply_grammar_masks(logits, samplers, draft_ids)
         probs = []
         for r, d in zip(samplers, draft_ids):
             q = r.spec_probs if d else None

@@ -87,8 +87,12 @@ class Request:
     # distribution ([len(drafts), vocab] tensor) when the proposer has one
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: Any = None
-    spec_accept_rate: float = 0.5     # moving average of the per-draft acceptance (adaptive k)
+    spec_accept_rate: float = 0.5     # moving average of the share of drafts accepted
+    spec_first_rate: float = 0.5      # moving average: the first draft of a step is accepted (adaptive k)
+    spec_seen: bool = False           # the speculative decoder has set this request's starting estimates
+    spec_continue_rate: float = 0.7   # moving average: a draft is accepted after an accepted one
     spec_steps_off: int = 0           # steps since the adaptive rule last let this request draft
+    spec_probe_every: int = 8         # steps between probes while its drafts are poor (doubles per failure)
     num_draft_tokens: int = 0         # drafts verified for this request so far
     num_accepted_draft_tokens: int = 0
     # Hook for constrained decoding: called with (request, drafts), returns the prefix of the

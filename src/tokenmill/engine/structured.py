@@ -14,7 +14,10 @@ Grammar engine: xgrammar (pinned in pyproject; see docs/server.md for why). Thre
   ``rollback`` test a sequence of tokens and undo it, which is what checking speculative drafts
   against the grammar needs.
 * :func:`apply_grammar_masks` is the hook the model runner calls between the forward pass and the
-  sampler: rows of constrained requests get disallowed tokens set to ``-inf``.
+  sampler: rows of constrained requests get disallowed tokens set to ``-inf``. With speculative
+  drafts a request has ``k + 1`` rows, and row ``j`` gets the mask of the grammar advanced through
+  the first ``j`` drafts (:func:`fill_draft_masks`: advance, fill, then roll back), so verification
+  sees exactly the distributions the plain sampler would see one token at a time.
 """
 from __future__ import annotations
 
@@ -168,6 +171,33 @@ class GrammarState:
             n += 1
         return n
 
+    def draft_prefix(self, token_ids: Sequence[int], *, keep_rejected: bool = False) -> int:
+        """How many leading drafts of ``token_ids`` to verify: those the grammar allows from
+        here, stopping after one that terminates it (nothing may follow a stop token). The state
+        is unchanged.
+
+        ``keep_rejected``: also keep the first draft the grammar rejects. Drafts that come with
+        a distribution ``q`` need it: their masked row gives it probability 0, so verification
+        rejects it and draws from the residual ``max(0, p - q)``, which is what keeps the
+        output distributed as ``p``; cutting it would draw from ``p`` instead and bias the
+        output towards the tokens ``q`` favours. (A point-mass draft loses nothing by the cut:
+        both ways the row's token is drawn from ``p``.)"""
+        n = 0
+        rejected = False
+        for t in token_ids:
+            if self.is_terminated:
+                break
+            if not self.accept(t):
+                rejected = True
+                break
+            n += 1
+        self.rollback(n)
+        return n + 1 if rejected and keep_rejected else n
+
+    def fill_draft_masks(self, drafts: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
+        """Rows ``row .. row + len(drafts)`` of ``bitmask``: see :func:`fill_draft_masks`."""
+        fill_draft_masks(self, drafts, bitmask, row)
+
     def rollback(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self.num_accepted:
             raise ValueError(f"cannot roll back {num_tokens} tokens, {self.num_accepted} were accepted")
@@ -181,17 +211,37 @@ class GrammarState:
         return bool(self._m.is_terminated())
 
 
-def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Mask, in place, the rows of ``logits`` ([B, vocab], row i is ``requests[i]``) whose request
-    carries a grammar: tokens the grammar does not allow next become ``-inf``."""
-    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-    if not rows:
+def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Request],
+                        drafts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """Mask, in place, the rows of ``logits`` of requests that carry a grammar: tokens the
+    grammar does not allow next become ``-inf``.
+
+    Without ``drafts`` row ``i`` is ``requests[i]``. With ``drafts`` (speculative verification)
+    request ``i`` owns ``1 + len(drafts[i])`` consecutive rows, and row ``j`` of them is masked
+    with the grammar advanced through ``drafts[i][:j]`` (see :func:`fill_draft_masks`)."""
+    counts = [1] * len(requests) if drafts is None else [1 + len(d) for d in drafts]
+    starts: list[int] = []
+    n = 0
+    for c in counts:
+        starts.append(n)
+        n += c
+    if n != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows of logits for {n} rows of {len(requests)} requests")
+    constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not constrained:
         return logits
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
-    for j, i in enumerate(rows):
-        requests[i].grammar.fill_mask(bitmask, j)
+    rows = [starts[i] + j for i in constrained for j in range(counts[i])]
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])   # all allowed
+    at = 0
+    for i in constrained:
+        g = requests[i].grammar
+        if counts[i] == 1:
+            g.fill_mask(bitmask, at)
+        else:
+            g.fill_draft_masks(drafts[i], bitmask, at)   # type: ignore[index]
+        at += counts[i]
     if len(rows) == logits.shape[0]:
         xgr.apply_token_bitmask_inplace(logits, bitmask)
     else:
@@ -199,6 +249,27 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Request]) -> to
         xgr.apply_token_bitmask_inplace(sub, bitmask)
         logits[rows] = sub
     return logits
+
+
+def fill_draft_masks(state: GrammarState, drafts: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
+    """Rows ``row .. row + len(drafts)`` of ``bitmask``: the tokens allowed before each draft
+    and after the last one, i.e. row ``row + j`` is the mask of ``state`` advanced through
+    ``drafts[:j]``. The state is walked forward and rolled back, so it is unchanged afterwards.
+
+    Drafts are checked against the grammar when they are proposed (:meth:`GrammarState.draft_prefix`),
+    so each one is accepted here; should one not be, the rows after it are left all-allowed: its
+    own row forbids it, so verification rejects it (or an earlier draft) and never reads them.
+    Rows after a draft that terminates the grammar (a stop token) stay all-allowed too: the
+    request ends at that token."""
+    walked = 0
+    for j in range(len(drafts) + 1):
+        if state.is_terminated:
+            break
+        state.fill_mask(bitmask, row + j)
+        if j == len(drafts) or not state.accept(drafts[j]):
+            break
+        walked += 1
+    state.rollback(walked)
 
 
 class GrammarWaitRoom:

@@ -35,6 +35,9 @@ class Proposer(abc.ABC):
     name: str = "abstract"
     # target layers whose hidden states the proposer reads (-1: the embedding output)
     capture_layers: frozenset[int] = frozenset()
+    # what adaptive k assumes at first about how often a request's first draft is accepted
+    # (None: the engine's default); a drafter with a measured acceptance length sets it
+    first_rate_prior: float | None = None
 
     @abc.abstractmethod
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[Draft]:

@@ -22,12 +22,16 @@ if TYPE_CHECKING:
 
 
 class _Context:
-    """Fused features of positions ``[end - len(feats), end)`` of one request."""
+    """Features of positions ``[end - len(feats) - rows(raw), end)`` of one request: ``feats``
+    fused, then ``raw`` (captured target hidden states not fused yet; they are fused when the
+    request next drafts, so a step on which it does not draft costs only a list append)."""
 
-    __slots__ = ("feats", "end")
+    __slots__ = ("feats", "raw", "raw_rows", "end")
 
     def __init__(self, hidden: int, dtype: torch.dtype) -> None:
         self.feats = torch.empty(0, hidden, dtype=dtype)
+        self.raw: list[torch.Tensor] = []
+        self.raw_rows = 0
         self.end = 0
 
 
@@ -44,6 +48,12 @@ class DFlashProposer(Proposer):
         self.lm_head = lm_head
         self.dtype = next(drafter.parameters()).dtype
         self._ctx: dict[str, _Context] = {}
+        # the held-out acceptance length L its training measured (block drafts, greedy) gives
+        # adaptive k its starting estimate: L - 1 accepted drafts per step at a continuation rate
+        # c of about 0.7 means a first-draft rate f of about (L - 1) * (1 - c)
+        held_out = self.config.training.get("heldout_acceptance_after") if self.config.training else None
+        if isinstance(held_out, (int, float)) and held_out >= 1.0:
+            self.first_rate_prior = min(1.0, (float(held_out) - 1.0) * 0.3)
 
     @classmethod
     def load(cls, path: str, target: Any) -> DFlashProposer:
@@ -59,12 +69,29 @@ class DFlashProposer(Proposer):
         st = self._ctx.get(request.request_id)
         if st is None:
             st = self._ctx[request.request_id] = _Context(self.config.hidden_size, self.dtype)
+        window = self.config.context_window
+        n = hidden.shape[0]
         if start != st.end:   # recomputed from an earlier position (preemption), or a gap
+            self._fuse(st)
             begin = st.end - st.feats.shape[0]
             st.feats = st.feats[: start - begin] if begin <= start < st.end else st.feats[:0]
-        fused = self.drafter.fuse(hidden.to(self.dtype))
-        st.feats = torch.cat([st.feats, fused])[-self.config.context_window:]
-        st.end = start + hidden.shape[0]
+        if n > window:
+            hidden = hidden[-window:]
+        if hidden.untyped_storage().nbytes() > 4 * hidden.nbytes:   # a slice of a big step: keep a copy
+            hidden = hidden.clone()
+        st.raw.append(hidden)
+        st.raw_rows += hidden.shape[0]
+        while st.raw_rows - st.raw[0].shape[0] >= window:   # older raw rows fall out of the window
+            st.raw_rows -= st.raw.pop(0).shape[0]
+        if st.raw_rows >= window:
+            st.feats = st.feats[:0]
+        st.end = start + n
+
+    def _fuse(self, st: _Context) -> None:
+        if st.raw:
+            fused = self.drafter.fuse(torch.cat(st.raw).to(self.dtype))
+            st.feats = torch.cat([st.feats, fused])[-self.config.context_window:]
+            st.raw, st.raw_rows = [], 0
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[Draft]:
@@ -73,11 +100,14 @@ class DFlashProposer(Proposer):
         for i, req in enumerate(requests):
             st = self._ctx.get(req.request_id)
             # the context must end right before the last (verified, uncomputed) token
-            if num_tokens[i] > 0 and st is not None and st.end == req.num_tokens - 1 and st.feats.shape[0]:
+            if num_tokens[i] > 0 and st is not None and st.end == req.num_tokens - 1 and (st.feats.shape[0]
+                                                                                        or st.raw_rows):
                 rows.append(i)
         drafts = [Draft([]) for _ in requests]
         if not rows:
             return drafts
+        for i in rows:
+            self._fuse(self._ctx[requests[i].request_id])
         w = max(self._ctx[requests[i].request_id].feats.shape[0] for i in rows)
         ctx = torch.zeros(len(rows), w, c.hidden_size, dtype=self.dtype)
         valid = torch.zeros(len(rows), w, dtype=torch.bool)
@@ -95,7 +125,8 @@ class DFlashProposer(Proposer):
         if isinstance(head, torch.Tensor):
             logits = torch.matmul(h.to(head.dtype), head.t())
         else:   # the target's linear method (quantized or dense): its own matmul
-            logits = head(h.reshape(-1, h.shape[-1]).to(head.dtype)).reshape(*h.shape[:-1], -1)
+            dt = getattr(head, "dtype", torch.float32)   # dense: its weight dtype; packed kernels: fp32 in
+            logits = head(h.reshape(-1, h.shape[-1]).to(dt)).reshape(*h.shape[:-1], -1)
         best = logits.argmax(dim=-1).tolist()
         for j, i in enumerate(rows):
             drafts[i] = Draft(best[j][: num_tokens[i]])

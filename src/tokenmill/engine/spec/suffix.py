@@ -5,8 +5,9 @@ Two indexes of the same kind, a *suffix trie of bounded depth*: every window of 
 node counts how often its path occurred. From a node, the most frequent child is the most
 likely continuation and ``child.count / node.count`` estimates its probability.
 
-* a per-request trie over the request's prompt + output, extended by the new tokens each step
-  (``O(max_depth)`` dictionary steps per token) and dropped when the request leaves;
+* a per-request trie over the request's prompt + output except its last token (whose windows
+  have no continuation yet), extended by the new tokens each step (``O(max_depth)`` dictionary
+  steps per token) and dropped when the request leaves;
 * a global trie over the outputs of recently finished requests, holding at most
   ``max_global_tokens`` tokens; the oldest output is removed (its counts decremented, empty
   nodes deleted) when a new one would exceed the bound, so memory stays bounded.
@@ -175,7 +176,9 @@ class SuffixProposer(Proposer):
         if entry is None:
             entry = self._local[req.request_id] = (SuffixTrie(self.max_depth), [0])
         trie, done = entry
-        n = len(req.all_token_ids)
+        # all but the last token: a window ending at the last token has no continuation yet, and
+        # indexing it would make the context's own end its longest "match", with nothing to draft
+        n = len(req.all_token_ids) - 1
         if n > done[0]:
             trie.extend(req.all_token_ids[done[0]:n])
             done[0] = n

@@ -1,0 +1,63 @@
+"""The adaptive draft length weighs what drafts are expected to gain against what they cost: the
+fitted step-cost line (time per verify row) and the proposer's own time."""
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.request import Request
+
+
+@pytest.fixture()
+def decoder(tiny_llama):
+    lm, _ = tiny_llama
+    spec = LLM(loaded=lm, kv_cache_tokens=1024, speculative_method="ngram", num_speculative_tokens=4).engine.spec
+    spec._steps = 1   # not a probe step
+    return spec
+
+
+def _feed(decoder, t0: float, t1: float) -> None:
+    """Decode-only steps of 1..5 tokens taking exactly t0 + t1 * tokens."""
+    for _ in range(4):
+        for n in (1, 2, 3, 5):
+            decoder.cost.observe(n, t0 + t1 * n)
+
+
+def _req(first: float, cont: float, rid: str = "r") -> Request:
+    req = Request(rid, [1, 2, 3], SamplingParams(max_tokens=16))
+    req.spec_first_rate, req.spec_continue_rate = first, cont
+    return req
+
+
+def test_rows_go_out_while_each_raises_tokens_per_second(decoder) -> None:
+    _feed(decoder, 0.005, 0.005)   # a verify row costs half a one-token step
+    # gains 0.9, 0.81, 0.73, 0.66: the fourth costs more than it brings
+    assert decoder._worth_drafting([_req(0.9, 0.9)], [4], 1) == [3]
+    # a poor draft does not pay for its row: nothing is drafted
+    assert decoder._worth_drafting([_req(0.2, 0.5)], [4], 1) == [0]
+    assert decoder.steps_off == 1
+    # of two requests, the likely one drafts, and less than alone: the step already yields two
+    # tokens, so a row must bring more to raise the rate
+    assert decoder._worth_drafting([_req(0.9, 0.9, "a"), _req(0.2, 0.5, "b")], [4, 4], 2) == [2, 0]
+
+
+def test_free_rows_draft_everything_and_a_slow_proposer_is_switched_off(decoder) -> None:
+    _feed(decoder, 0.010, 0.0)     # weight-bound: extra rows cost nothing measurable
+    assert decoder._worth_drafting([_req(0.3, 0.5)], [4], 1) == [4]
+    decoder.propose_seconds = 0.050   # five steps: more than the ~3.1 tokens its drafts are expected to add
+    assert decoder._worth_drafting([_req(0.9, 0.9)], [4], 1) == [0]
+    decoder._steps = 32              # but a short probe goes out now and then
+    assert decoder._worth_drafting([_req(0.9, 0.9)], [4], 1) == [1]
+
+
+def test_without_a_cost_line_the_per_request_rule_decides(decoder) -> None:
+    assert decoder.cost.fit() is None
+    assert decoder._worth_drafting([_req(0.2, 0.5)], [3], 1) == [3]
+    req = _req(0.5, 0.7)
+    assert decoder._draft_len(req) == 4                 # 0.5 * 0.7**3 = 0.17 >= 0.15
+    req.spec_first_rate, req.spec_continue_rate = 0.5, 0.3
+    assert decoder._draft_len(req) == 2                 # 0.5 * 0.3 = 0.15, 0.5 * 0.09 < 0.15
+    req.spec_first_rate = 0.1                           # below the floor: off, probes back off
+    assert [decoder._draft_len(req) for _ in range(8)] == [0] * 7 + [1]
+    assert req.spec_probe_every == 16
+    assert [decoder._draft_len(req) for _ in range(16)] == [0] * 15 + [1]
