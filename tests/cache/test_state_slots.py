@@ -9,7 +9,7 @@ from tokenmill.cache.radix import RadixCache
 from tokenmill.cache.state_slots import StateSlotPool
 from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.kv_manager import KVManager
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
 
 P = 4

@@ -51,10 +51,11 @@ def test_chunked_prefill_of_seven(tiny_model, oracle) -> None:
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == oracle
 
 
-def test_preemption_keeps_outputs(tiny_model, oracle) -> None:
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_preemption_keeps_outputs(tiny_model, oracle, prefix_cache: bool) -> None:
     lm, _ = tiny_model(ARCH)
     # 5 pages of 16 tokens: the longest request alone needs all 5, so requests must be preempted.
-    llm = LLM(loaded=lm, kv_cache_tokens=80, enable_prefix_cache=False, debug_checks=True)
+    llm = LLM(loaded=lm, kv_cache_tokens=80, enable_prefix_cache=prefix_cache, debug_checks=True)
     outs = llm.generate(PROMPTS, GREEDY)
     assert llm.engine.num_preemptions > 0
     assert [o.token_ids for o in outs] == oracle
@@ -69,3 +70,17 @@ def test_few_state_slots_queue_requests_without_changing_outputs(tiny_model, ora
     assert llm.engine.kv.slots.num_request_slots == 2
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == oracle
     assert llm.engine.kv.slots.num_free() == 2
+
+
+def test_prefix_cache_hits_match_hf(tiny_model, oracle) -> None:
+    """Prefix caching on (state snapshots): the first pass, prefilled in chunks of 7, equals HF; then
+    two follow-up turns (prompt + output + 5 new tokens) start from their cached prefixes (the
+    attention pages plus the linear layers' state restored from the snapshot at the last page
+    boundary the first turn computed) and still equal HF."""
+    lm, ref = tiny_model(ARCH)
+    llm = LLM(loaded=lm, kv_cache_tokens=2048, max_batch_tokens=7, debug_checks=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == oracle
+    turns = [PROMPTS[i] + oracle[i] + random_prompts([5], seed=60 + i)[0] for i in (3, 0)]
+    again = llm.generate(turns, GREEDY)
+    assert [o.token_ids for o in again] == [hf_greedy(ref, t, GREEDY.max_tokens) for t in turns]
+    assert [o.cached_tokens for o in again] == [64, 32]   # 64 + 9 and 37 + 9 computed, pages of 16

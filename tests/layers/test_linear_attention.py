@@ -259,3 +259,16 @@ def test_step_needs_slots_and_pool() -> None:
     batch.state_slots = None
     with pytest.raises(ValueError, match="state_slots"):
         gated_delta_step(q, k, v, g, beta, _ctx(batch, _pool()), 0)
+
+
+@pytest.mark.parametrize("strength", [0.02, 5.0, 60.0], ids=["weak", "kda", "extreme"])
+def test_chunked_per_channel_any_decay_strength(strength: float) -> None:
+    """Weak decay (whole 64-blocks factorised), KDA's range (blocks halved) and extreme decay
+    (short blocks with every pairwise difference exponentiated) all equal the recurrence."""
+    q, k, v, _, beta = _inputs(130, True, seed=17)
+    g = -strength * torch.sigmoid(torch.randn(130, H, DK, generator=torch.Generator().manual_seed(18)))
+    ref_out, ref_state = _recurrent_all(q, k, v, g, beta, _state())
+    out, s = chunk_gated_delta_rule(q, k, v, g, beta, _state(), use_l2norm=True)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0)
+    torch.testing.assert_close(s, ref_state, atol=TOL, rtol=0)

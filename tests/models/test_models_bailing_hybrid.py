@@ -152,7 +152,8 @@ def test_checkpoint_names_and_mtp_layers(tmp_path, pairs):
                                           ("tie_word_embeddings", True), ("num_expert_group", 3),
                                           ("layer_types", ["linear_attention", "sliding_attention"] * 2),
                                           ("mlp_layer_types", ["dense", "moe", "dense", "dense"]),
-                                          ("quantization_config", {"quant_method": "fp8"})])
+                                          ("quantization_config", {"quant_method": "fp8"}),
+                                          ("partial_rotary_factor", 0.5)])
 def test_unsupported_config_values_are_refused_naming_the_field(tmp_path, field, value):
     path = build_tiny_checkpoint(tmp_path / field, ARCH, seed=0)
     cfg = json.loads((path / "config.json").read_text())

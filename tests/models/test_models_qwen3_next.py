@@ -110,6 +110,7 @@ def _edit_config(path, **changes):
 @pytest.mark.parametrize("changes, field", [
     (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]), "layer_types"),
     (dict(layer_types=["linear_attention"] * 4), "layer_types"),
+    (dict(layer_types=["linear_attention", "full_attention"]), "layer_types"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
     (dict(linear_num_value_heads=3), "linear_num_value_heads"),

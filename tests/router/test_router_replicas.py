@@ -73,6 +73,9 @@ def test_finished_requests_come_off_the_last_load_report():
 
 def test_load_reports_from_v1_loads_and_prometheus_text():
     assert parse_loads_json({"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.5, "model": "m"}) == (2, 1, 0.5)
+    # a hybrid model's replica: the fuller of its KV pages and its state slots
+    assert parse_loads_json({"num_running": 4, "num_waiting": 3, "kv_cache_usage": 0.1, "state_pool_usage": 1.0}) == (4, 3, 1.0)
+    assert parse_loads_json({"num_running": 1, "num_waiting": 0, "kv_cache_usage": 0.6, "state_pool_usage": 0.25}) == (1, 0, 0.6)
     assert parse_loads_json([{"num_running": 1, "num_waiting": 0, "kv_cache_usage": 0.2},
                              {"num_running": 3, "num_waiting": 2, "kv_cache_usage": 0.4}]) == (4, 2, pytest.approx(0.3))
     assert parse_loads_json({"status": "ok"}) is None

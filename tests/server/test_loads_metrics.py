@@ -116,13 +116,14 @@ def test_disconnect_mid_stream_frees_pages(server, http: httpx.Client) -> None:
     with httpx.Client(base_url=server.base_url, timeout=60) as own:
         with own.stream("POST", "/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200
-            seen = 0
-            for line in resp.iter_lines():
-                if line.startswith("data: ") and '"content"' in line:
-                    seen += 1
-                if seen >= 4:
-                    break
+            # the line iterator stays open while loads are read: closing it (a break out of the
+            # loop) can drop the connection, and the server would abort before the read
+            lines, seen = resp.iter_lines(), 0
+            while seen < 4:
+                line = next(lines)
+                seen += line.startswith("data: ") and '"content"' in line
             busy = loads(http)
+            lines.close()
             assert busy["num_running"] == 1 and busy["kv_pages_free"] < idle["kv_pages_free"]
     # the client is gone: the request must be aborted (it would run for 900 tokens otherwise)
     after = wait_until_idle(http, timeout=30)

@@ -29,40 +29,47 @@ def _idle(http: httpx.Client, timeout: float = 60.0) -> dict:
 
 
 def test_serve_qwen3_next_reports_both_pools_and_frees_them_on_disconnect(tmp_path) -> None:
-    ckpt = build_tiny_checkpoint(tmp_path / "q3n", "Qwen3NextForCausalLM", seed=0)
-    argv = ["serve", "--model", str(ckpt), "--served-model-name", "tiny-q3n", "--kv-cache-tokens", "2048",
+    ckpt = build_tiny_checkpoint(tmp_path / "q3n", "Qwen3NextForCausalLM", seed=0,
+                                 max_position_embeddings=65536)
+    argv = ["serve", "--model", str(ckpt), "--served-model-name", "tiny-q3n", "--kv-cache-tokens", "32768",
             "--max-running-requests", "3", "--state-snapshot-memory", str(2 * SLOT_BYTES / 2**30),
-            "--max-model-len", "1024", "--debug-checks"]
+            "--max-model-len", "32768", "--debug-checks"]
     with ServiceProcess(argv, log_path=tmp_path / "server.log") as proc, \
             httpx.Client(base_url=proc.base_url, timeout=60) as http:
         idle = _idle(http)
         assert (idle["state_slots_total"], idle["state_slots_free"], idle["state_snapshot_slots"]) == (3, 3, 2)
         assert idle["state_bytes_per_request"] == SLOT_BYTES and idle["state_pool_usage"] == 0.0
-        body = {"model": "tiny-q3n", "prompt": "hybrid " * 30, "max_tokens": 900, "stream": True,
+        body = {"model": "tiny-q3n", "prompt": "hybrid " * 30, "max_tokens": 32000, "stream": True,
                 "ignore_eos": True}
+        # a long request (32k tokens: many seconds even for this tiny model), so that it still runs
+        # while /v1/loads and /metrics are read
         with httpx.Client(base_url=proc.base_url, timeout=60) as own:
             with own.stream("POST", "/v1/completions", json=body) as resp:
                 assert resp.status_code == 200
-                seen = 0
-                for line in resp.iter_lines():
-                    seen += line.startswith("data: ")
-                    if seen >= 4:
-                        break
+                # read 4 events without closing the line iterator (closing it drops the
+                # connection, and the server would abort the request before the reads below)
+                lines, seen = resp.iter_lines(), 0
+                while seen < 4:
+                    seen += next(lines).startswith("data: ")
                 busy = http.get("/v1/loads").json()
                 metrics = http.get("/metrics").text
+                lines.close()
         assert busy["num_running"] == 1 and busy["state_slots_free"] == 2
         assert busy["state_pool_usage"] == 1 / 3 and busy["kv_pages_free"] < idle["kv_pages_free"]
-        assert re.search(r'^tokenmill:state_pool_usage_perc\{model_name="tiny-q3n"\} 0\.333', metrics, re.M)
+        state_lines = [line for line in metrics.splitlines() if line.startswith(("tokenmill:state_", "tokenmill:num_", "tokenmill:kv_cache_usage", "tokenmill:generation", "tokenmill:request_success"))]
+        assert re.search(r'^tokenmill:state_pool_usage_perc\{model_name="tiny-q3n"\} 0\.333', metrics, re.M), \
+            state_lines
         assert re.search(r'^tokenmill:state_slots_total\{model_name="tiny-q3n"\} 3\.0$', metrics, re.M)
-        assert re.search(r'^tokenmill:kv_cache_usage_perc\{model_name="tiny-q3n"\} 0\.0\d', metrics, re.M)
+        kv_usage = re.search(r'^tokenmill:kv_cache_usage_perc\{model_name="tiny-q3n"\} (\S+)$', metrics, re.M)
+        assert kv_usage and 0 < float(kv_usage.group(1)) < 1
         after = _idle(http, timeout=30)   # the client went away: aborted, slot and pages back
         assert after["state_slots_free"] == 3 and after["state_pool_usage"] == 0.0
         assert after["kv_pages_free"] + after["kv_pages_cached"] == after["kv_pages_total"]
-        assert after["generation_tokens"] < 900
+        assert after["generation_tokens"] < 32000
         log = proc.log_tail(100_000)
     assert re.search(r"state pool: 3 linear-attention layers, (\d+) B/request .* 3 request slots .* \+ 2 snapshot "
                      r"slots = 5 slots", log), log[-2000:]
-    assert re.search(r"KV cache: float32, 256 B/token .* = 2048 tokens", log), log[-2000:]
+    assert re.search(r"KV cache: float32, 256 B/token .* = 32768 tokens", log), log[-2000:]
     plan = subprocess.run([sys.executable, "-c", CLI, "plan", "--model", str(ckpt / "config.json"), "--hardware",
                            "h100", "--json"], capture_output=True, text=True, check=True)
     data = json.loads(plan.stdout)

@@ -22,8 +22,11 @@ Two forms, equal up to fp32 rounding:
       o         = scale * ((q * exp(G)) S0 + P u), P[t, s] = sum_d q_t[d] k_s[d] exp(G_t[d] - G_s[d])      (s <= t)
       S_end     = exp(G_last) * S0 + (k * exp(G_last - G))^T u
 
-  Only differences ``G_t - G_s`` with ``t >= s`` are exponentiated, so nothing overflows however
-  strong the decay. The Python loop runs over blocks, never over positions.
+  With per-channel decay, ``exp(G_t - G_s)`` is computed as ``exp(G_t) * exp(-G_s)`` (so ``A`` and
+  ``P`` are plain matmuls) while the block's cumulative decay stays within fp32's normal range
+  (``-80 <= G <= 0``); a block with more decay is halved, and below 8 positions each difference
+  ``G_t - G_s`` (``t >= s``) is exponentiated on its own, so nothing overflows however strong the
+  decay. The Python loop runs over blocks, never over positions.
 * :func:`recurrent_gated_delta_rule`: one token for each of B sequences, states ``[B, H, Dk, Dv]``.
 
 Short causal conv (:func:`causal_conv1d_varlen`): depthwise, width K, over a varlen batch of
@@ -44,6 +47,12 @@ import torch
 import torch.nn.functional as F
 
 L2NORM_EPS = 1e-6
+# Per-channel decay: a block whose cumulative log-decay stays within [-_MAX_LOG_DECAY, 0] is
+# computed with exp(G_t) and exp(-G_s) as separate factors (plain matmuls; e^80 and e^-80 are
+# normal fp32 numbers); a block with more decay is halved, down to _MIN_SPLIT positions, below
+# which every pairwise difference is exponentiated.
+_MAX_LOG_DECAY = 80.0
+_MIN_SPLIT = 8
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -57,6 +66,10 @@ def _prepare_qk(q: torch.Tensor, k: torch.Tensor, use_l2norm: bool,
     if use_l2norm:
         q, k = l2norm(q), l2norm(k)
     return q * (q.shape[-1] ** -0.5 if scale is None else scale), k
+
+
+def _factorizable(cum: torch.Tensor) -> bool:
+    return bool(cum.max() <= 0) and bool(cum.min() >= -_MAX_LOG_DECAY)
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
@@ -112,20 +125,32 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     s = (torch.zeros(h, dk, dv, dtype=torch.float32, device=v.device) if initial_state is None
          else initial_state.float().clone())
     out = torch.empty(h, t, dv, dtype=torch.float32, device=v.device)
-    for c0 in range(0, t, chunk_size):
-        c1 = min(t, c0 + chunk_size)
+    blocks = [(c0, min(t, c0 + chunk_size)) for c0 in range(0, t, chunk_size)][::-1]
+    while blocks:
+        c0, c1 = blocks.pop()
         n = c1 - c0
         qc, kc, vc, bc = q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1]
         cum = g[:, c0:c1].cumsum(dim=1)                       # [H, n] or [H, n, Dk]
         causal = torch.ones(n, n, dtype=torch.bool, device=v.device).tril()
+        last = cum[:, -1]                                      # [H] or [H, Dk]
         if per_channel:
-            diff = (cum[:, :, None, :] - cum[:, None, :, :]).masked_fill(~causal[None, :, :, None], float("-inf"))
-            pair = diff.exp()                                  # [H, n, n, Dk]
-            kk = torch.einsum("htd,hsd,htsd->hts", kc, kc, pair)
-            qk = torch.einsum("htd,hsd,htsd->hts", qc, kc, pair)
-            k_read = kc * cum.exp()
-            q_read = qc * cum.exp()
-            last = cum[:, -1]                                  # [H, Dk]
+            if n > _MIN_SPLIT and not _factorizable(cum):
+                mid = c0 + n // 2                               # too much decay inside: halve the block
+                blocks += [(mid, c1), (c0, mid)]
+                continue
+            eg = cum.exp()
+            if _factorizable(cum):
+                # exp(G_t - G_s) = exp(G_t) * exp(-G_s): two matmuls, exact while neither factor
+                # leaves fp32's normal range (checked above)
+                k_inv = kc * (-cum).exp()
+                kk = (kc * eg) @ k_inv.transpose(1, 2)
+                qk = ((qc * eg) @ k_inv.transpose(1, 2)).masked_fill(~causal, 0.0)
+            else:  # a short block with extreme decay: exponentiate each difference
+                diff = (cum[:, :, None, :] - cum[:, None, :, :]).masked_fill(~causal[None, :, :, None], float("-inf"))
+                pair = diff.exp()                              # [H, n, n, Dk]
+                kk = torch.einsum("htd,hsd,htsd->hts", kc, kc, pair)
+                qk = torch.einsum("htd,hsd,htsd->hts", qc, kc, pair)
+            k_read, q_read = kc * eg, qc * eg
             k_write = kc * (last[:, None, :] - cum).exp()
             s_decay = last.exp()[:, :, None]
         else:
@@ -134,7 +159,6 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             qk = (qc @ kc.transpose(1, 2)) * pair
             k_read = kc * cum.exp()[..., None]
             q_read = qc * cum.exp()[..., None]
-            last = cum[:, -1]                                  # [H]
             k_write = kc * (last[:, None] - cum).exp()[..., None]
             s_decay = last.exp()[:, None, None]
         system = (bc[..., None] * kk).tril(-1) + torch.eye(n, dtype=torch.float32, device=v.device)
@@ -170,26 +194,28 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         state = torch.zeros(b, c, kw - 1, dtype=torch.float32, device=x.device)
     if tuple(state.shape) != (b, c, kw - 1):
         raise ValueError(f"conv state must be [B={b}, C={c}, K-1={kw - 1}], got {tuple(state.shape)}")
-    xf = x.float()
-    # Extended buffer: for each sequence its K-1 state inputs then its own inputs, [T + B(K-1), C].
-    pieces, window_rows, tail_rows = [], [], []
-    offset = 0
-    for i in range(b):
-        n = qsl[i + 1] - qsl[i]
-        pieces.append(state[i].float().transpose(0, 1))
-        pieces.append(xf[qsl[i]:qsl[i + 1]])
-        window_rows.append(torch.arange(offset, offset + n, device=x.device))
-        tail_rows.append(torch.arange(offset + n, offset + n + kw - 1, device=x.device))
-        offset += n + kw - 1
-    ext = torch.cat(pieces, dim=0)
-    taps = torch.arange(kw, device=x.device)
-    idx = torch.cat(window_rows)[:, None] + taps[None, :]          # [T, K]
+    t, dev, w1 = x.shape[0], x.device, kw - 1
+    if b == 0:
+        return ConvOutput(x.new_empty(0, c), state)
+    # Extended buffer [T + B(K-1), C], built without a loop over sequences: sequence i's K-1 state
+    # inputs at rows qsl[i] + i(K-1) .., then its tokens; token r's window (its K inputs, oldest
+    # first) starts at row r + i(K-1).
+    lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(b)], device=dev)
+    seq_of = torch.repeat_interleave(torch.arange(b, device=dev), lens)                  # [T]
+    rows = torch.arange(t, device=dev) + seq_of * w1                                    # window start
+    seq_start = torch.tensor(qsl[:-1], device=dev) + torch.arange(b, device=dev) * w1   # [B]
+    taps = torch.arange(w1, device=dev)
+    ext = torch.empty(t + b * w1, c, dtype=torch.float32, device=dev)
+    ext[rows + w1] = x.float()
+    ext[(seq_start[:, None] + taps[None, :]).reshape(-1)] = state.float().transpose(1, 2).reshape(-1, c)
+    idx = rows[:, None] + torch.arange(kw, device=dev)[None, :]                        # [T, K]
     out = (ext[idx] * weight.float().transpose(0, 1)[None]).sum(dim=1)
     if bias is not None:
         out = out + bias.float()
     if activation is not None:
         out = F.silu(out)
-    new_state = ext[torch.stack(tail_rows)].transpose(1, 2) if b else state
+    tail = (seq_start + lens)[:, None] + taps[None, :]                                   # [B, K-1]
+    new_state = ext[tail].transpose(1, 2)
     return ConvOutput(out.to(x.dtype), new_state.contiguous())
 
 

@@ -122,6 +122,12 @@ def _bailing_hybrid(config: Any) -> BailingHybridArgs:
         raise ModelLoadError("config sets tie_word_embeddings=true; HF's BailingHybridForCausalLM keeps lm_head "
                              "separate, so a tied checkpoint is not supported")
     theta, scaling = _rope(config)
+    params = getattr(config, "rope_parameters", None)
+    partial = (params or {}).get("partial_rotary_factor") if isinstance(params, dict) else None
+    partial = partial if partial is not None else getattr(config, "partial_rotary_factor", None)
+    if partial is not None and float(partial) != 1.0:
+        raise ModelLoadError(f"config sets partial_rotary_factor={partial}; BailingHybrid's MLA ropes the whole "
+                             "qk_rope_head_dim, only 1.0 is supported")
     n = int(config.num_hidden_layers)
     group = int(getattr(config, "layer_group_size", 0) or 0)
     layer_types = getattr(config, "layer_types", None)
@@ -180,6 +186,10 @@ def _qwen3_next(config: Any) -> Qwen3NextArgs:
         if isinstance(params, dict) else getattr(config, "partial_rotary_factor", 0.25)
     if scaling is not None:
         scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}
+    types = list(getattr(config, "layer_types", None) or [])
+    if len(types) < int(config.num_hidden_layers):
+        raise ModelLoadError(f"config sets layer_types with {len(types)} entries for num_hidden_layers="
+                             f"{config.num_hidden_layers}; it needs one per layer")
     try:
         heads = int(config.num_attention_heads)
         return Qwen3NextArgs(

@@ -304,7 +304,9 @@ _KV = ("tokenmill:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_ca
 
 def parse_loads_json(data: object) -> tuple[int, int, float] | None:
     """Read ``/v1/loads``: a dict with num_running/num_waiting/kv_cache_usage at the top level
-    (or a list of such dicts, e.g. one per data-parallel rank, which are summed/averaged)."""
+    (or a list of such dicts, e.g. one per data-parallel rank, which are summed/averaged). A hybrid
+    model's replica also reports ``state_pool_usage`` (its state slots); the usage is then that of
+    the fuller of its two pools, since either one running out stops admission."""
     items = data if isinstance(data, list) else [data.get("loads", data)] if isinstance(data, dict) else []
     if items and isinstance(items[0], list):
         items = items[0]
@@ -313,7 +315,7 @@ def parse_loads_json(data: object) -> tuple[int, int, float] | None:
         return None
     running = sum(int(d.get("num_running", 0)) for d in rows)
     waiting = sum(int(d.get("num_waiting", 0)) for d in rows)
-    kv = sum(float(d.get("kv_cache_usage", 0.0)) for d in rows) / len(rows)
+    kv = sum(max(float(d.get("kv_cache_usage", 0.0)), float(d.get("state_pool_usage", 0.0))) for d in rows) / len(rows)
     return running, waiting, kv
 
 
