@@ -26,7 +26,12 @@ another session computed them). Tiny random-weight checkpoints are built in a te
 directory; ``--hidden-size`` / ``--layers`` size them (compute, not Python overhead, should
 dominate a step for the TTFT ratio to mean anything).
 
-vLLM's CPU attention needs a head size of 32 or more (hence ``head_dim`` 64 here).
+vLLM's CPU attention needs a head size of 32 or more (hence ``head_dim`` 64 here), and its CPU
+Gated DeltaNet kernel needs bfloat16 (``--vllm-dtype``) and the real models' linear head size
+(``--linear-head-dim 128``), so its outputs are not expected to equal tokenmill's fp32 ones; CHR and
+times still compare:
+
+    .venv/bin/python benchmarks/hybrid_multiturn.py --modes snap-http,vllm --linear-head-dim 128 --max-running-requests 16
 
     .venv/bin/python benchmarks/hybrid_multiturn.py                    # 8 x 8, Qwen3-Next
     .venv/bin/python benchmarks/hybrid_multiturn.py --arch BailingHybridForCausalLM
@@ -52,7 +57,7 @@ from tokenmill.loader.tiny import build_tiny_checkpoint  # noqa: E402
 MODES = ("snap", "off", "dense", "snap-http", "vllm")
 
 
-def size_overrides(arch: str, hidden: int, layers: int) -> dict:
+def size_overrides(arch: str, hidden: int, layers: int, linear_head_dim: int = 32) -> dict:
     """Checkpoint fields that scale a tiny model to ``hidden`` x ``layers``."""
     heads = max(hidden // 64, 1)
     if arch == "LlamaForCausalLM":
@@ -62,7 +67,7 @@ def size_overrides(arch: str, hidden: int, layers: int) -> dict:
         return dict(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                     num_attention_heads=heads * 2, num_key_value_heads=heads, head_dim=64,
                     linear_num_key_heads=heads, linear_num_value_heads=heads * 2,
-                    linear_key_head_dim=32, linear_value_head_dim=32,
+                    linear_key_head_dim=linear_head_dim, linear_value_head_dim=linear_head_dim,
                     moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden)
     if arch == "BailingHybridForCausalLM":   # KDA heads = attention heads, MLA latent of hidden / 4
         return dict(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
@@ -113,7 +118,8 @@ def run_http(mode: str, ckpt: str, w, args: argparse.Namespace) -> ModeResult:
     if mode == "vllm":
         from peers import start_vllm
 
-        srv = start_vllm(model_dir=ckpt, served_name="tiny-hybrid", kv_cache_gb=2, max_model_len=8192,
+        srv = start_vllm(model_dir=ckpt, served_name="tiny-hybrid", kv_cache_gb=2, max_model_len=4096,
+                         dtype=args.vllm_dtype,
                          threads=args.threads or 2,
                          extra_args=["--max-num-seqs", str(args.max_running_requests),
                                      "--max-num-batched-tokens", str(args.max_batch_tokens)])
@@ -142,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="Qwen3NextForCausalLM")
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--linear-head-dim", type=int, default=32,
+                    help="Qwen3-Next: key/value head size of the linear layers (vLLM's CPU kernel: 128)")
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=150, help="fresh tokens per turn (+-10%%)")
@@ -155,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--snapshot-interval", type=int, default=512)
     ap.add_argument("--snapshot-slots", type=int, default=None, help="snapshot budget (default: the engine's)")
     ap.add_argument("--modes", default="snap,off,dense", help=f"comma list of {MODES}")
+    ap.add_argument("--vllm-dtype", default="bfloat16",
+                    help="vLLM's dtype (its CPU Gated DeltaNet kernel requires bfloat16; tokenmill runs fp32)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -175,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "dense" and "dense" not in modes:
             continue
         paths[kind] = str(build_tiny_checkpoint(os.path.join(tmp, kind), arch, seed=args.seed,
-                                                **size_overrides(arch, args.hidden_size, args.layers)))
+                                                **size_overrides(arch, args.hidden_size, args.layers,
+                                                                 args.linear_head_dim)))
         models[kind] = load_model(paths[kind])
     any_model = next(iter(models.values()))
     w = make_workload(args, int(any_model.model.args.vocab_size))
@@ -210,10 +221,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.prompt_tokens}  cached {r.cached_tokens}  TTFT p50 {1000 * ttft_p50(r):.1f} ms  "
               f"(turns 2+: {1000 * ttft_p50(r, 1):.1f} ms)  preemptions {r.preemptions}", flush=True)
 
-    print(f"{'turn':>4}" + "".join(f"{'TTFT ' + m + ' (ms)':>18}{'(steps)':>8}" for m in results))
-    for t in range(w.turns):
-        print(f"{t + 1:>4}" + "".join(f"{1000 * statistics.mean(r.ttft_by_turn[t]):>18.1f}"
-                                      f"{statistics.mean(r.ttft_steps_by_turn[t]):>8.1f}" for r in results.values()))
+    print(f"{'turn':>4}" + "".join(f"{'TTFT ' + m + ' (ms)':>22}{'(steps)':>8}" for m in results))
+    for t in range(w.turns):   # steps: engine steps (in-process modes only)
+        print(f"{t + 1:>4}" + "".join(
+            f"{1000 * statistics.mean(r.ttft_by_turn[t]):>22.1f}"
+            + (f"{statistics.mean(r.ttft_steps_by_turn[t]):>8.1f}" if m not in ("snap-http", "vllm") else f"{'-':>8}")
+            for m, r in results.items()))
     summary: dict[str, float] = {}
     if "snap" in results and "off" in results:
         on, off = results["snap"], results["off"]
