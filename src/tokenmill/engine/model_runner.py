@@ -17,6 +17,8 @@ drafts gets logits for its last token and every draft (``k + 1`` rows), which
 :func:`~tokenmill.layers.speculative.verify` checks; it then emits 1 to ``k + 1`` tokens.
 When the engine sets ``capture_layers`` (a learned drafter), the target's hidden states after
 those layers come back with the step (:class:`StepResult`), at no extra pass.
+A hybrid model's verify rows keep their linear layers' state after every position; after
+verification the slot is set to the state after the last accepted token (``StatePool.commit_verify``).
 tokens. Logits are computed only for those rows, plus the prompt rows of
 requests that ask for prompt logprobs (engine/prompt_logprobs.py). Rows of constrained requests
 are masked by their grammar before sampling (engine/structured.py).
@@ -190,6 +192,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         self.restore_states(out)
         batch, samplers = self.build_batch(out)
+        if self.states is not None:   # linear layers keep per-position states for verify rows
+            rows = [i for i, s in enumerate(out.scheduled) if s.num_draft]
+            self.states.begin_verify(rows, [out.scheduled[i].request.state_slot for i in rows],
+                                     [out.scheduled[i].num_tokens for i in rows])
         ctx = self.forward(batch, self.capture_layers)
         logits = ctx.logits
         q_start = batch.query_start_loc.tolist() if ctx.captured else []
@@ -203,7 +209,9 @@ class ModelRunner:
             return StepResult([], ctx.captured, q_start)
         drafts = {s.request: s for s in out.scheduled if s.num_draft}
         if drafts:
-            return StepResult(self._verify(logits, samplers, drafts), ctx.captured, q_start)
+            sampled = self._verify(logits, samplers, drafts)
+            self._commit_states(out, sampled)
+            return StepResult(sampled, ctx.captured, q_start)
         logits = apply_grammar_masks(logits, samplers)
         states = [self._penalty_state(r) for r in samplers]
         inputs = SamplingInputs(
@@ -222,6 +230,15 @@ class ModelRunner:
             logprobs = [_token_logprob(tok, lp)] if lp is not None else None
             sampled.append(SampledTokens(req, [tok], logprobs))
         return StepResult(sampled, ctx.captured, q_start)
+
+    def _commit_states(self, out: SchedulerOutput, sampled: list[SampledTokens]) -> None:
+        """Hybrid models: roll each verified request's state slot back to its last accepted
+        token (its step's real tokens plus the accepted drafts; rejected drafts leave no trace)."""
+        if self.states is None or self.states.verify_rows is None:
+            return
+        accepted = {s.request: s.num_accepted for s in sampled}
+        self.states.commit_verify([s.num_tokens - s.num_draft + accepted[s.request]
+                                   for s in out.scheduled if s.num_draft])
 
     def _verify(self, logits: torch.Tensor, samplers: list[Request], drafts: dict) -> list[SampledTokens]:
         draft_ids = [drafts[r].draft_token_ids if r in drafts else () for r in samplers]
