@@ -137,3 +137,22 @@ def test_follow_up_turn_hits_snapshots_taken_while_speculating(hybrid) -> None:
     ps = llm.engine.config.page_size
     assert [o.cached_tokens for o in outs] == [(len(p) + len(w) - 1) // ps * ps for p, w in zip(PROMPTS, want)]
     _check_clean(llm)
+
+
+def test_dflash_drafts_with_preemption_match(hybrid, tmp_path) -> None:
+    """A (random-weight) DFlash drafter reading the hybrid target's hidden states, alone then
+    batched with forced preemption (which frees and refills both the pages and the slot)."""
+    from tokenmill.models.dflash import DrafterConfig, init_drafter, save_drafter
+
+    lm, want = hybrid
+    a = lm.model.args
+    cfg = DrafterConfig(target_hidden_size=a.hidden_size, vocab_size=a.vocab_size, target_layers=[0, a.num_layers - 1],
+                        hidden_size=a.hidden_size, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+                        block_size=5, context_window=16)
+    save_drafter(init_drafter(cfg, seed=1), tmp_path)
+    for kw in ({}, {"kv_cache_tokens": 160, "page_size": 8}):
+        llm = _spec_llm(lm, "dflash", speculative_model=str(tmp_path), **kw)
+        assert [list(o.token_ids) for o in llm.generate(PROMPTS, GREEDY)] == want, kw
+        assert llm.engine.spec.stats.proposed > 0
+        _check_clean(llm)
+    assert llm.engine.num_preemptions > 0
