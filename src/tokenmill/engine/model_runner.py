@@ -8,6 +8,9 @@ model's :class:`~tokenmill.layers.state_pool.StatePool` (``num_state_slots`` slo
 state-slot ids index it; ``ForwardBatch.state_slots`` names each sequence's slot), and make the
 sampler's random stream on the device.
 
+A hybrid model's verify rows keep their linear layers' state after every position; after
+verification the slot is set to the state after the last accepted token (``StatePool.commit_verify``).
+
 :meth:`ModelRunner.execute` turns a :class:`~tokenmill.engine.scheduler.SchedulerOutput` into a
 :class:`~tokenmill.contracts.batch.ForwardBatch` (sequences concatenated in scheduling order),
 builds the backend's per-step metadata once (:class:`~tokenmill.layers.attention.ForwardContext`),
@@ -17,8 +20,6 @@ drafts gets logits for its last token and every draft (``k + 1`` rows), which
 :func:`~tokenmill.layers.speculative.verify` checks; it then emits 1 to ``k + 1`` tokens.
 When the engine sets ``capture_layers`` (a learned drafter), the target's hidden states after
 those layers come back with the step (:class:`StepResult`), at no extra pass.
-A hybrid model's verify rows keep their linear layers' state after every position; after
-verification the slot is set to the state after the last accepted token (``StatePool.commit_verify``).
 tokens. Logits are computed only for those rows, plus the prompt rows of
 requests that ask for prompt logprobs (engine/prompt_logprobs.py). Rows of constrained requests
 are masked by their grammar before sampling (engine/structured.py).
