@@ -342,7 +342,9 @@ def _verify_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     dev = q.device
     sel = torch.tensor(rows, dtype=torch.int64, device=dev)
     s = init.index_select(0, sel)
-    kept = s.new_zeros(len(rows), max(lens), *s.shape[1:])
+    # the state after a chunk's last position is its final state (in the slot); only the ones
+    # before it can be needed by a rollback
+    kept = s.new_zeros(len(rows), max(lens) - 1, *s.shape[1:])
     for t in range(max(lens)):
         act = [j for j, n in enumerate(lens) if n > t]
         r = torch.tensor([layout.starts[rows[j]] + t for j in act], dtype=torch.int64, device=dev)
@@ -351,6 +353,7 @@ def _verify_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                                               scale=scale)
         out[r] = o
         s[a] = s_new
-        kept[a, t] = s_new
+        if t < kept.shape[1]:
+            kept[a, t] = s_new
     final[sel] = s
     states.keep_verify_states(layer_idx, kept)

@@ -43,7 +43,7 @@ class StatePool:
                 self.rec.append(None)
                 self.conv.append(None)
         # the current verify step (None: none): batch rows, slots and chunk lengths, and per
-        # linear layer the kept states [n, L, H, Dk, Dv] and conv windows [n, C, K-1+L]
+        # linear layer the kept states [n, L-1, H, Dk, Dv] and conv windows [n, C, K-1+L]
         self.verify_rows: list[int] | None = None
         self._verify_slots: list[int] = []
         self._verify_lens: list[int] = []
@@ -81,8 +81,9 @@ class StatePool:
         self._kept_rec, self._kept_conv = {}, {}
 
     def keep_verify_states(self, layer_idx: int, states: torch.Tensor) -> None:
-        """Layer ``layer_idx``'s recurrent state after each chunk position of the verify
-        sequences, ``[n, L, H, Dk, Dv]`` in ``verify_rows`` order (L: the longest chunk)."""
+        """Layer ``layer_idx``'s recurrent state after each chunk position but the last of the
+        verify sequences, ``[n, L-1, H, Dk, Dv]`` in ``verify_rows`` order (L: the longest chunk;
+        a chunk's last state is its final one, already in its slot)."""
         self._kept_rec[layer_idx] = states
 
     def keep_verify_conv(self, layer_idx: int, window: torch.Tensor) -> None:
