@@ -119,6 +119,22 @@ def test_partial_acceptance_alone_and_batched_match(hybrid, prefix_cache: bool) 
     _check_clean(llm)
 
 
+def test_seeded_sampling_equals_no_speculation(hybrid) -> None:
+    """Sampled rows (temperature, top-p, a seed each): model-free drafts consume the request's
+    own random stream one draw per emitted token, so the tokens equal those without
+    speculation, provided every rejection rolled the state back exactly."""
+    lm, _ = hybrid
+    params = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True)
+              for s in range(len(PROMPTS))]
+    ref = LLM(loaded=lm, kv_cache_tokens=4096, enable_prefix_cache=False, debug_checks=True)
+    want = [list(o.token_ids) for o in ref.generate(PROMPTS, params)]
+    llm = _spec_llm(lm, "ngram", max_batch_tokens=7)
+    llm.engine.spec.proposer = CorruptedReplay({tuple(p): w for p, w in zip(PROMPTS, want)}, wrong=0.3, seed=2)
+    assert [list(o.token_ids) for o in llm.generate(PROMPTS, params)] == want
+    _accepts_and_rejects(llm)
+    _check_clean(llm)
+
+
 def test_follow_up_turn_hits_snapshots_taken_while_speculating(hybrid) -> None:
     """Turn 2 (turn 1's prompt + output + more) hits the state snapshots turn 1 took during its
     verify steps, and its output equals a run with neither speculation nor caching."""
