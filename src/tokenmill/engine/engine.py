@@ -180,10 +180,6 @@ class Engine:
         if not self.loaded.model.kv_cache_spec().is_hybrid:
             return
         arch = type(self.loaded.model).__name__
-        if cfg.speculative_method is not None:
-            raise ValueError(f"--speculative-method {cfg.speculative_method} is not supported with the hybrid model "
-                             f"{arch}: rolling back rejected drafts would need the linear layers' state before "
-                             f"them; drop --speculative-method")
         if cfg.tensor_parallel_size > 1:
             raise ValueError(f"--tensor-parallel-size {cfg.tensor_parallel_size} is not supported with the hybrid "
                              f"model {arch} (its linear-attention layers are not sharded); use "

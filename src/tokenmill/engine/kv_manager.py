@@ -260,6 +260,18 @@ class KVManager:
                 end = cut
         return end - start
 
+    def max_drafts(self, req: Request, k: int) -> int:
+        """At most ``k`` drafts for decoding ``req`` (one uncomputed token), fewer for a hybrid
+        model with snapshots so that the step cannot carry its computed tokens past the next
+        page boundary: every boundary a request reaches is then the end of some step, where
+        :meth:`after_step` snapshots the state (drafts accepted up to exactly the boundary
+        included)."""
+        if self.slots is None or self.cache is None or not self.cache.uses_snapshots:
+            return k
+        P = self.page_size
+        nxt = (req.num_computed_tokens // P + 1) * P
+        return max(0, min(k, nxt - req.num_tokens))
+
     def request_snapshot(self, req: Request, num_tokens: int) -> None:
         """Have running ``req`` snapshot its state after ``num_tokens`` tokens (a page boundary it
         has not computed yet); the scheduler asks for it where a waiting request shares ``req``'s

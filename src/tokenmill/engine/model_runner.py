@@ -8,6 +8,9 @@ model's :class:`~tokenmill.layers.state_pool.StatePool` (``num_state_slots`` slo
 state-slot ids index it; ``ForwardBatch.state_slots`` names each sequence's slot), and make the
 sampler's random stream on the device.
 
+A hybrid model's verify rows keep their linear layers' state after every position; after
+verification the slot is set to the state after the last accepted token (``StatePool.commit_verify``).
+
 :meth:`ModelRunner.execute` turns a :class:`~tokenmill.engine.scheduler.SchedulerOutput` into a
 :class:`~tokenmill.contracts.batch.ForwardBatch` (sequences concatenated in scheduling order),
 builds the backend's per-step metadata once (:class:`~tokenmill.layers.attention.ForwardContext`),
@@ -236,6 +239,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         self.restore_states(out)
         batch, samplers = self.build_batch(out)
+        if self.states is not None:   # linear layers keep per-position states for verify rows
+            rows = [i for i, s in enumerate(out.scheduled) if s.num_draft]
+            self.states.begin_verify(rows, [out.scheduled[i].request.state_slot for i in rows],
+                                     [out.scheduled[i].num_tokens for i in rows])
         ctx = self.forward(batch, self.capture_layers)
         logits = ctx.logits
         q_start = batch.query_start_loc.tolist() if ctx.captured else []
@@ -249,7 +256,9 @@ class ModelRunner:
             return StepResult([], ctx.captured, q_start)
         drafts = {s.request: s for s in out.scheduled if s.num_draft}
         if drafts:
-            return StepResult(self._verify(logits, samplers, drafts), ctx.captured, q_start)
+            sampled = self._verify(logits, samplers, drafts)
+            self._commit_states(out, sampled)
+            return StepResult(sampled, ctx.captured, q_start)
         logits = apply_grammar_masks(logits, samplers)
         states = [self._penalty_state(r) for r in samplers]
         inputs = SamplingInputs(
@@ -268,6 +277,15 @@ class ModelRunner:
             logprobs = [_token_logprob(tok, lp)] if lp is not None else None
             sampled.append(SampledTokens(req, [tok], logprobs))
         return StepResult(sampled, ctx.captured, q_start)
+
+    def _commit_states(self, out: SchedulerOutput, sampled: list[SampledTokens]) -> None:
+        """Hybrid models: roll each verified request's state slot back to its last accepted
+        token (its step's real tokens plus the accepted drafts; rejected drafts leave no trace)."""
+        if self.states is None or self.states.verify_rows is None:
+            return
+        accepted = {s.request: s.num_accepted for s in sampled}
+        self.states.commit_verify([s.num_tokens - s.num_draft + accepted[s.request]
+                                   for s in out.scheduled if s.num_draft])
 
     def _verify(self, logits: torch.Tensor, samplers: list[Request], drafts: dict) -> list[SampledTokens]:
         draft_ids = [drafts[r].draft_token_ids if r in drafts else () for r in samplers]

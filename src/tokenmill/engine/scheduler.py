@@ -349,12 +349,13 @@ class Scheduler:
         """After the forward pass: count the computed tokens; cache whole prefill pages.
 
         Drafts are not counted here: the engine counts each accepted one as it appends it, and
-        then :meth:`rollback` frees the pages past the new end.
+        then :meth:`rollback` frees the pages past the new end (and, for a hybrid model, takes
+        the step's snapshot then, at the accepted end, where the state slot now is).
         """
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens = s.start + s.num_tokens - s.num_draft
-            if self.kv.slots is not None:   # hybrid: restores done, snapshots taken, pages cached
+            if self.kv.slots is not None and not s.num_draft:   # hybrid: restores, snapshots
                 self.kv.after_step(req)
             if s.num_tokens - s.num_draft > 1 or not s.samples:
                 # a prefill chunk, the last one included: publish its whole pages at once, so
@@ -365,6 +366,8 @@ class Scheduler:
         """After verification: free ``req``'s pages past its tokens (rejected drafts' K/V)."""
         if req.status is RequestStatus.RUNNING:
             self.kv.trim(req, req.num_tokens)
+            if self.kv.slots is not None:
+                self.kv.after_step(req)
 
     def finish(self, req: Request, finish_reason: str, stop_reason: str | int | None = None) -> None:
         """Request is done (its last sampled token appended): cache its pages and drop it."""

@@ -38,6 +38,12 @@ engine step (prefill chunks and decodes mixed) and read and write the state pool
 from zero state (its slot's old contents are never read); every sequence's slot holds the state
 after its chunk's last token when the step returns. Decodes (1-token chunks) go through the
 batched recurrent form, longer chunks through the chunked form.
+
+Speculative verification (``ctx.states.verify_rows``, set by the model runner): the sequences
+verifying drafts (their last token then k drafts, a short chunk) run the recurrent form one
+position at a time, batched over those sequences, and the pool keeps the state after every
+position and the chunk's conv inputs, so that after verification the runner can leave each slot
+exactly as if only the accepted tokens had been fed (``StatePool.commit_verify``).
 """
 from __future__ import annotations
 
@@ -268,7 +274,24 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     init = _read_slots(conv_pool, layout)
     res = causal_conv1d_varlen(x, weight, bias, ctx.batch.query_start_loc, init, activation)
     conv_pool.index_copy_(0, layout.slots, res.state.to(conv_pool.dtype))
+    verify = ctx.states.verify_rows
+    if verify:
+        ctx.states.keep_verify_conv(layer_idx, _conv_windows(x, init, layout, verify))
     return res.out
+
+
+def _conv_windows(x: torch.Tensor, init: torch.Tensor, layout: StepLayout, rows: list[int]) -> torch.Tensor:
+    """``[n, C, K-1+L]`` for batch sequences ``rows``: each one's conv state before the chunk,
+    then its chunk's inputs (fp32), zero-padded to the longest chunk L."""
+    lens = [layout.lens[i] for i in rows]
+    width = max(lens)
+    sel = torch.tensor(rows, dtype=torch.int64, device=x.device)
+    win = init.new_zeros(len(rows), init.shape[1], init.shape[2] + width)
+    win[:, :, :init.shape[2]] = init.index_select(0, sel)
+    for j, (i, n) in enumerate(zip(rows, lens)):   # a few short verify chunks
+        a = layout.starts[i]
+        win[j, :, init.shape[2]:init.shape[2] + n] = x[a:a + n].float().transpose(0, 1)
+    return win
 
 
 def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -283,7 +306,12 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     init = _read_slots(rec_pool, layout)
     final = torch.empty_like(init)
     out = torch.empty(v.shape, dtype=q.dtype, device=v.device)
-    decode = [i for i, n in enumerate(layout.lens) if n == 1]
+    verify = ctx.states.verify_rows or []
+    if verify:
+        _verify_recurrent(q, k, v, g, beta, init, final, out, layout, verify, ctx.states, layer_idx,
+                          use_l2norm, scale)
+    skip = set(verify)
+    decode = [i for i, n in enumerate(layout.lens) if n == 1 and i not in skip]
     if decode:
         rows = torch.tensor([layout.starts[i] for i in decode], dtype=torch.int64, device=q.device)
         sel = torch.tensor(decode, dtype=torch.int64, device=q.device)
@@ -292,7 +320,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         out[rows] = o
         final[sel] = s
     for i, (a, n) in enumerate(zip(layout.starts, layout.lens)):
-        if n == 1:
+        if n == 1 or i in skip:
             continue
         sl = slice(a, a + n)
         o, s = chunk_gated_delta_rule(q[sl], k[sl], v[sl], g[sl], beta[sl], init[i], use_l2norm=use_l2norm,
@@ -301,3 +329,31 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         final[i] = s
     rec_pool.index_copy_(0, layout.slots, final.to(rec_pool.dtype))
     return out
+
+
+def _verify_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      init: torch.Tensor, final: torch.Tensor, out: torch.Tensor, layout: StepLayout,
+                      rows: list[int], states: Any, layer_idx: int, use_l2norm: bool,
+                      scale: float | None) -> None:
+    """The verify sequences ``rows``: the recurrent form position by position (batched over the
+    sequences), the same computation a decode step does, keeping the state after each position
+    in the pool (``keep_verify_states``) and the one after the last in ``final``."""
+    lens = [layout.lens[i] for i in rows]
+    dev = q.device
+    sel = torch.tensor(rows, dtype=torch.int64, device=dev)
+    s = init.index_select(0, sel)
+    # the state after a chunk's last position is its final state (in the slot); only the ones
+    # before it can be needed by a rollback
+    kept = s.new_zeros(len(rows), max(lens) - 1, *s.shape[1:])
+    for t in range(max(lens)):
+        act = [j for j, n in enumerate(lens) if n > t]
+        r = torch.tensor([layout.starts[rows[j]] + t for j in act], dtype=torch.int64, device=dev)
+        a = torch.tensor(act, dtype=torch.int64, device=dev)
+        o, s_new = recurrent_gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], s[a], use_l2norm=use_l2norm,
+                                              scale=scale)
+        out[r] = o
+        s[a] = s_new
+        if t < kept.shape[1]:
+            kept[a, t] = s_new
+    final[sel] = s
+    states.keep_verify_states(layer_idx, kept)

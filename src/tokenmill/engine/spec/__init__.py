@@ -169,6 +169,7 @@ class SpeculativeDecoder:
             # never draft past max_tokens or the context limit (the step emits up to k + 1)
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1)
+            k = self.scheduler.kv.max_drafts(req, k)   # hybrid: stop at the next page boundary
             if k > 0:
                 reqs.append(req)
                 ks.append(k)
