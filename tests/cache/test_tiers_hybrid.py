@@ -149,3 +149,30 @@ def test_corrupt_snapshot_file_falls_back_to_an_earlier_snapshot(hybrid: Any, tm
     assert "state snapshot" in caplog.text and "unreadable" in caplog.text
     reader.engine.check_pages()
     reader.engine.close()
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through_selective"])
+def test_other_write_policies_put_snapshots_in_l3(hybrid: Any, tmp_path: Any, policy: str) -> None:
+    """write_back: evicted L1 pages and snapshots go to L3 (no L2 here); selective: a prefix hit
+    twice is written with the snapshot its hit restored. Either way a new engine hits them."""
+    rng = random.Random(4)
+    store = f"file:{tmp_path / 'kv'}"
+    llm = make_llm(hybrid, cache_storage=store, cache_write_policy=policy, cache_write_min_hits=1)
+    off = make_llm(hybrid, enable_prefix_cache=False)
+    first = fresh(rng, 3 * P + 1)
+    a = llm.generate([first], GREEDY)[0]
+    second = first + a.token_ids + fresh(rng, 4)
+    b = llm.generate([second], GREEDY)[0]            # an L1 hit (selective: now written)
+    assert b.token_ids == off.generate([second], GREEDY)[0].token_ids
+    want = (len(first) + K - 1) // P * P
+    assert b.cached_tokens == b.cached_tokens_by_tier["l1"] == want
+    evict_l1(llm)                                     # write_back: now written
+    llm.engine.tiers.drain()
+    assert llm.engine.stats().tiers.snapshots_written["l3"] >= 1
+    llm.engine.close()
+    again = make_llm(hybrid, cache_storage=store, cache_write_policy=policy)
+    c = again.generate([second], GREEDY)[0]
+    assert c.token_ids == b.token_ids
+    got = c.cached_tokens_by_tier["l3"]
+    assert c.cached_tokens == got and got >= want
+    again.engine.close()

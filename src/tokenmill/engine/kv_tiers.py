@@ -449,6 +449,11 @@ class TieredKV:
                 self._hits.move_to_end(key)
                 if c >= self.write_min_hits and key not in self.l3_known:
                     self._pending[key] = req.page_table[i]
+            snap = req.snapshot_restore
+            if self.states is not None and snap is not None and n and self._hits.get(keys[-1], 0) >= self.write_min_hits:
+                skey = snapshot_key(keys[-1])   # the snapshot the hit restores goes with its pages
+                if skey not in self.l3_known:
+                    self._send_snapshots([skey], self._gather_state([snap]))
             while len(self._hits) > _MAX_HIT_COUNTS:
                 self._hits.popitem(last=False)
 
