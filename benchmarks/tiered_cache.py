@@ -329,8 +329,8 @@ def part_load(loaded, args: argparse.Namespace) -> None:
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
 
-    rows = [("L2 host copy -> L1", timed(lambda: tiers._copy_from_host(slots, pages)) / n_tok)]
-    payload = tiers._gather_payload(pages)
+    rows = [("L2 host copy -> L1", timed(lambda: tiers.mover.from_host(slots, pages)) / n_tok)]
+    payload = tiers.mover._gather_payload(pages)
     raw = payload.contiguous().view(torch.uint8).reshape(n_pages, -1).numpy()
     keys = tiers.keyer.keys(prompt)[:n_pages]
     ns = tiers.keyer.namespace
@@ -339,7 +339,7 @@ def part_load(loaded, args: argparse.Namespace) -> None:
     def read_into(backend) -> None:
         got = backend.get_many(keys)
         payloads = [decode_page(ns, k, r, tiers.payload_bytes) for k, r in zip(keys, got)]
-        tiers._write_payloads(payloads, pages)
+        tiers.mover.load_payloads(payloads, pages)
 
     with tempfile.TemporaryDirectory() as d:
         fb = FileStorage(d, ns)

@@ -21,7 +21,12 @@ logits gather is counted apart), a ring all-reduce sends ``2 (N-1)/N`` of it per
 B200's NVLink bandwidth that is the communication floor, set against ``tokenmill plan``'s decode
 step bound (which has no communication term).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/tp_scaling.py [--shape-model] [--decode-tokens 48]
+``--moe`` adds a random-weight DeepSeek-V3-shaped MoE model (MLA, 32 routed experts, top 4, one
+shared expert) at N=1 and at N=2 with the experts split both ways: ``--moe-parallel tp`` (every
+expert's intermediate split) and ``ep`` (expert parallelism, 16 whole experts per rank); it prints
+each rank's expert weights too. ``--only-moe`` skips the dense runs.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/tp_scaling.py [--shape-model] [--moe] [--decode-tokens 48]
 """
 from __future__ import annotations
 
@@ -38,14 +43,18 @@ from tokenmill.engine.engine import Engine
 from tokenmill.loader import load_model
 
 
-def measure(model: str, loaded, tp: int, threads: int, prompt_tokens: int, decode_tokens: int) -> dict:
+def measure(model: str, loaded, tp: int, threads: int, prompt_tokens: int, decode_tokens: int,
+            moe_parallel: str = "tp") -> dict:
     cfg = EngineConfig(model=model, kv_cache_tokens=4096, max_batch_tokens=max(512, prompt_tokens),
-                       num_threads=threads, tensor_parallel_size=tp, tp_pin_cores=tp > 1, decode_slowdown=None)
+                       num_threads=threads, tensor_parallel_size=tp, tp_pin_cores=tp > 1, decode_slowdown=None,
+                       moe_parallel=moe_parallel)
     eng = Engine(cfg, loaded=loaded)
     try:
         vocab = eng.vocab_size
         runner = eng.runner
-        res: dict = {"tp": tp, "threads": threads}
+        res: dict = {"tp": tp, "threads": threads, "moe": moe_parallel if tp > 1 else ""}
+        if tp > 1:
+            res["expert_mib_per_rank"] = [i["expert_weight_bytes"] / 2**20 for i in runner.rank_info]
 
         def counters():
             return runner.stats() if tp > 1 else None
@@ -115,15 +124,33 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--shape-model", action="store_true",
                     help="also run a random SmolLM2-sized model with 8/2 heads at N=2")
+    ap.add_argument("--moe", action="store_true",
+                    help="also run a random DeepSeek-V3-shaped MoE model at N=2 with --moe-parallel tp and ep")
+    ap.add_argument("--only-moe", action="store_true", help="run the MoE model only")
     args = ap.parse_args()
     print(f"load average before: {open('/proc/loadavg').read().strip()}  cores: {os.cpu_count()}")
     runs = []
-    default = load_model("smollm2-135m-instruct")
-    for tp, threads in ((1, 1), (1, 2), (3, 1)):
-        runs.append(("smollm2-135m", measure("smollm2-135m-instruct", default, tp, threads,
-                                             args.prompt_tokens, args.decode_tokens)))
-        print(runs[-1], flush=True)
-    del default
+    if not args.only_moe:
+        default = load_model("smollm2-135m-instruct")
+        for tp, threads in ((1, 1), (1, 2), (3, 1)):
+            runs.append(("smollm2-135m", measure("smollm2-135m-instruct", default, tp, threads,
+                                                 args.prompt_tokens, args.decode_tokens)))
+            print(runs[-1], flush=True)
+        del default
+    if args.moe or args.only_moe:
+        from tokenmill.loader.tiny import build_tiny_checkpoint
+
+        with tempfile.TemporaryDirectory() as d:
+            path = build_tiny_checkpoint(d, arch="DeepseekV3ForCausalLM", seed=0, hidden_size=512,
+                                         intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=6,
+                                         num_attention_heads=8, num_key_value_heads=8, n_routed_experts=32,
+                                         num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+                                         first_k_dense_replace=1)
+            moe = load_model(str(path))
+            for tp, threads, mode in ((1, 1, "tp"), (2, 1, "tp"), (2, 1, "ep")):
+                runs.append(("dsv3-shape-32e", measure(str(path), moe, tp, threads, args.prompt_tokens,
+                                                       args.decode_tokens, mode)))
+                print(runs[-1], flush=True)
     if args.shape_model:
         from tokenmill.loader.tiny import build_tiny_checkpoint
 
@@ -136,21 +163,27 @@ def main() -> None:
                                                          args.prompt_tokens, args.decode_tokens)))
                 print(runs[-1], flush=True)
     print(f"load average after: {open('/proc/loadavg').read().strip()}")
-    print(f"\n{'model':18} {'config':12} {'decode tok/s':>12} {'prefill tok/s':>13} {'comm s/step':>11} "
+    def label(r: dict) -> str:
+        return f"tp{r['tp']}-" + (("pinned" + (f"-{r['moe']}" if r["moe"] else "")) if r["tp"] > 1
+                                  else f"{r['threads']}t")
+
+    print(f"\n{'model':18} {'config':15} {'decode tok/s':>12} {'prefill tok/s':>13} {'comm s/step':>11} "
           f"{'B/token r0':>10} {'B/token r1':>10}")
     base: dict[str, dict] = {}
     for name, r in runs:
-        cfg = f"tp{r['tp']}-{'pinned' if r['tp'] > 1 else str(r['threads']) + 't'}"
+        cfg = label(r)
         base.setdefault(name, r)
-        print(f"{name:18} {cfg:12} {r['decode_tok_s']:12.1f} {r['prefill_tok_s']:13.1f} "
+        print(f"{name:18} {cfg:15} {r['decode_tok_s']:12.1f} {r['prefill_tok_s']:13.1f} "
               f"{r.get('decode_comm_s_per_step', 0):11.5f} {r.get('decode_bytes_per_token_rank0', 0):10.0f} "
               f"{r.get('decode_bytes_per_token_rank1', 0):10.0f}")
     print("\nratios to tp1-1t of the same model (decode, prefill):")
     for name, r in runs:
         b = base[name]
-        cfg = f"tp{r['tp']}-{'pinned' if r['tp'] > 1 else str(r['threads']) + 't'}"
-        print(f"  {name:18} {cfg:12} {r['decode_tok_s'] / b['decode_tok_s']:.2f}x  "
-              f"{r['prefill_tok_s'] / b['prefill_tok_s']:.2f}x")
+        cfg = label(r)
+        print(f"  {name:18} {cfg:15} {r['decode_tok_s'] / b['decode_tok_s']:.2f}x  "
+              f"{r['prefill_tok_s'] / b['prefill_tok_s']:.2f}x"
+              + (f"   expert weights per rank: {', '.join(f'{m:.1f}' for m in r['expert_mib_per_rank'])} MiB"
+                 if r.get("expert_mib_per_rank") and any(r["expert_mib_per_rank"]) else ""))
     print("\nplanner, TP4 on the seed's hardware:")
     for line in plan_tp4():
         print("  " + line)

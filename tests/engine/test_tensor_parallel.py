@@ -191,10 +191,6 @@ def test_bad_settings_are_refused_at_startup(tiny_gqa: Path, smollm) -> None:
         LLM("smollm2-135m-instruct", loaded=smollm, kv_cache_tokens=256, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         LLM(str(tiny_gqa), kv_cache_tokens=256, tensor_parallel_size=0)
-    from tokenmill.engine.config import EngineConfig
-
-    with pytest.raises(ValueError, match="cache tiers run with tensor_parallel_size=1 only"):
-        EngineConfig(model=str(tiny_gqa), tensor_parallel_size=2, host_cache_memory_gib=0.1)
     too_many = torch.cuda.device_count() + 1
     with pytest.raises(ValueError, match=f"needs {too_many} CUDA devices"):
         check_tensor_parallel_devices(too_many, "cuda")
@@ -270,3 +266,265 @@ def test_a_rank_failing_to_start_is_reported(tiny_dir) -> None:
     path = str(tiny_dir("DeepseekV3ForCausalLM"))
     with pytest.raises(ReplicaFailedError, match=r"rank \d failed to start: .*(MLA|native|latent)"):
         LLM(path, tensor_parallel_size=2, attention_backend="native", **{k: v for k, v in KW.items()})
+
+
+# ---------------------------------------------------------------------------------- expert parallelism
+def test_ep2_deepseek_v3_matches_one_rank(tiny_dir) -> None:
+    """moe_parallel='ep' at N=2: each rank holds 4 of the 8 routed experts whole (the router and the
+    activations are replicated, tokens go to the owner's experts, partial sums all-reduced);
+    greedy tokens identical to N=1, logprobs within 1e-5, a cache hit on turn 2."""
+    path = str(tiny_dir("DeepseekV3ForCausalLM"))
+    loaded = load_model(path)
+    one = LLM(path, loaded=loaded, **KW)
+    ref = _run(one)
+    with LLM(path, loaded=loaded, tensor_parallel_size=2, moe_parallel="ep", **KW) as two:
+        info = two.engine.runner.rank_info
+        assert [tuple(i["experts"]) for i in info] == [(0, 4), (4, 8)]
+        # each rank's routed-expert weights are what `tokenmill plan --tp 2 --ep 2` puts on a device
+        from tokenmill.plan.capacity import Deployment
+        from tokenmill.plan.hardware import get_hardware
+        from tokenmill.plan.models import load_model as plan_model
+        from tokenmill.plan.moe import MoEBoundsInput, moe_bounds
+
+        a = loaded.model.args
+        planned = moe_bounds(plan_model(path), get_hardware("h200"), Deployment(tp=2, ep=2, weight_bits={"experts": 32}),
+                             MoEBoundsInput(tokens=1)).expert_weight_bytes
+        assert [i["expert_weight_bytes"] for i in info] == [(a.num_layers - a.first_k_dense_replace) * planned] * 2
+        got = _run(two)
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        turn1 = two.generate([LONG[:70]], params)[0]
+        turn2 = LONG[:70] + list(turn1.token_ids) + [9, 8, 7]
+        second = two.generate([turn2], params)[0]
+        assert second.cached_tokens >= 64
+        assert list(second.token_ids) == list(one.generate([turn2], params)[0].token_ids)
+    _assert_same(ref, got)
+
+
+def test_ep3_uneven_experts_match_one_rank_and_the_planner(tmp_path: Path) -> None:
+    """8 experts over 3 ranks (3 + 3 + 2, the first E % N ranks hold one more); 6 query heads so
+    N=3 divides them. Each rank's expert weight bytes are its experts' share of the planner's
+    per-device figure for the same --ep (the planner itself refuses an uneven split)."""
+    from tokenmill.plan.capacity import Deployment
+    from tokenmill.plan.hardware import get_hardware
+    from tokenmill.plan.models import load_model as plan_model
+    from tokenmill.plan.moe import MoEBoundsInput, moe_bounds
+
+    path = str(build_tiny_checkpoint(tmp_path, arch="DeepseekV3ForCausalLM", seed=3, num_attention_heads=6,
+                                     num_key_value_heads=6, moe_intermediate_size=48))
+    loaded = load_model(path)
+    ref = _run(LLM(path, loaded=loaded, **KW))
+    with LLM(path, loaded=loaded, tensor_parallel_size=3, moe_parallel="ep", **KW) as three:
+        info = three.engine.runner.rank_info
+        got = _run(three)
+    assert [tuple(i["experts"]) for i in info] == [(0, 3), (3, 6), (6, 8)]
+    _assert_same(ref, got)
+    a = loaded.model.args
+    moe_layers = a.num_layers - a.first_k_dense_replace
+    spec = plan_model(path)
+    for ep, per_rank in ((1, 8), (2, 4), (4, 2)):   # the planner's even splits of the same 8 experts
+        b = moe_bounds(spec, get_hardware("h200"), Deployment(tp=ep, ep=ep, weight_bits={"experts": 32}),
+                       MoEBoundsInput(tokens=1))
+        assert b.local_experts == per_rank
+        per_expert = b.expert_weight_bytes / per_rank
+    assert [i["expert_weight_bytes"] for i in info] == [moe_layers * n * per_expert for n in (3, 3, 2)]
+
+
+def test_expert_parallel_settings_are_checked() -> None:
+    import dataclasses
+
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.models.deepseek_v3 import DeepseekV3Args
+    from tokenmill.models.tensor_parallel import check_deepseek_tensor_parallel, expert_range
+
+    import argparse
+
+    from tokenmill.engine.cli import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args(["-tp", "2"])).moe_parallel == "tp"
+    for flags in (["--moe-parallel", "ep"], ["--enable-expert-parallel"]):
+        assert engine_config_from_args(parser.parse_args(["-tp", "2", *flags])).moe_parallel == "ep"
+    assert [expert_range(8, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 8)]
+    assert [expert_range(4, r, 4) for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    with pytest.raises(ValueError, match="moe_parallel must be one of"):
+        EngineConfig(model="x", moe_parallel="dp")
+    args = DeepseekV3Args(vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                          num_layers=2, num_heads=16, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                          qk_rope_head_dim=8, v_head_dim=8, rope_interleave=True, rms_norm_eps=1e-6,
+                          rope_theta=1e4, max_position_embeddings=256, rope_scaling=None, n_routed_experts=8,
+                          num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                          first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.0)
+    check_deepseek_tensor_parallel(args, 8, "ep")
+    with pytest.raises(ValueError, match="needs at least 16 routed experts; the model has 8"):
+        check_deepseek_tensor_parallel(args, 16, "ep")
+    odd = dataclasses.replace(args, moe_intermediate_size=36)
+    with pytest.raises(ValueError, match="shared experts' intermediate size 36"):
+        check_deepseek_tensor_parallel(odd, 8, "ep")
+    with pytest.raises(ValueError, match="does not divide moe_intermediate_size=36.*moe_parallel='ep'"):
+        check_deepseek_tensor_parallel(odd, 8, "tp")
+    check_deepseek_tensor_parallel(dataclasses.replace(odd, n_shared_experts=2), 8, "ep")   # 72 splits
+
+
+def test_expert_parallel_refused_for_a_dense_model(tiny_gqa: Path) -> None:
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        LLM(str(tiny_gqa), kv_cache_tokens=256, tensor_parallel_size=2, moe_parallel="ep")
+
+
+# ---------------------------------------------------------------------------------- speculative decoding
+SPEC_PROMPTS = [p + p[:9] + p for p in ([(11 * i + 5) % 900 + 20 for i in range(30)], [401, 402, 403, 404] * 3,
+                                        LONG[:50])]   # repeats give the model-free proposers matches
+
+
+def test_tp2_speculative_decoding_matches_one_rank(tiny_gqa: Path) -> None:
+    """Suffix speculation and a scripted proposer (70% right drafts: accepts and rejects in one
+    step) at N=2: greedy tokens and logprobs of N=1 without speculation (suffix drafts learnt from
+    the first run's outputs are accepted on the second); rank 0 verifies, every rank's K/V follows
+    the scheduler's rollback. Seeded sampling with the same drafts equals N=1's."""
+    import random
+
+    from tokenmill.engine.spec.base import Draft, Proposer
+
+    class Scripted(Proposer):
+        name = "scripted"
+
+        def __init__(self, continuations: dict, seed: int = 0) -> None:
+            self.continuations, self.rng = continuations, random.Random(seed)
+
+        def propose(self, requests, num_tokens):
+            out = []
+            for req, k in zip(requests, num_tokens):
+                draft = self.continuations[tuple(req.prompt_token_ids)][req.num_output_tokens:req.num_output_tokens + k]
+                out.append(Draft([t if self.rng.random() < 0.7 else (t + 1) % 49152 for t in draft]))
+            return out
+
+    loaded = load_model(str(tiny_gqa))
+    kw = dict(KW, max_batch_tokens=64, speculative_method="suffix", speculative_adaptive=False)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=20)
+    ref = _run(LLM(str(tiny_gqa), loaded=loaded, **KW), SPEC_PROMPTS, params)
+    script = {tuple(p): list(o.token_ids) + [5] * 8 for p, o in zip(SPEC_PROMPTS, ref)}
+    sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=s, ignore_eos=True) for s in (5, 6, 7)]
+    one_spec = LLM(str(tiny_gqa), loaded=loaded, **kw)
+    one_spec.engine.spec.proposer = Scripted(script, seed=3)
+    ref_sampled = one_spec.generate(SPEC_PROMPTS, sampled)
+    with LLM(str(tiny_gqa), loaded=loaded, tensor_parallel_size=2, **kw) as two:
+        spec = two.engine.spec
+        for run in range(3):
+            if run == 2:
+                spec.proposer = Scripted(script)
+            before = (spec.stats.proposed, spec.stats.accepted)
+            _assert_same(ref, _run(two, SPEC_PROMPTS, params))
+            proposed, accepted = spec.stats.proposed - before[0], spec.stats.accepted - before[1]
+            if run:
+                assert accepted > 0 and proposed > 0, spec.proposer.name
+        assert proposed > accepted              # the scripted run rejected drafts, rolled back
+        spec.proposer = Scripted(script, seed=3)
+        got_sampled = two.generate(SPEC_PROMPTS, sampled)
+    assert [list(o.token_ids) for o in got_sampled] == [list(o.token_ids) for o in ref_sampled]
+
+
+def test_tp2_dflash_drafter_reads_the_same_hidden_states(tiny_gqa: Path, tmp_path: Path) -> None:
+    """DFlash at N=2: rank 0 returns the hidden states of the target layers (whole after the
+    all-reduces) and the drafter proposes what it proposes at N=1; greedy tokens unchanged."""
+    from tokenmill.models.dflash import DrafterConfig, init_drafter, save_drafter
+
+    loaded = load_model(str(tiny_gqa))
+    a = loaded.model.args
+    cfg = DrafterConfig(target_hidden_size=a.hidden_size, vocab_size=a.vocab_size, target_layers=[0, a.num_layers - 1],
+                        hidden_size=a.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+                        head_dim=a.head_dim, intermediate_size=64, block_size=5, context_window=16)
+    save_drafter(init_drafter(cfg, seed=1), tmp_path)
+    kw = dict(KW, speculative_method="dflash", speculative_model=str(tmp_path), speculative_adaptive=False)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    def recorded(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
+        proposer, drafts = llm.engine.spec.proposer, []
+        inner = proposer.propose
+
+        def propose(requests, num_tokens):
+            out = inner(requests, num_tokens)
+            drafts.extend(list(d.token_ids) for d in out)
+            return out
+
+        proposer.propose = propose
+        return [list(o.token_ids) for o in llm.generate(SPEC_PROMPTS, params)], drafts
+
+    plain = [list(o.token_ids) for o in LLM(str(tiny_gqa), loaded=loaded, **KW).generate(SPEC_PROMPTS, params)]
+    ref_tokens, ref_drafts = recorded(LLM(str(tiny_gqa), loaded=loaded, **kw))
+    with LLM(str(tiny_gqa), loaded=loaded, tensor_parallel_size=2, **kw) as two:
+        tokens, drafts = recorded(two)
+        assert two.engine.stats().spec.proposed > 0
+    assert tokens == ref_tokens == plain
+    assert sum(map(len, drafts)) > 0 and drafts == ref_drafts
+
+
+# ---------------------------------------------------------------------------------- KV tiers
+def test_tp2_kv_tiers_host_and_file_hits_match_one_rank(tiny_gqa: Path, tmp_path: Path) -> None:
+    """L2 and the file L3 at N=2: the scheduler decides, every rank demotes / reloads its own
+    shard (its own host slots, its own L3 namespace). Turn 2 of sessions that fell out of a small
+    L1 comes back from host memory; after a restart turn 1 comes back from the files; greedy
+    tokens equal N=1 without any cache."""
+    import random
+
+    P, K = 8, 4
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(6 * P)] for _ in range(4)]
+    params = SamplingParams(max_tokens=K, temperature=0, ignore_eos=True)
+    loaded = load_model(str(tiny_gqa))
+    kw = dict(page_size=P, kv_cache_tokens=20 * P, max_batch_tokens=64, num_threads=1, decode_slowdown=None,
+              session_retention_s=0.0, debug_checks=True)
+    store = f"file:{tmp_path / 'kv'}"
+
+    def turns(llm: LLM, n: int) -> list[list]:
+        hist, outs = [list(p) for p in prompts], [[] for _ in prompts]
+        for t in range(n):
+            for i in range(len(hist)):
+                o = llm.generate([hist[i]], params, session_ids=[f"s{i}"])[0]
+                outs[i].append(o)
+                hist[i] = hist[i] + list(o.token_ids) + [1000 + 7 * i + t, 2000 + i, 3000 + t]
+        return outs
+
+    base = turns(LLM(str(tiny_gqa), loaded=loaded, **dict(kw, enable_prefix_cache=False)), 2)
+    with LLM(str(tiny_gqa), loaded=loaded, tensor_parallel_size=2, host_cache_memory_gib=0.001,
+             cache_storage=store, **kw) as two:
+        got = turns(two, 2)
+        assert [[list(o.token_ids) for o in s] for s in got] == [[list(o.token_ids) for o in s] for s in base]
+        from_l2 = sum(o.cached_tokens_by_tier["l2"] for s in got for o in s)
+        assert from_l2 > 0
+        assert two.engine.tiers.drain()
+        st = two.engine.stats().tiers
+        assert st.hit_tokens["l2"] == from_l2 and st.pages_written["l2"] > 0
+        assert st.pages_written["l3"] >= 4 * 5           # every session's computed pages, each rank's shard
+    shards = sorted((tmp_path / "kv").iterdir())
+    assert len(shards) == 2 and all(sum(1 for _ in d.glob("*/*.kvpage")) >= 20 for d in shards)
+    with LLM(str(tiny_gqa), loaded=loaded, tensor_parallel_size=2, cache_storage=store, **kw) as again:
+        got = turns(again, 1)
+        for s, b, p in zip(got, base, prompts):
+            assert list(s[0].token_ids) == list(b[0].token_ids)
+            assert s[0].cached_tokens_by_tier["l3"] == (len(p) - 1) // P * P
+        assert again.engine.stats().tiers.bytes_read["l3"] > 0
+        assert again.engine.flush_storage_cache() >= 20      # every rank's namespace emptied
+    assert all(not any(d.glob("*/*.kvpage")) for d in shards)
+
+
+def test_tp2_mla_latent_is_stored_once_in_l3(tiny_dir, tmp_path: Path) -> None:
+    """DeepSeek-V3 at N=2: both ranks hold the whole latent, so rank 0 alone writes it (one
+    namespace in the store); after a restart both ranks load it and the tokens are N=1's."""
+    path = str(tiny_dir("DeepseekV3ForCausalLM"))
+    loaded = load_model(path)
+    P = 8
+    prompts = [LONG[:41], [(13 * i + 7) % 3000 + 40 for i in range(33)]]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    kw = dict(page_size=P, kv_cache_tokens=256, num_threads=1, decode_slowdown=None)
+    ref = LLM(path, loaded=loaded, enable_prefix_cache=False, **kw).generate(prompts, params)
+    store = f"file:{tmp_path / 'kv'}"
+    with LLM(path, loaded=loaded, tensor_parallel_size=2, cache_storage=store, **kw) as first:
+        first.generate(prompts, params)
+        assert first.engine.tiers.drain()
+        assert first.engine.stats().tiers.pages_written["l3"] >= 5 + 4
+    assert len(list((tmp_path / "kv").iterdir())) == 1
+    with LLM(path, loaded=loaded, tensor_parallel_size=2, cache_storage=store, **kw) as again:
+        got = again.generate(prompts, params)
+    for r, g, p in zip(ref, got, prompts):
+        assert list(g.token_ids) == list(r.token_ids)
+        assert g.cached_tokens_by_tier["l3"] == (len(p) - 1) // P * P

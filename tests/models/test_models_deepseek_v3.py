@@ -139,6 +139,25 @@ def test_grouped_experts_match_a_dense_reference(grouped_mm):
     assert (got - want).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("grouped_mm", [True, False])
+def test_expert_shards_local_sums_add_up_to_all_experts(grouped_mm):
+    """Expert parallelism: shards holding experts [0, 3), [3, 6), [6, 8) each sum only the pairs
+    routed to them (zero rows elsewhere); the shards' sums add up to the whole layer's output."""
+    torch.manual_seed(1)
+    e, h, f, t, k = 8, 32, 16, 40, 3
+    gate_up, down = torch.randn(e, 2 * f, h) * 0.2, torch.randn(e, h, f) * 0.2
+    x = torch.randn(t, h)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    ids[:5] = torch.tensor([0, 1, 2])     # tokens with no expert on the later shards
+    weights = torch.rand(t, k)
+    whole = GroupedExperts(gate_up, down, use_grouped_mm=grouped_mm)(x, weights, ids)
+    parts = [GroupedExperts(gate_up[lo:hi], down[lo:hi], use_grouped_mm=grouped_mm).local_sum(x, weights, ids, lo)
+             for lo, hi in ((0, 3), (3, 6), (6, 8))]
+    assert parts[1][:5].abs().max().item() == 0 and parts[2][:5].abs().max().item() == 0
+    assert all(p.abs().sum().item() > 0 for p in parts)
+    assert (sum(parts) - whole).abs().max().item() < 1e-5
+
+
 def test_fp8_latent_cache_holds_the_fp32_latents_within_e4m3_rounding(pairs):
     """Same steps into an fp32 and an fp8 pool: every stored latent dequantizes to the fp32 one
     within e4m3's half-ulp (2^-4 relative) plus the per-token scale's subnormal step."""

@@ -266,6 +266,47 @@ class RedisStorage(StorageBackend):
             pass
 
 
+class RankShardedStorage(StorageBackend):
+    """Reads of a tensor-parallel replica's pages: rank ``r`` stores its shard of a page under its
+    own namespace (``backends[r]``); a page exists only when every rank's record does, and its
+    record here is every rank's payload, checked against that rank's namespace and joined in rank
+    order, under ``namespace``. Writes are the ranks' own (each through its own backend)."""
+
+    def __init__(self, namespace: bytes, backends: Sequence[StorageBackend], payload_bytes: Sequence[int]) -> None:
+        super().__init__(namespace)
+        self.backends = list(backends)
+        self.payload_bytes = list(payload_bytes)
+        self.url = f"{self.backends[0].url} ({len(self.backends)} rank namespaces)"
+
+    def exists_leading_run(self, keys: Sequence[bytes]) -> int:
+        n = len(keys)
+        for b in self.backends:
+            n = b.exists_leading_run(keys[:n])
+            if n == 0:
+                break
+        return n
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        per_rank = [b.get_many(keys) for b in self.backends]
+        out: list[bytes | None] = []
+        for i, key in enumerate(keys):
+            records = [recs[i] for recs in per_rank]
+            if any(r is None for r in records):
+                out.append(None)
+                continue
+            payload = b"".join(decode_page(b.namespace, key, r, n)   # type: ignore[arg-type]
+                               for b, r, n in zip(self.backends, records, self.payload_bytes))
+            out.append(encode_page(self.namespace, key, payload))
+        return out
+
+    def flush_namespace(self) -> int:
+        return min(b.flush_namespace() for b in self.backends)
+
+    def close(self) -> None:
+        for b in self.backends:
+            b.close()
+
+
 def open_storage(spec: str, namespace: bytes, *, timeout_s: float = 1.0) -> StorageBackend | None:
     """``none`` -> None, ``file:DIR`` -> FileStorage, ``redis://HOST:PORT/DB`` -> RedisStorage."""
     if spec in ("", "none"):

@@ -41,6 +41,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="worker ranks sharing the model (torch.distributed: gloo on cpu, NCCL on cuda)")
     g.add_argument("--tp-pin-cores", action="store_true",
                    help="CPU tensor parallelism: pin each rank to one core")
+    g.add_argument("--moe-parallel", default=d.moe_parallel, choices=["tp", "ep"],
+                   help="how MoE experts split over the tensor-parallel ranks: tp = every expert's intermediate "
+                        "dimension split (default), ep = expert parallelism, whole experts per rank")
+    g.add_argument("--enable-expert-parallel", dest="moe_parallel", action="store_const", const="ep",
+                   help="the same as --moe-parallel ep")
     g.add_argument("--device", default=d.device, help="torch device of the model runner (default: cpu)")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="KV pool storage: auto (the model's dtype), fp8_e4m3 (float8_e4m3fn + fp32 scales per "

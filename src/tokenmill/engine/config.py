@@ -19,6 +19,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bf16", "fp16", "fp32", "fp8", "float8_e4
 assert set(KV_CACHE_DTYPES) == {"auto", *KV_DTYPE_NAMES}
 ATTENTION_BACKENDS = ("auto", "torch", "native")
 SPECULATIVE_METHODS = ("ngram", "suffix", "dflash")
+MOE_PARALLEL = ("tp", "ep")       # MoE under tensor parallelism: TP inside experts, or expert parallelism
 HOST_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the KV pool's dtype
 CACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DEFAULT_KV_SESSIONS = 4          # full-length sequences the default pool holds
@@ -91,6 +92,9 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     # only the snapshots at request ends and branch points)
     state_snapshot_interval: int = 512
     tp_pin_cores: bool = False       # CPU tensor parallelism: pin rank r to one core (r mod cores)
+    # how a mixture of experts splits over the ranks: "tp" (each expert's intermediate split) or
+    # "ep" (expert parallelism: whole experts per rank); see models/tensor_parallel.py
+    moe_parallel: str = "tp"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -177,13 +181,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"state_snapshot_interval must be >= 0, got {self.state_snapshot_interval}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and (self.host_cache_memory_gib > 0
-                                              or self.cache_storage not in ("", "none")):
-            raise ValueError("the host and storage cache tiers run with tensor_parallel_size=1 only (their page "
-                             "moves would have to reach every rank's KV shard)")
-        if self.tensor_parallel_size > 1 and self.speculative_method is not None:
-            raise ValueError("speculative decoding runs with tensor_parallel_size=1 only for now (the ranks do not "
-                             "verify drafts or capture hidden states)")
+        if self.moe_parallel not in MOE_PARALLEL:
+            raise ValueError(f"moe_parallel must be one of {MOE_PARALLEL}, got {self.moe_parallel!r}")
         if not self.device or not (self.device == "cpu" or self.device.startswith(("cuda", "mps", "xpu"))):
             raise ValueError(f"device must be cpu or a torch accelerator such as cuda or cuda:1, got {self.device!r}")
 

@@ -100,10 +100,14 @@ class Engine:
                 model=str(self.loaded.source) if loaded is not None else config.model, dtype=config.dtype,
                 tp=config.tensor_parallel_size, num_pages=self.kv.num_pages, page_size=config.page_size,
                 device=self.device.type, kv_dtype=self.kv_spec.dtype, attention_backend=config.attention_backend,
-                num_threads=config.num_threads, pin_cores=config.tp_pin_cores, init_method=new_init_method()),
+                num_threads=config.num_threads, pin_cores=config.tp_pin_cores, init_method=new_init_method(),
+                moe_parallel=config.moe_parallel),
                 self.loaded.model)
-            self.tiers = None                # refused with tensor parallelism by EngineConfig
-            self.kv.tiers = None
+            try:
+                self._init_tiers()
+            except BaseException:
+                self.runner.close()
+                raise
         else:
             slots = self.kv.slots
             self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
@@ -163,7 +167,7 @@ class Engine:
         from tokenmill.models.tensor_parallel import rank_kv_cache_spec
 
         check_tensor_parallel_devices(tp, self.config.device)
-        return rank_kv_cache_spec(model, tp)
+        return rank_kv_cache_spec(model, tp, self.config.moe_parallel)
 
     def _check_hybrid(self) -> None:
         """Refuse, at start-up, the features a hybrid model's state pool does not support yet."""
@@ -253,7 +257,8 @@ class Engine:
     def _init_tiers(self) -> None:
         from tokenmill.engine.kv_tiers import build_tiers
 
-        self.tiers = build_tiers(self.config, self.runner, self.kv, self.model_name, self.kv_spec)
+        self.tiers = build_tiers(self.config, self.runner, self.kv, self.model_name, self.kv_spec,
+                                 self.loaded.model)
         self.kv.tiers = self.tiers
 
     def _init_speculative(self) -> None:

@@ -20,6 +20,16 @@ Flow of pages::
                                        copied into fresh L1 pages and inserted in the tree, the
                                        rest of the prompt is computed
 
+Tensor parallelism: every rank holds its own shard of every page. The decisions above (keys,
+the L2 index, prefetches, what to write) stay in the scheduler process; each copy becomes an op
+(:class:`RemotePages`) shipped with the next step description and replayed by every rank on its
+shard, in the same order, before the step's forward (:func:`run_page_ops`). Each rank has its own
+L2 slots (same slot ids everywhere). Each distinct shard of a page is written to L3 by one rank,
+under that rank's namespace (:func:`rank_namespace`); ranks holding the same bytes (a replicated
+KV head, the MLA latent) share that copy. A page is an L3 hit only when every shard's record of it
+is present and valid (:class:`~tokenmill.cache.storage.RankShardedStorage`, read here), and each
+rank is sent only its shard of the payload.
+
 L2 may store pages in a narrower dtype than L1 (``host_dtype``): bfloat16 halves host memory
 for a float32 pool, and a page loaded back is then rounded to bfloat16 precision. The default
 (``auto``) keeps L1's dtype, so a reloaded page is bit-identical to the computed one. L3 always
@@ -119,13 +129,16 @@ class HybridPlan:
 
 
 class TieredKV:
-    def __init__(self, kv_caches: list[Any], keyer: PageKeyer, cache: RadixCache, num_pages: int, *,
+    """The tier decisions (which page goes where, keys, prefetches) over a page mover: the
+    :class:`LocalPages` of this process's pool, or with tensor parallelism a
+    :class:`RemotePages` that ships the same copies to every rank (each moves its own shard)."""
+
+    def __init__(self, mover: LocalPages | RemotePages, keyer: PageKeyer, cache: RadixCache, *,
                  states: Any = None, host_snapshots: int = 0,
-                 host_pages: int = 0, host_dtype: torch.dtype | None = None,
                  storage: StorageBackend | None = None, write_policy: str = "write_through",
                  write_min_hits: int = 2, prefetch_timeout_s: float = 1.0,
                  prefetch_min_pages: int = 1, storage_retry_s: float = 2.0) -> None:
-        self.kv_caches = kv_caches
+        self.mover = mover
         self.keyer = keyer
         self.page_size = keyer.page_size
         self.cache = cache
@@ -135,31 +148,19 @@ class TieredKV:
         self.prefetch_min_pages = max(prefetch_min_pages, 1)
         self.stats = TierStats()
         self._lock = threading.Lock()   # stats written by the worker thread too
-        self.leaves = page_leaves(kv_caches, num_pages)
-        first = self.leaves[0].tensor
-        self.device = first.device
-        self.kv_dtype = first.dtype
-        self.num_layers = sum(1 for c in kv_caches if c is not None)
-        self.payload_bytes = sum(leaf.page_bytes for leaf in self.leaves)
-        # L2: one host tensor per leaf, [slots, *page_shape]; a narrower host dtype applies to
-        # floating-point leaves of a single-tensor layout only (never to fp8 bytes or scales)
+        self.payload_bytes = mover.payload_bytes
         self.host: HostIndex | None = None
-        self.host_kv: list[torch.Tensor] = []
-        plain = all(leaf.tensor.dtype.is_floating_point for leaf in self.leaves) and \
-            len(self.leaves) == self.num_layers
-        self.host_dtype = host_dtype if (host_dtype is not None and plain) else None
-        if host_pages > 0:
-            self.host = HostIndex(host_pages)
-            pin = self.device.type == "cuda"
-            self.host_kv = [torch.zeros((host_pages, *leaf.page_shape), dtype=self.host_dtype or leaf.tensor.dtype,
-                                        pin_memory=pin) for leaf in self.leaves]
-            self.stats.pages_l2_capacity = host_pages
-        # L3
+        if mover.host_pages > 0:
+            self.host = HostIndex(mover.host_pages)
+            self.stats.pages_l2_capacity = mover.host_pages
+        # L3: this worker reads (prefetch) and, in process, writes; with tensor parallelism the
+        # ranks write their shards themselves and this worker reads all ranks' records of a page
         self.storage = storage
         self.worker: StorageWorker | None = None
         if storage is not None:
             self.worker = StorageWorker(storage, on_error=self._on_storage_error, on_io=self._on_io,
                                         retry_s=storage_retry_s)
+            mover.attach_writer(self.worker)
         self.l3_known: OrderedDict[bytes, None] = OrderedDict()
         self._hits: OrderedDict[bytes, int] = OrderedDict()
         self._pending: dict[bytes, int] = {}          # key -> L1 page to snapshot for L3
@@ -176,15 +177,23 @@ class TieredKV:
             self.snap_bytes = sum(t[0].numel() * t.element_size() for t in self.state_leaves)
             if host_snapshots > 0:
                 self.host_snap = HostIndex(host_snapshots)
-                pin = self.device.type == "cuda"
+                pin = states.device.type == "cuda"
                 self.host_state = [torch.zeros((host_snapshots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
                                    for t in self.state_leaves]
                 self.stats.snapshots_l2_capacity = host_snapshots
             cache.snapshot_evict_hook = self.on_snapshot_evict
 
     @property
+    def host_dtype(self) -> torch.dtype | None:
+        return self.mover.host_dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.mover.kv_dtype
+
+    @property
     def host_page_bytes(self) -> int:
-        return sum(h[0].numel() * h.element_size() for h in self.host_kv)
+        return self.mover.host_page_bytes
 
     # ---------------------------------------------------------------- stats (thread-safe)
     def _on_storage_error(self, kind: str, message: str) -> None:
@@ -204,6 +213,11 @@ class TieredKV:
     def snapshot_stats(self) -> TierStats:
         with self._lock:
             s = self.stats.snapshot()
+        for name, (nbytes, pages, present, dropped) in self.mover.writer_counts().items():
+            s.bytes_written[name] += nbytes
+            s.pages_written[name] += pages
+            s.l3_skipped_present += present
+            s.l3_dropped_writes += dropped
         s.pages_l2 = len(self.host) if self.host is not None else 0
         s.pages_l3_known = len(self.l3_known)
         s.snapshots_l2 = len(self.host_snap) if self.host_snap is not None else 0
@@ -422,10 +436,10 @@ class TieredKV:
             count += 1
         t0 = time.perf_counter()
         if l2_pages:
-            self._copy_from_host(l2_slots, l2_pages)
+            self.mover.from_host(l2_slots, l2_pages)
         t1 = time.perf_counter()
         if l3_pages:
-            self._write_payloads(l3_payloads, l3_pages)
+            self.mover.load_payloads(l3_payloads, l3_pages)
         t2 = time.perf_counter()
         with self._lock:
             s = self.stats
@@ -497,7 +511,10 @@ class TieredKV:
         if self._pending_host:
             self._flush_pending_host()   # read the displaced slots before they are overwritten
         if slots:
-            self._copy_to_host(srcs, slots)
+            self.mover.to_host(srcs, slots)
+            with self._lock:
+                self.stats.bytes_written["l2"] += len(srcs) * self.host_page_bytes
+                self.stats.pages_written["l2"] += len(srcs)
 
     def on_snapshot(self, req: Request, num_pages: int, slot: int) -> None:
         """A snapshot of ``req``'s state after ``num_pages`` pages was just taken into ``slot``."""
@@ -531,13 +548,19 @@ class TieredKV:
             self.stats.bytes_written["l2"] += self.snap_bytes
 
     def _gather_state(self, slots: list[int]) -> torch.Tensor:
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        idx = torch.tensor(slots, dtype=torch.long, device=self.states.device)
         return _as_bytes([t.index_select(0, idx).cpu() for t in self.state_leaves])
 
     def _send_snapshots(self, keys: list[bytes], data: torch.Tensor) -> None:
-        self._send(keys, data)
-        with self._lock:
-            self.stats.snapshots_written["l3"] += len(keys)
+        """Queue snapshots (``data``: [n, snap_bytes] uint8 on the CPU, a fresh copy) for L3."""
+        if self.worker is None:
+            return
+        raw = data.numpy()
+        if self.worker.write([(k, raw[i]) for i, k in enumerate(keys)], encoded=False):
+            for k in keys:
+                self._remember_l3(k)
+            with self._lock:
+                self.stats.snapshots_written["l3"] += len(keys)
 
     def end_step(self) -> None:
         """Snapshot queued pages and hand them to the storage worker (once per engine step)."""
@@ -550,62 +573,17 @@ class TieredKV:
 
     def _send_l1(self, keys: list[bytes], pages: list[int]) -> None:
         assert self.worker is not None
-        data = self._gather_payload(pages)
-        self._send(keys, data)
+        if self.mover.write_l1(keys, pages):
+            for k in keys:
+                self._remember_l3(k)
 
     def _flush_pending_host(self) -> None:
         items = self._pending_host
         self._pending_host = []
         keys = [k for k, _ in items]
-        idx = torch.tensor([s for _, s in items], dtype=torch.long)
-        # the L3 record holds the L1 dtype, whatever the host dtype
-        parts = [h.index_select(0, idx).to(leaf.tensor.dtype) for h, leaf in zip(self.host_kv, self.leaves)]
-        self._send(keys, _as_bytes(parts))
-
-    def _send(self, keys: list[bytes], data: torch.Tensor) -> None:
-        """``data``: [n, payload_bytes] uint8 on the CPU, a fresh snapshot."""
-        # ``data`` is a fresh snapshot owned by nobody else: the worker reads its rows in place
-        # and builds the records (copy + checksum) off the engine thread.
-        raw = data.numpy()
-        if self.worker is not None and self.worker.write([(k, raw[i]) for i, k in enumerate(keys)],
-                                                         encoded=False):
+        if self.mover.write_host(keys, [s for _, s in items]):   # read before the slots are reused
             for k in keys:
                 self._remember_l3(k)
-
-    # ---------------------------------------------------------------- copies
-    def _gather_payload(self, pages: list[int]) -> torch.Tensor:
-        """[n, payload_bytes] uint8 on the CPU: every leaf's page, in leaf order, as stored."""
-        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
-        return _as_bytes([leaf.tensor.index_select(leaf.page_dim, idx).movedim(leaf.page_dim, 0).cpu()
-                          for leaf in self.leaves])
-
-    def _copy_to_host(self, pages: list[int], slots: list[int]) -> None:
-        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
-        sidx = torch.tensor(slots, dtype=torch.long)
-        for leaf, host in zip(self.leaves, self.host_kv):
-            src = leaf.tensor.index_select(leaf.page_dim, idx).movedim(leaf.page_dim, 0)
-            host.index_copy_(0, sidx, src.to("cpu", host.dtype))
-        with self._lock:
-            self.stats.bytes_written["l2"] += len(pages) * self.host_page_bytes
-            self.stats.pages_written["l2"] += len(pages)
-
-    def _copy_from_host(self, slots: list[int], pages: list[int]) -> None:
-        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
-        sidx = torch.tensor(slots, dtype=torch.long)
-        for leaf, host in zip(self.leaves, self.host_kv):
-            src = host.index_select(0, sidx).to(self.device, leaf.tensor.dtype, non_blocking=True)
-            leaf.tensor.index_copy_(leaf.page_dim, idx, src.movedim(0, leaf.page_dim))
-
-    def _write_payloads(self, payloads: list[bytes], pages: list[int]) -> None:
-        n = len(pages)
-        data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).reshape(n, self.payload_bytes)
-        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
-        off = 0
-        for leaf in self.leaves:
-            part = data[:, off:off + leaf.page_bytes].contiguous().view(leaf.tensor.dtype)
-            part = part.reshape(n, *leaf.page_shape).to(self.device)
-            leaf.tensor.index_copy_(leaf.page_dim, idx, part.movedim(0, leaf.page_dim))
-            off += leaf.page_bytes
 
     # ---------------------------------------------------------------- admin
     def flush_host(self) -> None:
@@ -622,6 +600,8 @@ class TieredKV:
         """Delete this model's pages from L3; returns how many were deleted."""
         if self.worker is None:
             return 0
+        self.end_step()
+        self.mover.sync(30.0)      # tensor parallelism: the ranks' queued writes land first
         self.worker.drain()
         n = int(self.worker.call(self.worker.backend.flush_namespace))  # type: ignore[arg-type]
         self.l3_known.clear()
@@ -629,15 +609,200 @@ class TieredKV:
 
     def drain(self, timeout: float = 30.0) -> bool:
         self.end_step()
-        return self.worker.drain(timeout) if self.worker is not None else True
+        ok = self.mover.sync(timeout)
+        return (self.worker.drain(timeout) if self.worker is not None else True) and ok
 
     def close(self) -> None:
         if self.worker is not None:
             try:
                 self.end_step()
+                self.mover.sync(30.0)
             finally:
                 self.worker.close()
                 self.worker = None
+
+
+class LocalPages:
+    """The tier copies on this process's KV pool (``kv_caches``): L1 pages to and from L2 slots
+    (host tensors it owns), L1 snapshots to L3 through a storage worker, L3 payloads into L1.
+    A tensor-parallel rank runs one over its own shard (see :func:`run_page_ops`)."""
+
+    def __init__(self, kv_caches: list[Any], num_pages: int, host_pages: int = 0,
+                 host_dtype: torch.dtype | None = None) -> None:
+        self.leaves = page_leaves(kv_caches, num_pages)
+        first = self.leaves[0].tensor
+        self.device = first.device
+        self.kv_dtype = first.dtype
+        self.payload_bytes = sum(leaf.page_bytes for leaf in self.leaves)
+        # a narrower host dtype applies to floating-point leaves of a single-tensor layout only
+        # (never to fp8 bytes or scales)
+        plain = all(leaf.tensor.dtype.is_floating_point for leaf in self.leaves) and \
+            len(self.leaves) == sum(1 for c in kv_caches if c is not None)
+        self.host_dtype = host_dtype if (host_dtype is not None and plain) else None
+        self.host_pages = host_pages
+        pin = self.device.type == "cuda"
+        self.host_kv = [torch.zeros((host_pages, *leaf.page_shape), dtype=self.host_dtype or leaf.tensor.dtype,
+                                    pin_memory=pin) for leaf in self.leaves] if host_pages > 0 else []
+        self.host_page_bytes = sum(h[0].numel() * h.element_size() for h in self.host_kv)
+        self.writer: StorageWorker | None = None
+
+    def attach_writer(self, worker: StorageWorker) -> None:
+        self.writer = worker
+
+    def writer_counts(self) -> dict[str, tuple[int, int, int, int]]:
+        return {}   # the writer reports to the TieredKV's own stats
+
+    def sync(self, timeout: float) -> bool:
+        return True
+
+    def write_l1(self, keys: list[bytes], pages: list[int]) -> bool:
+        """Snapshot L1 ``pages`` and queue them for L3 under ``keys``; False when dropped."""
+        if self.writer is None or not keys:
+            return False
+        return self._send(keys, self._gather_payload(pages))
+
+    def write_host(self, keys: list[bytes], slots: list[int]) -> bool:
+        """Queue L2 ``slots`` for L3 (in the L1 dtype, whatever the host dtype)."""
+        if self.writer is None or not keys:
+            return False
+        idx = torch.tensor(slots, dtype=torch.long)
+        parts = [h.index_select(0, idx).to(leaf.tensor.dtype) for h, leaf in zip(self.host_kv, self.leaves)]
+        return self._send(keys, _as_bytes(parts))
+
+    def _send(self, keys: list[bytes], data: torch.Tensor) -> bool:
+        """``data``: [n, payload_bytes] uint8 on the CPU, a fresh snapshot owned by nobody else:
+        the worker reads its rows in place and builds the records (copy + checksum) off the
+        engine thread."""
+        assert self.writer is not None
+        raw = data.numpy()
+        return self.writer.write([(k, raw[i]) for i, k in enumerate(keys)], encoded=False)
+
+    def _gather_payload(self, pages: list[int]) -> torch.Tensor:
+        """[n, payload_bytes] uint8 on the CPU: every leaf's page, in leaf order, as stored."""
+        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        return _as_bytes([leaf.tensor.index_select(leaf.page_dim, idx).movedim(leaf.page_dim, 0).cpu()
+                          for leaf in self.leaves])
+
+    def to_host(self, pages: list[int], slots: list[int]) -> None:
+        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        sidx = torch.tensor(slots, dtype=torch.long)
+        for leaf, host in zip(self.leaves, self.host_kv):
+            src = leaf.tensor.index_select(leaf.page_dim, idx).movedim(leaf.page_dim, 0)
+            host.index_copy_(0, sidx, src.to("cpu", host.dtype))
+
+    def from_host(self, slots: list[int], pages: list[int]) -> None:
+        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        sidx = torch.tensor(slots, dtype=torch.long)
+        for leaf, host in zip(self.leaves, self.host_kv):
+            src = host.index_select(0, sidx).to(self.device, leaf.tensor.dtype, non_blocking=True)
+            leaf.tensor.index_copy_(leaf.page_dim, idx, src.movedim(0, leaf.page_dim))
+
+    def load_payloads(self, payloads: list[bytes], pages: list[int]) -> None:
+        n = len(pages)
+        data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).reshape(n, self.payload_bytes)
+        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        off = 0
+        for leaf in self.leaves:
+            part = data[:, off:off + leaf.page_bytes].contiguous().view(leaf.tensor.dtype)
+            part = part.reshape(n, *leaf.page_shape).to(self.device)
+            leaf.tensor.index_copy_(leaf.page_dim, idx, part.movedim(0, leaf.page_dim))
+            off += leaf.page_bytes
+
+
+class RemotePages:
+    """The tier copies of a tensor-parallel replica: each call becomes an op in a list that the
+    :class:`~tokenmill.engine.parallel.ParallelRunner` ships with the next step description (or
+    at :meth:`sync`); every rank replays the ops in order on its own shard before the step's
+    forward (:func:`run_page_ops`), which is the order they happen in one process. L3 writes are
+    made by the ranks, each distinct shard by its owner into the owner's namespace (ranks that
+    hold the same bytes, as with a replicated KV head or the MLA latent, share one copy); an L3
+    payload read here (every shard's record of a page, joined) is split so each rank receives
+    only its shard."""
+
+    def __init__(self, runner: Any, shard_payload_bytes: list[int], shard_of_rank: list[int], host_pages: int,
+                 host_page_bytes: int, kv_dtype: torch.dtype, host_dtype: torch.dtype | None) -> None:
+        """``shard_payload_bytes``: one page's bytes of each distinct KV shard (the L3 payload is
+        their concatenation); ``shard_of_rank[r]``: the shard rank ``r`` holds."""
+        self.runner = runner
+        self.shard_payload_bytes = shard_payload_bytes
+        self.shard_of_rank = shard_of_rank
+        self.payload_bytes = sum(shard_payload_bytes)
+        self.host_pages = host_pages
+        self.host_page_bytes = host_page_bytes        # all ranks' slots of one page together
+        self.kv_dtype = kv_dtype
+        self.host_dtype = host_dtype
+        self.ops: list[tuple[Any, ...]] = []
+        self.rank_data: list[list[list[bytes]]] = [[] for _ in shard_of_rank]
+        self.writes = False
+        self._counts: dict[str, tuple[int, int, int, int]] = {}
+        runner.page_ops = self   # the runner takes the queued ops with every step
+
+    def attach_writer(self, worker: StorageWorker) -> None:
+        self.writes = True   # the ranks opened their own writers (runner.init_tiers)
+
+    def take(self) -> tuple[list[tuple[Any, ...]], list[list[list[bytes]]]]:
+        """The queued ops and each rank's L3 payloads (emptied)."""
+        ops, data = self.ops, self.rank_data
+        self.ops, self.rank_data = [], [[] for _ in self.shard_of_rank]
+        return ops, data
+
+    def sync(self, timeout: float) -> bool:
+        """Run the queued ops on every rank now and wait for the ranks' L3 writes."""
+        from tokenmill.contracts.errors import ReplicaFailedError
+
+        try:
+            ok, counts = self.runner.sync_tiers(timeout)
+        except ReplicaFailedError:
+            return False   # already logged; the replica is down
+        if counts:
+            self._counts = counts
+        return ok
+
+    def writer_counts(self) -> dict[str, tuple[int, int, int, int]]:
+        return self._counts
+
+    def write_l1(self, keys: list[bytes], pages: list[int]) -> bool:
+        if not self.writes or not keys:
+            return False
+        self.ops.append(("write_l1", keys, pages))
+        return True
+
+    def write_host(self, keys: list[bytes], slots: list[int]) -> bool:
+        if not self.writes or not keys:
+            return False
+        self.ops.append(("write_host", keys, slots))
+        return True
+
+    def to_host(self, pages: list[int], slots: list[int]) -> None:
+        self.ops.append(("to_host", pages, slots))
+
+    def from_host(self, slots: list[int], pages: list[int]) -> None:
+        self.ops.append(("from_host", slots, pages))
+
+    def load_payloads(self, payloads: list[bytes], pages: list[int]) -> None:
+        starts = [sum(self.shard_payload_bytes[:i]) for i in range(len(self.shard_payload_bytes))]
+        for r, i in enumerate(self.shard_of_rank):
+            a, n = starts[i], self.shard_payload_bytes[i]
+            self.rank_data[r].append([p[a:a + n] for p in payloads])
+        self.ops.append(("load", len(self.rank_data[0]) - 1, pages))
+
+
+def run_page_ops(pages: LocalPages, ops: list[tuple[Any, ...]], data: list[list[bytes]]) -> None:
+    """Replay :class:`RemotePages` ops on one rank's shard (``data``: this rank's L3 payloads)."""
+    for op in ops:
+        kind = op[0]
+        if kind == "to_host":
+            pages.to_host(op[1], op[2])
+        elif kind == "from_host":
+            pages.from_host(op[1], op[2])
+        elif kind == "load":
+            pages.load_payloads(data[op[1]], op[2])
+        elif kind == "write_l1":
+            pages.write_l1(op[1], op[2])
+        elif kind == "write_host":
+            pages.write_host(op[1], op[2])
+        else:
+            raise ValueError(f"unknown page op {kind!r}")
 
 
 @dataclass
@@ -693,9 +858,27 @@ def _chain(keyer: PageKeyer, parent: bytes, tokens: list[int]) -> list[bytes]:
     return sub.keys(tokens)
 
 
-def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any) -> TieredKV | None:
-    """The engine's lower tiers from its :class:`~tokenmill.engine.config.EngineConfig`, or None."""
-    from tokenmill.cache.storage import open_storage
+def describe_pool(kv_caches: list[Any], num_pages: int) -> dict[str, Any]:
+    """The page layout of a KV pool, as plain data (a tensor-parallel rank reports its own)."""
+    leaves = page_leaves(kv_caches, num_pages)
+    return {"entries": sum(1 for c in kv_caches if c is not None),
+            "leaves": [(tuple(l.page_shape), l.page_dim, str(l.tensor.dtype), l.tensor.element_size(),
+                        l.tensor.dtype.is_floating_point) for l in leaves]}
+
+
+def rank_namespace(namespace: bytes, rank: int, tp: int) -> bytes:
+    """The L3 namespace of tensor-parallel rank ``rank``'s shard of the pages of ``namespace``."""
+    return hashlib.blake2b(namespace + f"|rank {rank} of {tp}".encode(), digest_size=len(namespace)).digest()
+
+
+def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any,
+                model: Any = None) -> TieredKV | None:
+    """The engine's lower tiers from its :class:`~tokenmill.engine.config.EngineConfig`, or None.
+
+    ``runner``: a ModelRunner (the tiers copy its pool's pages here) or a ParallelRunner (every
+    rank copies its own shard; the decisions stay here). ``model``: the full model (whose weights
+    name the pages), by default the runner's."""
+    from tokenmill.cache.storage import RankShardedStorage, StorageError, open_storage
     from tokenmill.cache.tiers import make_namespace
 
     storage_spec = config.cache_storage or "none"
@@ -703,46 +886,84 @@ def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any
         return None
     if kv.cache is None:
         raise ValueError("the host and storage cache tiers need the prefix cache")
-    kv_caches = runner.kv_caches
     num_pages = kv.pool.num_pages
-    leaves = page_leaves(kv_caches, num_pages)
-    layout = "|".join(f"{tuple(l.page_shape)}:{l.page_dim}:{l.tensor.dtype}" for l in leaves) + \
-        f"|{kv_spec.layers!r}"
-    identity = f"{model_name}|{model_fingerprint(runner.model)}"
+    tp = getattr(runner, "tp", 1)
+    if tp > 1:
+        pools = [info["kv_pool"] for info in runner.rank_info]
+        if any(p != pools[0] for p in pools):
+            raise ValueError("the tensor-parallel ranks' KV pages differ in layout; the cache tiers need one layout")
+        pool = pools[0]
+    else:
+        pool = describe_pool(runner.kv_caches, num_pages)
+    leaves = pool["leaves"]
+    layout = "|".join(f"{shape}:{dim}:{dtype}" for shape, dim, dtype, _, _ in leaves) + f"|{kv_spec.layers!r}"
+    if tp > 1:
+        layout += f"|tensor parallel {tp}"   # a shard's pages are not another TP size's
+    identity = f"{model_name}|{model_fingerprint(model if model is not None else runner.model)}"
     namespace = make_namespace(identity, layout, str(kv_spec.dtype), config.page_size)
     keyer = PageKeyer(namespace, config.page_size)
     host_dtype = None if config.host_cache_dtype == "auto" else getattr(torch, config.host_cache_dtype)
-    plain = all(l.tensor.dtype.is_floating_point for l in leaves) and \
-        len(leaves) == sum(1 for c in kv_caches if c is not None)
-    host_page_bytes = sum(math.prod(l.page_shape) * (torch.empty((), dtype=host_dtype).element_size()
-                                                     if (host_dtype is not None and plain) else l.tensor.element_size())
-                          for l in leaves)
+    plain = all(is_float for *_, is_float in leaves) and len(leaves) == pool["entries"]
+    if not plain:
+        host_dtype = None
+    host_item = torch.empty((), dtype=host_dtype).element_size() if host_dtype is not None else None
+    host_page_bytes = sum(math.prod(shape) * (host_item or item) for shape, _, _, item, _ in leaves)
     host_bytes = config.host_cache_memory_gib * 2**30
-    states = getattr(runner, "states", None)
+    states = getattr(runner, "states", None) if tp == 1 else None
     host_snapshots = 0
     if states is not None and host_bytes > 0:
         # a hybrid model's L2 keeps the state snapshots beside the pages (a fixed share)
         snap_bytes = states.bytes_per_slot
         host_snapshots = max(int(host_bytes * HOST_SNAPSHOT_SHARE // snap_bytes), 1)
         host_bytes = max(host_bytes - host_snapshots * snap_bytes, 0)
-    host_pages = int(host_bytes // host_page_bytes)
+    host_pages = int(host_bytes // host_page_bytes)   # per rank with TP
     if config.host_cache_memory_gib > 0 and host_pages < 1:
         raise ValueError(f"host_cache_memory_gib={config.host_cache_memory_gib} holds no page of "
                          f"{host_page_bytes} bytes")
-    from tokenmill.cache.storage import StorageError
+    payload_bytes = sum(math.prod(shape) * item for shape, _, _, item, _ in leaves)
+    timeout = config.cache_storage_timeout_s
+    owners: list[int] = []          # per distinct KV shard, the rank that writes it to L3
+    shard_index: list[int] = []     # per rank, its distinct shard (index into owners)
+    if tp > 1:
+        from tokenmill.models.tensor_parallel import kv_shard_of
 
+        full = model if model is not None else runner.model
+        ids = [kv_shard_of(full, r, tp) for r in range(tp)]
+        for r, i in enumerate(ids):
+            if ids.index(i) == r:
+                owners.append(r)
+            shard_index.append(owners.index(ids.index(i)))
     try:
-        storage = open_storage(storage_spec, namespace, timeout_s=config.cache_storage_timeout_s)
+        if tp > 1:
+            backends = [open_storage(storage_spec, rank_namespace(namespace, r, tp), timeout_s=timeout)
+                        for r in owners]
+            storage = None
+            if backends[0] is not None:
+                storage = RankShardedStorage(namespace, backends,   # type: ignore[arg-type]
+                                             [payload_bytes] * len(owners))
+        else:
+            storage = open_storage(storage_spec, namespace, timeout_s=timeout)
     except StorageError as e:
         raise ValueError(f"--cache-storage {storage_spec}: {e}") from None
-    tiers = TieredKV(kv_caches, keyer, kv.cache, num_pages, states=states, host_snapshots=host_snapshots,
-                     host_pages=host_pages, host_dtype=host_dtype,
-                     storage=storage, write_policy=config.cache_write_policy,
+    mover: LocalPages | RemotePages
+    if tp > 1:
+        # ranks holding the same bytes (replicated KV heads, the MLA latent) share one L3 copy,
+        # written by its owner under the owner's namespace
+        runner.init_tiers(host_pages, host_dtype, storage_spec if storage is not None else "none",
+                          [rank_namespace(namespace, owners[i], tp) for i in shard_index],
+                          [r in owners for r in range(tp)], timeout)
+        kv_dtype = getattr(torch, leaves[0][2].removeprefix("torch."))
+        mover = RemotePages(runner, [payload_bytes] * len(owners), shard_index, host_pages, host_page_bytes * tp,
+                            kv_dtype, host_dtype)
+    else:
+        mover = LocalPages(runner.kv_caches, num_pages, host_pages, host_dtype)
+    tiers = TieredKV(mover, keyer, kv.cache, states=states, host_snapshots=host_snapshots, storage=storage, write_policy=config.cache_write_policy,
                      write_min_hits=config.cache_write_min_hits,
                      prefetch_timeout_s=config.cache_prefetch_timeout_s,
                      prefetch_min_pages=config.cache_prefetch_min_pages)
-    log.info("KV tiers: L2 %d host pages (%s, %.2f GiB), L3 %s, policy %s, namespace %s",
-             host_pages, str(tiers.host_dtype or tiers.kv_dtype).removeprefix("torch."),
+    log.info("KV tiers: L2 %d host pages%s (%s, %.2f GiB), L3 %s, policy %s, namespace %s",
+             host_pages, f" per rank (tp={tp})" if tp > 1 else "",
+             str(tiers.host_dtype or tiers.kv_dtype).removeprefix("torch."),
              host_pages * host_page_bytes / 2**30, storage.url if storage else "none",
              config.cache_write_policy, namespace.hex()[:12])
     if states is not None:

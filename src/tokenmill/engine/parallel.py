@@ -15,9 +15,17 @@ request the next-token bitmask its grammar allows (grammars advance in the sched
 for prompt logprobs how many it already holds; plus the ids of requests that have left. Every rank mirrors the requests (the same :class:`Request` objects
 the single-process runner reads), builds the same batch and runs its shard; the all-reduces
 inside the model keep the ranks in lockstep. Only rank 0 gets logits (vocabulary-parallel LM
-head gathered to it), samples, and sends back ``(token, logprob)`` per sampling request, so
+head gathered to it), samples, and sends back the tokens (and logprobs) per sampling request, so
 seeded sampling is the one-process code path with one random stream per request; prompt logprobs
 computed by rank 0 come back with the tokens.
+
+Speculative decoding: the proposer runs in the scheduler process (n-gram and suffix need only
+the token ids; a DFlash drafter reads the target's hidden states, which rank 0 captures after the
+all-reduces, where they are whole, and returns with the step). A request's drafts travel in the
+step description as more tokens of the step; every rank computes their K/V, rank 0 verifies them
+(:func:`~tokenmill.layers.speculative.verify`, the one-process code) and returns the accepted
+tokens plus one. The scheduler's rollback frees the pages past the accepted end; the ranks keep no
+page state of their own, so the next page tables are the whole rollback on every rank.
 
 Failure: the scheduler waits for rank 0's answer *and* every rank's process sentinel. A rank that
 dies (or reports an exception) makes :meth:`ParallelRunner.execute` raise
@@ -65,6 +73,7 @@ class WorkerSpec:
     pin_cores: bool            # CPU: pin rank r to core r % cpu_count
     init_method: str
     seed: int | None = None
+    moe_parallel: str = "tp"   # MoE experts: "tp" (intermediate split) or "ep" (whole experts per rank)
 
 
 def check_tensor_parallel_devices(tp: int, device: str) -> None:
@@ -100,6 +109,11 @@ class ParallelRunner:
         self._sent: dict[str, tuple[Request, int]] = {}   # request id -> (request, tokens the ranks hold)
         self._closed = False
         self.rank_info: list[dict[str, Any]] = []
+        # target layers whose hidden states rank 0 returns with each step (a learned drafter's;
+        # after the all-reduces the hidden states are whole and the same on every rank)
+        self.capture_layers: frozenset[int] = frozenset()
+        self.page_ops: Any = None   # kv_tiers.RemotePages: the tier copies every rank replays
+        self._tier_writers: list[int] = []
         for rank in range(spec.tp):
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_worker_main, args=(rank, spec, child), name=f"tokenmill-tp{rank}", daemon=True)
@@ -113,7 +127,7 @@ class ParallelRunner:
             # shared memory (torch.multiprocessing), so no rank reads or holds the whole checkpoint
             shards = []
             for rank in range(spec.tp):
-                kind, full_args, part = shard_weights(model, rank, spec.tp)
+                kind, full_args, part = shard_weights(model, rank, spec.tp, spec.moe_parallel)
                 part = {k: v.contiguous().share_memory_() for k, v in part.items()}
                 shards.append(part)
                 try:
@@ -132,6 +146,10 @@ class ParallelRunner:
         log.info("tensor parallel: %d ranks ready (%s), KV per rank: %d pages x %d tokens, %d B/token",
                  spec.tp, "gloo" if spec.device == "cpu" else "nccl", spec.num_pages, spec.page_size,
                  self.rank_info[0]["kv_bytes_per_token"])
+        if spec.moe_parallel == "ep" and self.rank_info[0].get("experts") is not None:
+            log.info("expert parallel: %s", ", ".join(
+                f"rank {i['rank']} experts {i['experts'][0]}..{i['experts'][1] - 1} "
+                f"({i['expert_weight_bytes'] / 2**20:.1f} MiB)" for i in self.rank_info))
 
     # ---- the ModelRunner interface -------------------------------------------------------------
     def make_generator(self, seed: int | None) -> None:
@@ -142,32 +160,75 @@ class ParallelRunner:
         if self._closed:
             raise ReplicaFailedError("the tensor-parallel replica has shut down")
         desc, samplers = self._describe(out)
-        payload = pickle.dumps(("step", desc), protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            for conn in self._conns:
-                conn.send_bytes(payload)
-        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-            self._fail(self._dead_ranks_message() or "a rank's pipe broke while sending the step")
+        ops, data = self.page_ops.take() if self.page_ops is not None else ([], None)
+        desc["ops"] = ops
+        self._send_all("step", desc, data)
         msg = self._recv(0, None, what="step")
         if msg[0] != "ok":
             # a rank's error is often another rank's death seen in a collective: name the dead too
             time.sleep(0.2)
             dead = self._dead_ranks_message()
             self._fail(f"rank 0: {msg[1]}" + (f" ({dead})" if dead and "rank 0 exited" not in dead else ""))
-        results, prompt_lps = msg[1], msg[2]
+        results, prompt_lps, captured, q_start = msg[1], msg[2], msg[3], msg[4]
         if len(results) != len(samplers):
             self._fail(f"rank 0 returned {len(results)} tokens for {len(samplers)} sampling requests")
         for s in out.scheduled:
             new = prompt_lps.get(s.request.request_id)
             if new and s.request.prompt_logprobs is not None:
                 s.request.prompt_logprobs.extend(new)
-        return StepResult([SampledTokens(req, [tok], [lp] if lp is not None else None)
-                           for req, (tok, lp) in zip(samplers, results)], {}, [])
+        return StepResult([SampledTokens(req, toks, lps, nd, na) for req, (toks, lps, nd, na) in zip(samplers, results)],
+                          captured, q_start)
+
+    def _send_all(self, kind: str, body: Any, data: list[list[list[bytes]]] | None) -> None:
+        """Send ``(kind, body, this rank's data)`` to every rank; one pickle when no rank data."""
+        try:
+            if data is None or not any(data):
+                payload = pickle.dumps((kind, body, None), protocol=pickle.HIGHEST_PROTOCOL)
+                for conn in self._conns:
+                    conn.send_bytes(payload)
+            else:
+                for conn, part in zip(self._conns, data):
+                    conn.send_bytes(pickle.dumps((kind, body, part), protocol=pickle.HIGHEST_PROTOCOL))
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            self._fail(self._dead_ranks_message() or f"a rank's pipe broke while sending the {kind}")
+
+    # ---- KV tiers (engine/kv_tiers.py) ---------------------------------------------------------
+    def init_tiers(self, host_pages: int, host_dtype: Any, storage: str, namespaces: list[bytes],
+                   writers: list[bool], timeout_s: float) -> None:
+        """Give every rank its L2 slots and, with L3, the ranks in ``writers`` a storage writer of
+        their own under ``namespaces[r]`` (the others hold a copy of a writer's shard)."""
+        self._tier_writers = [r for r, w in enumerate(writers) if w]
+        for rank, conn in enumerate(self._conns):
+            conn.send_bytes(pickle.dumps(("tiers_init", {"host_pages": host_pages, "host_dtype": host_dtype,
+                                                         "storage": storage if writers[rank] else "none",
+                                                         "namespace": namespaces[rank],
+                                                         "timeout_s": timeout_s}, None)))
+        for rank in range(self.tp):
+            msg = self._recv(rank, 60.0, what="tiers_init")
+            if msg[0] != "tiers_ready":
+                self._fail(f"rank {rank} could not set up its KV tiers: {msg[1]}")
+
+    def sync_tiers(self, timeout_s: float) -> tuple[bool, dict[str, tuple[int, int, int, int]]]:
+        """Run the queued page ops on every rank now and wait for the ranks' L3 writes.
+        Returns (all drained, L3 write counters: bytes summed over the writing ranks; pages, pages
+        already present and dropped writes as the least-written of them counts them)."""
+        if self._closed:
+            return False, {}
+        ops, data = self.page_ops.take() if self.page_ops is not None else ([], None)
+        self._send_all("tiers_sync", {"ops": ops, "timeout_s": timeout_s}, data)
+        replies = [self._recv(r, timeout_s + 30.0, what="tiers_sync") for r in range(self.tp)]
+        for r, msg in enumerate(replies):
+            if msg[0] != "synced":
+                self._fail(f"rank {r}: {msg[1]}")
+        counts = [replies[r][2] for r in self._tier_writers]
+        merged = {"l3": (sum(c[0] for c in counts), min(c[1] for c in counts), min(c[2] for c in counts),
+                         max(c[3] for c in counts))}
+        return all(msg[1] for msg in replies), merged
 
     def stats(self) -> list[dict[str, Any]]:
         """Each rank's counters: all-reduce seconds, collective bytes, steps."""
         for conn in self._conns:
-            conn.send_bytes(pickle.dumps(("stats", None)))
+            conn.send_bytes(pickle.dumps(("stats", None, None)))
         return [self._recv(r, 60.0, what="stats")[1] for r in range(self.tp)]
 
     def close(self) -> None:
@@ -184,7 +245,7 @@ class ParallelRunner:
         samplers: list[Request] = []
         for s in out.scheduled:
             req = s.request
-            end = s.start + s.num_tokens
+            end = s.start + s.num_tokens - s.num_draft   # drafts are not (yet) the request's tokens
             known = self._sent.get(req.request_id)
             if known is not None and known[0] is not req:  # an id reused after the old request left
                 drops.append(req.request_id)
@@ -199,10 +260,16 @@ class ParallelRunner:
             # a constrained request's allowed tokens: its grammar lives here, rank 0 applies the mask
             mask = self._grammar_mask(req) if s.samples and req.grammar is not None else None
             plp = len(req.prompt_logprobs) if req.prompt_logprobs is not None else None
-            items.append((req.request_id, s.start, s.num_tokens, s.samples, delta, req.page_table, new, mask, plp))
+            # speculative drafts (and their draft distribution, when the proposer has one): rank 0
+            # verifies them; a rejected draft's K/V sits past the request's end on every rank and
+            # is overwritten there (the scheduler's rollback frees those pages, the ranks follow
+            # the page tables)
+            probs = req.spec_probs[: s.num_draft] if s.num_draft and req.spec_probs is not None else None
+            items.append((req.request_id, s.start, s.num_tokens, s.samples, delta, req.page_table, new, mask, plp,
+                          s.draft_token_ids, probs))
             if s.samples:
                 samplers.append(req)
-        return {"drop": drops, "items": items}, samplers
+        return {"drop": drops, "items": items, "capture": self.capture_layers}, samplers
 
     def _grammar_mask(self, req: Request) -> Any:
         import xgrammar as xgr
@@ -261,7 +328,7 @@ def _stop_workers(conns: list[Connection], procs: list[Any]) -> None:
     """Ask every rank to exit, then terminate, then kill whatever is left (never blocks long)."""
     for conn in conns:
         try:
-            conn.send_bytes(pickle.dumps(("shutdown", None)))
+            conn.send_bytes(pickle.dumps(("shutdown", None, None)))
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
             pass
     deadline = time.monotonic() + STOP_GRACE_S
@@ -298,34 +365,56 @@ def _worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
 
+    from tokenmill.engine.kv_tiers import describe_pool
+
+    m_args = runner.model.args
     _send(conn, ("ready", {"rank": rank, "kv_bytes_per_token": runner.kv_spec.bytes_per_token(),
-                           "num_heads": runner.model.args.num_heads,
-                           "num_kv_heads": getattr(runner.model.args, "num_kv_heads", None)}))
+                           "num_heads": m_args.num_heads,
+                           "num_kv_heads": getattr(m_args, "num_kv_heads", None),
+                           "experts": getattr(m_args, "local_experts", None),
+                           "expert_weight_bytes": (runner.model.expert_weight_bytes()
+                                                   if hasattr(runner.model, "expert_weight_bytes") else 0),
+                           "kv_pool": describe_pool(runner.kv_caches, spec.num_pages)}))
     steps = 0
+    tiers = _RankTiers()
     try:
         while True:
             try:
-                kind, body = pickle.loads(conn.recv_bytes())
+                kind, body, data = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):  # the scheduler is gone
                 break
             if kind == "shutdown":
                 break
+            if kind == "tiers_init":
+                tiers.setup(runner, spec.num_pages, body)
+                _send(conn, ("tiers_ready",))
+                continue
+            if kind == "tiers_sync":
+                tiers.run(body["ops"], data)
+                ok = tiers.drain(body["timeout_s"])
+                _send(conn, ("synced", ok, tiers.counts()))
+                continue
             if kind == "stats":
                 m = runner.model
                 _send(conn, ("stats", {"rank": rank, "steps": steps, "allreduce_s": m.allreduce_s,
                                        "comm_bytes": m.comm_bytes}))
                 continue
+            if body["ops"]:   # the step's tier copies (demotions, reloads, L3 writes) come first
+                tiers.run(body["ops"], data)
             out = mirror.apply(body)
+            if rank == 0:
+                runner.capture_layers = body["capture"]
             with torch.inference_mode():
-                sampled = runner.execute(out)
+                result = runner.execute(out)
             steps += 1
             if rank == 0:
-                _send(conn, ("ok", [(s.token_ids[0], s.logprobs[0] if s.logprobs else None) for s in sampled.sampled],
-                                 mirror.new_prompt_logprobs()))
+                _send(conn, ("ok", [(s.token_ids, s.logprobs, s.num_draft, s.num_accepted) for s in result.sampled],
+                                 mirror.new_prompt_logprobs(), result.captured, result.query_start))
     except BaseException as e:  # noqa: BLE001
         logging.getLogger(__name__).error("rank %d failed:\n%s", rank, traceback.format_exc())
         _send(conn, ("error", f"rank {rank}: {type(e).__name__}: {e}"))
         os._exit(1)
+    tiers.close()
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the group may already be broken at shutdown
@@ -367,12 +456,61 @@ def _worker_setup(rank: int, spec: WorkerSpec, conn: Connection) -> tuple[Any, _
     what, kind, full_args, weights = conn.recv()
     if what != "weights":
         raise RuntimeError(f"expected this rank's weights first, got {what!r}")
-    shard = build_shard(kind, full_args, rank, spec.tp, dtype, weights)
+    shard = build_shard(kind, full_args, rank, spec.tp, dtype, weights, spec.moe_parallel)
     del weights
     kv_spec = shard.kv_cache_spec().with_dtype(spec.kv_dtype)
     runner = ModelRunner(shard, spec.num_pages, spec.page_size, shard.full_args.vocab_size, device=device,
                          seed=spec.seed, kv_spec=kv_spec, attention_backend=spec.attention_backend)
     return runner, _Mirror(runner)
+
+
+class _RankTiers:
+    """One rank's side of the KV tiers: its L2 slots and L3 writer over its own shard."""
+
+    def __init__(self) -> None:
+        self.pages: Any = None
+        self.writer: Any = None
+        self._counts = [0, 0, 0]   # L3 bytes written, pages written, pages already present
+
+    def setup(self, runner: Any, num_pages: int, cfg: dict[str, Any]) -> None:
+        from tokenmill.cache.storage import StorageWorker, open_storage
+        from tokenmill.engine.kv_tiers import LocalPages
+
+        self.pages = LocalPages(runner.kv_caches, num_pages, cfg["host_pages"], cfg["host_dtype"])
+        backend = open_storage(cfg["storage"], cfg["namespace"], timeout_s=cfg["timeout_s"])
+        if backend is not None:
+            self.writer = StorageWorker(backend, on_error=self._on_error, on_io=self._on_io)
+            self.pages.attach_writer(self.writer)
+
+    def _on_error(self, kind: str, message: str) -> None:
+        log.warning("KV storage tier (this rank's shard): %s: %s", kind, message)
+
+    def _on_io(self, op: str, nbytes: int, pages: int) -> None:
+        if op == "write":
+            self._counts[0] += nbytes
+            self._counts[1] += pages
+        elif op == "present":
+            self._counts[2] += pages
+
+    def run(self, ops: list[Any], data: Any) -> None:
+        from tokenmill.engine.kv_tiers import run_page_ops
+
+        if ops:
+            if self.pages is None:
+                raise RuntimeError("page ops arrived before the KV tiers were set up")
+            run_page_ops(self.pages, ops, data or [])
+
+    def drain(self, timeout: float) -> bool:
+        return self.writer.drain(timeout) if self.writer is not None else True
+
+    def counts(self) -> tuple[int, int, int, int]:
+        dropped = self.writer.dropped_writes if self.writer is not None else 0
+        return (self._counts[0], self._counts[1], self._counts[2], dropped)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 class _Mirror:
@@ -397,7 +535,7 @@ class _Mirror:
             self.requests.pop(rid, None)
         scheduled = []
         self._plp_before = {}
-        for rid, start, n, samples, delta, page_table, new, mask, plp in desc["items"]:
+        for rid, start, n, samples, delta, page_table, new, mask, plp, drafts, probs in desc["items"]:
             if new is not None:
                 prompt, params = new
                 req = Request(rid, list(prompt), params)
@@ -414,7 +552,8 @@ class _Mirror:
                 lps = req.prompt_logprobs if req.prompt_logprobs is not None else []
                 req.prompt_logprobs = (lps + [None] * plp)[:plp]
                 self._plp_before[rid] = plp
-            scheduled.append(ScheduledRequest(req, start, n, samples))
+            req.spec_probs = probs
+            scheduled.append(ScheduledRequest(req, start, n, samples, drafts))
         return SchedulerOutput(scheduled=scheduled)
 
 

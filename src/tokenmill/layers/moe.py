@@ -21,6 +21,10 @@ rows goes through one ``[rows, hidden] x [hidden, 2 * inter]`` matmul, SiLU-and-
 (one call for all experts) when this torch has it, else to one ``F.linear`` per expert that has
 rows. No work is done for experts without tokens, and nothing loops over tokens. The outputs are
 scattered back to (token, slot) order, weighted and summed over the ``top_k`` slots.
+
+Expert parallelism (:meth:`GroupedExperts.local_sum`): a shard holding experts ``lo .. hi-1``
+computes only the (token, slot) pairs routed to them and adds each weighted output into its
+token's row; the other rows stay zero, and an all-reduce over the shards completes the sum.
 """
 from __future__ import annotations
 
@@ -85,6 +89,23 @@ class GroupedExperts:
         except (RuntimeError, TypeError, ValueError):
             return False
 
+    def _run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s MLP over its run of ``counts[e]`` consecutive rows of ``rows``."""
+        if self.use_grouped_mm:
+            assert _GROUPED_MM is not None and self._gate_up_t is not None and self._down_t is not None
+            offs = counts.cumsum(0).to(torch.int32)
+            h = _GROUPED_MM(rows, self._gate_up_t, offs=offs)
+            gate, up = h.split(self.inter, dim=-1)
+            return _GROUPED_MM(F.silu(gate) * up, self._down_t, offs=offs)
+        out_sorted = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts.tolist()):   # one pair of matmuls per expert with rows
+            if n:
+                gate, up = F.linear(rows[start:start + n], self.gate_up[e]).split(self.inter, dim=-1)
+                out_sorted[start:start + n] = F.linear(F.silu(gate) * up, self.down[e])
+                start += n
+        return out_sorted
+
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` for every token ``t`` of ``x`` [T, H]."""
         t, k = ids.shape
@@ -92,21 +113,27 @@ class GroupedExperts:
         order = torch.argsort(flat, stable=True)          # (token, slot) pairs grouped by expert
         rows = x.index_select(0, order // k)               # [T*k, H] tokens in expert order
         counts = torch.bincount(flat, minlength=self.num_experts)
-        if self.use_grouped_mm:
-            assert _GROUPED_MM is not None and self._gate_up_t is not None and self._down_t is not None
-            offs = counts.cumsum(0).to(torch.int32)
-            h = _GROUPED_MM(rows, self._gate_up_t, offs=offs)
-            gate, up = h.split(self.inter, dim=-1)
-            out_sorted = _GROUPED_MM(F.silu(gate) * up, self._down_t, offs=offs)
-        else:
-            out_sorted = torch.empty_like(rows)
-            start = 0
-            for e, n in enumerate(counts.tolist()):   # one pair of matmuls per expert with rows
-                if n:
-                    gate, up = F.linear(rows[start:start + n], self.gate_up[e]).split(self.inter, dim=-1)
-                    out_sorted[start:start + n] = F.linear(F.silu(gate) * up, self.down[e])
-                    start += n
+        out_sorted = self._run(rows, counts)
         out = torch.empty_like(out_sorted)
         out[order] = out_sorted                              # back to (token, slot) order
         w = weights.to(out.dtype).view(t, k, 1)
         return (out.view(t, k, -1) * w).sum(dim=1)
+
+    def local_sum(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor:
+        """The part of :meth:`__call__`'s sum that falls on experts ``first .. first + E - 1`` (the
+        experts held here, numbered from ``first`` in ``ids``); zero rows for tokens routed
+        elsewhere. Only the (token, slot) pairs routed here are computed."""
+        t, k = ids.shape
+        local = ids.reshape(-1) - first
+        pairs = ((local >= 0) & (local < self.num_experts)).nonzero().squeeze(1)   # local (token, slot) pairs
+        out = x.new_zeros(t, x.shape[1])
+        if pairs.numel() == 0:
+            return out
+        local = local[pairs]
+        order = torch.argsort(local, stable=True)
+        pairs = pairs[order]                                # grouped by local expert
+        tokens = pairs // k
+        counts = torch.bincount(local, minlength=self.num_experts)
+        out_sorted = self._run(x.index_select(0, tokens), counts)
+        w = weights.reshape(-1)[pairs].to(out.dtype).unsqueeze(1)
+        return out.index_add_(0, tokens, out_sorted * w)

@@ -66,6 +66,10 @@ class DeepseekV3Args:
     tie_word_embeddings: bool = False
     num_mtp_layers: int = 0
     hidden_act: str = "silu"
+    # expert parallelism (models/tensor_parallel.py): this shard holds routed experts [lo, hi)
+    # only, and the shared experts' intermediate is this size; None: all experts, full size
+    expert_range: tuple[int, int] | None = None
+    shared_intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ModelLoadError:
@@ -102,6 +106,12 @@ class DeepseekV3Args:
                 raise bad("topk_group", "keeps fewer experts than num_experts_per_tok")
             if self.n_shared_experts < 0:
                 raise bad("n_shared_experts", "must be >= 0")
+            if self.expert_range is not None:
+                lo, hi = self.expert_range
+                if not 0 <= lo < hi <= self.n_routed_experts:
+                    raise bad("expert_range", f"must be a non-empty [lo, hi) within 0..{self.n_routed_experts}")
+            if self.shared_intermediate_size is not None and self.shared_intermediate_size <= 0:
+                raise bad("shared_intermediate_size", "must be positive")
         if self.num_mtp_layers < 0:
             raise bad("num_mtp_layers", "must be >= 0")
 
@@ -120,6 +130,18 @@ class DeepseekV3Args:
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense_replace
+
+    @property
+    def local_experts(self) -> tuple[int, int]:
+        """``[lo, hi)``: the routed experts this model (or expert-parallel shard) holds."""
+        return self.expert_range if self.expert_range is not None else (0, self.n_routed_experts)
+
+    @property
+    def shared_inter(self) -> int:
+        """Intermediate size of the shared experts held here (all of them fused in one MLP)."""
+        if self.shared_intermediate_size is not None:
+            return self.shared_intermediate_size
+        return self.moe_intermediate_size * self.n_shared_experts
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -187,11 +209,13 @@ class MoE(nn.Module):
         super().__init__()
         self.a = a
         e, h, f = a.n_routed_experts, a.hidden_size, a.moe_intermediate_size
-        self.gate = _param(e, h, dtype=dtype)
+        self.first_expert, hi = a.local_experts
+        self.partial = hi - self.first_expert < e   # an expert-parallel shard: some experts elsewhere
+        self.gate = _param(e, h, dtype=dtype)       # the router scores every expert, local or not
         self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
-        self.experts_gate_up = _param(e, 2 * f, h, dtype=dtype)
-        self.experts_down = _param(e, h, f, dtype=dtype)
-        self.shared = DenseMLP(h, f * a.n_shared_experts, dtype) if a.n_shared_experts else None
+        self.experts_gate_up = _param(hi - self.first_expert, 2 * f, h, dtype=dtype)
+        self.experts_down = _param(hi - self.first_expert, h, f, dtype=dtype)
+        self.shared = DenseMLP(h, a.shared_inter, dtype) if a.n_shared_experts else None
         self._experts: GroupedExperts | None = None
 
     def experts(self) -> GroupedExperts:
@@ -205,7 +229,10 @@ class MoE(nn.Module):
         weights, ids = route_sigmoid_grouped(
             x, self.gate, self.e_score_correction_bias, top_k=a.num_experts_per_tok, n_group=a.n_group,
             topk_group=a.topk_group, norm_topk_prob=a.norm_topk_prob, routed_scaling_factor=a.routed_scaling_factor)
-        out = self.experts()(x, weights, ids)
+        if self.partial:   # this shard's experts only: a partial sum, completed by an all-reduce
+            out = self.experts().local_sum(x, weights, ids, self.first_expert)
+        else:
+            out = self.experts()(x, weights, ids)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
@@ -293,12 +320,13 @@ class DeepseekV3ForCausalLM(CausalLM):
             m = p + "mlp."
             if a.is_moe_layer(i):
                 e, f = a.n_routed_experts, a.moe_intermediate_size
+                lo, hi = a.local_experts
                 out[m + "gate.weight"] = (e, h)
                 out[m + "gate.e_score_correction_bias"] = (e,)
-                out[m + "experts.gate_up_proj"] = (e, 2 * f, h)
-                out[m + "experts.down_proj"] = (e, h, f)
+                out[m + "experts.gate_up_proj"] = (hi - lo, 2 * f, h)
+                out[m + "experts.down_proj"] = (hi - lo, h, f)
                 if a.n_shared_experts:
-                    fs = f * a.n_shared_experts
+                    fs = a.shared_inter
                     out[m + "shared_experts.gate_proj.weight"] = (fs, h)
                     out[m + "shared_experts.up_proj.weight"] = (fs, h)
                     out[m + "shared_experts.down_proj.weight"] = (h, fs)

@@ -15,11 +15,22 @@ One rank of ``tp`` holds:
 DeepSeek-V3 (MLA + MoE): the query heads split (``q_proj``/``q_b_proj`` and ``kv_b_proj`` rows,
 ``o_proj`` columns, its bias added by rank 0 only); the latent projections ``q_a_proj`` and
 ``kv_a_proj_with_mqa`` are replicated, so every rank caches the full latent of every token (as
-``tokenmill plan`` assumes). The MoE is **tensor parallel inside the experts**: the router is
-replicated (every rank picks the same experts for every token), each expert's intermediate
-dimension and the shared expert's are split, and the MLP's one all-reduce sums the partial
-outputs. No token dispatch is needed and every rank does 1/tp of every expert's work; expert
-parallelism (whole experts per rank, tokens exchanged by all-to-all) is not built.
+``tokenmill plan`` assumes). The routed experts are split one of two ways (``moe_parallel``):
+
+* ``"tp"`` (default), **tensor parallel inside the experts**: every rank holds every expert with
+  ``1/tp`` of its intermediate dimension, so every rank does ``1/tp`` of every routed row's work;
+* ``"ep"``, **expert parallelism**: rank ``r`` holds whole experts, a contiguous ``1/tp`` share of
+  them (``n_routed_experts`` need not divide: the first ``E % tp`` ranks hold one more). Dispatch
+  is local: the activations entering the MLP are already replicated on every rank (the attention
+  all-reduce leaves them so), the router is replicated and picks the same experts everywhere, and
+  each rank computes only the (token, slot) pairs routed to its own experts
+  (:meth:`~tokenmill.layers.moe.GroupedExperts.local_sum`). Combine is the MLP's one all-reduce of
+  those partial sums, so no all-to-all is needed; an all-to-all dispatch pays off only when the
+  activations are sharded by token (data-parallel attention), which tokenmill does not do.
+
+In both modes the router is replicated, the shared experts are tensor parallel (their
+intermediate split over the ranks) and added to the same partial sum, and the dense layers
+(``first_k_dense_replace``) are column/row parallel; the MLP ends in one all-reduce.
 
 Sharding works on HF-named weights (:func:`shard_llama_weights`): the shard is an ordinary
 :class:`~tokenmill.models.llama.LlamaForCausalLM` built from the per-rank sizes
@@ -48,7 +59,7 @@ from tokenmill.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.layers.rotary import CosSin, apply_rotary
 
 __all__ = ["TPDeepseekV3ForCausalLM", "TPLlamaForCausalLM", "build_shard", "check_model_tensor_parallel",
-           "check_tensor_parallel", "kv_heads_per_rank", "rank_kv_cache_spec", "shard_args", "shard_weights"]
+           "check_tensor_parallel", "expert_range", "kv_heads_per_rank", "kv_shard_of", "rank_kv_cache_spec", "shard_args", "shard_weights"]
 
 
 def check_tensor_parallel(args: ModelArgs, tp: int) -> None:
@@ -239,47 +250,91 @@ class TPLlamaForCausalLM(_TensorParallelLM):
 
 
 class TPDeepseekV3ForCausalLM(_TensorParallelLM):
-    """One rank's shard of DeepSeek-V3: MLA heads split (latent replicated), experts TP-sharded."""
+    """One rank's shard of DeepSeek-V3: MLA heads split (latent replicated), experts TP-sharded
+    (``moe_parallel="tp"``) or split whole over the ranks (``"ep"``)."""
 
     def __init__(self, full_args: DeepseekV3Args, rank: int, tp: int, dtype: torch.dtype = torch.float32,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, moe_parallel: str = "tp") -> None:
         super().__init__(full_args, rank, tp, dtype, group)
-        self._init_local(DeepseekV3ForCausalLM(shard_deepseek_args(full_args, tp), dtype=dtype))
+        self.moe_parallel = moe_parallel
+        self._init_local(DeepseekV3ForCausalLM(shard_deepseek_args(full_args, tp, rank, moe_parallel), dtype=dtype))
 
     def _layer(self, layer: nn.Module, h: torch.Tensor, cs: CosSin, kv_cache: Any,
                ctx: ForwardContext) -> torch.Tensor:
         # MLA over this rank's heads -> o_proj slice (bias on rank 0 only) -> one all-reduce
         h = h + self._all_reduce(layer.self_attn(layer.input_layernorm(h), cs, kv_cache, ctx))
-        # routed experts (router replicated, each expert's intermediate split) + shared expert
-        # slice, or the dense MLP slice -> one all-reduce
+        # routed experts (router replicated; each expert's intermediate split, or this rank's
+        # whole experts only) + shared expert slice, or the dense MLP slice -> one all-reduce
         return h + self._all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
 
+    def expert_weight_bytes(self) -> int:
+        """Bytes of routed-expert weights this rank holds (all MoE layers)."""
+        total = 0
+        for layer in self.local.layers:
+            mlp = layer.mlp
+            if hasattr(mlp, "experts_gate_up"):
+                total += sum(t.numel() * t.element_size() for t in (mlp.experts_gate_up, mlp.experts_down))
+        return total
 
-def check_deepseek_tensor_parallel(args: DeepseekV3Args, tp: int) -> None:
+
+MOE_PARALLEL_MODES = ("tp", "ep")
+
+
+def expert_range(num_experts: int, rank: int, tp: int) -> tuple[int, int]:
+    """Rank ``rank``'s routed experts ``[lo, hi)`` under expert parallelism: contiguous, balanced
+    (the first ``num_experts % tp`` ranks hold one more)."""
+    base, extra = divmod(num_experts, tp)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+def check_deepseek_tensor_parallel(args: DeepseekV3Args, tp: int, moe_parallel: str = "tp") -> None:
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if moe_parallel not in MOE_PARALLEL_MODES:
+        raise ValueError(f"moe_parallel must be one of {MOE_PARALLEL_MODES}, got {moe_parallel!r}")
     if tp == 1:
         return
     if args.num_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {args.num_heads} attention "
                          f"heads; choose a divisor of {args.num_heads}")
-    for name in ("intermediate_size", "moe_intermediate_size"):
-        if getattr(args, name) % tp:
-            raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={getattr(args, name)}")
+    if args.first_k_dense_replace and args.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={args.intermediate_size}")
+    if args.first_k_dense_replace >= args.num_layers:
+        return   # no MoE layer
+    if moe_parallel == "tp":
+        if args.moe_intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide moe_intermediate_size="
+                             f"{args.moe_intermediate_size} (experts split by their intermediate dimension); "
+                             f"moe_parallel='ep' splits whole experts instead")
+        return
+    if args.n_routed_experts < tp:
+        raise ValueError(f"expert parallelism over {tp} ranks needs at least {tp} routed experts; the model has "
+                         f"{args.n_routed_experts} (use moe_parallel='tp')")
+    shared = args.moe_intermediate_size * args.n_shared_experts
+    if shared % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the shared experts' intermediate size "
+                         f"{shared} (shared experts are tensor parallel under expert parallelism too)")
 
 
-def shard_deepseek_args(args: DeepseekV3Args, tp: int) -> DeepseekV3Args:
-    check_deepseek_tensor_parallel(args, tp)
-    return dataclasses.replace(args, num_heads=args.num_heads // tp, intermediate_size=args.intermediate_size // tp,
-                               moe_intermediate_size=args.moe_intermediate_size // tp,
-                               vocab_size=_vocab_per_rank(args.vocab_size, tp), num_mtp_layers=0)
+def shard_deepseek_args(args: DeepseekV3Args, tp: int, rank: int = 0, moe_parallel: str = "tp") -> DeepseekV3Args:
+    check_deepseek_tensor_parallel(args, tp, moe_parallel)
+    common = dict(num_heads=args.num_heads // tp, intermediate_size=args.intermediate_size // tp,
+                  vocab_size=_vocab_per_rank(args.vocab_size, tp), num_mtp_layers=0)
+    if moe_parallel == "ep" and tp > 1:
+        return dataclasses.replace(args, **common, expert_range=expert_range(args.n_routed_experts, rank, tp),
+                                   shared_intermediate_size=args.moe_intermediate_size * args.n_shared_experts // tp
+                                   or None)
+    return dataclasses.replace(args, **common, moe_intermediate_size=args.moe_intermediate_size // tp)
 
 
 def shard_deepseek_weights(weights: Mapping[str, torch.Tensor], args: DeepseekV3Args, rank: int,
-                           tp: int) -> dict[str, torch.Tensor]:
+                           tp: int, moe_parallel: str = "tp") -> dict[str, torch.Tensor]:
     """Rank ``rank``'s slices of DeepSeek-V3's HF-named weights (fused experts, as hf_state_dict)."""
-    check_deepseek_tensor_parallel(args, tp)
+    check_deepseek_tensor_parallel(args, tp, moe_parallel)
     hl = args.num_heads // tp
+    ep = moe_parallel == "ep" and tp > 1
+    lo, hi = expert_range(args.n_routed_experts, rank, tp) if ep else (0, args.n_routed_experts)
 
     def rows(w: torch.Tensor, per: int) -> torch.Tensor:
         return w[rank * per:(rank + 1) * per]
@@ -300,6 +355,8 @@ def shard_deepseek_weights(weights: Mapping[str, torch.Tensor], args: DeepseekV3
             out[name] = w[:, rank * hl * args.v_head_dim:(rank + 1) * hl * args.v_head_dim]
         elif name.endswith("self_attn.o_proj.bias"):
             out[name] = w if rank == 0 else torch.zeros_like(w)   # added once by the all-reduce
+        elif name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) and ep:
+            out[name] = w[lo:hi]                                  # whole experts, this rank's share
         elif name.endswith("mlp.experts.gate_up_proj"):
             out[name] = torch.cat([w[:, rank * fl:(rank + 1) * fl], w[:, f + rank * fl:f + (rank + 1) * fl]], dim=1)
         elif name.endswith("mlp.experts.down_proj"):
@@ -319,20 +376,25 @@ def shard_deepseek_weights(weights: Mapping[str, torch.Tensor], args: DeepseekV3
     return out
 
 
-def check_model_tensor_parallel(model: CausalLM, tp: int) -> None:
-    """Raise ValueError when ``model`` cannot run over ``tp`` ranks."""
+def check_model_tensor_parallel(model: CausalLM, tp: int, moe_parallel: str = "tp") -> None:
+    """Raise ValueError when ``model`` cannot run over ``tp`` ranks (``moe_parallel``: how experts split)."""
+    if moe_parallel not in MOE_PARALLEL_MODES:
+        raise ValueError(f"moe_parallel must be one of {MOE_PARALLEL_MODES}, got {moe_parallel!r}")
     if isinstance(model, LlamaForCausalLM):
+        if moe_parallel == "ep" and tp > 1:
+            raise ValueError(f"moe_parallel='ep' (expert parallelism) needs a mixture-of-experts model; "
+                             f"{type(model).__name__} has no experts")
         check_tensor_parallel(model.args, tp)
     elif isinstance(model, DeepseekV3ForCausalLM):
-        check_deepseek_tensor_parallel(model.args, tp)  # type: ignore[arg-type]
+        check_deepseek_tensor_parallel(model.args, tp, moe_parallel)  # type: ignore[arg-type]
     else:
         raise ValueError(f"tensor parallelism supports Llama-family (Llama, Qwen2, Qwen3, SmolLM) and "
                          f"DeepSeek-V3 models; {type(model).__name__} runs with tensor_parallel_size=1")
 
 
-def rank_kv_cache_spec(model: CausalLM, tp: int) -> KVCacheSpec:
+def rank_kv_cache_spec(model: CausalLM, tp: int, moe_parallel: str = "tp") -> KVCacheSpec:
     """What one rank stores per token: its KV heads' share, or the whole (replicated) MLA latent."""
-    check_model_tensor_parallel(model, tp)
+    check_model_tensor_parallel(model, tp, moe_parallel)
     if isinstance(model, LlamaForCausalLM):
         a = model.args
         return KVCacheSpec.dense(a.num_layers, kv_heads_per_rank(a.num_kv_heads, tp), a.head_dim,
@@ -340,19 +402,33 @@ def rank_kv_cache_spec(model: CausalLM, tp: int) -> KVCacheSpec:
     return model.kv_cache_spec()
 
 
-def shard_weights(model: CausalLM, rank: int, tp: int) -> tuple[str, Any, dict[str, torch.Tensor]]:
+def kv_shard_of(model: CausalLM, rank: int, tp: int) -> int:
+    """Which distinct KV shard rank ``rank`` holds: ranks with the same number hold the same
+    K/V bytes of every token (a replicated KV head, or DeepSeek-V3's replicated latent), so one
+    copy of it is enough in a shared cache tier."""
+    if isinstance(model, LlamaForCausalLM):
+        k = model.args.num_kv_heads
+        return rank if k >= tp else rank // (tp // k)
+    return 0   # MLA: every rank caches the whole latent
+
+
+def shard_weights(model: CausalLM, rank: int, tp: int,
+                  moe_parallel: str = "tp") -> tuple[str, Any, dict[str, torch.Tensor]]:
     """``(kind, full args, rank's HF-named weights)`` for :func:`build_shard` on that rank."""
-    check_model_tensor_parallel(model, tp)
+    check_model_tensor_parallel(model, tp, moe_parallel)
     full = model.hf_state_dict()
     if isinstance(model, LlamaForCausalLM):
         return "llama", model.args, shard_llama_weights(full, model.args, rank, tp)
-    return "deepseek_v3", model.args, shard_deepseek_weights(full, model.args, rank, tp)  # type: ignore[arg-type]
+    return "deepseek_v3", model.args, shard_deepseek_weights(full, model.args, rank, tp,  # type: ignore[arg-type]
+                                                             moe_parallel)
 
 
 def build_shard(kind: str, full_args: Any, rank: int, tp: int, dtype: torch.dtype,
-                weights: Mapping[str, torch.Tensor]) -> _TensorParallelLM:
-    cls = {"llama": TPLlamaForCausalLM, "deepseek_v3": TPDeepseekV3ForCausalLM}[kind]
-    shard = cls(full_args, rank, tp, dtype=dtype)
+                weights: Mapping[str, torch.Tensor], moe_parallel: str = "tp") -> _TensorParallelLM:
+    if kind == "llama":
+        shard: _TensorParallelLM = TPLlamaForCausalLM(full_args, rank, tp, dtype=dtype)
+    else:
+        shard = TPDeepseekV3ForCausalLM(full_args, rank, tp, dtype=dtype, moe_parallel=moe_parallel)
     shard.load_weights(weights)
     return shard
 
