@@ -113,7 +113,7 @@ def run_http(mode: str, ckpt: str, w, args: argparse.Namespace) -> ModeResult:
     if mode == "vllm":
         from peers import start_vllm
 
-        srv = start_vllm(model_dir=ckpt, served_name="tiny-hybrid", kv_cache_gb=2, max_model_len=8192,
+        srv = start_vllm(model_dir=ckpt, served_name="tiny-hybrid", kv_cache_gb=2, max_model_len=4096,
                          threads=args.threads or 2,
                          extra_args=["--max-num-seqs", str(args.max_running_requests),
                                      "--max-num-batched-tokens", str(args.max_batch_tokens)])
@@ -210,10 +210,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.prompt_tokens}  cached {r.cached_tokens}  TTFT p50 {1000 * ttft_p50(r):.1f} ms  "
               f"(turns 2+: {1000 * ttft_p50(r, 1):.1f} ms)  preemptions {r.preemptions}", flush=True)
 
-    print(f"{'turn':>4}" + "".join(f"{'TTFT ' + m + ' (ms)':>18}{'(steps)':>8}" for m in results))
-    for t in range(w.turns):
-        print(f"{t + 1:>4}" + "".join(f"{1000 * statistics.mean(r.ttft_by_turn[t]):>18.1f}"
-                                      f"{statistics.mean(r.ttft_steps_by_turn[t]):>8.1f}" for r in results.values()))
+    print(f"{'turn':>4}" + "".join(f"{'TTFT ' + m + ' (ms)':>22}{'(steps)':>8}" for m in results))
+    for t in range(w.turns):   # steps: engine steps (in-process modes only)
+        print(f"{t + 1:>4}" + "".join(
+            f"{1000 * statistics.mean(r.ttft_by_turn[t]):>22.1f}"
+            + (f"{statistics.mean(r.ttft_steps_by_turn[t]):>8.1f}" if m not in ("snap-http", "vllm") else f"{'-':>8}")
+            for m, r in results.items()))
     summary: dict[str, float] = {}
     if "snap" in results and "off" in results:
         on, off = results["snap"], results["off"]
