@@ -59,7 +59,9 @@ Lower tiers
     ``evict_hook(prefix_tokens, pages)``, when set, is called just before evicted pages return
     to the pool: ``prefix_tokens`` runs from the root to the end of the evicted pages, which hold
     its last ``len(pages) * page_size`` tokens. The tiered cache uses it to demote the pages to
-    host memory (their content is still intact when the hook runs). The tree itself holds only
+    host memory (their content is still intact when the hook runs). ``snapshot_evict_hook(
+    prefix_tokens, slot)`` does the same for a snapshot given up by page eviction or by the
+    snapshot LRU (not by ``drop_snapshot``): its slot still holds the state after ``prefix_tokens``. The tree itself holds only
     L1 pages; :class:`~tokenmill.cache.tiers.TierDirectory` continues a path into L2 and L3.
 """
 from __future__ import annotations

@@ -48,6 +48,11 @@ a step whose computed tokens end on a page boundary:
   the tree holds the state at the last page boundary of its prompt + output; turn 2 of a
   session hits turn 1's prompt + output there.
 
+With lower tiers, a hybrid match continues past the L1 pages through L2/L3 pages and ends at the
+deepest boundary whose snapshot a tier holds (:meth:`_match_hybrid_tiers`): the pages are loaded
+and inserted, the snapshot is written into a new snapshot slot of the tree there and restored
+from it as an L1 snapshot would be. Snapshots taken are reported to the tiers (write-through).
+
 Invariants (checked by :meth:`KVManager.check`):
 ``pool.num_free() + cache.num_cached_pages + sum(request-only pages) == pool.num_pages``;
 with slots, every running request holds a distinct request slot that is not on the free list,
