@@ -176,3 +176,26 @@ def test_other_write_policies_put_snapshots_in_l3(hybrid: Any, tmp_path: Any, po
     got = c.cached_tokens_by_tier["l3"]
     assert c.cached_tokens == got and got >= want
     again.engine.close()
+
+
+def test_redis_replicas_share_pages_and_snapshots(hybrid: Any, redis_server: Any) -> None:
+    """Replica B serves turn 2 of a session replica A served turn 1 of (a real Redis); A's
+    flush of the namespace removes the snapshots with the pages."""
+    rng = random.Random(5)
+    off = make_llm(hybrid, enable_prefix_cache=False)
+    a = make_llm(hybrid, cache_storage=redis_server.url)
+    first = fresh(rng, 3 * P + 2)
+    out = a.generate([first], GREEDY)[0]
+    a.engine.tiers.drain()
+    b = make_llm(hybrid, cache_storage=redis_server.url)
+    second = first + out.token_ids + fresh(rng, 5)
+    got = b.generate([second], GREEDY)[0]
+    assert got.token_ids == off.generate([second], GREEDY)[0].token_ids
+    assert got.cached_tokens == got.cached_tokens_by_tier["l3"] == (len(first) + K - 1) // P * P
+    assert b.engine.stats().tiers.snapshot_hits["l3"] == 1
+    b.engine.tiers.drain()
+    assert a.engine.flush_storage_cache() > 0
+    c = make_llm(hybrid, cache_storage=redis_server.url)
+    assert c.generate([second], GREEDY)[0].cached_tokens == 0
+    for llm in (a, b, c):
+        llm.engine.close()
