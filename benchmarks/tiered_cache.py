@@ -21,6 +21,7 @@ outputs are compared with the unbounded-L1 mode's.
 
     .venv/bin/python -u benchmarks/tiered_cache.py
     .venv/bin/python -u benchmarks/tiered_cache.py --parts load
+    .venv/bin/python -u benchmarks/tiered_cache.py --tiny-arch Qwen3NextForCausalLM --parts tiers,restart
 """
 from __future__ import annotations
 
@@ -361,6 +362,9 @@ def part_load(loaded, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--tiny-arch", default=None,
+                    help="instead of --model: a random-weight checkpoint of this class (hidden 256, 8 layers; "
+                         "e.g. Qwen3NextForCausalLM or BailingHybridForCausalLM for the hybrid snapshot tiers)")
     ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=3)
@@ -384,6 +388,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     with open("/proc/loadavg") as f:
         print(f"load average at start: {f.read().split()[:3]}")
+    if args.tiny_arch:
+        from hybrid_multiturn import size_overrides
+
+        from tokenmill.loader.tiny import build_tiny_checkpoint
+
+        args.model = str(build_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="tiered-tiny-")) / args.tiny_arch,
+                                               args.tiny_arch, seed=args.seed,
+                                               **size_overrides(args.tiny_arch, 256, 8)))
     loaded = load_model(args.model)
     w = make_workload(args, int(loaded.model.args.vocab_size))
     store = Path(tempfile.mkdtemp(prefix="tokenmill-l3-"))

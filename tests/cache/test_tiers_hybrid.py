@@ -73,6 +73,11 @@ def test_l2_carries_snapshots_back_after_l1_eviction(hybrid: Any) -> None:
     assert b.cached_tokens_by_tier == {"l1": 0, "l2": want, "l3": 0}
     st = llm.engine.stats().tiers
     assert st.snapshot_hits["l2"] == 1 and st.snapshots_written["l2"] >= 1 and st.snapshots_l2 >= 1
+    from tokenmill.server.tier_metrics import render_tier_metrics
+
+    text = "\n".join(render_tier_metrics(st, 0, 0, {}))
+    assert 'tokenmill:cache_tier_snapshot_hits_total{tier="l2"} 1' in text
+    assert f'tokenmill:cache_tier_snapshots{{tier="l2"}} {st.snapshots_l2}' in text
     # L1's snapshot LRU gives one up while its pages stay: L2 still brings it back
     third = b.prompt_token_ids + b.token_ids + fresh(rng, 3)
     cache = llm.engine.kv.cache
