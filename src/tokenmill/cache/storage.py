@@ -13,7 +13,7 @@ A record is accepted only if every field matches what the reader expects: its ow
 (model identity + KV dtype/layout + page size), the key it asked for, the payload size its
 layout implies, and the checksum. Anything else is a miss, counted by kind, never data.
 
-Backends implement ``exists_leading_run`` (one batched query), ``get_many``, ``put_many``
+Backends implement ``exists_leading_run`` (one batched query), ``exists_many``, ``get_many``, ``put_many``
 (never rewriting a present page) and ``flush_namespace``:
 
 * ``file:DIR``: one file per page under ``DIR/<namespace>/<aa>/<key>.kvpage``, written to a
@@ -105,6 +105,10 @@ class StorageBackend:
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         raise StorageError("unsupported", f"{type(self).__name__} cannot read")
 
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``keys`` is stored (sparse keys: a hybrid model's state snapshots)."""
+        return [self.exists_leading_run([k]) == 1 for k in keys]
+
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         """Store records whose key is absent; returns how many were written."""
         raise StorageError("unsupported", f"{type(self).__name__} cannot write")
@@ -139,6 +143,9 @@ class FileStorage(StorageBackend):
                 break
             n += 1
         return n
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [self.path(k).is_file() for k in keys]
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
@@ -226,6 +233,18 @@ class RedisStorage(StorageBackend):
                 break
             n += 1
         return n
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+
+        def run() -> list[int]:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._name(k))
+            return pipe.execute()
+
+        return [bool(f) for f in self._call("exists", run)]  # type: ignore[union-attr]
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
@@ -497,26 +516,34 @@ class StorageWorker:
             pf.done.set()
 
     def _read_snapshot(self, pf: Prefetch) -> None:
-        ns = self.backend.namespace
         top = min(pf.page_start + len(pf.payloads), pf.snap_first + len(pf.snap_keys) - 1)
-        for b in range(top, pf.snap_first - 1, -1):
+        bounds = list(range(top, pf.snap_first - 1, -1))      # deepest first
+        for i in range(0, len(bounds), self.BATCH):
             if pf.cancelled:
                 return
-            key = pf.snap_keys[b - pf.snap_first]
-            record = self.backend.get_many([key])[0]
-            if record is None:
-                continue
-            try:
-                payload = decode_page(ns, key, record, pf.snap_bytes)
-            except PageRecordError as e:
-                pf.snapshot_fallbacks += 1
-                log.warning("KV storage tier %s: the state snapshot after page %d is unreadable (%s); "
-                            "falling back to an earlier one", self.backend.url, b, e)
-                self.on_error(e.kind, str(e))
-                continue
-            self.on_io("read", len(record), 0)
-            pf.snapshot = (b, payload)
-            return
+            chunk = bounds[i:i + self.BATCH]
+            present = self.backend.exists_many([pf.snap_keys[b - pf.snap_first] for b in chunk])
+            for b, there in zip(chunk, present):
+                if there and self._read_one_snapshot(pf, b):
+                    return
+
+    def _read_one_snapshot(self, pf: Prefetch, b: int) -> bool:
+        """Read and check the snapshot after page ``b``; True when it is kept."""
+        key = pf.snap_keys[b - pf.snap_first]
+        record = self.backend.get_many([key])[0]
+        if record is None:          # deleted since the exists query
+            return False
+        try:
+            payload = decode_page(self.backend.namespace, key, record, pf.snap_bytes)
+        except PageRecordError as e:
+            pf.snapshot_fallbacks += 1
+            log.warning("KV storage tier %s: the state snapshot after page %d is unreadable (%s); "
+                        "falling back to an earlier one", self.backend.url, b, e)
+            self.on_error(e.kind, str(e))
+            return False
+        self.on_io("read", len(record), 0)
+        pf.snapshot = (b, payload)
+        return True
 
     def _read_pages(self, pf: Prefetch) -> None:
         if pf.keys:
