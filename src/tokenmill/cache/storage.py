@@ -13,8 +13,9 @@ A record is accepted only if every field matches what the reader expects: its ow
 (model identity + KV dtype/layout + page size), the key it asked for, the payload size its
 layout implies, and the checksum. Anything else is a miss, counted by kind, never data.
 
-Backends implement ``exists_leading_run`` (one batched query), ``exists_many``, ``get_many``, ``put_many``
-(never rewriting a present page) and ``flush_namespace``:
+Backends implement ``exists_leading_run`` (one batched query), ``exists_many`` (the same for
+sparse keys: a hybrid model's state snapshots, stored as records of this format too),
+``get_many``, ``put_many`` (never rewriting a present page) and ``flush_namespace``:
 
 * ``file:DIR``: one file per page under ``DIR/<namespace>/<aa>/<key>.kvpage``, written to a
   temporary file in the same folder and renamed into place, so a reader sees a whole record
