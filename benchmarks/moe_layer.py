@@ -5,8 +5,9 @@ sigmoid router with one group, fp32) is built once by HF transformers (``Deepsee
 tokenmill's :class:`~tokenmill.models.deepseek_v3.MoE` gets the same tensors. For each token
 count the script times, best of ``--repeats``:
 
-* ``tokenmill``: router + experts sorted by expert, one ``grouped_mm`` pair for all experts
-  (``tokenmill-loop``: one ``F.linear`` pair per expert that has tokens);
+* ``tokenmill``: router + experts sorted by expert, one prepacked oneDNN matmul pair per expert
+  with tokens, the shared expert through the same kernels (``tm-grouped``: the same layer with one
+  ``grouped_mm`` pair for all experts instead, i.e. MKL on unpacked weights);
 * ``hf-grouped``: HF's layer with ``grouped_mm`` experts (what ``from_pretrained`` picks here);
 * ``hf-eager``: HF's layer with its reference loop (one-hot mask, ``torch.where`` per expert).
 
@@ -14,7 +15,11 @@ It checks that the outputs agree, and prints the planner's roofline bound for th
 (``tokenmill plan --hardware cpu-local --moe-bounds``: FLOPs / measured matmul FLOP/s and expert
 bytes / measured copy bandwidth, the larger one), with each time's ratio to it.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/moe_layer.py [--threads 1] [--tokens 1,16,256,2048]
+``--dtype bf16`` runs both layers with bf16 weights and activations (the serving dtype of the
+real models; on a CPU with AVX512-BF16 the matmuls run several times faster than fp32), with the
+roofline from the planner's bf16 figures.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/moe_layer.py [--threads 1] [--tokens 1,16,256,2048] [--dtype fp32]
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ import time
 import torch
 
 
-def build(experts: int, top_k: int, hidden: int, inter: int, shared: int, seed: int):
+def build(experts: int, top_k: int, hidden: int, inter: int, shared: int, seed: int,
+          dtype: torch.dtype = torch.float32):
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
@@ -42,7 +48,11 @@ def build(experts: int, top_k: int, hidden: int, inter: int, shared: int, seed: 
         for p in hf.parameters():
             p.normal_(0, 0.02)
         hf.gate.e_score_correction_bias.normal_(0, 0.01)
-    ours = MoE(_deepseek_v3(cfg), torch.float32)
+    if dtype != torch.float32:   # HF keeps the router's bias in fp32, as do we
+        bias = hf.gate.e_score_correction_bias.data.clone()
+        hf = hf.to(dtype)
+        hf.gate.e_score_correction_bias.data = bias
+    ours = MoE(_deepseek_v3(cfg), dtype)
     ours.gate.data = hf.gate.weight.data
     ours.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias)
     ours.experts_gate_up.data = hf.experts.gate_up_proj.data
@@ -64,7 +74,7 @@ def best_time(fn, repeats: int) -> float:
     return best
 
 
-def roofline(cfg, tokens: int) -> tuple[float, float, float]:
+def roofline(cfg, tokens: int, dtype: str = "fp32") -> tuple[float, float, float]:
     """(bound s, compute s, weight-read s) from the planner's MoE cost model on cpu-local."""
     from tokenmill.plan.capacity import Deployment
     from tokenmill.plan.hardware import get_hardware
@@ -72,7 +82,8 @@ def roofline(cfg, tokens: int) -> tuple[float, float, float]:
     from tokenmill.plan.moe import MoEBoundsInput, moe_bounds
 
     spec = parse_config(cfg.to_dict(), "moe-bench")
-    dep = Deployment(weight_bits={"experts": 32, "shared_experts": 32}, compute_dtype="fp32")
+    bits = 32 if dtype == "fp32" else 16
+    dep = Deployment(weight_bits={"experts": bits, "shared_experts": bits}, compute_dtype=dtype)
     hw = _HW.setdefault("cpu", get_hardware("cpu-local"))
     r = moe_bounds(spec, hw, dep, MoEBoundsInput(tokens=tokens, shared_rows=tokens))
     return max(r.compute_time_s, r.weight_read_s), r.compute_time_s, r.weight_read_s
@@ -91,29 +102,33 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16,256,2048")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cfg, hf, ours = build(args.experts, args.top_k, args.hidden, args.inter, args.shared, seed=0)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    cfg, hf, ours = build(args.experts, args.top_k, args.hidden, args.inter, args.shared, seed=0, dtype=dtype)
     loop = ours.experts()
     from tokenmill.layers.moe import GroupedExperts
 
-    ours_loop_experts = GroupedExperts(loop.gate_up, loop.down, use_grouped_mm=False)
+    ours_loop_experts = GroupedExperts(loop.gate_up, loop.down, mode="grouped")
     print(f"MoE layer: {args.experts} experts, top-{args.top_k}, hidden {args.hidden}, expert width {args.inter}, "
-          f"{args.shared} shared; fp32; {args.threads} thread(s); grouped_mm used by tokenmill: {loop.use_grouped_mm}")
-    hdr = f"{'tokens':>7} {'tokenmill':>10} {'tm-loop':>10} {'hf-grouped':>10} {'hf-eager':>10} " \
+          f"{args.shared} shared; {args.dtype}; {args.threads} thread(s); tokenmill experts mode: {loop.mode}")
+    hdr = f"{'tokens':>7} {'tokenmill':>10} {'tm-grouped':>10} {'hf-grouped':>10} {'hf-eager':>10} " \
           f"{'vs grouped':>10} {'vs eager':>9} {'roofline':>9} {'x bound':>8}"
     print(hdr)
     for n in [int(t) for t in args.tokens.split(",")]:
-        x = torch.randn(n, args.hidden)
+        x = torch.randn(n, args.hidden).to(dtype)
         with torch.inference_mode():
-            want = hf(x.view(1, n, -1)).view(n, -1)
-            got = ours(x)
+            want = hf(x.view(1, n, -1)).view(n, -1).float()
+            got = ours(x).float()
             err = (got - want).abs().max().item()
-            assert err < 1e-4 * max(1.0, want.abs().max().item()), f"outputs differ by {err}"
+            # bf16: the same routing and math, rounded at different points (~2^-8 relative per op)
+            tol = 1e-4 if dtype == torch.float32 else 0.05
+            assert err < tol * max(1.0, want.abs().max().item()), f"outputs differ by {err}"
 
             def ours_loop() -> None:
                 w, ids = _route(ours, x)
-                ours_loop_experts(x, w, ids) + ours.shared(x)
+                ours_loop_experts(x, w, ids, out=ours.shared(x))
 
             t_ours = best_time(lambda: ours(x), args.repeats)
             t_loop = best_time(ours_loop, args.repeats)
@@ -121,12 +136,13 @@ def main() -> None:
             t_hfg = best_time(lambda: hf(x.view(1, n, -1)), args.repeats)
             hf.experts.config._experts_implementation = "eager"
             t_hfe = best_time(lambda: hf(x.view(1, n, -1)), max(1, args.repeats // 2))
-        bound, comp, read = roofline(cfg, n)
+        bound, comp, read = roofline(cfg, n, args.dtype)
         print(f"{n:>7} {t_ours * 1e3:>8.2f}ms {t_loop * 1e3:>8.2f}ms {t_hfg * 1e3:>8.2f}ms {t_hfe * 1e3:>8.2f}ms "
               f"{t_hfg / t_ours:>9.2f}x {t_hfe / t_ours:>8.2f}x {bound * 1e3:>7.2f}ms {t_ours / bound:>7.2f}x"
               f"   (compute {comp * 1e3:.2f} ms, weight read {read * 1e3:.2f} ms)")
     hw = _HW["cpu"]
-    print(f"cpu-local measured: fp32 {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, copy {hw.hbm_bw / 1e9:.1f} GB/s")
+    print(f"cpu-local measured: {args.dtype} {hw.peak_flops[args.dtype] / 1e9:.1f} GFLOP/s, "
+          f"copy {hw.hbm_bw / 1e9:.1f} GB/s")
 
 
 def _route(moe, x):

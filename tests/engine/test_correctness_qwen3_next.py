@@ -152,7 +152,8 @@ def test_fp8_kv_pool_holds_only_attention_layers(models) -> None:
     llm = LLM(loaded=lm, kv_cache_tokens=2048, kv_cache_dtype="fp8_e4m3", debug_checks=True)
     caches = llm.engine.runner.kv_caches
     assert [type(c).__name__ for c in caches] == ["NoneType"] * 3 + [FP8Pages.__name__]
-    assert llm.engine.stats().kv_bytes_per_token == 2 * 2 * 16 + 2 * 2 * 4   # fp8 K/V + fp32 scales, 1 layer
+    assert llm.engine.stats().kv_bytes_per_token == 2 * 2 * 16   # fp8 K/V, 1 layer; static scales (calibrated)
+    assert not caches[3].per_token and (caches[3].scale != 1).all()
     outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert all(len(o) == GREEDY.max_tokens for o in outs)
     agree = sum(a == b for o, w in zip(outs, want) for a, b in zip(o, w))

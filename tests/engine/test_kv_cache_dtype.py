@@ -20,31 +20,35 @@ MEMORY_GIB = 0.002
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}
 
 
-def _engine(lm, kv_dtype: str, caplog) -> tuple[Engine, str]:
+def _engine(lm, kv_dtype: str, caplog, scales: str = "static") -> tuple[Engine, str]:
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tokenmill.engine.engine"):
-        eng = Engine(EngineConfig(model=str(lm.source), kv_cache_memory_gib=MEMORY_GIB, kv_cache_dtype=kv_dtype),
-                     loaded=lm)
+        eng = Engine(EngineConfig(model=str(lm.source), kv_cache_memory_gib=MEMORY_GIB, kv_cache_dtype=kv_dtype,
+                                  kv_cache_fp8_scales=scales), loaded=lm)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:"))
     return eng, line
 
 
-def _plan(config_json, kv_dtype: str) -> dict:
+def _plan(config_json, kv_dtype: str, scales: str = "static") -> dict:
     cli = "import sys; from tokenmill.cli import main; sys.exit(main(sys.argv[1:]))"
     out = subprocess.run([sys.executable, "-c", cli, "plan", "--model", str(config_json), "--hardware", "h100",
-                          "--kv-dtype", kv_dtype, "--kv-cache-memory", str(MEMORY_GIB), "--page-size", "16", "--json"],
+                          "--kv-dtype", kv_dtype, "--kv-fp8-scales", scales, "--kv-cache-memory", str(MEMORY_GIB),
+                          "--page-size", "16", "--json"],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
 
 @pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "LlamaForCausalLM"])
 def test_capacity_logged_and_equal_to_the_planner(tiny_model, arch, caplog) -> None:
+    """Static fp8 scales (the default): exactly a quarter of fp32's bytes per token, so 4x the
+    tokens (2x bf16) at the same --kv-cache-memory, up to the rounding to whole pages."""
     lm, _ = tiny_model(arch)
     tokens = {}
     for flag, storage in DTYPES.items():
         eng, line = _engine(lm, flag, caplog)
         s = eng.stats()
         assert s.kv_cache_dtype == storage
+        assert s.kv_cache_fp8_scales == ("static" if flag == "fp8_e4m3" else "")
         assert s.kv_bytes_per_token == eng.kv_spec.bytes_per_token()
         assert f"{s.kv_bytes_per_token} B/token" in line
         assert f"= {s.kv_capacity_tokens} tokens" in line
@@ -56,12 +60,27 @@ def test_capacity_logged_and_equal_to_the_planner(tiny_model, arch, caplog) -> N
             assert plan["capacity"]["kv_tokens_for_memory"] == s.kv_capacity_tokens
         tokens[flag] = s.kv_capacity_tokens
     spec = lm.model.kv_cache_spec()
-    ratio = spec.with_dtype("float32").bytes_per_token() / spec.with_dtype("float8_e4m3fn").bytes_per_token()
-    assert tokens["fp8_e4m3"] / tokens["fp32"] == pytest.approx(ratio, rel=0.01)
-    assert tokens["fp8_e4m3"] / tokens["bf16"] == pytest.approx(ratio / 2, rel=0.01)
-    # scales cost 4 B per vector: close to 4x for an MLA latent (40 + 4 B vs 160 B here; 580 vs 2304
-    # for Kimi K2), 3.2x for the tiny Llama's 16-dim heads (3.76x for SmolLM2's 64-dim heads)
+    assert spec.with_dtype("float32").bytes_per_token() == 4 * spec.with_dtype("float8_e4m3fn").bytes_per_token()
+    pages = {k: v // 16 for k, v in tokens.items()}
+    assert pages["fp8_e4m3"] // 4 == pages["fp32"] and pages["fp8_e4m3"] // 2 == pages["bf16"]
+    assert 4 <= tokens["fp8_e4m3"] / tokens["fp32"] < 4.02
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "LlamaForCausalLM"])
+def test_per_token_fp8_scales_cost_bytes_and_match_the_planner(tiny_model, arch, caplog) -> None:
+    lm, _ = tiny_model(arch)
+    eng, line = _engine(lm, "fp8_e4m3", caplog, scales="token")
+    s = eng.stats()
+    assert s.kv_cache_fp8_scales == "token" and "(token scales)" in line
+    plan = _plan(lm.source / "config.json", "fp8", scales="token")
+    assert plan["kv"]["per_token_per_device_bytes"] == s.kv_bytes_per_token
+    assert plan["capacity"]["kv_tokens_for_memory"] == s.kv_capacity_tokens
+    # 4 B per vector: 40 + 4 B vs 160 B for the tiny MLA latent (580 vs 2304 for Kimi K2), 3.2x
+    # fp32 for the tiny Llama's 16-dim heads (3.76x for SmolLM2's 64-dim heads)
+    ratio = lm.model.kv_cache_spec().with_dtype("float32").bytes_per_token() / s.kv_bytes_per_token
     assert ratio == pytest.approx(160 / 44 if arch == "DeepseekV3ForCausalLM" else 512 / 160)
+    with pytest.raises(ValueError, match="kv_cache_fp8_scales must be one of"):
+        EngineConfig(kv_cache_fp8_scales="page")
 
 
 def test_long_dtype_names_are_aliases(tiny_model) -> None:
@@ -86,16 +105,43 @@ def test_fp8_on_a_device_without_float8_is_refused() -> None:
         select_attention_backend(spec, "meta")
 
 
-@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "LlamaForCausalLM"])
-def test_fp8_engine_serves_with_prefix_cache_and_chunks(tiny_model, arch) -> None:
+@pytest.mark.parametrize("arch,scales", [("DeepseekV3ForCausalLM", "static"), ("LlamaForCausalLM", "static"),
+                                         ("LlamaForCausalLM", "token")])
+def test_fp8_engine_serves_with_prefix_cache_and_chunks(tiny_model, arch, scales) -> None:
     """fp8 pages through the whole engine: chunked prefill, prefix hits, preemption-free decodes;
     the same prompt gives the same tokens whether its pages were written now or found in the
     cache (accuracy against fp32 is tests/models/test_kv_fp8_accuracy.py)."""
     lm, _ = tiny_model(arch)
     prompts = random_prompts([30, 12, 45], seed=9)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm = LLM(loaded=lm, kv_cache_tokens=1024, kv_cache_dtype="fp8_e4m3", max_batch_tokens=16, debug_checks=True)
+    llm = LLM(loaded=lm, kv_cache_tokens=1024, kv_cache_dtype="fp8_e4m3", max_batch_tokens=16, debug_checks=True,
+              kv_cache_fp8_scales=scales)
     got = [o.token_ids for o in llm.generate(prompts + prompts[:1], params)]
     assert got[3] == got[0] and len(got[0]) == 8  # a prefix hit reads the pages the first request wrote
     assert llm.engine.stats().cached_tokens_total >= 16
     assert isinstance(llm.engine.runner.kv_caches[0], tuple) and llm.engine.runner.kv_caches[0].data.dtype == torch.uint8
+    entry = llm.engine.runner.kv_caches[0]
+    assert entry.per_token == (scales == "token")
+    if scales == "static":  # calibrated at start-up: one scale per head (K, V) or latent / rope key
+        assert entry.scale.numel() < 200 and (entry.scale != 1).all() and (entry.scale > 0).all()
+
+
+def test_static_fp8_scales_calibrate_to_the_largest_value_written(tiny_model) -> None:
+    """The calibration prefill sets each head's scale to headroom x amax / 448, where amax is the
+    largest |K| (|V|) that head wrote; an fp32 pool fed the same prompt holds those values."""
+    from tokenmill.engine.kv_calibration import calibration_tokens
+    from tokenmill.engine.model_runner import ModelRunner
+    from tokenmill.layers.attention.fp8 import FP8_MAX, STATIC_HEADROOM
+
+    lm, _ = tiny_model("LlamaForCausalLM")
+    toks = calibration_tokens(lm.tokenizer, lm.model.args.vocab_size, 200)
+    spec = lm.model.kv_cache_spec()
+    fp8 = ModelRunner(lm.model, 16, 16, lm.model.args.vocab_size, kv_spec=spec.with_dtype("float8_e4m3fn"),
+                      calibration_tokens=toks)
+    exact = ModelRunner(lm.model, 16, 16, lm.model.args.vocab_size, kv_spec=spec)
+    with torch.inference_mode():
+        exact.forward(exact.calibration_batch(toks))   # the same prefill into an fp32 pool
+    for f, e in zip(fp8.kv_caches, exact.kv_caches):
+        amax = e.view(2, -1, e.shape[-2], e.shape[-1]).abs().amax(dim=(1, 3))       # [2, heads]
+        assert torch.allclose(f.scale.view(2, -1), amax * STATIC_HEADROOM / FP8_MAX, rtol=1e-6)
+        assert not f.data.any()   # the calibration ran on a scratch pool

@@ -261,6 +261,20 @@ def test_tp2_deepseek_v3_mla_moe_matches_one_rank(tiny_dir) -> None:
     _assert_same(ref, got)
 
 
+def test_tp2_fp8_static_scales_match_one_rank(tiny_gqa: Path) -> None:
+    """Static fp8 KV scales under TP: every rank runs the start-up calibration prefill together
+    (the all-reduces line up) and calibrates its own KV head, so the ranks' pools hold what one
+    process's pool holds: greedy tokens equal one rank's with the same fp8 pool."""
+    loaded = load_model(str(tiny_gqa))
+    one = LLM(str(tiny_gqa), loaded=loaded, kv_cache_dtype="fp8_e4m3", **KW)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ref = one.generate(PROMPTS, params)
+    with LLM(str(tiny_gqa), loaded=loaded, tensor_parallel_size=2, kv_cache_dtype="fp8_e4m3", **KW) as two:
+        assert two.engine.kv_spec.fp8_scales == "static"
+        got = two.generate(PROMPTS, params)
+    assert [list(g.token_ids) for g in got] == [list(r.token_ids) for r in ref]
+
+
 def test_a_rank_failing_to_start_is_reported(tiny_dir) -> None:
     """The native backend has no MLA: each rank fails building its runner; the error says so."""
     path = str(tiny_dir("DeepseekV3ForCausalLM"))

@@ -72,7 +72,11 @@ def test_hf_config_path_and_weight_bits(tmp_path) -> None:
                          "--kv-dtype", "fp8", "--weight-bits", "all=8,embeddings=16", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["kv"]["per_token_per_device_bytes"] == (2 * 4 * 64 * 1 + 2 * 4 * 4) * 16  # fp8 + a 4 B scale per token and KV head
+    assert data["kv"]["per_token_per_device_bytes"] == 2 * 4 * 64 * 1 * 16  # fp8, static scales: nothing per token
+    out = tokenmill_plan("--model", str(tmp_path / "config.json"), "--hardware", "h100", "--tp", "2",
+                         "--kv-dtype", "fp8", "--kv-fp8-scales", "token", "--json")
+    per_token = json.loads(out.stdout)["kv"]["per_token_per_device_bytes"]
+    assert per_token == (2 * 4 * 64 * 1 + 2 * 4 * 4) * 16  # fp8 + a 4 B scale per token and KV head
     assert data["deployment"]["weight_bits"]["attention"] == 8
     emb = next(g for g in data["weights"]["groups"] if g["name"] == "embedding table")
     assert emb["bytes_total"] == 128256 * 2048 * 2

@@ -97,8 +97,9 @@ def test_hf_config_hybrid_linear_attention(tmp_path) -> None:
     assert (spec.num_full_layers, spec.num_linear_layers, spec.num_moe_layers) == (12, 36, 48)
     assert spec.moe is not None and spec.moe.num_shared == 1 and spec.moe.shared_intermediate == 512
     assert sum(g.params for g in param_groups(spec)) / 1e9 == pytest.approx(80.0, rel=0.02)
-    kv = kv_bytes(spec, Deployment(tp=2, kv_dtype="fp8"))
+    kv = kv_bytes(spec, Deployment(tp=2, kv_dtype="fp8", kv_fp8_scales="token"))
     assert kv.per_token_per_device == (2 * 1 * 256 * 1 + 2 * 4) * 12  # 2 KV heads / tp 2, fp8 + scales
+    assert kv_bytes(spec, Deployment(tp=2, kv_dtype="fp8")).per_token_per_device == 2 * 256 * 12  # static scales
     state = 36 * (16 * 128 * 128 * 4 + 3 * (8192 // 2) * 4)  # fp32 recurrent + short-conv state per rank
     assert kv.state_per_request_per_device == state
 

@@ -10,10 +10,10 @@ from tokenmill.plan.models import load_model, parse_weight_bits
 from tokenmill.plan.planner import make_plan
 
 
-def seed_plan(tp: int, kv_dtype: str = "bf16"):
+def seed_plan(tp: int, kv_dtype: str = "bf16", fp8_scales: str = "static"):
     spec = load_model("kimi-k2.6")
     hw = get_hardware("b200").with_overrides(hbm_bytes=180e9)
-    dep = Deployment(tp=tp, kv_dtype=kv_dtype, context=100_000, mem_fraction=1.0, weights_bytes=595e9,
+    dep = Deployment(tp=tp, kv_dtype=kv_dtype, kv_fp8_scales=fp8_scales, context=100_000, mem_fraction=1.0, weights_bytes=595e9,
                      weight_bits=parse_weight_bits(None, spec.default_bits))
     return make_plan(spec, hw, dep)
 
@@ -62,12 +62,16 @@ def test_tp8_row_and_the_seeds_3m_figure() -> None:
     assert ratio == pytest.approx(3.38, abs=0.01)
 
 
-def test_fp8_kv_about_doubles_capacity() -> None:
-    """tokenmill's fp8 latent carries one fp32 scale per token and layer: 580 B, not 576 B."""
+def test_fp8_kv_doubles_capacity() -> None:
+    """Static fp8 scales (the default): 576 B per token and layer, exactly half of bf16; with
+    per-token scales the latent carries one fp32 scale per token and layer: 580 B."""
     bf16, fp8 = seed_plan(4).capacity, seed_plan(4, "fp8").capacity
-    assert seed_plan(4, "fp8").kv.per_token_per_device == (576 + 4) * 61 == 35_380
-    assert fp8.kv_tokens_per_replica == 31.25e9 // 35_380
-    assert fp8.kv_tokens_per_replica / bf16.kv_tokens_per_replica == pytest.approx(2 * 576 / 580, abs=1e-4)
+    assert seed_plan(4, "fp8").kv.per_token_per_device == 576 * 61 == 35_136
+    assert fp8.kv_tokens_per_replica == 31.25e9 // 35_136
+    assert fp8.kv_tokens_per_replica / bf16.kv_tokens_per_replica == pytest.approx(2, abs=1e-4)
+    token = seed_plan(4, "fp8", "token")
+    assert token.kv.per_token_per_device == (576 + 4) * 61 == 35_380
+    assert token.capacity.kv_tokens_per_replica / bf16.kv_tokens_per_replica == pytest.approx(2 * 576 / 580, abs=1e-4)
 
 
 def test_sessions_at_100k_context() -> None:

@@ -40,7 +40,7 @@ def test_serve_ling_fp8_latents_and_state_pool_match_the_planner(tmp_path) -> No
         loads = httpx.get(proc.base_url + "/v1/loads", timeout=30).json()
     assert loads["state_bytes_per_request"] == SLOT_BYTES and loads["state_slots_total"] == 4
     assert loads["state_slots_free"] == 4
-    assert loads["kv_bytes_per_token"] == 2 * (32 + 8 + 4)   # 2 MLA layers x (latent + rope key + fp8 scale)
+    assert loads["kv_bytes_per_token"] == 2 * (32 + 8)   # 2 MLA layers x (latent + rope key); static fp8 scales
     plan = subprocess.run([sys.executable, "-c", CLI, "plan", "--model", str(ckpt / "config.json"), "--hardware",
                            "h100", "--kv-dtype", "fp8", "--json"], capture_output=True, text=True, check=True)
     data = json.loads(plan.stdout)

@@ -32,9 +32,10 @@ def test_serve_deepseek_v3_fp8_kv_matches_the_planner(tmp_path) -> None:
         metrics = httpx.get(proc.base_url + "/metrics", timeout=30).text
         log = proc.log_tail(100_000)
     assert loads["kv_cache_dtype"] == "float8_e4m3fn"
-    assert loads["kv_bytes_per_token"] == 2 * (32 + 8 + 4)   # 2 layers x (latent + rope key + scale)
+    assert loads["kv_cache_fp8_scales"] == "static"
+    assert loads["kv_bytes_per_token"] == 2 * (32 + 8)   # 2 layers x (latent + rope key); static scales
     assert re.search(rf"kv_cache_capacity_tokens\S* {loads['kv_capacity_tokens']}\b", metrics)
-    m = re.search(r"KV cache: float8_e4m3fn, (\d+) B/token .* = (\d+) tokens", log)
+    m = re.search(r"KV cache: float8_e4m3fn \(static scales\), (\d+) B/token \(4.00x .* = (\d+) tokens", log)
     assert m, log[-2000:]
     assert (int(m.group(1)), int(m.group(2))) == (loads["kv_bytes_per_token"], loads["kv_capacity_tokens"])
     plan = subprocess.run([sys.executable, "-c", CLI, "plan", "--model", str(ckpt / "config.json"), "--hardware",

@@ -20,8 +20,13 @@ A new kind is one more dataclass with ``elements_per_token`` / ``scales_per_toke
 ``bytes_per_request`` and a backend that allocates and reads it.
 
 Storage dtypes: ``float32``, ``bfloat16``, ``float16``, ``float8_e4m3fn``. Entries stored as fp8
-carry fp32 scales (``scales_per_token`` of them per layer: one per token and head for K and for
-V, one per token for an MLA latent).
+carry fp32 scales, in one of two schemes (``KVCacheSpec.fp8_scales``):
+
+* ``static`` (default): one scale per layer and KV head for K and for V (per layer for an MLA
+  latent and for its rope key), calibrated at start-up. Nothing is stored per token, so fp8
+  takes exactly a quarter of fp32's bytes per token.
+* ``token``: one scale per token and head for K and for V, one per token for an MLA latent
+  (``scales_per_token`` of them per layer, :data:`SCALE_BYTES` each, counted per token).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from typing import Union
 KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 FP8_DTYPES = ("float8_e4m3fn",)
 SCALE_BYTES = 4
+FP8_SCALE_SCHEMES = ("static", "token")
 
 # User-facing KV dtype names (``--kv-cache-dtype`` of serve / generate, ``--kv-dtype`` of plan)
 # -> storage dtype. ``auto`` (the model's dtype) is resolved by the engine.
@@ -144,12 +150,15 @@ class KVCacheSpec:
 
     layers: tuple[LayerKV, ...]
     dtype: str = "float32"
+    fp8_scales: str = "static"   # fp8 only: "static" (per layer and head) or "token" (per token and head)
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError("KVCacheSpec needs at least one layer")
         if self.dtype not in KV_DTYPE_BYTES:
             raise ValueError(f"KV dtype must be one of {sorted(KV_DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.fp8_scales not in FP8_SCALE_SCHEMES:
+            raise ValueError(f"fp8 KV scales must be one of {FP8_SCALE_SCHEMES}, got {self.fp8_scales!r}")
 
     @classmethod
     def dense(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str = "float32") -> KVCacheSpec:
@@ -159,7 +168,10 @@ class KVCacheSpec:
         return cls(tuple(PagedKV(num_kv_heads, head_dim) for _ in range(num_layers)), dtype)
 
     def with_dtype(self, dtype: str) -> KVCacheSpec:
-        return KVCacheSpec(self.layers, dtype)
+        return KVCacheSpec(self.layers, dtype, self.fp8_scales)
+
+    def with_fp8_scales(self, scheme: str) -> KVCacheSpec:
+        return KVCacheSpec(self.layers, self.dtype, scheme)
 
     @property
     def num_layers(self) -> int:
@@ -170,15 +182,21 @@ class KVCacheSpec:
         return self.dtype in FP8_DTYPES
 
     @property
+    def per_token_scales(self) -> bool:
+        """fp8 entries carry a scale per token (and head), counted in :meth:`bytes_per_token`."""
+        return self.is_fp8 and self.fp8_scales == "token"
+
+    @property
     def itemsize(self) -> int:
         return KV_DTYPE_BYTES[self.dtype]
 
     def layer_bytes_per_token(self, layer: LayerKV) -> int:
-        scales = layer.scales_per_token() * SCALE_BYTES if self.is_fp8 else 0
+        scales = layer.scales_per_token() * SCALE_BYTES if self.per_token_scales else 0
         return layer.elements_per_token() * self.itemsize + scales
 
     def bytes_per_token(self) -> int:
-        """Bytes one token's entries take across all layers (fp8 scales included)."""
+        """Bytes one token's entries take across all layers (per-token fp8 scales included; static
+        fp8 scales are a few bytes per layer, held beside the pool like weights)."""
         return sum(self.layer_bytes_per_token(layer) for layer in self.layers)
 
     def bytes_per_request(self) -> int:

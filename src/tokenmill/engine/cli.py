@@ -5,7 +5,7 @@ import argparse
 import sys
 from dataclasses import fields
 
-from tokenmill.engine.config import (ATTENTION_BACKENDS, CACHE_WRITE_POLICIES, HOST_CACHE_DTYPES,
+from tokenmill.engine.config import (ATTENTION_BACKENDS, CACHE_WRITE_POLICIES, FP8_SCALE_SCHEMES, HOST_CACHE_DTYPES,
                                      KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig)
 from tokenmill.loader.resolve import DEFAULT_MODEL
 
@@ -48,8 +48,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the same as --moe-parallel ep")
     g.add_argument("--device", default=d.device, help="torch device of the model runner (default: cpu)")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                   help="KV pool storage: auto (the model's dtype), fp8_e4m3 (float8_e4m3fn + fp32 scales per "
-                        "token and head), bf16, fp16, fp32; the long torch names are aliases")
+                   help="KV pool storage: auto (the model's dtype), fp8_e4m3 (float8_e4m3fn with fp32 scales, "
+                        "see --kv-cache-fp8-scales), bf16, fp16, fp32; the long torch names are aliases")
+    g.add_argument("--kv-cache-fp8-scales", default=d.kv_cache_fp8_scales, choices=FP8_SCALE_SCHEMES,
+                   help="fp8 KV scales: static = one per layer and KV head, calibrated by a short prefill at "
+                        "start-up (nothing stored per token: 4x the tokens of fp32); token = one per token and "
+                        "head, computed on write (a little more accurate, 4 B per vector)")
     g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
                    help="weight format: auto = a GGUF file in its own block types (Q4_1 for the default "
                         "model), an HF checkpoint unquantized; none = everything in --dtype (the oracle); "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.contracts.kv import KV_DTYPE_NAMES, kv_storage_dtype
+from tokenmill.contracts.kv import FP8_SCALE_SCHEMES, KV_DTYPE_NAMES, kv_storage_dtype
 
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats (tokenmill.layers.quant.methods)
@@ -55,6 +55,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     max_waiting_requests: int | None = None  # bounded waiting queue (engine/admission.py); None: unbounded
     device: str = "cpu"              # torch device the model runner owns ("cpu", "cuda", "cuda:1")
     kv_cache_dtype: str = "auto"     # KV storage: auto (the model's dtype), fp8_e4m3, bf16, fp16, fp32
+    kv_cache_fp8_scales: str = "static"   # fp8 KV scales: static (per layer and head, calibrated at
+                                          # start-up, 4x fp32's tokens) or token (per token and head)
     attention_backend: str = "auto"  # see tokenmill.layers.attention.select_attention_backend
     # Lower cache tiers (docs/kv-tiers.md): L2 host memory, L3 shared storage.
     host_cache_memory_gib: float = 0.0   # L2 size; 0 = no host tier
@@ -126,6 +128,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"decode_slowdown must be > 1 (or None to turn the bound off), got {self.decode_slowdown}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_fp8_scales not in FP8_SCALE_SCHEMES:
+            raise ValueError(f"kv_cache_fp8_scales must be one of {FP8_SCALE_SCHEMES}, got {self.kv_cache_fp8_scales!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATIONS:

@@ -61,7 +61,8 @@ class EngineStats:
     spec: SpecStats | None = None     # speculative decoding counters (None: off)
     kv_pages_in_use: int = 0       # pages owned by requests alone (not in the prefix cache)
     kv_cache_dtype: str = ""         # storage dtype of the pool (float32, bfloat16, float8_e4m3fn, ...)
-    kv_bytes_per_token: int = 0      # KVCacheSpec.bytes_per_token(), fp8 scales included
+    kv_bytes_per_token: int = 0      # KVCacheSpec.bytes_per_token(), per-token fp8 scales included
+    kv_cache_fp8_scales: str = ""    # fp8 pools: "static" or "token" (KVCacheSpec.fp8_scales); else ""
     kv_capacity_tokens: int = 0      # pages x page size (per rank with tensor parallelism: each rank
                                      # holds its KV heads' share of every token)
     tiers: Any = None               # cache.tiers.TierStats when lower tiers are configured
@@ -101,7 +102,8 @@ class Engine:
                 tp=config.tensor_parallel_size, num_pages=self.kv.num_pages, page_size=config.page_size,
                 device=self.device.type, kv_dtype=self.kv_spec.dtype, attention_backend=config.attention_backend,
                 num_threads=config.num_threads, pin_cores=config.tp_pin_cores, init_method=new_init_method(),
-                moe_parallel=config.moe_parallel),
+                moe_parallel=config.moe_parallel, kv_fp8_scales=self.kv_spec.fp8_scales,
+                calibration_tokens=self._calibration_tokens()),
                 self.loaded.model)
             try:
                 self._init_tiers()
@@ -113,7 +115,8 @@ class Engine:
             self.runner = ModelRunner(self.loaded.model, self.kv.num_pages, config.page_size,
                                       self.vocab_size, device=self.device, kv_spec=self.kv_spec,
                                       attention_backend=config.attention_backend,
-                                      num_state_slots=slots.num_slots if slots is not None else 0)
+                                      num_state_slots=slots.num_slots if slots is not None else 0,
+                                      calibration_tokens=self._calibration_tokens())
             if self.runner.states is not None:   # snapshots are taken by copying a request's slot
                 self.kv.copy_state = self.runner.states.copy
             self._init_tiers()
@@ -188,7 +191,7 @@ class Engine:
         cfg = self.config
         self._check_hybrid()
         spec = self._rank_kv_spec()
-        spec = spec.with_dtype(resolve_kv_dtype(cfg.kv_cache_dtype, spec.dtype))
+        spec = spec.with_dtype(resolve_kv_dtype(cfg.kv_cache_dtype, spec.dtype)).with_fp8_scales(cfg.kv_cache_fp8_scales)
         self.kv_spec = spec
         bytes_per_token = spec.bytes_per_token()
         ps = cfg.page_size
@@ -224,9 +227,19 @@ class Engine:
         self.kv_capacity_tokens = num_pages * ps
         fp32 = spec.with_dtype("float32").bytes_per_token()
         tp = cfg.tensor_parallel_size
-        log.info("KV cache%s: %s, %d B/token (%.2fx the tokens of fp32 at equal memory), %d pages of %d tokens "
-                 "= %d tokens (%.4f GiB)", f" per rank (tp={tp})" if tp > 1 else "", spec.dtype, bytes_per_token, fp32 / bytes_per_token, num_pages, ps,
+        scales = f" ({spec.fp8_scales} scales)" if spec.is_fp8 else ""
+        log.info("KV cache%s: %s%s, %d B/token (%.2fx the tokens of fp32 at equal memory), %d pages of %d tokens "
+                 "= %d tokens (%.4f GiB)", f" per rank (tp={tp})" if tp > 1 else "", spec.dtype, scales,
+                 bytes_per_token, fp32 / bytes_per_token, num_pages, ps,
                  self.kv_capacity_tokens, self.kv_capacity_tokens * bytes_per_token / 2**30)
+
+    def _calibration_tokens(self) -> list[int] | None:
+        """The prompt the runner calibrates static fp8 KV scales with (None: nothing to calibrate)."""
+        if not (self.kv_spec.is_fp8 and not self.kv_spec.per_token_scales):
+            return None
+        from tokenmill.engine.kv_calibration import calibration_tokens
+
+        return calibration_tokens(self.tokenizer, self.vocab_size, min(self.max_model_len, 512))
 
     def _state_slots(self, spec: KVCacheSpec) -> StateSlotPool | None:
         """A hybrid model's state-slot allocator: one request slot per running request, plus the
@@ -520,6 +533,7 @@ class Engine:
             kv_pages_in_use=sum(len(r.page_table) - r.num_tree_pages for r in s.running),
             kv_cache_dtype=self.kv_spec.dtype,
             kv_bytes_per_token=self.kv_spec.bytes_per_token(),
+            kv_cache_fp8_scales=self.kv_spec.fp8_scales if self.kv_spec.is_fp8 else "",
             kv_capacity_tokens=self.kv_capacity_tokens,
             tensor_parallel_size=self.config.tensor_parallel_size,
             tiers=self.tiers.snapshot_stats() if self.tiers is not None else None,

@@ -825,12 +825,19 @@ class PageLeaf:
 
 def page_leaves(kv_caches: list[Any], num_pages: int) -> list[PageLeaf]:
     """The pool's tensors and their page dimension: dense K/V ``[2, N, P, H, D]`` (dim 1), MLA
-    latents ``[N, P, E]`` (dim 0); fp8 pages are (bytes, scales) pairs with the same rule."""
+    latents ``[N, P, E]`` (dim 0); fp8 pages are their bytes plus, with per-token scales, the
+    scales, with the same rule (static fp8 scales have no page dimension: they are part of the
+    pool's identity, see :func:`static_scales_digest`)."""
+    from tokenmill.layers.attention.fp8 import FP8Pages
+
     leaves: list[PageLeaf] = []
     for entry in kv_caches:
         if entry is None:                     # a hybrid model's linear layer (state pool)
             continue
-        tensors = [entry] if isinstance(entry, torch.Tensor) else list(entry)
+        if isinstance(entry, FP8Pages):
+            tensors = entry.page_tensors()
+        else:
+            tensors = [entry] if isinstance(entry, torch.Tensor) else list(entry)
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"the tiered KV cache cannot copy pages of a {type(t).__name__}")
@@ -844,6 +851,22 @@ def page_leaves(kv_caches: list[Any], num_pages: int) -> list[PageLeaf]:
     if not leaves:
         raise ValueError("the KV pool has no tensors")
     return leaves
+
+
+def static_scales_digest(kv_caches: list[Any]) -> str:
+    """A digest of the pool's static fp8 scales ("" when there are none): pages quantized under
+    other scales must not be shared, so the digest is part of the tier namespace."""
+    import hashlib
+
+    from tokenmill.layers.attention.fp8 import static_scale_tensors
+
+    scales = static_scale_tensors(kv_caches)
+    if not scales:
+        return ""
+    h = hashlib.sha256()
+    for s in scales:
+        h.update(s.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _as_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -863,7 +886,8 @@ def describe_pool(kv_caches: list[Any], num_pages: int) -> dict[str, Any]:
     leaves = page_leaves(kv_caches, num_pages)
     return {"entries": sum(1 for c in kv_caches if c is not None),
             "leaves": [(tuple(l.page_shape), l.page_dim, str(l.tensor.dtype), l.tensor.element_size(),
-                        l.tensor.dtype.is_floating_point) for l in leaves]}
+                        l.tensor.dtype.is_floating_point) for l in leaves],
+            "fp8_static_scales": static_scales_digest(kv_caches)}
 
 
 def rank_namespace(namespace: bytes, rank: int, tp: int) -> bytes:
@@ -890,15 +914,20 @@ def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any
     tp = getattr(runner, "tp", 1)
     if tp > 1:
         pools = [info["kv_pool"] for info in runner.rank_info]
-        if any(p != pools[0] for p in pools):
+        layouts = [{k: v for k, v in p.items() if k != "fp8_static_scales"} for p in pools]
+        if any(p != layouts[0] for p in layouts):
             raise ValueError("the tensor-parallel ranks' KV pages differ in layout; the cache tiers need one layout")
         pool = pools[0]
     else:
         pool = describe_pool(runner.kv_caches, num_pages)
+        pools = [pool]
     leaves = pool["leaves"]
     layout = "|".join(f"{shape}:{dim}:{dtype}" for shape, dim, dtype, _, _ in leaves) + f"|{kv_spec.layers!r}"
     if tp > 1:
         layout += f"|tensor parallel {tp}"   # a shard's pages are not another TP size's
+    digests = [p.get("fp8_static_scales", "") for p in pools]
+    if any(digests):   # pages quantized under other static fp8 scales are other bytes
+        layout += "|fp8-static-scales:" + ",".join(digests)
     identity = f"{model_name}|{model_fingerprint(model if model is not None else runner.model)}"
     namespace = make_namespace(identity, layout, str(kv_spec.dtype), config.page_size)
     keyer = PageKeyer(namespace, config.page_size)

@@ -73,7 +73,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_pages: int, page_size: int, vocab_size: int,
                  device: torch.device | str = "cpu", seed: int | None = None, *,
                  kv_spec: KVCacheSpec | None = None, attention_backend: str = "auto",
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, calibration_tokens: list[int] | None = None) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.page_size = page_size
@@ -87,9 +87,42 @@ class ModelRunner:
             if num_state_slots <= 0:
                 raise ValueError("a hybrid model needs num_state_slots > 0 (the engine's state-slot pool size)")
             self.states = StatePool(self.kv_spec, num_state_slots, self.device)
+        if self.kv_spec.is_fp8 and not self.kv_spec.per_token_scales:
+            self.calibrate_fp8_scales(calibration_tokens or [1])
         self.sampler = Sampler(seed, device=self.device)
         self.capture_layers: frozenset[int] = frozenset()   # set by a learned drafter
         self.prompt_rows: list[PromptRows] = []
+
+    def calibrate_fp8_scales(self, tokens: list[int]) -> None:
+        """Static fp8 KV scales from one prefill of ``tokens`` into a scratch pool of the same
+        layout (so the scales do not depend on the pool's size), copied into the pool's scales.
+        Every tensor-parallel rank runs the same prefill, so the collectives line up and each
+        rank calibrates its own KV heads."""
+        from tokenmill.layers.attention.fp8 import calibrate_static_scales, static_scale_tensors
+
+        batch = self.calibration_batch(tokens)
+        scratch = self.attn.allocate(batch.block_tables.shape[1], self.page_size)
+        calibrate_static_scales(scratch, lambda: self.model(ForwardContext.prepare(self.attn, batch, scratch,
+                                                                                   states=self.states)),
+                                self.attn.fp8_scale_segments)
+        if self.states is not None:   # the calibration prefill ran in state slot 0
+            self.states.zero(0)
+        for dst, src in zip(static_scale_tensors(self.kv_caches), static_scale_tensors(scratch)):
+            dst.copy_(src)
+
+    def calibration_batch(self, tokens: list[int]) -> ForwardBatch:
+        """One fresh prefill of ``tokens`` on pages 0, 1, ..."""
+        n = len(tokens)
+        dev = self.device
+        pos = torch.arange(n, dtype=torch.long, device=dev)
+        pages = (n + self.page_size - 1) // self.page_size
+        return ForwardBatch(input_ids=torch.tensor(tokens, dtype=torch.long, device=dev), positions=pos,
+                            slot_mapping=pos, query_start_loc=torch.tensor([0, n], dtype=torch.long, device=dev),
+                            seq_lens=torch.tensor([n], dtype=torch.long, device=dev),
+                            block_tables=torch.arange(pages, dtype=torch.long, device=dev)[None, :],
+                            logits_indices=torch.tensor([n - 1], dtype=torch.long, device=dev),
+                            page_size=self.page_size, max_seq_len=n,
+                            state_slots=None if self.states is None else torch.zeros(1, dtype=torch.long, device=dev))
 
     def make_generator(self, seed: int | None) -> torch.Generator | None:
         """A request's own random stream (seeded requests only; others share the sampler's)."""

@@ -74,6 +74,8 @@ class WorkerSpec:
     init_method: str
     seed: int | None = None
     moe_parallel: str = "tp"   # MoE experts: "tp" (intermediate split) or "ep" (whole experts per rank)
+    kv_fp8_scales: str = "static"           # fp8 KV scale scheme (KVCacheSpec.fp8_scales)
+    calibration_tokens: list[int] | None = None   # prompt for static fp8 scales (every rank the same)
 
 
 def check_tensor_parallel_devices(tp: int, device: str) -> None:
@@ -458,9 +460,10 @@ def _worker_setup(rank: int, spec: WorkerSpec, conn: Connection) -> tuple[Any, _
         raise RuntimeError(f"expected this rank's weights first, got {what!r}")
     shard = build_shard(kind, full_args, rank, spec.tp, dtype, weights, spec.moe_parallel)
     del weights
-    kv_spec = shard.kv_cache_spec().with_dtype(spec.kv_dtype)
+    kv_spec = shard.kv_cache_spec().with_dtype(spec.kv_dtype).with_fp8_scales(spec.kv_fp8_scales)
     runner = ModelRunner(shard, spec.num_pages, spec.page_size, shard.full_args.vocab_size, device=device,
-                         seed=spec.seed, kv_spec=kv_spec, attention_backend=spec.attention_backend)
+                         seed=spec.seed, kv_spec=kv_spec, attention_backend=spec.attention_backend,
+                         calibration_tokens=spec.calibration_tokens)
     return runner, _Mirror(runner)
 
 

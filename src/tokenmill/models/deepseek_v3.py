@@ -217,25 +217,34 @@ class MoE(nn.Module):
         self.experts_down = _param(hi - self.first_expert, h, f, dtype=dtype)
         self.shared = DenseMLP(h, a.shared_inter, dtype) if a.n_shared_experts else None
         self._experts: GroupedExperts | None = None
+        self._shared: GroupedExperts | None = None
 
     def experts(self) -> GroupedExperts:
+        """The routed experts (rebuilt, and repacked, when the weight tensors are replaced)."""
         w = self.experts_gate_up
         if self._experts is None or self._experts.gate_up.data_ptr() != w.data_ptr() or self._experts.gate_up.device != w.device:
             self._experts = GroupedExperts(self.experts_gate_up.data, self.experts_down.data)
         return self._experts
+
+    def shared_experts(self) -> GroupedExperts | None:
+        """The shared experts as one always-on expert of the same kernels (None without any)."""
+        if self.shared is None:
+            return None
+        w = self.shared.gate_up_proj
+        if self._shared is None or self._shared.gate_up.data_ptr() != w.data_ptr() or self._shared.gate_up.device != w.device:
+            self._shared = GroupedExperts(w.data.unsqueeze(0), self.shared.down_proj.data.unsqueeze(0))
+        return self._shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.a
         weights, ids = route_sigmoid_grouped(
             x, self.gate, self.e_score_correction_bias, top_k=a.num_experts_per_tok, n_group=a.n_group,
             topk_group=a.topk_group, norm_topk_prob=a.norm_topk_prob, routed_scaling_factor=a.routed_scaling_factor)
+        shared = self.shared_experts()
         if self.partial:   # this shard's experts only: a partial sum, completed by an all-reduce
             out = self.experts().local_sum(x, weights, ids, self.first_expert)
-        else:
-            out = self.experts()(x, weights, ids)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return out
+            return out if shared is None else shared.dense(x, out=out)
+        return self.experts()(x, weights, ids, out=shared.dense(x) if shared is not None else None)
 
 
 class DeepseekV3DecoderLayer(nn.Module):

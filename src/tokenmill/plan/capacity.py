@@ -30,7 +30,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple
 
-from tokenmill.contracts.kv import KVCacheSpec, LatentKV, LayerKV, LinearState, PagedKV, kv_storage_dtype
+from tokenmill.contracts.kv import (FP8_SCALE_SCHEMES, KVCacheSpec, LatentKV, LayerKV, LinearState, PagedKV,
+                                    kv_storage_dtype)
 from tokenmill.plan.hardware import HardwareSpec, PlanError
 from tokenmill.plan.models import WEIGHT_GROUPS, ModelSpec, param_groups
 
@@ -59,6 +60,7 @@ class Deployment:
     ep: int = 1
     dp: int = 1
     kv_dtype: str = "bf16"
+    kv_fp8_scales: str = "static"   # fp8 KV: "static" (per layer and head) or "token" (4 B per vector)
     state_dtype: str = "fp32"
     context: int = 8192
     batch: int = 1
@@ -80,6 +82,8 @@ class Deployment:
         for name in ("kv_dtype", "state_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
                 raise PlanError(f"--{name.replace('_', '-')} must be one of {', '.join(DTYPE_BYTES)}")
+        if self.kv_fp8_scales not in FP8_SCALE_SCHEMES:
+            raise PlanError(f"--kv-fp8-scales must be one of {', '.join(FP8_SCALE_SCHEMES)}")
         if not 0 < self.mem_fraction <= 1:
             raise PlanError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
         if self.weights_bytes is not None and self.weights_bytes <= 0:
@@ -180,7 +184,7 @@ def kv_cache_spec(spec: ModelSpec, dep: Deployment) -> KVCacheSpec | None:
         kv = spec.num_kv_heads
         layer = PagedKV(kv // dep.tp if kv >= dep.tp else 1, spec.head_dim)
     layers = tuple(layer for kind in spec.layer_attention if kind == "full")
-    return KVCacheSpec(layers, kv_storage_dtype(dep.kv_dtype)) if layers else None
+    return KVCacheSpec(layers, kv_storage_dtype(dep.kv_dtype), dep.kv_fp8_scales) if layers else None
 
 
 def state_layer(spec: ModelSpec, dep: Deployment) -> LinearState | None:
@@ -209,7 +213,7 @@ def kv_bytes(spec: ModelSpec, dep: Deployment) -> KVResult:
     kv_spec = kv_cache_spec(spec, dep)
     if kv_spec is not None:
         per_tok = kv_spec.bytes_per_token()
-        scales = kv_spec.layers[0].scales_per_token() if kv_spec.is_fp8 else 0
+        scales = kv_spec.layers[0].scales_per_token() if kv_spec.per_token_scales else 0
         scale_txt = f" + {scales} x 4 B fp32 scale{'s' if scales > 1 else ''}" if scales else ""
     if kv_spec is not None and spec.mla is not None:
         m = spec.mla

@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dep.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides --tp)")
     dep.add_argument("--dp", type=int, default=1, help="number of replicas")
     dep.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    dep.add_argument("--kv-fp8-scales", choices=("static", "token"), default="static",
+                     help="fp8 KV scales (serve's --kv-cache-fp8-scales): static = per layer and head, "
+                          "nothing per token; token = one fp32 scale per token and head")
     dep.add_argument("--state-dtype", choices=sorted(DTYPE_BYTES), default="fp32",
                      help="linear-attention recurrent state dtype")
     dep.add_argument("--context", type=int, default=8192, help="tokens per session")
@@ -76,7 +79,8 @@ def build(args: argparse.Namespace):
         hbm_bytes=args.hbm_gb * 1e9 if args.hbm_gb is not None else None,
         hbm_bw=args.hbm_bw_tbps * 1e12 if args.hbm_bw_tbps is not None else None,
         interconnect_bw=args.interconnect_gbps * 1e9 if args.interconnect_gbps is not None else None)
-    dep = Deployment(tp=args.tp, ep=args.ep, dp=args.dp, kv_dtype=args.kv_dtype, state_dtype=args.state_dtype,
+    dep = Deployment(tp=args.tp, ep=args.ep, dp=args.dp, kv_dtype=args.kv_dtype, kv_fp8_scales=args.kv_fp8_scales,
+                     state_dtype=args.state_dtype,
                      context=args.context, batch=args.batch, mem_fraction=args.mem_fraction,
                      weight_bits=parse_weight_bits(args.weight_bits, spec.default_bits),
                      weights_bytes=args.weights_gb * 1e9 if args.weights_gb is not None else None,

@@ -188,7 +188,8 @@ def build_app(state: ServerState) -> FastAPI:
             "kv_cache_usage": s.kv_cache_usage, "kv_pages_total": s.kv_pages_total,
             "kv_pages_free": s.kv_pages_free, "kv_pages_cached": s.kv_pages_cached,
             "kv_pages_in_use": s.kv_pages_in_use,
-            "kv_cache_dtype": s.kv_cache_dtype, "kv_bytes_per_token": s.kv_bytes_per_token,
+            "kv_cache_dtype": s.kv_cache_dtype, "kv_cache_fp8_scales": s.kv_cache_fp8_scales,
+            "kv_bytes_per_token": s.kv_bytes_per_token,
             "kv_capacity_tokens": s.kv_capacity_tokens,
             # hybrid models' state pool (zeros for attention-only models): request slots
             "state_pool_usage": s.state_pool_usage, "state_slots_total": s.state_slots_total,

@@ -148,7 +148,7 @@ class _EngineCollector:
         yield family(g, "kv_pages_free", "KV-cache pages on the free list.", stats.kv_pages_free)
         yield family(g, "kv_pages_in_use", "KV-cache pages held by requests alone.", stats.kv_pages_in_use)
         yield family(g, "kv_cache_capacity_tokens", "Tokens the KV-cache pool holds.", stats.kv_capacity_tokens)
-        yield family(g, "kv_cache_bytes_per_token", "KV bytes per token over all layers (fp8 scales included).",
+        yield family(g, "kv_cache_bytes_per_token", "KV bytes per token over all layers (per-token fp8 scales included).",
                      stats.kv_bytes_per_token)
         if getattr(stats, "state_slots_total", 0):   # hybrid models: the state pool beside the pages
             yield family(g, "state_pool_usage_perc", "Fraction of state-pool request slots in use (1 = full).",

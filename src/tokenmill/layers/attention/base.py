@@ -43,6 +43,9 @@ class AttentionBackend(abc.ABC):
 
     name: str = "abstract"
     graph_capture_sizes: tuple[int, ...] = ()
+    # static fp8 scales with one value per feature: the feature ranges calibrated together
+    # (MLA: latent, rope key); None: one scale per head vector
+    fp8_scale_segments: tuple[int, ...] | None = None
 
     def __init__(self, spec: KVCacheSpec, device: torch.device, compute_dtype: torch.dtype) -> None:
         self.spec = spec

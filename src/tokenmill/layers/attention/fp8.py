@@ -1,32 +1,54 @@
-"""FP8 (``float8_e4m3fn``) KV pages with fp32 scales beside them.
+"""FP8 (``float8_e4m3fn``) KV pages and their scales.
 
-Layout: an fp8 KV entry is :class:`FP8Pages` ``(data, scale)``. ``data`` holds the e4m3 bytes
-(stored as ``uint8``, because CPU torch has no scatter kernels for float8 tensors; the bytes are
-reinterpreted with ``.view(torch.float8_e4m3fn)``) in exactly the shape a full-precision pool
-would have; ``scale`` has that shape minus the last (feature) dimension: one fp32 scale per
-stored vector, i.e. per token and KV head for K and for V (dense attention), per token for an MLA
-latent. The value of an element is ``fp8(data) * scale``.
+Layout: an fp8 KV entry is :class:`FP8Pages` ``(data, scale, per_token)``. ``data`` holds the
+e4m3 bytes (stored as ``uint8``, because CPU torch has no scatter kernels for float8 tensors; the
+bytes are reinterpreted with ``.view(torch.float8_e4m3fn)``) in exactly the shape a
+full-precision pool would have. The value of an element is ``fp8(data) * scale``, with one of two
+scale schemes (``--kv-cache-fp8-scales``, :data:`tokenmill.contracts.kv.FP8_SCALE_SCHEMES`):
 
-Why per token (and head) rather than per page: pages fill one token at a time and are shared by
-the prefix cache, so a page's range is not known when its first token is written; a per-token
-scale is computed from the vector being written (``amax / 448``) and never changes, so a
-quantized entry is final on write and identical whichever request wrote it. The cost is the
-scale bytes (4 per vector) in the bytes-per-token formula of :mod:`tokenmill.contracts.kv`.
+* ``static`` (default): one fp32 scale per layer and KV head, for K and for V (dense attention),
+  and one for the latent and one for the rope key of an MLA layer. ``scale`` is a small tensor
+  broadcast over the pool (``[2, 1, 1, kv_heads, 1]`` dense, ``[1, 1, latent + rope]`` MLA) that
+  the model runner calibrates once at start-up (:func:`calibrate_static_scales`): one prefill of
+  a built-in text records each head's largest ``|K|`` / ``|V|`` (latent, rope key), and the scale
+  maps :data:`STATIC_HEADROOM` times that to e4m3's 448, so a later value may be that much
+  larger before it saturates; a larger one is clamped to +-448 (never NaN). e4m3 is a float
+  format, so the headroom costs almost nothing: the relative rounding error is the same at every
+  magnitude down to 2^-6 of the scale. No byte is stored per token, so an fp8 pool holds exactly
+  4x the tokens of an fp32 one (2x bf16).
+* ``token``: one fp32 scale per stored vector (token and KV head; token for an MLA latent),
+  ``scale`` has the data's shape minus the feature dimension and is computed from the vector
+  being written (``amax / 448``). Slightly more accurate (the largest element of each vector is
+  exact), at 4 bytes per vector in the bytes-per-token formula.
+
+Either way a quantized entry is final on write (its scale does not depend on later tokens), so
+the same tokens store the same bytes whether prefilled whole, in chunks or found in the prefix
+cache.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)   # 448
 _TINY = 1e-12                           # scale floor for all-zero vectors
+STATIC_HEADROOM = 4.0                   # calibrated amax maps to 448 / STATIC_HEADROOM
 
 
 class FP8Pages(NamedTuple):
     data: torch.Tensor    # uint8 bytes of float8_e4m3fn values, [..., D]
-    scale: torch.Tensor   # fp32, data.shape[:-1]
+    scale: torch.Tensor   # fp32: data.shape[:-1] (per token), or a broadcastable static scale
+    per_token: bool = True
+
+    def page_tensors(self) -> list[torch.Tensor]:
+        """The tensors with a page dimension (what a KV tier copies): static scales are not."""
+        return [self.data, self.scale] if self.per_token else [self.data]
+
+    def half(self, i: int) -> FP8Pages:
+        """K (``i = 0``) or V (``i = 1``) of a dense ``[2, N, P, H, D]`` entry."""
+        return FP8Pages(self.data[i], self.scale[i], self.per_token)
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -38,9 +60,14 @@ def fp8_supported(device: torch.device) -> bool:
         return False
 
 
-def allocate_fp8(shape: tuple[int, ...], device: torch.device) -> FP8Pages:
-    return FP8Pages(torch.zeros(shape, dtype=torch.uint8, device=device),
-                    torch.zeros(shape[:-1], dtype=torch.float32, device=device))
+def allocate_fp8(shape: tuple[int, ...], device: torch.device, static_scale_shape: tuple[int, ...] | None = None
+                 ) -> FP8Pages:
+    """Zeroed fp8 pages; ``static_scale_shape``: a static scale of that (broadcastable) shape,
+    initialised to 1 until calibrated, else one scale per vector."""
+    data = torch.zeros(shape, dtype=torch.uint8, device=device)
+    if static_scale_shape is not None:
+        return FP8Pages(data, torch.ones(static_scale_shape, dtype=torch.float32, device=device), False)
+    return FP8Pages(data, torch.zeros(shape[:-1], dtype=torch.float32, device=device), True)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,14 +78,94 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(torch.uint8), scale
 
 
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Bytes of ``x / scale`` in e4m3, saturated at +-448 (``scale`` broadcasts over ``x``)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+
+
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-token scales: ``scale`` has ``data``'s shape minus the last dimension."""
     return (data.view(FP8).float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def dequantize_static(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Static scales: ``scale`` broadcasts over ``data`` as it is."""
+    return (data.view(FP8).float() * scale).to(dtype)
+
+
+class _Calibration:
+    """Running per-element amax of what each layer writes during the calibration prefill."""
+
+    def __init__(self) -> None:
+        self.amax: dict[int, torch.Tensor] = {}   # scale's data_ptr -> amax [*inner, D]
+
+    def record(self, pages: FP8Pages, x: torch.Tensor) -> None:
+        a = x.detach().abs().float().amax(dim=0)
+        key = pages.scale.data_ptr()
+        self.amax[key] = torch.maximum(self.amax[key], a) if key in self.amax else a
+
+
+_CALIBRATING: list[_Calibration] = []
 
 
 def write_fp8(pages: FP8Pages, slots: torch.Tensor, x: torch.Tensor) -> None:
     """Store ``x`` [T, ..., D] at flat slots (the first two dims of the pool are pages x offsets)."""
-    q, scale = quantize(x)
     d = pages.data.shape[-1]
     inner = tuple(pages.data.shape[2:-1])
-    pages.data.view(-1, *inner, d).index_copy_(0, slots, q)
-    pages.scale.view(-1, *inner).index_copy_(0, slots, scale)
+    if pages.per_token:
+        q, scale = quantize(x)
+        pages.data.view(-1, *inner, d).index_copy_(0, slots, q)
+        pages.scale.view(-1, *inner).index_copy_(0, slots, scale)
+        return
+    if _CALIBRATING:
+        _CALIBRATING[-1].record(pages, x)
+    # the static scale is [1, 1, *inner, D or 1] over [N, P, *inner, D]: drop the page dim
+    pages.data.view(-1, *inner, d).index_copy_(0, slots, quantize_static(x, pages.scale[0]))
+
+
+def static_scale_tensors(kv_caches: list[Any]) -> list[torch.Tensor]:
+    """The static scales of a pool as written: per layer, K's and V's (dense ``[2, N, P, H, D]``
+    entries; views into the layer's ``[2, 1, 1, H, 1]``) or the latent's, in layer order."""
+    out = []
+    for entry in kv_caches:
+        if isinstance(entry, FP8Pages) and not entry.per_token:
+            out += [entry.scale[0], entry.scale[1]] if entry.data.dim() == 5 else [entry.scale]
+    return out
+
+
+@torch.inference_mode()
+def calibrate_static_scales(kv_caches: list[Any], prefill: Callable[[], None],
+                            segments: tuple[int, ...] | None = None, headroom: float = STATIC_HEADROOM) -> int:
+    """Set every static scale of ``kv_caches`` from one calibration pass.
+
+    ``prefill()`` runs the model over the calibration tokens as one fresh prefill into
+    ``kv_caches`` (a single chunk, so attention reads the chunk's own full-precision K/V, never
+    the pool; the model runner uses a scratch pool and copies the scales over); every fp8
+    write on the way records its head's amax. Each scale becomes ``headroom * amax / 448``
+    (a head that wrote only zeros keeps a scale of 1). The pages written are zeroed afterwards.
+    The scales are a function of the model and the tokens only, not of the pool's size.
+    Returns the number of static scale tensors set.
+    """
+    scales = static_scale_tensors(kv_caches)
+    if not scales:
+        return 0
+    cal = _Calibration()
+    _CALIBRATING.append(cal)
+    try:
+        prefill()
+    finally:
+        _CALIBRATING.remove(cal)
+    for s in scales:
+        amax = cal.amax.get(s.data_ptr())
+        if amax is None:
+            continue
+        if s.shape[-1] == 1:
+            amax = amax.amax(dim=-1, keepdim=True)
+        elif segments is not None:
+            amax = torch.cat([part.amax(dim=-1, keepdim=True).expand(part.shape)
+                              for part in amax.split([n for n in segments if n], dim=-1)], dim=-1)
+        s.copy_(torch.where(amax > 0, amax * headroom / FP8_MAX, torch.ones_like(amax)).view(s.shape))
+    for entry in kv_caches:
+        if isinstance(entry, FP8Pages):
+            entry.data.zero_()
+    return len(scales)

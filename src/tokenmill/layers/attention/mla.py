@@ -4,7 +4,9 @@ KV layout (one entry per layer, :class:`~tokenmill.contracts.kv.LatentKV`)::
 
     kv_cache[layer]: [num_pages, page_size, kv_lora_rank + rope_dim]
                       ^ per token: the normed latent c (kv_lora_rank), then the roped shared key
-    fp8: FP8Pages(data uint8 of that shape, scale fp32 [num_pages, page_size]), one scale per token
+    fp8: FP8Pages(data uint8 of that shape, scale fp32): static [1, 1, kv_lora_rank + rope_dim]
+         (one value for the latent's features, one for the rope key's, per layer; calibrated at
+         start-up), or per token [num_pages, page_size] (``--kv-cache-fp8-scales token``)
 
 No per-head K or V is stored. With ``W_UK [H, nope, r]`` and ``W_UV [H, v, r]`` the two halves of
 ``kv_b_proj`` (per head), a head's key is ``[W_UK c ; k_rope]`` and its value ``W_UV c``.
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec, LatentKV
 from tokenmill.layers.attention.base import AttentionBackend, attention_kinds, per_layer
-from tokenmill.layers.attention.fp8 import FP8Pages, allocate_fp8, dequantize, write_fp8
+from tokenmill.layers.attention.fp8 import FP8Pages, allocate_fp8, dequantize, dequantize_static, write_fp8
 from tokenmill.layers.attention.torch_ref import AttentionMetadata, PrefillSegment, TorchPagedAttention
 
 LatentPages = torch.Tensor | FP8Pages
@@ -57,13 +59,16 @@ class MLAAttention(AttentionBackend):
         super().__init__(spec, device, compute_dtype)
         self.layer = check_latent_spec(spec)
         self.absorb_decode = absorb_decode
+        # static fp8 scales: the latent and the rope key are calibrated separately
+        self.fp8_scale_segments = (self.layer.kv_lora_rank, self.layer.rope_dim)
 
     def allocate(self, num_pages: int, page_size: int) -> list[LatentPages]:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         shape = (num_pages, page_size, self.layer.elements_per_token())
         if self.spec.is_fp8:
-            return per_layer(self.spec, lambda: allocate_fp8(shape, self.device))
+            static = None if self.spec.per_token_scales else (1, 1, shape[-1])
+            return per_layer(self.spec, lambda: allocate_fp8(shape, self.device, static))
         return per_layer(self.spec, lambda: torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
 
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
@@ -85,6 +90,8 @@ class MLAAttention(AttentionBackend):
         flat = pages.reshape(-1)
         if isinstance(kv_cache, FP8Pages):
             d = kv_cache.data.shape[-1]
+            if not kv_cache.per_token:
+                return dequantize_static(kv_cache.data.index_select(0, flat), kv_cache.scale, dtype).view(-1, d)
             return dequantize(kv_cache.data.index_select(0, flat), kv_cache.scale.index_select(0, flat),
                               dtype).view(-1, d)
         out = kv_cache.index_select(0, flat).view(-1, kv_cache.shape[-1])

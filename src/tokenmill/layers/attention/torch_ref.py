@@ -16,8 +16,9 @@ This backend is the correctness reference for the faster ones: it is simple, cop
 reads, and is checked against HF transformers by the model tests. The cache may be stored in a
 lower precision than the activations (cast on write and on read). FP8 pools
 (``float8_e4m3fn``) are :class:`~tokenmill.layers.attention.fp8.FP8Pages`: the bytes in the
-shape above plus fp32 scales ``[2, num_pages, page_size, num_kv_heads]`` (one per token and
-head, for K and for V), quantized on write and dequantized when pages are gathered.
+shape above plus fp32 scales, static ``[2, 1, 1, num_kv_heads, 1]`` (one per layer and head,
+calibrated at start-up) or per token ``[2, num_pages, page_size, num_kv_heads]``, quantized on
+write and dequantized when pages are gathered.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec, PagedKV
 from tokenmill.layers.attention.base import AttentionBackend, attention_kinds, per_layer
-from tokenmill.layers.attention.fp8 import FP8Pages, allocate_fp8, dequantize, write_fp8
+from tokenmill.layers.attention.fp8 import FP8Pages, allocate_fp8, dequantize, dequantize_static, write_fp8
 
 
 class PrefillSegment(NamedTuple):
@@ -74,7 +75,8 @@ class TorchPagedAttention(AttentionBackend):
         layer = check_paged_spec(self.spec)
         shape = (2, num_pages, page_size, layer.num_kv_heads, layer.head_dim)
         if self.spec.is_fp8:
-            return per_layer(self.spec, lambda: allocate_fp8(shape, self.device))
+            static = None if self.spec.per_token_scales else (2, 1, 1, layer.num_kv_heads, 1)
+            return per_layer(self.spec, lambda: allocate_fp8(shape, self.device, static))
         return per_layer(self.spec, lambda: torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
 
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
@@ -122,8 +124,8 @@ class TorchPagedAttention(AttentionBackend):
         t, hq, d = q.shape
         hkv = k.shape[1]
         if isinstance(kv_cache, FP8Pages):
-            write_fp8(FP8Pages(kv_cache.data[0], kv_cache.scale[0]), meta.slot_mapping, k)
-            write_fp8(FP8Pages(kv_cache.data[1], kv_cache.scale[1]), meta.slot_mapping, v)
+            write_fp8(kv_cache.half(0), meta.slot_mapping, k)
+            write_fp8(kv_cache.half(1), meta.slot_mapping, v)
         else:
             kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
             kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
@@ -144,6 +146,8 @@ class TorchPagedAttention(AttentionBackend):
         if isinstance(kv_cache, FP8Pages):
             two, num_pages, page_size, hkv, d = kv_cache.data.shape
             data = kv_cache.data.view(two, num_pages, page_size * hkv * d).index_select(1, pages.reshape(-1))
+            if not kv_cache.per_token:
+                return dequantize_static(data.view(two, -1, hkv, d), kv_cache.scale.view(two, 1, hkv, 1), like.dtype)
             scale = kv_cache.scale.view(two, num_pages, page_size * hkv).index_select(1, pages.reshape(-1))
             return dequantize(data.view(two, -1, hkv, d), scale.view(two, -1, hkv), like.dtype)
         two, num_pages, page_size, hkv, d = kv_cache.shape
