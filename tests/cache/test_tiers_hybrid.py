@@ -204,3 +204,20 @@ def test_redis_replicas_share_pages_and_snapshots(hybrid: Any, redis_server: Any
     assert c.generate([second], GREEDY)[0].cached_tokens == 0
     for llm in (a, b, c):
         llm.engine.close()
+
+
+def test_fp8_attention_pages_and_snapshots_through_l2(hybrid: Any) -> None:
+    """fp8 attention pages (the linear layers' state stays fp32): a hit from L2 after eviction
+    gives what an L1 hit on the same pages gives."""
+    rng = random.Random(6)
+    l2 = make_llm(hybrid, host_cache_memory_gib=0.01, kv_cache_dtype="fp8_e4m3")
+    l1 = make_llm(hybrid, kv_cache_dtype="fp8_e4m3")
+    first = fresh(rng, 3 * P + 4)
+    a = l2.generate([first], GREEDY)[0]
+    assert l1.generate([first], GREEDY)[0].token_ids == a.token_ids
+    evict_l1(l2)
+    second = first + a.token_ids + fresh(rng, 3)
+    got, want = l2.generate([second], GREEDY)[0], l1.generate([second], GREEDY)[0]
+    assert got.token_ids == want.token_ids
+    assert got.cached_tokens_by_tier["l2"] == want.cached_tokens_by_tier["l1"] == (len(first) + K - 1) // P * P
+    l2.engine.check_pages()
