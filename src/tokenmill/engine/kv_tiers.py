@@ -464,7 +464,8 @@ class TieredKV:
                 if c >= self.write_min_hits and key not in self.l3_known:
                     self._pending[key] = req.page_table[i]
             snap = req.snapshot_restore
-            if self.states is not None and snap is not None and n and self._hits.get(keys[-1], 0) >= self.write_min_hits:
+            if self.states is not None and snap is not None and n \
+                    and self._hits.get(keys[-1], 0) >= self.write_min_hits:
                 skey = snapshot_key(keys[-1])   # the snapshot the hit restores goes with its pages
                 if skey not in self.l3_known:
                     self._send_snapshots([skey], self._gather_state([snap]))
@@ -986,7 +987,8 @@ def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any
                             kv_dtype, host_dtype)
     else:
         mover = LocalPages(runner.kv_caches, num_pages, host_pages, host_dtype)
-    tiers = TieredKV(mover, keyer, kv.cache, states=states, host_snapshots=host_snapshots, storage=storage, write_policy=config.cache_write_policy,
+    tiers = TieredKV(mover, keyer, kv.cache, states=states, host_snapshots=host_snapshots, storage=storage,
+                     write_policy=config.cache_write_policy,
                      write_min_hits=config.cache_write_min_hits,
                      prefetch_timeout_s=config.cache_prefetch_timeout_s,
                      prefetch_min_pages=config.cache_prefetch_min_pages)
