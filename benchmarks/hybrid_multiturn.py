@@ -26,7 +26,9 @@ another session computed them). Tiny random-weight checkpoints are built in a te
 directory; ``--hidden-size`` / ``--layers`` size them (compute, not Python overhead, should
 dominate a step for the TTFT ratio to mean anything).
 
-vLLM's CPU attention needs a head size of 32 or more (hence ``head_dim`` 64 here).
+vLLM's CPU attention needs a head size of 32 or more (hence ``head_dim`` 64 here), and its CPU
+Gated DeltaNet kernel needs bfloat16 (``--vllm-dtype``), so its outputs are not expected to equal
+tokenmill's fp32 ones; CHR and times still compare.
 
     .venv/bin/python benchmarks/hybrid_multiturn.py                    # 8 x 8, Qwen3-Next
     .venv/bin/python benchmarks/hybrid_multiturn.py --arch BailingHybridForCausalLM
@@ -114,6 +116,7 @@ def run_http(mode: str, ckpt: str, w, args: argparse.Namespace) -> ModeResult:
         from peers import start_vllm
 
         srv = start_vllm(model_dir=ckpt, served_name="tiny-hybrid", kv_cache_gb=2, max_model_len=4096,
+                         dtype=args.vllm_dtype,
                          threads=args.threads or 2,
                          extra_args=["--max-num-seqs", str(args.max_running_requests),
                                      "--max-num-batched-tokens", str(args.max_batch_tokens)])
@@ -155,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--snapshot-interval", type=int, default=512)
     ap.add_argument("--snapshot-slots", type=int, default=None, help="snapshot budget (default: the engine's)")
     ap.add_argument("--modes", default="snap,off,dense", help=f"comma list of {MODES}")
+    ap.add_argument("--vllm-dtype", default="bfloat16",
+                    help="vLLM's dtype (its CPU Gated DeltaNet kernel requires bfloat16; tokenmill runs fp32)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results here")
