@@ -221,3 +221,30 @@ def test_fp8_attention_pages_and_snapshots_through_l2(hybrid: Any) -> None:
     assert got.token_ids == want.token_ids
     assert got.cached_tokens_by_tier["l2"] == want.cached_tokens_by_tier["l1"] == (len(first) + K - 1) // P * P
     l2.engine.check_pages()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_sessions_round_robin_under_pressure_on_every_budget(hybrid: Any, tmp_path: Any, policy: str) -> None:
+    """Four sessions take turns with an L1 pool of about two, few snapshot slots, a small L2 (so
+    snapshots and pages are displaced there too) and a file L3: outputs stay those of an engine
+    without caching, accounting holds after every step (debug checks), and later turns hit."""
+    rng = random.Random(7)
+    llm = make_llm(hybrid, kv_cache_tokens=16 * P, state_snapshot_slots=3, state_snapshot_interval=2 * P,
+                   host_cache_memory_gib=2e-4, cache_storage=f"file:{tmp_path / 'kv'}",
+                   cache_write_policy=policy)
+    off = make_llm(hybrid, enable_prefix_cache=False)
+    hist = [fresh(rng, 3 * P + i) for i in range(4)]
+    hits = 0
+    for turn in range(3):
+        for i in range(4):
+            got = llm.generate([hist[i]], GREEDY)[0]
+            assert got.token_ids == off.generate([hist[i]], GREEDY)[0].token_ids, (turn, i)
+            assert sum(got.cached_tokens_by_tier.values()) == got.cached_tokens
+            hits += got.cached_tokens if turn else 0
+            hist[i] = hist[i] + got.token_ids + fresh(rng, 2)
+        llm.engine.tiers.drain()
+    assert hits > 0
+    st = llm.engine.stats().tiers
+    assert st.snapshot_hits["l2"] + st.snapshot_hits["l3"] > 0
+    llm.engine.check_pages()
+    llm.engine.close()
