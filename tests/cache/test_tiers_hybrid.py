@@ -248,3 +248,28 @@ def test_sessions_round_robin_under_pressure_on_every_budget(hybrid: Any, tmp_pa
     assert st.snapshot_hits["l2"] + st.snapshot_hits["l3"] > 0
     llm.engine.check_pages()
     llm.engine.close()
+
+
+def test_host_snapshot_share_splits_l2_and_zero_keeps_snapshots_out(hybrid: Any) -> None:
+    import argparse
+
+    from tokenmill.engine.cli import add_cache_tier_arguments, engine_config_from_args
+
+    ap = argparse.ArgumentParser()
+    add_cache_tier_arguments(ap)
+    assert engine_config_from_args(ap.parse_args(["--host-cache-snapshot-share", "0.5"])).host_cache_snapshot_share == 0.5
+    with pytest.raises(ValueError, match="host_cache_snapshot_share"):
+        make_llm(hybrid, host_cache_memory_gib=0.01, host_cache_snapshot_share=1.0)
+    caps = {}
+    for share in (0.25, 0.5):
+        st = make_llm(hybrid, host_cache_memory_gib=0.01, host_cache_snapshot_share=share).engine.stats().tiers
+        caps[share] = (st.snapshots_l2_capacity, st.pages_l2_capacity)
+    assert caps[0.5][0] > caps[0.25][0] and caps[0.5][1] < caps[0.25][1]
+    # no snapshot slots in L2: the evicted pages come back from L2 but no snapshot does, so no hit
+    rng = random.Random(8)
+    llm = make_llm(hybrid, host_cache_memory_gib=0.01, host_cache_snapshot_share=0.0)
+    off = make_llm(hybrid, enable_prefix_cache=False)
+    assert llm.engine.stats().tiers.snapshots_l2_capacity == 0
+    a, b = two_turns(llm, off, fresh(rng, 3 * P), rng, lambda: evict_l1(llm))
+    assert b.cached_tokens == 0
+    llm.engine.check_pages()

@@ -73,7 +73,8 @@ log = logging.getLogger(__name__)
 
 _MAX_HIT_COUNTS = 1 << 20
 _MAX_KNOWN_KEYS = 1 << 21
-# Share of --host-cache-memory a hybrid model's L2 gives to state snapshots (the rest: pages).
+# Default share of --host-cache-memory a hybrid model's L2 gives to state snapshots (the rest:
+# pages); EngineConfig.host_cache_snapshot_share sets it.
 HOST_SNAPSHOT_SHARE = 0.25
 
 
@@ -941,10 +942,11 @@ def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any
     host_bytes = config.host_cache_memory_gib * 2**30
     states = getattr(runner, "states", None) if tp == 1 else None
     host_snapshots = 0
-    if states is not None and host_bytes > 0:
-        # a hybrid model's L2 keeps the state snapshots beside the pages (a fixed share)
+    share = getattr(config, "host_cache_snapshot_share", HOST_SNAPSHOT_SHARE)
+    if states is not None and host_bytes > 0 and share > 0:
+        # a hybrid model's L2 keeps the state snapshots beside the pages (a share of its memory)
         snap_bytes = states.bytes_per_slot
-        host_snapshots = max(int(host_bytes * HOST_SNAPSHOT_SHARE // snap_bytes), 1)
+        host_snapshots = max(int(host_bytes * share // snap_bytes), 1)
         host_bytes = max(host_bytes - host_snapshots * snap_bytes, 0)
     host_pages = int(host_bytes // host_page_bytes)   # per rank with TP
     if config.host_cache_memory_gib > 0 and host_pages < 1:
