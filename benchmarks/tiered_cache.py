@@ -135,14 +135,20 @@ def part_tiers(loaded, w: Workload, args: argparse.Namespace, store: Path) -> li
     one = session_tokens(args)
     small = 2 * one + args.page_size * 4
     # host pages at the pool's dtype: bytes per token from the model's KV spec
-    per_token = loaded.model.kv_cache_spec().bytes_per_token()
+    spec = loaded.model.kv_cache_spec()
+    per_token = spec.bytes_per_token()
     host_gib = 1.3 * args.sessions * one * per_token / 2**30
+    host = dict(host_cache_memory_gib=host_gib)
+    if spec.is_hybrid:   # room for two state snapshots per session beside the pages
+        snap_gib = 2 * args.sessions * spec.bytes_per_request() / 2**30
+        host = dict(host_cache_memory_gib=host_gib + snap_gib,
+                    host_cache_snapshot_share=snap_gib / (host_gib + snap_gib))
+        host_gib += snap_gib
     modes = [
         ("unbounded-L1", dict(kv_cache_tokens=(args.sessions + 2) * one)),
         ("L1", dict(kv_cache_tokens=small)),
-        ("L1+L2", dict(kv_cache_tokens=small, host_cache_memory_gib=host_gib)),
-        ("L1+L2+L3file", dict(kv_cache_tokens=small, host_cache_memory_gib=host_gib,
-                              cache_storage=f"file:{store}")),
+        ("L1+L2", dict(kv_cache_tokens=small, **host)),
+        ("L1+L2+L3file", dict(kv_cache_tokens=small, cache_storage=f"file:{store}", **host)),
     ]
     print(f"L1 pool {small} tokens (~2 sessions of {one}); L2 {host_gib * 1024:.1f} MiB; "
           f"{args.sessions} sessions x {args.turns} turns, {args.concurrency} at a time")
