@@ -54,7 +54,7 @@ from tokenmill.loader.tiny import build_tiny_checkpoint  # noqa: E402
 MODES = ("snap", "off", "dense", "snap-http", "vllm")
 
 
-def size_overrides(arch: str, hidden: int, layers: int) -> dict:
+def size_overrides(arch: str, hidden: int, layers: int, linear_head_dim: int = 32) -> dict:
     """Checkpoint fields that scale a tiny model to ``hidden`` x ``layers``."""
     heads = max(hidden // 64, 1)
     if arch == "LlamaForCausalLM":
@@ -64,7 +64,7 @@ def size_overrides(arch: str, hidden: int, layers: int) -> dict:
         return dict(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                     num_attention_heads=heads * 2, num_key_value_heads=heads, head_dim=64,
                     linear_num_key_heads=heads, linear_num_value_heads=heads * 2,
-                    linear_key_head_dim=32, linear_value_head_dim=32,
+                    linear_key_head_dim=linear_head_dim, linear_value_head_dim=linear_head_dim,
                     moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden)
     if arch == "BailingHybridForCausalLM":   # KDA heads = attention heads, MLA latent of hidden / 4
         return dict(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="Qwen3NextForCausalLM")
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--linear-head-dim", type=int, default=32,
+                    help="Qwen3-Next: key/value head size of the linear layers (vLLM's CPU kernel: 128)")
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=150, help="fresh tokens per turn (+-10%%)")
@@ -180,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "dense" and "dense" not in modes:
             continue
         paths[kind] = str(build_tiny_checkpoint(os.path.join(tmp, kind), arch, seed=args.seed,
-                                                **size_overrides(arch, args.hidden_size, args.layers)))
+                                                **size_overrides(arch, args.hidden_size, args.layers,
+                                                                 args.linear_head_dim)))
         models[kind] = load_model(paths[kind])
     any_model = next(iter(models.values()))
     w = make_workload(args, int(any_model.model.args.vocab_size))
