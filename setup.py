@@ -18,10 +18,12 @@ from setuptools.command.build_ext import build_ext
 CFLAGS = ["-O3", "-std=c11", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
 LDFLAGS = ["-fopenmp"]
 
+HEADERS = ["src/tokenmill/_native/attention.h", "src/tokenmill/_native/quant.h"]  # rebuild triggers
+
 NATIVE_MODULES = {
     # module name -> C sources (relative to this file)
     "tokenmill._native._attention": ["src/tokenmill/_native/attention.c"],
-    "tokenmill._native._quant": ["src/tokenmill/_native/quant.c"],
+    "tokenmill._native._quant": ["src/tokenmill/_native/quant.c", "src/tokenmill/_native/decoder.c"],
 }
 
 
@@ -48,7 +50,7 @@ class OptionalBuildExt(build_ext):
 
 here = os.path.dirname(os.path.abspath(__file__))
 setup(
-    ext_modules=[Extension(name, sources, extra_compile_args=CFLAGS, extra_link_args=LDFLAGS)
+    ext_modules=[Extension(name, sources, extra_compile_args=CFLAGS, extra_link_args=LDFLAGS, depends=HEADERS)
                  for name, sources in NATIVE_MODULES.items()
                  if all(os.path.exists(os.path.join(here, s)) for s in sources)],
     cmdclass={"build_ext": OptionalBuildExt},

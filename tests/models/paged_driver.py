@@ -36,10 +36,12 @@ class PagedDriver:
         random.Random(seed + 1).shuffle(self.free_slots)
         self.slots: dict[str, int] = {}
 
-    def step(self, chunks: Sequence[tuple[str, Sequence[int]]], all_rows: bool = False) -> torch.Tensor:
+    def step(self, chunks: Sequence[tuple[str, Sequence[int]]], all_rows: bool = False,
+             capture_layers: frozenset[int] = frozenset()) -> torch.Tensor:
         """Append each ``(seq, tokens)`` chunk to its sequence and run one forward.
 
-        Returns logits of each chunk's last token (``all_rows``: of every token), in order.
+        Returns logits of each chunk's last token (``all_rows``: of every token), in order. The
+        step's context (with the hidden states of ``capture_layers``) is kept in ``last_ctx``.
         """
         ps = self.page_size
         ids: list[int] = []
@@ -74,7 +76,8 @@ class PagedDriver:
             logits_indices=torch.tensor(rows, dtype=torch.long), page_size=ps, max_seq_len=max(seq_lens),
             state_slots=(torch.tensor([self.slots[seq] for seq, _ in chunks], dtype=torch.long)
                          if self.states is not None else None))
-        return self.model(ForwardContext.prepare(self.attn, batch, self.kv, states=self.states))
+        self.last_ctx = ForwardContext.prepare(self.attn, batch, self.kv, capture_layers, states=self.states)
+        return self.model(self.last_ctx)
 
 
 def hf_logits(ref: Any, tokens: Sequence[int]) -> torch.Tensor:

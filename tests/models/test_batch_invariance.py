@@ -6,23 +6,33 @@ after cached context, so every attention path shares the step with the request u
 """
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 import torch
 
 from tests.models.paged_driver import PagedDriver
+from tokenmill.layers.linear import OneDNNLinear, onednn_available, use_linear_backend
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
+@pytest.mark.parametrize("linear", ["torch", "onednn"])
 @pytest.mark.parametrize("backend", ["torch", "native"])
 @pytest.mark.parametrize("shape", ["decode", "chunk_after_context", "fresh_prefill"])
-def test_alone_equals_in_a_batch_of_32(tiny_pairs, backend, shape):
+def test_alone_equals_in_a_batch_of_32(tiny_pairs, backend, shape, linear):
     loaded, _ = tiny_pairs["LlamaForCausalLM"]
     model, vocab = loaded.model, loaded.model.args.vocab_size
+    use_linear_backend(model, "torch")   # the shared fixture may have been packed by an engine
+    if linear == "onednn":
+        if not onednn_available():
+            pytest.skip("this torch build has no oneDNN")
+        model = copy.deepcopy(model)
+        assert use_linear_backend(model, "onednn") > 0
+        assert isinstance(model.layers[0].qkv_proj, OneDNNLinear)
     rng = random.Random(11)
     history = _tokens(rng, 37, vocab)
     step_tokens = {"decode": _tokens(rng, 1, vocab), "chunk_after_context": _tokens(rng, 9, vocab),

@@ -10,6 +10,7 @@ import random
 import threading
 
 import openai
+import pytest
 
 from tokenmill.server.common import TokenizerPool
 
@@ -62,3 +63,22 @@ def test_pool_gives_each_thread_its_own_copy(tiny_tokenizer):
         t.join()
     assert len({id(t) for t in seen.values()}) == 4 and pool.num_copies == 4
     assert all(t is not tiny_tokenizer for t in seen.values())
+
+
+def test_pool_workers_start_up_front_and_stay_fixed(tiny_tokenizer):
+    pool = TokenizerPool(tiny_tokenizer, num_workers=3)
+    before = threading.active_count()
+    pool.start()
+    assert pool.num_copies == 3                      # every worker made its copy at start-up
+    assert threading.active_count() == before + 3
+    pool.start()                                     # idempotent
+
+    async def many() -> list[list[int]]:
+        return await asyncio.gather(*(pool.run(lambda: pool.get().encode("hello world")) for _ in range(32)))
+
+    out = asyncio.run(many())
+    assert all(ids == tiny_tokenizer.encode("hello world") for ids in out)
+    assert pool.num_copies == 3 and threading.active_count() == before + 3   # no new threads, no new copies
+    pool.shutdown()
+    with pytest.raises(ValueError, match="at least one worker"):
+        TokenizerPool(tiny_tokenizer, num_workers=0)

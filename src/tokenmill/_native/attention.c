@@ -24,6 +24,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "attention.h"
+
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -42,9 +44,12 @@
 #endif
 
 #define KEY_BLOCK 32      /* keys scored at once before the softmax update */
-#define MAX_QVEC 256      /* query vectors (rows x heads of one group) in one task */
-#define MAX_HEAD_DIM 512
+#define MAX_QVEC TM_ATTENTION_MAX_GROUP   /* query vectors (rows x heads of one group) in one task */
+#define MAX_HEAD_DIM TM_ATTENTION_MAX_HEAD_DIM
 #define SPLIT_KEYS 1024  /* keys per split-K chunk of a long decode */
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 4 /* key blocks requested ahead of use (see prefetch_keys) */
+#endif
 
 typedef struct {
     int seq;        /* sequence index */
@@ -64,6 +69,22 @@ typedef struct {
     int page_size, hq, hkv, d, group;
     float scale;
 } Problem;
+
+/* Ask for the K and V rows of keys [j0, j1) of one kv head ahead of use. Pages are scattered
+ * and one head's row is a short piece of each page row, so the hardware prefetchers miss them:
+ * without this a long decode reading its context from DRAM waits on memory latency key by key
+ * (measured: 3 GB/s at a 2,048-token context over 30 layers, against 34 GB/s from cache). */
+static inline void prefetch_keys(const Problem *P, const int64_t *table, int kvh, int j0, int j1, size_t esz) {
+    const size_t bytes = (size_t)P->d * esz;
+    for (int j = j0; j < j1; j++) {
+        int64_t off = ((table[j / P->page_size] * P->page_size + j % P->page_size) * P->hkv + kvh) * P->d;
+        const char *k = (const char *)P->kc + off * esz, *v = (const char *)P->vc + off * esz;
+        for (size_t c = 0; c < bytes; c += 64) {
+            __builtin_prefetch(k + c, 0, 3);
+            __builtin_prefetch(v + c, 0, 3);
+        }
+    }
+}
 
 /* ---------------------------------------------------------------------------------------- */
 /* scalar path                                                                              */
@@ -220,6 +241,12 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
             kp[j - j0] = (const char *)P->kc + off * esz;
             vp[j - j0] = (const char *)P->vc + off * esz;
         }
+        if (j0 == T->k0)  /* the blocks PREFETCH_BLOCKS ahead are requested as each block starts */
+            prefetch_keys(P, table, T->kvh, j1, j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK < T->k1 ? j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK : T->k1, esz);
+        {
+            int64_t pa = (int64_t)j0 + PREFETCH_BLOCKS * KEY_BLOCK, pb = pa + KEY_BLOCK;
+            if (pa < T->k1) prefetch_keys(P, table, T->kvh, (int)pa, (int)(pb < T->k1 ? pb : T->k1), esz);
+        }
         for (int r = 0; r < nrow; r++) {
             int64_t pos = L - n + T->r0 + r;
             int nk = (int)((pos + 1 < j1 ? pos + 1 : j1) - j0);
@@ -351,6 +378,12 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
             int64_t off = ((table[j / ps] * ps + j % ps) * P->hkv + T->kvh) * D;
             kp[j - j0] = (const char *)P->kc + off * esz;
             vp[j - j0] = (const char *)P->vc + off * esz;
+        }
+        if (j0 == T->k0)  /* the blocks PREFETCH_BLOCKS ahead are requested as each block starts */
+            prefetch_keys(P, table, T->kvh, j1, j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK < T->k1 ? j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK : T->k1, esz);
+        {
+            int64_t pa = (int64_t)j0 + PREFETCH_BLOCKS * KEY_BLOCK, pb = pa + KEY_BLOCK;
+            if (pa < T->k1) prefetch_keys(P, table, T->kvh, (int)pa, (int)(pb < T->k1 ? pb : T->k1), esz);
         }
         for (int r = 0; r < nrow; r++) {
             int64_t pos = L - n + T->r0 + r;
@@ -566,6 +599,18 @@ static void run_problem(const Problem *P, int num_seqs, int nthreads) {
 /* paged_attention(q_ptr, q_stride, out_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, qsl_ptr,
  *                 seq_lens_ptr, num_seqs, page_size, num_q_heads, num_kv_heads, head_dim,
  *                 scale, num_threads, kv_bf16) */
+/* The C entry point (exported in a capsule, see attention.h): 0, or -1 on an unsupported shape.
+ * Called without the GIL. */
+static int c_paged_attention(const float *q, int64_t q_stride, float *out, const void *kc, const void *vc,
+                             int kv_bf16, const int64_t *bt, int64_t bt_stride, const int64_t *qsl,
+                             const int64_t *sl, int num_seqs, int ps, int hq, int hkv, int d, float scale,
+                             int nthreads) {
+    if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) return -1;
+    Problem P = {q, q_stride, out, kc, vc, kv_bf16 != 0, bt, bt_stride, qsl, sl, ps, hq, hkv, d, hq / hkv, scale};
+    run_problem(&P, num_seqs, nthreads < 1 ? 1 : nthreads);
+    return 0;
+}
+
 static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     unsigned long long q, out, kc, vc, bt, qsl, sl;
     long long q_stride, bt_stride;
@@ -602,4 +647,15 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_attention", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__attention(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__attention(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    tm_paged_attention_fn fn = c_paged_attention;
+    PyObject *cap = PyCapsule_New((void *)fn, TM_ATTENTION_CAPSULE, NULL);
+    if (!cap || PyModule_AddObject(m, "_C_API", cap) < 0) {
+        Py_XDECREF(cap);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -21,11 +21,16 @@
  * dequant_* and runs torch's GEMM, which keeps activations in fp32.
  *
  * Vector code is compiled through function target attributes and chosen at run time from
- * __builtin_cpu_supports; a portable scalar path does the same arithmetic everywhere else. Work
- * is split over output rows with OpenMP, the thread count given by the caller (torch's).
+ * __builtin_cpu_supports (sets: avx2, avxvnni, avx512vnni; each checked on its own); a portable
+ * scalar path does the same arithmetic everywhere else. With several x rows the avx512vnni set
+ * widens each weight block to 32 int16 lanes once per 4 rows and runs one 512-bit dpwssd per row.
+ * Work is split over output rows with OpenMP, the thread count given by the caller (torch's).
+ * tmq_matmul() is the entry point of decoder.c's fused decode path.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include "quant.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -46,21 +51,33 @@
 #define QK 32
 #define PREFETCH_ROWS 0
 
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2 };
-static int g_isa = -1;      /* chosen at first use; set_isa() may lower it (tests) */
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512 = 3, ISA_COUNT = 4 };
+static int g_isa = -1;      /* chosen at first use; set_isa() may pick another supported set (tests) */
 static int g_best = -1;     /* best this CPU supports */
+static int g_supported = 0; /* bit i: kernel set i runs on this CPU */
 
+/* avxvnni: AVX2 + the VEX AVX-VNNI dot products (Alder Lake, Zen 5). avx512vnni: AVX-512 F/BW/VL
+ * + VNNI (Ice Lake, Sapphire Rapids, Zen 4/5), which does not imply AVX-VNNI, so the sets are
+ * checked one by one rather than as a ladder. */
 static int best_isa(void) {
     if (g_best < 0) {
-        g_best = ISA_SCALAR;
+        g_supported = 1 << ISA_SCALAR;
 #if TM_X86 && defined(__GNUC__)
         __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-            g_best = ISA_AVX2;
+        int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        if (avx2) g_supported |= 1 << ISA_AVX2;
 #if __GNUC__ >= 11
-        if (g_best == ISA_AVX2 && __builtin_cpu_supports("avxvnni")) g_best = ISA_AVXVNNI;
+        if (avx2 && __builtin_cpu_supports("avxvnni")) g_supported |= 1 << ISA_AVXVNNI;
+#endif
+#if __GNUC__ >= 9
+        if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+            g_supported |= 1 << ISA_AVX512;
 #endif
 #endif
+        g_best = ISA_SCALAR;
+        for (int i = 0; i < ISA_COUNT; i++)
+            if (g_supported & (1 << i)) g_best = i;
     }
     return g_best;
 }
@@ -276,6 +293,116 @@ DEFINE_ROW_DOT(dot_u4_vnni, TGT_VNNI, u4dot_vnni, uint8_t, 16, 1)
 DEFINE_ROW_DOT(dot_s8_vnni, TGT_VNNI, s8dot_vnni, int8_t, QK, 0)
 #endif
 
+#if __GNUC__ >= 9
+/* ---- AVX-512 (F/BW/VL + VNNI) -------------------------------------------------------------- */
+#define TGT_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+/* one row of x: the 8-block AVX2 structure with the EVEX 256-bit dpwssd */
+TGT_512 static inline __m256i madd2_512(__m256i a, __m256i x, __m256i b, __m256i y) {
+    return _mm256_dpwssd_epi32(_mm256_madd_epi16(a, x), b, y);
+}
+DEFINE_BLOCK_DOTS(v512, TGT_512, madd2_512)
+DEFINE_ROW_DOT(dot_u4_v512_one, TGT_512, u4dot_v512, uint8_t, 16, 1)
+DEFINE_ROW_DOT(dot_s8_v512_one, TGT_512, s8dot_v512, int8_t, QK, 0)
+
+/* the 32 values of a u4 block as int16, value i in lane i: the 16 bytes widened twice, the
+ * upper copy shifted right by 4 */
+TGT_512 static inline __m512i u4_block_i16(const uint8_t *p) {
+    __m512i w = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p)));
+    const __m512i sh = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0x0004000400040004LL,
+                                        0x0004000400040004LL, 0, 0, 0, 0);
+    return _mm512_and_si512(_mm512_srlv_epi16(w, sh), _mm512_set1_epi16(0x0F));
+}
+
+TGT_512 static inline __m512i s8_block_i16(const int8_t *p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* sum over a row's blocks of min[g(b)] * xs[b] (the u4 min term of one x row) */
+TGT_512 static float min_term_512(const void *mn, int f16, int64_t row_g0, int64_t nb, int64_t bpg, const float *xs) {
+    if (bpg >= nb) {  /* one min per row */
+        __m512 a = _mm512_setzero_ps();
+        int64_t b = 0;
+        for (; b + 16 <= nb; b += 16) a = _mm512_add_ps(a, _mm512_loadu_ps(xs + b));
+        float s = _mm512_reduce_add_ps(a);
+        for (; b < nb; b++) s += xs[b];
+        return scale_avx2(mn, row_g0, f16) * s;
+    }
+    float s = 0.f;
+    int64_t b = 0;
+    if (bpg == 1) {
+        __m512 a = _mm512_setzero_ps();
+        for (; b + 16 <= nb; b += 16) {
+            __m512 m = f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mn + row_g0 + b)))
+                           : _mm512_loadu_ps((const float *)mn + row_g0 + b);
+            a = _mm512_fmadd_ps(m, _mm512_loadu_ps(xs + b), a);
+        }
+        s = _mm512_reduce_add_ps(a);
+    }
+    for (; b < nb; b++) s += scale_avx2(mn, row_g0 + b / bpg, f16) * xs[b];
+    return s;
+}
+
+/* One weight row against several x rows, 4 at a time: each weight block is widened to 32 int16
+ * lanes once per 4 rows, then one dpwssd per row; the block result is scaled in fp32 per row. */
+#define DEFINE_ROWS_512(NAME, WT, WSTRIDE, DECODE, HAS_MIN)                                                \
+TGT_512 static void NAME(const WT *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb, \
+                         int64_t bpg, const int16_t *xq, const float *xd, const float *xs, int64_t nrows_x,   \
+                         int64_t x_stride, int64_t xb_stride, float *out, int64_t out_stride) {               \
+    for (int64_t m0 = 0; m0 < nrows_x; m0 += 4) {                                                         \
+        int64_t mr = nrows_x - m0 < 4 ? nrows_x - m0 : 4;                                                 \
+        const int16_t *x[4];                                                                              \
+        const float *d[4];                                                                                \
+        for (int j = 0; j < 4; j++) { /* rows past the end repeat the chunk's first (results dropped) */  \
+            int64_t m = m0 + (j < mr ? j : 0);                                                            \
+            x[j] = xq + m * x_stride;                                                                     \
+            d[j] = xd + m * xb_stride;                                                                    \
+        }                                                                                                 \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                       \
+        const __m512i z = _mm512_setzero_si512();                                                         \
+        int64_t g = row_g0, left = bpg;                                                                   \
+        float s = scale_avx2(sc, g, f16);                                                                 \
+        for (int64_t b = 0; b < nb; b++) {                                                                \
+            if (left == 0) { g++; left = bpg; s = scale_avx2(sc, g, f16); }                               \
+            left--;                                                                                       \
+            __m512i w = DECODE(qs + b * WSTRIDE);                                                          \
+            __m512 vs = _mm512_set1_ps(s);                                                                \
+            const int64_t o = b * QK;                                                                     \
+            a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(z, w, _mm512_loadu_si512(x[0] + o))), \
+                                 _mm512_mul_ps(vs, _mm512_set1_ps(d[0][b])), a0);                        \
+            a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(z, w, _mm512_loadu_si512(x[1] + o))), \
+                                 _mm512_mul_ps(vs, _mm512_set1_ps(d[1][b])), a1);                        \
+            a2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(z, w, _mm512_loadu_si512(x[2] + o))), \
+                                 _mm512_mul_ps(vs, _mm512_set1_ps(d[2][b])), a2);                        \
+            a3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(z, w, _mm512_loadu_si512(x[3] + o))), \
+                                 _mm512_mul_ps(vs, _mm512_set1_ps(d[3][b])), a3);                        \
+        }                                                                                                 \
+        float r[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),         \
+                      _mm512_reduce_add_ps(a3)};                                                          \
+        for (int64_t j = 0; j < mr; j++) {                                                                \
+            float v = r[j];                                                                               \
+            if (HAS_MIN) v += min_term_512(mn, f16, row_g0, nb, bpg, xs + (m0 + j) * xb_stride);          \
+            out[(m0 + j) * out_stride] = v;                                                               \
+        }                                                                                                 \
+    }                                                                                                     \
+}
+DEFINE_ROWS_512(rows_u4_512, uint8_t, 16, u4_block_i16, 1)
+DEFINE_ROWS_512(rows_s8_512, int8_t, QK, s8_block_i16, 0)
+
+TGT_512 static void dot_u4_512(const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb,
+                               int64_t bpg, const int16_t *xq, const float *xd, const float *xs, int64_t nrows_x,
+                               int64_t x_stride, int64_t xb_stride, float *out, int64_t out_stride) {
+    if (nrows_x == 1) dot_u4_v512_one(qs, sc, mn, f16, row_g0, nb, bpg, xq, xd, xs, 1, x_stride, xb_stride, out, out_stride);
+    else rows_u4_512(qs, sc, mn, f16, row_g0, nb, bpg, xq, xd, xs, nrows_x, x_stride, xb_stride, out, out_stride);
+}
+
+TGT_512 static void dot_s8_512(const int8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb,
+                               int64_t bpg, const int16_t *xq, const float *xd, const float *xs, int64_t nrows_x,
+                               int64_t x_stride, int64_t xb_stride, float *out, int64_t out_stride) {
+    if (nrows_x == 1) dot_s8_v512_one(qs, sc, mn, f16, row_g0, nb, bpg, xq, xd, xs, 1, x_stride, xb_stride, out, out_stride);
+    else rows_s8_512(qs, sc, mn, f16, row_g0, nb, bpg, xq, xd, xs, nrows_x, x_stride, xb_stride, out, out_stride);
+}
+#endif /* __GNUC__ >= 9 */
+
 /* AVX2 activation quantization, same arithmetic as quantize_rows */
 TGT_AVX2 static void quantize_rows_avx2(const float *x, int64_t M, int64_t K, int16_t *xq, float *xd, float *xs) {
     int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, full = K / QK;
@@ -399,6 +526,10 @@ static void gemm_u4(const float *x, int64_t M, int64_t K, const uint8_t *qs, con
         if (PREFETCH_ROWS && n + PREFETCH_ROWS < N)  /* software prefetch a few rows ahead: decode streams W once */
             for (int64_t o = 0; o < Kp / 2; o += 64) __builtin_prefetch(row + PREFETCH_ROWS * (Kp / 2) + o, 0, 0);
 #if TM_X86 && defined(__GNUC__)
+#if __GNUC__ >= 9
+        if (use == ISA_AVX512) dot_u4_512(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, Kp, nb, y + n, N);
+        else
+#endif
 #if __GNUC__ >= 11
         if (use == ISA_AVXVNNI) dot_u4_vnni(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, Kp, nb, y + n, N);
         else
@@ -423,6 +554,10 @@ static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int 
         if (PREFETCH_ROWS && n + PREFETCH_ROWS < N)
             for (int64_t o = 0; o < Kp; o += 64) __builtin_prefetch(row + PREFETCH_ROWS * Kp + o, 0, 0);
 #if TM_X86 && defined(__GNUC__)
+#if __GNUC__ >= 9
+        if (use == ISA_AVX512) dot_s8_512(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, Kp, nb, y + n, N);
+        else
+#endif
 #if __GNUC__ >= 11
         if (use == ISA_AVXVNNI) dot_s8_vnni(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, Kp, nb, y + n, N);
         else
@@ -434,6 +569,23 @@ static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int 
             y[m * N + n] = dot_s8_scalar(row, sc, f16, n * G, nb, bpg, a->xq + m * Kp, a->xd + m * nb);
         if (bias) for (int64_t m = 0; m < M; m++) y[m * N + n] += bias[n];
     }
+}
+
+/* The one entry point other C files use (decoder.c): y[M, N] = x[M, K] @ W^T (+ bias) with the
+ * integer kernels. Returns 0, or -1 when out of memory. */
+int tmq_matmul(const TmqMat *w, const float *x, int64_t M, const float *bias, float *y, int nt) {
+    ActBuf a;
+    if (act_quantize(x, M, w->K, &a)) return -1;
+    if (w->kind == TMQ_U4)
+        gemm_u4(x, M, w->K, (const uint8_t *)w->qs, w->sc, w->mn, w->f16, w->N, w->group, bias, y, nt < 1 ? 1 : nt, &a);
+    else
+        gemm_s8(M, w->K, (const int8_t *)w->qs, w->sc, w->f16, w->N, w->group, bias, y, nt < 1 ? 1 : nt, &a);
+    free(a.mem);
+    return 0;
+}
+
+int tmq_check_mat(const TmqMat *w) {
+    return (w->kind == TMQ_U4 || w->kind == TMQ_S8) && w->N > 0 && w->K > 0 && check_group(w->K, w->group);
 }
 
 /* ---- Python bindings ------------------------------------------------------------------------ */
@@ -564,19 +716,32 @@ static PyObject *py_quantize_act(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static const char *isa_names[] = {"scalar", "avx2", "avxvnni"};
+static const char *isa_names[ISA_COUNT] = {"scalar", "avx2", "avxvnni", "avx512vnni"};
 
 static PyObject *py_isa(PyObject *self, PyObject *args) { return PyUnicode_FromString(isa_names[isa()]); }
 
 static PyObject *py_best_isa(PyObject *self, PyObject *args) { return PyUnicode_FromString(isa_names[best_isa()]); }
 
-/* set_isa(name): use a kernel no better than the CPU's best (for tests and comparisons) */
+static PyObject *py_supported_isas(PyObject *self, PyObject *args) {
+    best_isa();
+    PyObject *out = PyList_New(0);
+    for (int i = 0; out && i < ISA_COUNT; i++) {
+        if (!(g_supported & (1 << i))) continue;
+        PyObject *name = PyUnicode_FromString(isa_names[i]);
+        if (!name || PyList_Append(out, name) < 0) { Py_XDECREF(name); Py_DECREF(out); return NULL; }
+        Py_DECREF(name);
+    }
+    return out;
+}
+
+/* set_isa(name): use one of the kernel sets this CPU supports (for tests and comparisons) */
 static PyObject *py_set_isa(PyObject *self, PyObject *args) {
     const char *name;
     if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
-    for (int i = 0; i < 3; i++) {
+    best_isa();
+    for (int i = 0; i < ISA_COUNT; i++) {
         if (strcmp(name, isa_names[i]) == 0) {
-            if (i > best_isa()) {
+            if (!(g_supported & (1 << i))) {
                 PyErr_Format(PyExc_ValueError, "this CPU does not support the %s kernels (best: %s)", name,
                              isa_names[best_isa()]);
                 return NULL;
@@ -585,7 +750,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *args) {
             Py_RETURN_NONE;
         }
     }
-    PyErr_Format(PyExc_ValueError, "unknown kernel set %s (scalar, avx2, avxvnni)", name);
+    PyErr_Format(PyExc_ValueError, "unknown kernel set %s (scalar, avx2, avxvnni, avx512vnni)", name);
     return NULL;
 }
 
@@ -595,8 +760,12 @@ static PyMethodDef methods[] = {
     {"dequant_u4", py_dequant_u4, METH_VARARGS, "fp32 [N,K] of a u4 weight"},
     {"dequant_s8", py_dequant_s8, METH_VARARGS, "fp32 [N,K] of an s8 weight"},
     {"quantize_act", py_quantize_act, METH_VARARGS, "int16 block quantization of activations"},
+    {"decode_layers", tmq_py_decode_layers, METH_VARARGS, "fused decode through packed Llama layers (decoder.c)"},
+    {"layer_fields", tmq_py_layer_fields, METH_NOARGS, "int64 fields per layer row of decode_layers"},
+    {"decode_profile", tmq_py_decode_profile, METH_VARARGS, "phase timers of decode_layers: (on) -> seconds so far"},
     {"isa", py_isa, METH_NOARGS, "kernel set in use"},
     {"best_isa", py_best_isa, METH_NOARGS, "best kernel set this CPU supports"},
+    {"supported_isas", py_supported_isas, METH_NOARGS, "kernel sets this CPU supports"},
     {"set_isa", py_set_isa, METH_VARARGS, "choose the kernel set (no better than best_isa())"},
     {NULL, NULL, 0, NULL}};
 

@@ -1,7 +1,7 @@
 """Python side of the quantized-matmul kernels (``tokenmill._native._quant``, see ``quant.c``).
 
 ``available()`` says whether the extension was built; ``kernel()`` names the instruction set it
-chose from the CPU at start-up ("avxvnni", "avx2" or the portable "scalar"). Callers pass raw
+chose from the CPU at start-up ("avx512vnni", "avxvnni", "avx2" or the portable "scalar"). Callers pass raw
 pointers of contiguous CPU tensors; the thread count follows ``torch.get_num_threads()``.
 """
 from __future__ import annotations
@@ -34,8 +34,13 @@ def best_kernel() -> str:
     return _ext.best_isa() if _ext is not None else "unavailable"
 
 
+def supported_kernels() -> list[str]:
+    """Every kernel set this CPU runs ("scalar", "avx2", "avxvnni", "avx512vnni"), worst first."""
+    return list(_ext.supported_isas()) if _ext is not None else []
+
+
 def set_kernel(name: str) -> None:
-    """Use the ``name`` kernel set ("scalar", "avx2", "avxvnni"); ValueError if the CPU lacks it."""
+    """Use the ``name`` kernel set (one of :func:`supported_kernels`); ValueError if the CPU lacks it."""
     _need().set_isa(name)
 
 
@@ -76,3 +81,22 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     xs = torch.empty(m, nb)
     ext.quantize_act(x.data_ptr(), m, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
     return xq, xd, xs
+
+
+def decode_layers(*args) -> None:
+    """Fused decode through packed Llama layers (``decoder.c``); see
+    ``tokenmill.layers.quant.fused_decode`` for the arguments."""
+    _need().decode_layers(*args)
+
+
+def layer_fields() -> int:
+    """int64 values per layer row of ``decode_layers``' table (-1: an older build without it)."""
+    fn = getattr(_need(), "layer_fields", None)
+    return int(fn()) if fn is not None else -1
+
+
+def decode_profile(on: bool | None = None) -> dict[str, float]:
+    """Seconds spent so far in each phase of ``decode_layers`` (RMSNorm, each matmul, attention,
+    ...). ``on`` True / False also zeroes the timers and turns them on / off (off by default)."""
+    ext = _need()
+    return dict(ext.decode_profile() if on is None else ext.decode_profile(int(on)))

@@ -6,7 +6,7 @@ import sys
 from dataclasses import fields
 
 from tokenmill.engine.config import (ATTENTION_BACKENDS, CACHE_WRITE_POLICIES, FP8_SCALE_SCHEMES, HOST_CACHE_DTYPES,
-                                     KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig)
+                                     KV_CACHE_DTYPES, LINEAR_BACKENDS, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig)
 from tokenmill.loader.resolve import DEFAULT_MODEL
 
 
@@ -64,6 +64,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="int4: symmetric groups (scale only, zero exact) instead of scale + min")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="paged-attention implementation (auto: the fastest that supports the model here)")
+    g.add_argument("--linear-backend", default=d.linear_backend, choices=LINEAR_BACKENDS,
+                   help="fp32 weight matmuls: auto = oneDNN on weights prepacked at start-up when on CPU, "
+                        "torch = F.linear, onednn = oneDNN or refuse")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
+                   help="fuse the elementwise work around the matmuls with torch.compile for steps of 64+ "
+                        "tokens (compiled at start-up, cached in TORCHINDUCTOR_CACHE_DIR, default "
+                        "~/.cache/tokenmill/inductor; default: %(default)s)")
     g.add_argument("--state-snapshot-memory", dest="state_snapshot_memory_gib", type=float,
                    default=d.state_snapshot_memory_gib, metavar="GIB",
                    help="hybrid (linear-attention) models: state-pool memory for prefix-cache state "

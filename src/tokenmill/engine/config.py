@@ -18,6 +18,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bf16", "fp16", "fp32", "fp8", "float8_e4
                    "float32")
 assert set(KV_CACHE_DTYPES) == {"auto", *KV_DTYPE_NAMES}
 ATTENTION_BACKENDS = ("auto", "torch", "native")
+LINEAR_BACKENDS = ("auto", "torch", "onednn")  # tokenmill.layers.linear.select_linear_backend
 SPECULATIVE_METHODS = ("ngram", "suffix", "dflash")
 MOE_PARALLEL = ("tp", "ep")       # MoE under tensor parallelism: TP inside experts, or expert parallelism
 HOST_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the KV pool's dtype
@@ -58,6 +59,9 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     kv_cache_fp8_scales: str = "static"   # fp8 KV scales: static (per layer and head, calibrated at
                                           # start-up, 4x fp32's tokens) or token (per token and head)
     attention_backend: str = "auto"  # see tokenmill.layers.attention.select_attention_backend
+    linear_backend: str = "auto"     # fp32 matmuls: auto (oneDNN prepacked on CPU), torch, onednn
+    compile: bool = False            # fuse the elementwise ops around the matmuls (layers/fused.py;
+                                     # process-wide, compiled at start-up, cached on disk)
     # Lower cache tiers (docs/kv-tiers.md): L2 host memory, L3 shared storage.
     host_cache_memory_gib: float = 0.0   # L2 size; 0 = no host tier
     host_cache_dtype: str = "auto"       # storage dtype of L2 pages (auto = the KV pool's dtype)
@@ -129,6 +133,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"decode_slowdown must be > 1 (or None to turn the bound off), got {self.decode_slowdown}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         if self.kv_cache_fp8_scales not in FP8_SCALE_SCHEMES:
             raise ValueError(f"kv_cache_fp8_scales must be one of {FP8_SCALE_SCHEMES}, got {self.kv_cache_fp8_scales!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

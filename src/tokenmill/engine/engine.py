@@ -103,7 +103,8 @@ class Engine:
                 device=self.device.type, kv_dtype=self.kv_spec.dtype, attention_backend=config.attention_backend,
                 num_threads=config.num_threads, pin_cores=config.tp_pin_cores, init_method=new_init_method(),
                 moe_parallel=config.moe_parallel, kv_fp8_scales=self.kv_spec.fp8_scales,
-                calibration_tokens=self._calibration_tokens()),
+                calibration_tokens=self._calibration_tokens(),
+                linear_backend=config.linear_backend, compile=config.compile),
                 self.loaded.model)
             try:
                 self._init_tiers()
@@ -116,7 +117,8 @@ class Engine:
                                       self.vocab_size, device=self.device, kv_spec=self.kv_spec,
                                       attention_backend=config.attention_backend,
                                       num_state_slots=slots.num_slots if slots is not None else 0,
-                                      calibration_tokens=self._calibration_tokens())
+                                      calibration_tokens=self._calibration_tokens(),
+                                      linear_backend=config.linear_backend, compile=config.compile)
             if self.runner.states is not None:   # snapshots are taken by copying a request's slot
                 self.kv.copy_state = self.runner.states.copy
             self._init_tiers()

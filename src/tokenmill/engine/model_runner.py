@@ -23,6 +23,8 @@ are masked by their grammar before sampling (engine/structured.py).
 """
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -33,6 +35,8 @@ from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import ForwardContext, select_attention_backend
+from tokenmill.layers import fused
+from tokenmill.layers.linear import select_linear_backend, use_linear_backend
 from tokenmill.engine.structured import apply_grammar_masks
 from tokenmill.layers.sampling import PenaltyState, Sampler, SamplingInputs
 from tokenmill.layers.speculative import VerifyInputs, verify
@@ -65,6 +69,9 @@ class _NoGrammar:
     grammar = None
 
 
+log = logging.getLogger(__name__)
+
+
 def _token_logprob(tok: int, lp: Any) -> TokenLogprob:
     return TokenLogprob(tok, lp[0], [TopLogprob(t, v) for t, v in lp[1]])
 
@@ -73,9 +80,21 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_pages: int, page_size: int, vocab_size: int,
                  device: torch.device | str = "cpu", seed: int | None = None, *,
                  kv_spec: KVCacheSpec | None = None, attention_backend: str = "auto",
-                 num_state_slots: int = 0, calibration_tokens: list[int] | None = None) -> None:
+                 num_state_slots: int = 0, calibration_tokens: list[int] | None = None,
+                 linear_backend: str = "auto", compile: bool = False) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device)
+        # fp32 on CPU: weights reordered once for oneDNN (layers/linear.py); "torch" undoes it
+        self.linear_backend = select_linear_backend(linear_backend, self.device, model.dtype)
+        t0 = time.perf_counter()
+        changed = use_linear_backend(self.model, self.linear_backend)
+        if changed:
+            log.info("linear backend %s: %d weight matrices repacked in %.2f s", self.linear_backend, changed,
+                     time.perf_counter() - t0)
+        # elementwise fusion (process-wide): the start-up compile is timed and logged
+        args = model.args
+        self.compile_seconds = fused.enable(compile, hidden_size=int(args.hidden_size),
+                                            head_dim=int(getattr(args, "head_dim", 0) or 16), dtype=model.dtype)
         self.page_size = page_size
         self.vocab_size = vocab_size
         self.kv_spec = kv_spec or model.kv_cache_spec()

@@ -76,6 +76,8 @@ class WorkerSpec:
     moe_parallel: str = "tp"   # MoE experts: "tp" (intermediate split) or "ep" (whole experts per rank)
     kv_fp8_scales: str = "static"           # fp8 KV scale scheme (KVCacheSpec.fp8_scales)
     calibration_tokens: list[int] | None = None   # prompt for static fp8 scales (every rank the same)
+    linear_backend: str = "auto"
+    compile: bool = False
 
 
 def check_tensor_parallel_devices(tp: int, device: str) -> None:
@@ -463,7 +465,8 @@ def _worker_setup(rank: int, spec: WorkerSpec, conn: Connection) -> tuple[Any, _
     kv_spec = shard.kv_cache_spec().with_dtype(spec.kv_dtype).with_fp8_scales(spec.kv_fp8_scales)
     runner = ModelRunner(shard, spec.num_pages, spec.page_size, shard.full_args.vocab_size, device=device,
                          seed=spec.seed, kv_spec=kv_spec, attention_backend=spec.attention_backend,
-                         calibration_tokens=spec.calibration_tokens)
+                         calibration_tokens=spec.calibration_tokens,
+                         linear_backend=spec.linear_backend, compile=spec.compile)
     return runner, _Mirror(runner)
 
 

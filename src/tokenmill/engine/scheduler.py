@@ -14,7 +14,11 @@ Order within a step:
 2. running requests further behind (prefill chunks), in priority order; when the step already
    carries decodes, prefill (this and admission) gets only the budget of
    :meth:`~tokenmill.engine.step_cost.StepCost.prefill_budget`, so a decode's next token is not
-   held up by seconds of prefill (step time is learned online from the engine's own steps);
+   held up by seconds of prefill (step time is learned online from the engine's own steps).
+   Under that bound the prefill with the fewest tokens left goes first, and a waiting request
+   with fewer left (after its cached prefix) than every running prefill is admitted before
+   them (``shortest_prefill_first``), so a new agent turn is not queued behind a long first
+   prompt; a prefill passed over ``prefill_max_passes`` steps in a row goes first;
 3. waiting requests, admitted while budget, pages and ``max_running_requests`` allow (none in
    a step that had to preempt); a hybrid model's request also needs a free state slot
    (:meth:`KVManager.take_slot`), and every way out (finish, abort, preemption) frees both.
@@ -109,6 +113,12 @@ class Scheduler:
         # A waiting request that shares this many pages of prompt with one still prefilling
         # waits for those pages to be cached (see _waits_for_shared_prefill).
         self.shared_prefill_min_pages = 2
+        # While decodes bound the prefill budget, the prefill with the least left goes first (a
+        # new turn of an agent session is done in a step or two instead of queueing behind a
+        # long first prompt); one passed over prefill_max_passes steps in a row goes first.
+        self.shortest_prefill_first = True
+        self.prefill_max_passes = 4
+        self._prefill_passes: dict[Request, int] = {}
 
     # -- queue -----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -134,9 +144,22 @@ class Scheduler:
         if num_decode and self.step_cost is not None and plan.budget > 0:
             # Prefill shares this step with decodes: give it only what keeps them moving.
             plan.budget = self.step_cost.prefill_budget(num_decode, plan.budget)
+            if self.shortest_prefill_first:
+                prefills = self._shortest_first(prefills)
+                if self.waiting and not plan.preempted:
+                    # a waiting request with less left to prefill than every running one goes first
+                    self._admit(plan, max_remaining=prefills[0].num_uncomputed_tokens - 1 if prefills else None)
         self._schedule_running(prefills, plan)
         if not plan.preempted:
             self._admit(plan)
+        if self._prefill_passes:
+            for r in prefills:
+                if r in plan.tokens:
+                    self._prefill_passes.pop(r, None)
+                elif r.status is RequestStatus.RUNNING:
+                    self._prefill_passes[r] = self._prefill_passes.get(r, 0) + 1
+            for r in [r for r in self._prefill_passes if r.status is not RequestStatus.RUNNING]:
+                del self._prefill_passes[r]
         scheduled = []
         for r, n in plan.tokens.items():
             d = drafts.get(r, ())
@@ -174,13 +197,25 @@ class Scheduler:
             if self._allocate_or_preempt(req, req.num_computed_tokens + n, plan):
                 plan.add(req, n)
 
-    def _admit(self, plan: _StepPlan) -> None:
+    def _shortest_first(self, prefills: list[Request]) -> list[Request]:
+        """Running prefills by tokens left (stable), those passed over too often first."""
+        limit = self.prefill_max_passes
+        for r in prefills:
+            if r.status is RequestStatus.RUNNING and r not in self._prefill_passes:
+                self._prefill_passes[r] = 0
+        return sorted(prefills, key=lambda r: (self._prefill_passes.get(r, 0) < limit, r.num_uncomputed_tokens))
+
+    def _admit(self, plan: _StepPlan, max_remaining: int | None = None) -> None:
+        """Admit waiting requests into the step; with ``max_remaining``, only while the next one
+        has at most that many tokens left to compute after its cached prefix."""
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_running_requests:
             req = self._next_waiting()
             if self._waits_for_shared_prefill(req, plan):
                 req = self._first_not_waiting(plan)
                 if req is None:
                     return
+            if max_remaining is not None and req.num_tokens - self.kv.cached_prefix_tokens(req) > max_remaining:
+                return
             if not self.kv.take_slot(req):   # hybrid models: every state slot is taken
                 return
             matched = self.kv.match(req)

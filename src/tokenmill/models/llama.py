@@ -13,14 +13,15 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.attention import ForwardContext
 from tokenmill.layers.linear import DenseLinear, as_linear
+from tokenmill.layers.quant.fused_decode import DecoderLayerWeights, FusedDecodeStack
 from tokenmill.layers.quant.methods import cat_linears
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import CosSin, RotaryEmbedding, apply_rotary
+from tokenmill.layers import fused
+from tokenmill.layers.rotary import CosSin, RotaryEmbedding
 from tokenmill.models.base import CausalLM, KVCacheSpec, ModelArgs
 
 
@@ -54,17 +55,16 @@ class LlamaDecoderLayer(nn.Module):
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, cs), apply_rotary(k, cs)
+            q, k = fused.rotary(q, cs), fused.rotary(k, cs)
         else:  # q and k are adjacent in qkv: rotate all their heads in one pass
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cs)
+            qk = fused.rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cs)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = ctx.attn.forward(q, k, v, kv_cache, ctx.meta, self.scale)
-        h = h + self.o_proj(o)
-        x = self.post_attention_layernorm(h)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        norm = self.post_attention_layernorm
+        h, x = fused.add_rms_norm(h, self.o_proj(o), norm.weight, norm.eps)
+        return h + self.down_proj(fused.swiglu(self.gate_up_proj(x)))
 
 
 class LlamaForCausalLM(CausalLM):
@@ -82,6 +82,8 @@ class LlamaForCausalLM(CausalLM):
             args.vocab_size, args.hidden_size, dtype)
         self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling,
                                       initial_positions=min(args.max_position_embeddings, 4096))
+        self._fused: FusedDecodeStack | None | bool = False   # False: not built yet
+        self._fused_on = True
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec.dense(self.args.num_layers, self.args.num_kv_heads, self.args.head_dim,
@@ -95,11 +97,51 @@ class LlamaForCausalLM(CausalLM):
         cs = self.rotary.lookup(batch.positions, self.dtype, batch.max_seq_len)
         h = self.embed_tokens.embedding(batch.input_ids, self.dtype)
         ctx.capture(-1, h)
-        for i, (layer, cache) in enumerate(zip(self.layers, ctx.kv_caches)):
-            h = layer(h, cs, cache, ctx)
-            ctx.capture(i, h)
+        stack = self.fused_decode_stack() if self._fused_on else None
+        if stack is not None and stack.applies(h.shape[0], ctx.attn, ctx.kv_caches):
+            h = self._forward_fused(stack, h, cs, ctx)
+        else:
+            for i, (layer, cache) in enumerate(zip(self.layers, ctx.kv_caches)):
+                h = layer(h, cs, cache, ctx)
+                ctx.capture(i, h)
         h = self.norm(h[batch.logits_indices])
         return self.lm_head(h).float()
+
+    def _forward_fused(self, stack: FusedDecodeStack, h: torch.Tensor, cs: CosSin, ctx: ForwardContext) -> torch.Tensor:
+        """All layers in native calls (split only where a layer's output is captured)."""
+        if -1 in ctx.capture_layers or not h.is_contiguous():
+            h = h.clone(memory_format=torch.contiguous_format)  # updated in place from here on
+        start = 0
+        for i in sorted(c for c in ctx.capture_layers if 0 <= c < len(self.layers)):
+            h = stack.run(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, start, i + 1)
+            ctx.capture(i, h.clone())
+            start = i + 1
+        if start < len(self.layers):
+            h = stack.run(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, start)
+        return h
+
+    def set_fused_decode(self, enabled: bool) -> None:
+        """Turn the native fused decode path on (the default, where the weights fit it) or off
+        (every step then runs layer by layer; for A/B measurements and tests)."""
+        self._fused_on = bool(enabled)
+
+    def fused_decode_stack(self) -> FusedDecodeStack | None:
+        """The native decode path over this model's layers, or None when its weights do not fit it
+        (dense weights, per-head q/k norms; ``FusedDecodeStack.unsupported_reason``). Built on
+        first use; ``load_weights`` resets it."""
+        if self._fused is False:
+            layers = [DecoderLayerWeights(l.input_layernorm.weight, l.post_attention_layernorm.weight, l.qkv_proj,
+                                          l.qkv_bias, l.o_proj, l.gate_up_proj, l.down_proj) for l in self.layers]
+            a = self.args
+            reason = (FusedDecodeStack.unsupported_reason(layers, self.dtype)
+                      or ("per-head q/k norms" if any(l.q_norm is not None for l in self.layers) else None)
+                      or ("head shape beyond the attention kernel" if a.head_dim > 512 or a.head_dim % 2
+                          or a.num_heads // a.num_kv_heads > 256 else None))
+            self._fused = None if reason else FusedDecodeStack(
+                layers, hidden=a.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+                head_dim=a.head_dim, intermediate=a.intermediate_size, eps=a.rms_norm_eps,
+                scale=self.layers[0].scale)
+        return self._fused
 
     # ---- weights -------------------------------------------------------------------------
     def _hf_layout(self) -> dict[str, tuple[int, ...]]:
@@ -133,6 +175,7 @@ class LlamaForCausalLM(CausalLM):
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         layout = self._hf_layout()
         self.check_weights(weights, layout)
+        self._fused = False
 
         def get(name: str) -> torch.Tensor:
             return weights[name].to(self.dtype)

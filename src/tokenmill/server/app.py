@@ -59,6 +59,7 @@ def build_app(state: ServerState) -> FastAPI:
         yield
         logger.info("stopping the engine")
         state.engine.shutdown()
+        state.tokenizers.shutdown()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)

@@ -52,12 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="bound of the engine's waiting queue; requests past it get 429 + Retry-After "
                         "(default: unbounded)")
     o.add_argument("--max-queue-wait-s", type=float, default=None,
-                   help="a request not started within this many seconds fails with 503 and is freed "
-                        "(default: no limit)")
+                   help="a request predicted not to start within this many seconds gets 429 at once; one "
+                        "queued that has not started by then fails with 503 and is freed (default: no limit)")
     o.add_argument("--request-deadline-s", type=float, default=None,
                    help="default and upper bound of a request's deadline (its 'deadline_s' field): past it "
                         "the request finishes with finish_reason 'deadline' (default: none)")
     o.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of 429 / 503 answers (default: 1)")
+    s.add_argument("--tokenizer-workers", type=int, default=2,
+                   help="threads that tokenize long prompts off the event loop, each with its own tokenizer "
+                        "copy, all started at start-up (default: 2)")
     s.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
     s.add_argument("--log-token-ids", default=None, metavar="DIR",
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             max_json_depth=args.max_json_depth, max_waiting_requests=args.max_waiting_requests,
             max_queue_wait_s=args.max_queue_wait_s, request_deadline_s=args.request_deadline_s,
             retry_after_s=args.retry_after_s, log_requests=args.log_requests, max_stored_responses=args.max_stored_responses,
-            log_token_ids=args.log_token_ids,
+            log_token_ids=args.log_token_ids, tokenizer_workers=args.tokenizer_workers,
         )
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
+import functools
 import json
 import logging
 import math
@@ -54,6 +56,7 @@ class ServerConfig:
     max_queue_wait_s: float | None = None    # a request not started by then fails with 503
     request_deadline_s: float | None = None  # default and upper bound of a request's deadline_s
     retry_after_s: int = 1               # Retry-After of 429 / 503 overload answers
+    tokenizer_workers: int = 2           # threads that tokenize long prompts (TokenizerPool)
     log_requests: bool = False           # log prompts and outputs (off: only sizes and timings)
     max_stored_responses: int = 1024     # Responses API store (previous_response_id)
 
@@ -76,6 +79,8 @@ class ServerConfig:
             raise ValueError("admin_key must not be empty")
         if self.max_json_depth < 2:
             raise ValueError(f"max_json_depth must be at least 2, got {self.max_json_depth}")
+        if self.tokenizer_workers < 1:
+            raise ValueError(f"tokenizer_workers must be at least 1, got {self.tokenizer_workers}")
         for name in ("max_queue_wait_s", "request_deadline_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -93,15 +98,46 @@ class TokenizerPool:
 
     A fast (Rust) tokenizer refuses to be used by two threads at once ("Already borrowed"), and
     one shared instance behind a lock would serialise every request's tokenization. Handlers
-    tokenize long prompts on worker threads (``asyncio.to_thread``), so each worker, and the
-    event-loop thread, gets its own copy: at most one per thread of the default executor.
+    tokenize long prompts on the pool's own workers (:meth:`run`), so each worker, and the
+    event-loop thread, gets its own copy. The workers are a fixed number, all started (and given
+    their copy) by :meth:`start`, so the server's threads and memory do not grow later when a
+    burst of long prompts first needs another worker.
     """
 
-    def __init__(self, prototype: Any) -> None:
+    def __init__(self, prototype: Any, num_workers: int = 2) -> None:
+        if num_workers < 1:
+            raise ValueError(f"the tokenizer pool needs at least one worker, got {num_workers}")
         self._prototype = prototype
         self._local = threading.local()
         self._lock = threading.Lock()
         self.num_copies = 0
+        self.num_workers = num_workers
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def start(self) -> None:
+        """Start every worker now and make its tokenizer copy (idempotent)."""
+        if self._executor is not None:
+            return
+        self._executor = concurrent.futures.ThreadPoolExecutor(self.num_workers, thread_name_prefix="tokenize")
+        barrier = threading.Barrier(self.num_workers)
+
+        def warm() -> None:   # each task holds its worker until all are started: one per thread
+            self.get()
+            barrier.wait()
+
+        for f in [self._executor.submit(warm) for _ in range(self.num_workers)]:
+            f.result()
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on a tokenizer worker, awaited from the event loop."""
+        self.start()
+        assert self._executor is not None
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
 
     def get(self) -> Any:
         tok = getattr(self._local, "tokenizer", None)
@@ -148,7 +184,8 @@ class ServerState:
 
     @classmethod
     def create(cls, engine: AsyncEngine, config: ServerConfig, *, prefix_cache_enabled: bool = True) -> ServerState:
-        tokenizers = TokenizerPool(engine.engine.tokenizer)
+        tokenizers = TokenizerPool(engine.engine.tokenizer, config.tokenizer_workers)
+        tokenizers.start()
         return cls(
             engine=engine, config=config, tokenizers=tokenizers,
             max_model_len=int(engine.engine.max_model_len),

@@ -1,7 +1,6 @@
 """``POST /v1/chat/completions``: messages -> chat template -> engine -> response or SSE stream."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -97,7 +96,7 @@ async def create_chat_completion(state: ServerState, request: Request, body: dic
     chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or [])
                 for m in req.messages)
     if chars > _INLINE_TOKENIZE_CHARS:
-        prompt = await asyncio.to_thread(render_prompt, state, req)
+        prompt = await state.tokenizers.run(render_prompt, state, req)
     else:
         prompt = render_prompt(state, req)
     max_tokens = resolve_max_tokens(state, len(prompt), requested, param, "messages")

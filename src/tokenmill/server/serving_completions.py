@@ -6,7 +6,6 @@ first prompt token's is null), computed by the engine from the prompt rows (prom
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -54,7 +53,7 @@ async def create_completion(state: ServerState, request: Request, body: dict[str
     # Text prompts are tokenized on a worker thread (with its own tokenizer copy), so a long
     # prompt neither blocks the event loop nor waits behind another request's tokenization.
     text = isinstance(req.prompt, str) or any(isinstance(x, str) for x in req.prompt)
-    prompts = await asyncio.to_thread(tokenize_prompts, state, req) if text else tokenize_prompts(state, req)
+    prompts = await state.tokenizers.run(tokenize_prompts, state, req) if text else tokenize_prompts(state, req)
     if any(not p for p in prompts):
         raise APIError(400, "prompt must hold at least one token", param="prompt", code="empty_prompt")
     found = []

@@ -20,7 +20,8 @@ How a matmul runs:
   int16 keeps >99.9%.) :func:`fp32_activations` and :func:`int16_activations` force one path (the
   teacher-forced accuracy check compares both).
 - more rows (prefill): ``W`` is dequantized into a reused fp32 buffer, a slab of rows at a time,
-  and multiplied with torch's GEMM, so prefill keeps fp32 activations and fp32 GEMM speed.
+  and multiplied with an fp32 GEMM (:func:`fp32_gemm`: oneDNN's, else ``F.linear``), so prefill
+  keeps fp32 activations.
 """
 from __future__ import annotations
 
@@ -74,6 +75,33 @@ def _scratch(numel: int) -> torch.Tensor:
         buf = torch.empty(numel, dtype=torch.float32)
         _state.scratch = buf
     return buf[:numel]
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w^T`` through oneDNN's fp32 matmul (the op torch's own compiler uses for CPU linears).
+
+    On this project's AMD CPUs, MKL's sgemm behind ``F.linear`` runs its AVX2 code while oneDNN
+    picks its AVX-512 kernels from the ISA: 2-4x faster prefill GEMMs (docs/results/quant.md)."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def _probe_onednn() -> bool:
+    try:
+        x, w = torch.randn(3, 40), torch.randn(5, 40)
+        return bool(torch.allclose(_onednn_linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-5))
+    except (AttributeError, RuntimeError):  # torch built without oneDNN, or the op is gone
+        return False
+
+
+_ONEDNN: bool | None = None
+
+
+def fp32_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w [N, K]^T`` in fp32: oneDNN's matmul when this torch has it, else ``F.linear``."""
+    global _ONEDNN
+    if _ONEDNN is None:
+        _ONEDNN = torch.backends.mkldnn.is_available() and _probe_onednn()
+    return _onednn_linear(x, w) if _ONEDNN else F.linear(x, w)
 
 
 def _padded(k: int) -> int:
@@ -144,13 +172,13 @@ class _Packed(LinearMethod):
         if rows >= n:
             w = _scratch(n * k).view(n, k)
             self._dequant_into(w, slice(0, n), threads)
-            return F.linear(x2, w)
+            return fp32_gemm(x2, w)
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)
         for r0 in range(0, n, rows):  # a slab of weight rows at a time (large vocabularies)
             r1 = min(n, r0 + rows)
             w = _scratch((r1 - r0) * k).view(r1 - r0, k)
             self._dequant_into(w, slice(r0, r1), threads)
-            torch.matmul(x2, w.t(), out=y[:, r0:r1])
+            y[:, r0:r1] = fp32_gemm(x2, w)
         return y
 
     def dequantize(self) -> torch.Tensor:
@@ -216,6 +244,16 @@ class Int8Linear(_Packed):
 
     def _dequantize_torch(self) -> torch.Tensor:
         return self.qs[:, : self.in_features].float() * self._expand(self.scales)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if not native.available():
+            return super().embedding(ids, dtype)
+        flat = ids.reshape(-1)
+        qs, sc = self.qs.index_select(0, flat), self.scales.index_select(0, flat)
+        out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
+        native.dequant_s8(qs.data_ptr(), sc.data_ptr(), self._scale_f16(), flat.numel(), self.in_features,
+                          self.group_size, out.data_ptr(), 1)
+        return out.to(dtype).reshape(*ids.shape, self.in_features)
 
     def select_rows(self, index: torch.Tensor) -> "Int8Linear":
         return Int8Linear(self.qs[index], self.scales[index], self.in_features, self.group_size)
@@ -311,6 +349,16 @@ class Int4Linear(_Packed):
     def _dequantize_torch(self) -> torch.Tensor:
         q = unpack_nibbles(self.qs)[:, : self.in_features].float()
         return torch.addcmul(self._expand(self.mins), q, self._expand(self.scales))
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if not native.available():
+            return super().embedding(ids, dtype)
+        flat = ids.reshape(-1)
+        qs, sc, mn = (t.index_select(0, flat) for t in (self.qs, self.scales, self.mins))
+        out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
+        native.dequant_u4(qs.data_ptr(), sc.data_ptr(), mn.data_ptr(), self._scale_f16(), flat.numel(),
+                          self.in_features, self.group_size, out.data_ptr(), 1)
+        return out.to(dtype).reshape(*ids.shape, self.in_features)
 
     def select_rows(self, index: torch.Tensor) -> "Int4Linear":
         return Int4Linear(self.qs[index], self.scales[index], self.mins[index], self.in_features, self.group_size)

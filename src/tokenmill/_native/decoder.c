@@ -1,0 +1,317 @@
+/* Fused decode of a Llama-style decoder stack over packed (4-bit / 8-bit) weights.
+ *
+ * A decode step of a small model on a CPU spends a large share of its time outside the weight
+ * matmuls: per layer, a dozen small torch ops (two RMSNorms, rotary on q and k, the KV write,
+ * SiLU*up, two residual adds) and the Python around them. decode_layers() runs whole layers in
+ * one call, for a few token rows (decode steps, at most a handful of sequences):
+ *
+ *   x = rmsnorm(h) * w1;  qkv = x @ Wqkv^T (+ b);  rotate q and k heads ("rotate half");
+ *   write k, v into the paged KV pool at the step's slots;  o = paged_attention(q, pool);
+ *   h += o @ Wo^T;  x = rmsnorm(h) * w2;  g, u = x @ Wgu^T;  h += (silu(g) * u) @ Wdown^T
+ *
+ * The matmuls are the integer kernels of quant.c (int16 activations, the same results as the
+ * per-matrix gemm_u4/gemm_s8 calls); attention is the paged-attention kernel of attention.c,
+ * reached through its capsule. The small ops use the same formulas as the torch path (fp32,
+ * rotary as x*cos + rotate_half(x)*sin, silu as x / (1 + exp(-x))); only summation order differs.
+ *
+ * Each layer is described by a row of LAYER_FIELDS int64 values (pointers and sizes), built once
+ * by tokenmill.layers.quant.fused_decode from the model's modules and the KV pool.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "attention.h"
+#include "quant.h"
+
+/* one layer row: these fields, then 4 matrices of MAT_FIELDS each (qkv, o, gate_up, down) */
+enum { F_NORM1 = 0, F_NORM2, F_QKV_BIAS, F_K_CACHE, F_V_CACHE, F_MATS };
+enum { MAT_KIND = 0, MAT_QS, MAT_SC, MAT_MN, MAT_F16, MAT_N, MAT_K, MAT_GROUP, MAT_FIELDS };
+enum { W_QKV = 0, W_O, W_GATE_UP, W_DOWN, W_COUNT };
+#define LAYER_FIELDS (F_MATS + W_COUNT * MAT_FIELDS)
+
+static tm_paged_attention_fn g_attention = NULL;
+
+/* Optional per-phase timers (decode_profile(True) turns them on; benchmarks read them). */
+enum { P_NORM = 0, P_QKV, P_ROPE_KV, P_ATTN, P_O, P_GATE_UP, P_SILU, P_DOWN, P_RESID, P_COUNT };
+static const char *prof_names[P_COUNT] = {"rmsnorm", "matmul qkv", "rotary + kv write", "attention", "matmul o",
+                                          "matmul gate_up", "silu*up", "matmul down", "residual adds"};
+static int g_prof = 0;
+static double g_prof_s[P_COUNT];
+
+static inline double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+#define TICK(phase) do { if (g_prof) { double t_ = now_s(); g_prof_s[phase] += t_ - t_last; t_last = t_; } } while (0)
+
+static TmqMat layer_mat(const int64_t *row, int w) {
+    const int64_t *f = row + F_MATS + w * MAT_FIELDS;
+    TmqMat m = {f[MAT_KIND], (const void *)(uintptr_t)f[MAT_QS], (const void *)(uintptr_t)f[MAT_SC],
+                (const void *)(uintptr_t)f[MAT_MN], f[MAT_F16], f[MAT_N], f[MAT_K], f[MAT_GROUP]};
+    return m;
+}
+
+static void rmsnorm(const float *h, const float *w, float *out, int64_t M, int64_t H, float eps) {
+    for (int64_t t = 0; t < M; t++) {
+        const float *x = h + t * H;
+        float *o = out + t * H;
+        float s[8] = {0};
+        int64_t i = 0;
+        for (; i + 8 <= H; i += 8)
+            for (int j = 0; j < 8; j++) s[j] += x[i + j] * x[i + j];
+        for (; i < H; i++) s[0] += x[i] * x[i];
+        float ss = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+        float r = 1.f / sqrtf(ss / (float)H + eps);
+        for (i = 0; i < H; i++) o[i] = (x[i] * r) * w[i];
+    }
+}
+
+/* rotate-half RoPE on `heads` heads of `d` values of each row (in place) */
+static void rotary(float *x, int64_t M, int64_t stride, int heads, int d, const float *cos, const float *sin) {
+    int half = d / 2;
+    for (int64_t t = 0; t < M; t++) {
+        const float *c = cos + t * d, *s = sin + t * d;
+        for (int h = 0; h < heads; h++) {
+            float *v = x + t * stride + (int64_t)h * d;
+            for (int i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * c[i] + (-b) * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x7FFFFFu)) return (uint16_t)((u >> 16) | 0x40);  /* NaN */
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void kv_write(void *cache, const float *src, int64_t src_stride, const int64_t *slots, int64_t M,
+                     int64_t width, int bf16) {
+    for (int64_t t = 0; t < M; t++) {
+        const float *s = src + t * src_stride;
+        if (bf16) {
+            uint16_t *d = (uint16_t *)cache + slots[t] * width;
+            for (int64_t i = 0; i < width; i++) d[i] = to_bf16(s[i]);
+        } else {
+            memcpy((float *)cache + slots[t] * width, s, (size_t)width * sizeof(float));
+        }
+    }
+}
+
+/* a[i] = silu(g[i]) * u[i], silu(x) = x / (1 + exp(-x)) */
+static void silu_mul_scalar(const float *g, const float *u, float *a, int64_t n) {
+    for (int64_t i = 0; i < n; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define TGT_AVX2 __attribute__((target("avx2,fma")))
+/* exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2/2, then 2^n times a degree-7 Taylor
+ * polynomial of e^r (relative error below 2e-7, about two float ulps); x below -87 gives 0. */
+TGT_AVX2 static inline __m256 exp_nonpos(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);        /* ln2 split in two parts */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.f / 5040.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* silu through e = exp(-|x|), which never overflows: sigmoid(x) = 1/(1+e) for x >= 0, e/(1+e) below */
+TGT_AVX2 static void silu_mul_avx2(const float *g, const float *u, float *a, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 e = exp_nonpos(_mm256_or_ps(x, sign));                 /* exp(-|x|) */
+        __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+        __m256 num = _mm256_blendv_ps(one, e, neg);
+        __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+    }
+    silu_mul_scalar(g + i, u + i, a + i, n - i);
+}
+
+static int have_avx2_fma(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return cached;
+}
+#endif
+
+static void silu_mul(const float *g, const float *u, float *a, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (have_avx2_fma()) { silu_mul_avx2(g, u, a, n); return; }
+#endif
+    silu_mul_scalar(g, u, a, n);
+}
+
+typedef struct {
+    int64_t M, H, hq, hkv, d, inter;
+    float eps, scale;
+    const float *cos, *sin;
+    const int64_t *slots, *bt, *qsl, *seq_lens;
+    int64_t bt_stride;
+    int num_seqs, page_size, kv_bf16, nt;
+} Step;
+
+/* scratch: x [M,H], qkv [M,qn], att [M,hq*d], tmp [M,H], gu [M,2I] ; act reuses x when it fits */
+static int run_layer(const int64_t *row, const Step *S, float *h, float *x, float *qkv, float *att, float *tmp,
+                     float *gu, float *act) {
+    const int64_t M = S->M, H = S->H, qsz = S->hq * S->d, kvsz = S->hkv * S->d, qn = qsz + 2 * kvsz, I = S->inter;
+    TmqMat w;
+    double t_last = g_prof ? now_s() : 0.0;
+    rmsnorm(h, (const float *)(uintptr_t)row[F_NORM1], x, M, H, S->eps);
+    TICK(P_NORM);
+    w = layer_mat(row, W_QKV);
+    if (tmq_matmul(&w, x, M, (const float *)(uintptr_t)row[F_QKV_BIAS], qkv, S->nt)) return -1;
+    TICK(P_QKV);
+    rotary(qkv, M, qn, (int)(S->hq + S->hkv), (int)S->d, S->cos, S->sin);
+    void *kc = (void *)(uintptr_t)row[F_K_CACHE], *vc = (void *)(uintptr_t)row[F_V_CACHE];
+    kv_write(kc, qkv + qsz, qn, S->slots, M, kvsz, S->kv_bf16);
+    kv_write(vc, qkv + qsz + kvsz, qn, S->slots, M, kvsz, S->kv_bf16);
+    TICK(P_ROPE_KV);
+    if (g_attention(qkv, qn, att, kc, vc, S->kv_bf16, S->bt, S->bt_stride, S->qsl, S->seq_lens, S->num_seqs,
+                    S->page_size, (int)S->hq, (int)S->hkv, (int)S->d, S->scale, S->nt))
+        return -2;
+    TICK(P_ATTN);
+    w = layer_mat(row, W_O);
+    if (tmq_matmul(&w, att, M, NULL, tmp, S->nt)) return -1;
+    TICK(P_O);
+    for (int64_t i = 0; i < M * H; i++) h[i] += tmp[i];
+    TICK(P_RESID);
+    rmsnorm(h, (const float *)(uintptr_t)row[F_NORM2], x, M, H, S->eps);
+    TICK(P_NORM);
+    w = layer_mat(row, W_GATE_UP);
+    if (tmq_matmul(&w, x, M, NULL, gu, S->nt)) return -1;
+    TICK(P_GATE_UP);
+    for (int64_t t = 0; t < M; t++) silu_mul(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
+    TICK(P_SILU);
+    w = layer_mat(row, W_DOWN);
+    if (tmq_matmul(&w, act, M, NULL, tmp, S->nt)) return -1;
+    TICK(P_DOWN);
+    for (int64_t i = 0; i < M * H; i++) h[i] += tmp[i];
+    TICK(P_RESID);
+    return 0;
+}
+
+/* check every layer row against the model's sizes (with the GIL, before any work) */
+static int check_layers(const int64_t *table, int64_t L, const Step *S) {
+    const int64_t H = S->H, qsz = S->hq * S->d, qn = qsz + 2 * S->hkv * S->d, I = S->inter;
+    const int64_t want[W_COUNT][2] = {{qn, H}, {H, qsz}, {2 * I, H}, {H, I}};
+    static const char *names[W_COUNT] = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *row = table + l * LAYER_FIELDS;
+        if (!row[F_NORM1] || !row[F_NORM2] || !row[F_K_CACHE] || !row[F_V_CACHE]) {
+            PyErr_Format(PyExc_ValueError, "decode_layers: layer %lld has a null norm or KV pointer", (long long)l);
+            return -1;
+        }
+        for (int w = 0; w < W_COUNT; w++) {
+            TmqMat m = layer_mat(row, w);
+            if (!tmq_check_mat(&m) || m.N != want[w][0] || m.K != want[w][1] || !m.qs || !m.sc ||
+                (m.kind == TMQ_U4 && !m.mn)) {
+                PyErr_Format(PyExc_ValueError, "decode_layers: layer %lld %s is not a packed [%lld, %lld] matrix "
+                             "(kind %lld, [%lld, %lld], group %lld)", (long long)l, names[w], (long long)want[w][0],
+                             (long long)want[w][1], (long long)m.kind, (long long)m.N, (long long)m.K,
+                             (long long)m.group);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+#define PTR(T, v) ((T)(uintptr_t)(v))
+
+/* decode_layers(h, M, table, L, H, hq, hkv, d, inter, eps, scale, cos, sin, slots, bt, bt_stride,
+ *               qsl, seq_lens, num_seqs, page_size, kv_bf16, threads)
+ * h [M, H] fp32 is updated in place through layers table[0..L). */
+PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
+    unsigned long long h, table, cos, sin, slots, bt, qsl, sl;
+    long long M, L, H, hq, hkv, d, inter, bt_stride;
+    float eps, scale;
+    int num_seqs, page_size, kv_bf16, nt;
+    if (!PyArg_ParseTuple(args, "KLKLLLLLLffKKKKLKKiiii", &h, &M, &table, &L, &H, &hq, &hkv, &d, &inter, &eps,
+                          &scale, &cos, &sin, &slots, &bt, &bt_stride, &qsl, &sl, &num_seqs, &page_size, &kv_bf16,
+                          &nt))
+        return NULL;
+    if (M <= 0 || L < 0 || H <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || inter <= 0 ||
+        num_seqs <= 0 || page_size <= 0 || d > TM_ATTENTION_MAX_HEAD_DIM || hq / hkv > TM_ATTENTION_MAX_GROUP) {
+        PyErr_Format(PyExc_ValueError, "decode_layers: bad sizes (M=%lld H=%lld heads %lld/%lld d=%lld inter=%lld "
+                     "seqs=%d page=%d)", M, H, hq, hkv, d, inter, num_seqs, page_size);
+        return NULL;
+    }
+    if (!g_attention) {
+        g_attention = (tm_paged_attention_fn)PyCapsule_Import(TM_ATTENTION_CAPSULE, 0);
+        if (!g_attention) return NULL;
+    }
+    Step S = {M, H, hq, hkv, d, inter, eps, scale, PTR(const float *, cos), PTR(const float *, sin),
+              PTR(const int64_t *, slots), PTR(const int64_t *, bt), PTR(const int64_t *, qsl),
+              PTR(const int64_t *, sl), bt_stride, num_seqs, page_size, kv_bf16 != 0, nt < 1 ? 1 : nt};
+    const int64_t *tab = PTR(const int64_t *, table);
+    if (check_layers(tab, L, &S)) return NULL;
+    const int64_t qsz = hq * d, qn = qsz + 2 * hkv * d;
+    size_t n = (size_t)M * (2 * H + qn + qsz + 3 * inter);
+    float *mem = malloc(n * sizeof(float));
+    if (!mem) return PyErr_NoMemory();
+    float *x = mem, *tmp = x + M * H, *qkv = tmp + M * H, *att = qkv + M * qn, *gu = att + M * qsz,
+          *act = gu + M * 2 * inter;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t l = 0; l < L && !err; l++)
+        err = run_layer(tab + l * LAYER_FIELDS, &S, PTR(float *, h), x, qkv, att, tmp, gu, act);
+    Py_END_ALLOW_THREADS
+    free(mem);
+    if (err == -1) return PyErr_NoMemory();
+    if (err == -2) {
+        PyErr_SetString(PyExc_ValueError, "decode_layers: the attention kernel refused the head shape");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyObject *tmq_py_layer_fields(PyObject *self, PyObject *args) { return PyLong_FromLong(LAYER_FIELDS); }
+
+/* decode_profile(on): turn the phase timers on or off (and zero them); returns the seconds spent
+ * so far per phase as a dict. */
+PyObject *tmq_py_decode_profile(PyObject *self, PyObject *args) {
+    int on = -1;
+    if (!PyArg_ParseTuple(args, "|i", &on)) return NULL;
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    for (int i = 0; i < P_COUNT; i++) {
+        PyObject *v = PyFloat_FromDouble(g_prof_s[i]);
+        if (!v || PyDict_SetItemString(d, prof_names[i], v) < 0) { Py_XDECREF(v); Py_DECREF(d); return NULL; }
+        Py_DECREF(v);
+    }
+    if (on >= 0) {
+        g_prof = on != 0;
+        memset(g_prof_s, 0, sizeof g_prof_s);
+    }
+    return d;
+}

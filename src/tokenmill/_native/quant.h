@@ -1,0 +1,29 @@
+/* Shared between the files of tokenmill._native._quant: a packed weight matrix and the integer
+ * matmul over it (quant.c), used by the fused decode path (decoder.c). */
+#ifndef TOKENMILL_QUANT_H
+#define TOKENMILL_QUANT_H
+
+#include <stdint.h>
+
+enum { TMQ_U4 = 0, TMQ_S8 = 1 };
+
+typedef struct {
+    int64_t kind;        /* TMQ_U4: qs uint8 [N, Kp/2], scale + min; TMQ_S8: qs int8 [N, Kp], scale */
+    const void *qs;
+    const void *sc, *mn; /* [N, G] fp16 (f16 = 1) or fp32; mn unused for TMQ_S8 */
+    int64_t f16;
+    int64_t N, K, group;
+} TmqMat;
+
+/* y[M, N] = x[M, K] @ W^T (+ bias): int16 activations, as the gemm_u4/gemm_s8 bindings. 0 or -1 (no memory). */
+int tmq_matmul(const TmqMat *w, const float *x, int64_t M, const float *bias, float *y, int nt);
+/* 1 when the matrix description is one the kernels take. */
+int tmq_check_mat(const TmqMat *w);
+
+/* decoder.c's Python bindings, listed in quant.c's method table */
+#include <Python.h>
+PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args);
+PyObject *tmq_py_layer_fields(PyObject *self, PyObject *args);
+PyObject *tmq_py_decode_profile(PyObject *self, PyObject *args);
+
+#endif

@@ -1,0 +1,152 @@
+"""Fused decode through packed Llama-style layers: one native call for a run of whole layers.
+
+At batch 1 the weight matmuls of the default model take about half of a decode step when each
+small op between them (RMSNorm, rotary, the KV write, SiLU*up, residual adds) is its own torch
+call issued from Python. :class:`FusedDecodeStack` hands a step's hidden states to
+``decode_layers`` in ``tokenmill/_native/decoder.c``, which runs norm, QKV, rotary, the KV write,
+paged attention, the output projection and the MLP of every layer in C, with the same integer
+kernels as the per-matrix path and the native paged-attention kernel.
+
+It applies when (:meth:`FusedDecodeStack.build` says why not otherwise):
+
+- every matrix of every layer is packed (:class:`~tokenmill.layers.quant.packed.Int4Linear` or
+  :class:`~tokenmill.layers.quant.packed.Int8Linear`, any mix), the model is fp32 and has no
+  per-head q/k norm;
+- the attention backend is the native paged one over fp32 or bf16 pages;
+- the step has at most :data:`~tokenmill.layers.quant.packed.GEMV_MAX_ROWS` token rows (decode
+  steps; larger steps keep the dequantize + GEMM path) and no forced activation mode.
+
+The results equal the layer-by-layer path up to float summation order (RMSNorm's sum, the
+residual adds): the same int16-quantized activations feed the same kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from tokenmill._native import attention as attention_kernel
+from tokenmill._native import quant as native
+from tokenmill.layers.attention.native import NativeMetadata, NativePagedAttention
+from tokenmill.layers.linear import LinearMethod
+from tokenmill.layers.quant import packed
+from tokenmill.layers.quant.packed import Int4Linear, Int8Linear
+
+# one layer row of int64 values, in decoder.c's order
+_NORM1, _NORM2, _QKV_BIAS, _K_CACHE, _V_CACHE, _MATS = range(6)
+_MAT_FIELDS = 8  # kind, qs, scales, mins, f16, N, K, group
+_LAYER_FIELDS = _MATS + 4 * _MAT_FIELDS
+_U4, _S8 = 0, 1
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """What the fused path reads from one Llama-style decoder layer."""
+
+    input_norm: torch.Tensor      # [H] fp32
+    post_norm: torch.Tensor       # [H] fp32
+    qkv: LinearMethod             # [(hq + 2 hkv) * d, H], q then k then v rows
+    qkv_bias: torch.Tensor | None
+    o: LinearMethod               # [H, hq * d]
+    gate_up: LinearMethod         # [2 I, H], gate rows then up rows
+    down: LinearMethod            # [H, I]
+
+
+def _mat_fields(m: LinearMethod) -> list[int]:
+    if isinstance(m, Int4Linear):
+        return [_U4, m.qs.data_ptr(), m.scales.data_ptr(), m.mins.data_ptr(), int(m.scales.dtype == torch.float16),
+                m.out_features, m.in_features, m.group_size]
+    assert isinstance(m, Int8Linear)
+    return [_S8, m.qs.data_ptr(), m.scales.data_ptr(), 0, int(m.scales.dtype == torch.float16),
+            m.out_features, m.in_features, m.group_size]
+
+
+class FusedDecodeStack:
+    """The native decode path over a model's layers (see the module docstring)."""
+
+    def __init__(self, layers: Sequence[DecoderLayerWeights], *, hidden: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, intermediate: int, eps: float, scale: float) -> None:
+        self.layers = list(layers)
+        self.hidden, self.hq, self.hkv, self.d = hidden, num_heads, num_kv_heads, head_dim
+        self.inter, self.eps, self.scale = intermediate, float(eps), float(scale)
+        self._keep: list[torch.Tensor] = []   # contiguous fp32 copies the table points into
+        rows = []
+        for layer in self.layers:
+            row = [0] * _LAYER_FIELDS
+            row[_NORM1] = self._ptr(layer.input_norm)
+            row[_NORM2] = self._ptr(layer.post_norm)
+            row[_QKV_BIAS] = 0 if layer.qkv_bias is None else self._ptr(layer.qkv_bias)
+            for i, m in enumerate((layer.qkv, layer.o, layer.gate_up, layer.down)):
+                row[_MATS + i * _MAT_FIELDS:_MATS + (i + 1) * _MAT_FIELDS] = _mat_fields(m)
+            rows.append(row)
+        self._table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), _LAYER_FIELDS)
+        self._kv: Sequence[Any] | None = None
+        self._kv_ptrs: tuple[int, int] = (0, 0)
+
+    def _ptr(self, t: torch.Tensor) -> int:
+        t = t.detach().float().contiguous()
+        self._keep.append(t)
+        return t.data_ptr()
+
+    @staticmethod
+    def unsupported_reason(layers: Sequence[DecoderLayerWeights], dtype: torch.dtype) -> str | None:
+        """Why these layers cannot take the fused path (None when they can)."""
+        if not native.available():
+            return native.unavailable_reason()
+        if not attention_kernel.available():
+            return attention_kernel.unavailable_reason()
+        if native.layer_fields() != _LAYER_FIELDS:
+            return "the native module was built from another version of decoder.c; rebuild it"
+        if dtype != torch.float32:
+            return f"it runs fp32 models only, not {dtype}"
+        for i, layer in enumerate(layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                m = getattr(layer, name)
+                if not isinstance(m, (Int4Linear, Int8Linear)):
+                    return f"layer {i} {name} is {m.format}, not a packed int4/int8 matrix"
+        return None
+
+    def applies(self, rows: int, attn: Any, kv_caches: Sequence[Any]) -> bool:
+        """Whether a step of ``rows`` token rows on this backend and pool can run fused."""
+        if rows > packed.GEMV_MAX_ROWS or packed._activation_mode() == "fp32":
+            return False
+        if type(attn) is not NativePagedAttention:
+            return False
+        c = kv_caches[0]
+        return isinstance(c, torch.Tensor) and c.dtype in (torch.float32, torch.bfloat16)
+
+    def _bind_kv(self, kv_caches: Sequence[Any]) -> None:
+        """Point the table's KV fields at this pool (once per pool)."""
+        if self._kv is kv_caches and self._kv_ptrs == (kv_caches[0].data_ptr(), kv_caches[-1].data_ptr()):
+            return
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV cache entries, got {len(kv_caches)}")
+        for i, c in enumerate(kv_caches):
+            if not c.is_contiguous() or c.dim() != 5 or tuple(c.shape[3:]) != (self.hkv, self.d):
+                raise ValueError(f"KV cache of layer {i} has shape {tuple(c.shape)}, not [2, pages, page, "
+                                 f"{self.hkv}, {self.d}] contiguous")
+            self._table[i, _K_CACHE] = c[0].data_ptr()
+            self._table[i, _V_CACHE] = c[1].data_ptr()
+        self._kv = kv_caches
+        self._kv_ptrs = (kv_caches[0].data_ptr(), kv_caches[-1].data_ptr())
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
+            meta: NativeMetadata, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Layers ``[start, stop)`` on ``h [T, H]`` (updated in place and returned); ``cos``/``sin``
+        are the step's rotary rows ``[T, head_dim]``."""
+        self._bind_kv(kv_caches)
+        stop = len(self.layers) if stop is None else stop
+        t = h.shape[0]
+        if not (h.dtype == torch.float32 and h.is_contiguous()):
+            h = h.float().contiguous()
+        cos, sin = cos.reshape(t, self.d).contiguous(), sin.reshape(t, self.d).contiguous()
+        slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.long()
+        slots = slots.contiguous()
+        table = self._table[start:stop]
+        native.decode_layers(
+            h.data_ptr(), t, table.data_ptr(), stop - start, self.hidden, self.hq, self.hkv, self.d, self.inter,
+            self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), meta.block_tables.data_ptr(),
+            meta.block_tables.stride(0), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(), meta.num_seqs,
+            meta.page_size, int(kv_caches[0].dtype == torch.bfloat16), meta.threads)
+        return h
