@@ -27,8 +27,11 @@ directory; ``--hidden-size`` / ``--layers`` size them (compute, not Python overh
 dominate a step for the TTFT ratio to mean anything).
 
 vLLM's CPU attention needs a head size of 32 or more (hence ``head_dim`` 64 here), and its CPU
-Gated DeltaNet kernel needs bfloat16 (``--vllm-dtype``), so its outputs are not expected to equal
-tokenmill's fp32 ones; CHR and times still compare.
+Gated DeltaNet kernel needs bfloat16 (``--vllm-dtype``) and the real models' linear head size
+(``--linear-head-dim 128``), so its outputs are not expected to equal tokenmill's fp32 ones; CHR and
+times still compare:
+
+    .venv/bin/python benchmarks/hybrid_multiturn.py --modes snap-http,vllm --linear-head-dim 128 --max-running-requests 16
 
     .venv/bin/python benchmarks/hybrid_multiturn.py                    # 8 x 8, Qwen3-Next
     .venv/bin/python benchmarks/hybrid_multiturn.py --arch BailingHybridForCausalLM
