@@ -21,6 +21,7 @@ outputs are compared with the unbounded-L1 mode's.
 
     .venv/bin/python -u benchmarks/tiered_cache.py
     .venv/bin/python -u benchmarks/tiered_cache.py --parts load
+    .venv/bin/python -u benchmarks/tiered_cache.py --tiny-arch Qwen3NextForCausalLM --parts tiers,restart
 """
 from __future__ import annotations
 
@@ -134,14 +135,20 @@ def part_tiers(loaded, w: Workload, args: argparse.Namespace, store: Path) -> li
     one = session_tokens(args)
     small = 2 * one + args.page_size * 4
     # host pages at the pool's dtype: bytes per token from the model's KV spec
-    per_token = loaded.model.kv_cache_spec().bytes_per_token()
+    spec = loaded.model.kv_cache_spec()
+    per_token = spec.bytes_per_token()
     host_gib = 1.3 * args.sessions * one * per_token / 2**30
+    host = dict(host_cache_memory_gib=host_gib)
+    if spec.is_hybrid:   # room for two state snapshots per session beside the pages
+        snap_gib = 2 * args.sessions * spec.bytes_per_request() / 2**30
+        host = dict(host_cache_memory_gib=host_gib + snap_gib,
+                    host_cache_snapshot_share=snap_gib / (host_gib + snap_gib))
+        host_gib += snap_gib
     modes = [
         ("unbounded-L1", dict(kv_cache_tokens=(args.sessions + 2) * one)),
         ("L1", dict(kv_cache_tokens=small)),
-        ("L1+L2", dict(kv_cache_tokens=small, host_cache_memory_gib=host_gib)),
-        ("L1+L2+L3file", dict(kv_cache_tokens=small, host_cache_memory_gib=host_gib,
-                              cache_storage=f"file:{store}")),
+        ("L1+L2", dict(kv_cache_tokens=small, **host)),
+        ("L1+L2+L3file", dict(kv_cache_tokens=small, cache_storage=f"file:{store}", **host)),
     ]
     print(f"L1 pool {small} tokens (~2 sessions of {one}); L2 {host_gib * 1024:.1f} MiB; "
           f"{args.sessions} sessions x {args.turns} turns, {args.concurrency} at a time")
@@ -361,6 +368,9 @@ def part_load(loaded, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--tiny-arch", default=None,
+                    help="instead of --model: a random-weight checkpoint of this class (hidden 256, 8 layers; "
+                         "e.g. Qwen3NextForCausalLM or BailingHybridForCausalLM for the hybrid snapshot tiers)")
     ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=3)
@@ -384,6 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     with open("/proc/loadavg") as f:
         print(f"load average at start: {f.read().split()[:3]}")
+    if args.tiny_arch:
+        from hybrid_multiturn import size_overrides
+
+        from tokenmill.loader.tiny import build_tiny_checkpoint
+
+        args.model = str(build_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="tiered-tiny-")) / args.tiny_arch,
+                                               args.tiny_arch, seed=args.seed,
+                                               **size_overrides(args.tiny_arch, 256, 8)))
     loaded = load_model(args.model)
     w = make_workload(args, int(loaded.model.args.vocab_size))
     store = Path(tempfile.mkdtemp(prefix="tokenmill-l3-"))

@@ -135,8 +135,6 @@ def test_state_pool_size_and_bytes_equal_the_planner(models, caplog) -> None:
 
 @pytest.mark.parametrize("options, flag", [
     (dict(tensor_parallel_size=2), "--tensor-parallel-size"),
-    (dict(host_cache_memory_gib=0.01), "--host-cache-memory"),
-    (dict(cache_storage="file:/nonexistent-tokenmill-dir"), "--cache-storage"),
 ])
 def test_unsupported_features_refused_at_start_naming_the_flag(models, options, flag) -> None:
     lm = models["moe"][0]

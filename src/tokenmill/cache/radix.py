@@ -59,7 +59,9 @@ Lower tiers
     ``evict_hook(prefix_tokens, pages)``, when set, is called just before evicted pages return
     to the pool: ``prefix_tokens`` runs from the root to the end of the evicted pages, which hold
     its last ``len(pages) * page_size`` tokens. The tiered cache uses it to demote the pages to
-    host memory (their content is still intact when the hook runs). The tree itself holds only
+    host memory (their content is still intact when the hook runs). ``snapshot_evict_hook(
+    prefix_tokens, slot)`` does the same for a snapshot given up by page eviction or by the
+    snapshot LRU (not by ``drop_snapshot``): its slot still holds the state after ``prefix_tokens``. The tree itself holds only
     L1 pages; :class:`~tokenmill.cache.tiers.TierDirectory` continues a path into L2 and L3.
 """
 from __future__ import annotations
@@ -167,6 +169,9 @@ class RadixCache:
         self.session_retention_s = float(session_retention_s)
         self._clock = clock
         self.evict_hook: Callable[[tuple[int, ...], list[int]], None] | None = None
+        # Called with (prefix_tokens, slot) just before a snapshot is given up by page eviction
+        # or by the snapshot LRU (not by drop_snapshot or reset); the slot still holds the state.
+        self.snapshot_evict_hook: Callable[[tuple[int, ...], int], None] | None = None
         self._tick = 0
         self._seq = itertools.count()
         # Retention windows are session state, not cache content: they survive reset().
@@ -215,19 +220,22 @@ class RadixCache:
         return self.snapshot_slots.num_snapshot_slots if self.snapshot_slots is not None else 0
 
     # ------------------------------------------------------------------ lookup
-    def match_prefix(self, tokens: Sequence[int], *, touch: bool = True) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int], *, touch: bool = True,
+                     ignore_snapshots: bool = False) -> MatchResult:
         """Longest cached prefix of ``tokens`` made of whole pages.
 
         The engine passes the prompt without its last token, since that token must be computed
         to produce logits. ``touch=False`` leaves recency alone (for routing/scoring probes).
         With snapshots the match is cut back to the deepest matched node holding one (pages and
         snapshot recency are touched up to there); no snapshot on the path means no match.
+        ``ignore_snapshots=True`` returns every cached whole page (the match a dense model gets,
+        ``snapshot`` None): the lower tiers continue such a path to a snapshot they hold.
         """
         P = self.page_size
         n = len(tokens) - len(tokens) % P
         path, pos = self._descend(tuple(tokens[:n]))
         snap: Snapshot | None = None
-        if self.snapshot_slots is not None:
+        if self.snapshot_slots is not None and not ignore_snapshots:
             k = len(path)
             while k and path[k - 1].snapshot is None:
                 k -= 1
@@ -429,6 +437,8 @@ class RadixCache:
                 victims.append(snap)
         victims.extend(protected[:n - len(victims)])
         for snap in victims:
+            if self.snapshot_evict_hook is not None:
+                self.snapshot_evict_hook(self._path_tokens(snap.node), snap.slot)
             self._drop_snapshot(snap)
         return len(victims)
 
@@ -518,9 +528,12 @@ class RadixCache:
     def _evict_from_leaf(self, node: RadixNode, want: int) -> int:
         """Free the last ``want`` pages of an unlocked leaf (all of it if it has fewer)."""
         n = len(node.pages)
+        path = self._path_tokens(node) if (self.evict_hook or self.snapshot_evict_hook) else ()
         if self.evict_hook is not None:
-            self.evict_hook(self._path_tokens(node), node.pages[max(n - want, 0):])
+            self.evict_hook(path, node.pages[max(n - want, 0):])
         if node.snapshot is not None:   # it sits at the node's end, which goes either way
+            if self.snapshot_evict_hook is not None:
+                self.snapshot_evict_hook(path, node.snapshot.slot)
             self._drop_snapshot(node.snapshot)
         if want < n:
             freed_pages = node.pages[n - want:]

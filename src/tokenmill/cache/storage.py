@@ -13,8 +13,9 @@ A record is accepted only if every field matches what the reader expects: its ow
 (model identity + KV dtype/layout + page size), the key it asked for, the payload size its
 layout implies, and the checksum. Anything else is a miss, counted by kind, never data.
 
-Backends implement ``exists_leading_run`` (one batched query), ``get_many``, ``put_many``
-(never rewriting a present page) and ``flush_namespace``:
+Backends implement ``exists_leading_run`` (one batched query), ``exists_many`` (the same for
+sparse keys: a hybrid model's state snapshots, stored as records of this format too),
+``get_many``, ``put_many`` (never rewriting a present page) and ``flush_namespace``:
 
 * ``file:DIR``: one file per page under ``DIR/<namespace>/<aa>/<key>.kvpage``, written to a
   temporary file in the same folder and renamed into place, so a reader sees a whole record
@@ -105,6 +106,10 @@ class StorageBackend:
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         raise StorageError("unsupported", f"{type(self).__name__} cannot read")
 
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``keys`` is stored (sparse keys: a hybrid model's state snapshots)."""
+        return [self.exists_leading_run([k]) == 1 for k in keys]
+
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         """Store records whose key is absent; returns how many were written."""
         raise StorageError("unsupported", f"{type(self).__name__} cannot write")
@@ -139,6 +144,9 @@ class FileStorage(StorageBackend):
                 break
             n += 1
         return n
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [self.path(k).is_file() for k in keys]
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
@@ -226,6 +234,18 @@ class RedisStorage(StorageBackend):
                 break
             n += 1
         return n
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+
+        def run() -> list[int]:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._name(k))
+            return pipe.execute()
+
+        return [bool(f) for f in self._call("exists", run)]  # type: ignore[union-attr]
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
@@ -333,6 +353,16 @@ class Prefetch:
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
     finished_at: float | None = None
+    # Hybrid models: state-snapshot keys of the page boundaries snap_first, snap_first + 1, ...
+    # After the pages, the deepest boundary within the pages reachable (page_start + pages read)
+    # whose snapshot record reads back whole is kept in ``snapshot`` as (boundary, payload);
+    # an unreadable record is counted and the next earlier boundary is tried.
+    snap_keys: list[bytes] = field(default_factory=list)
+    snap_first: int = 0
+    snap_bytes: int = 0
+    page_start: int = 0
+    snapshot: tuple[int, bytes] | None = None
+    snapshot_fallbacks: int = 0
 
 
 class StorageWorker:
@@ -370,9 +400,13 @@ class StorageWorker:
     def available(self) -> bool:
         return time.monotonic() >= self.down_until
 
-    def prefetch(self, keys: list[bytes], payload_bytes: int) -> Prefetch:
-        pf = Prefetch(keys, payload_bytes)
-        if not self.available or not keys:
+    def prefetch(self, keys: list[bytes], payload_bytes: int, *, page_start: int = 0,
+                 snap_keys: Sequence[bytes] = (), snap_first: int = 0, snap_bytes: int = 0) -> Prefetch:
+        """Read the leading run of ``keys`` (pages from ``page_start``); with ``snap_keys``, then
+        the deepest readable state snapshot within reach (see :class:`Prefetch`)."""
+        pf = Prefetch(keys, payload_bytes, snap_keys=list(snap_keys), snap_first=snap_first,
+                      snap_bytes=snap_bytes, page_start=page_start)
+        if not self.available or not (keys or pf.snap_keys):
             pf.run = 0
             pf.finished_at = time.monotonic()
             pf.done.set()
@@ -470,25 +504,9 @@ class StorageWorker:
             if pf.cancelled or not self.available:
                 pf.run = 0
                 return
-            pf.run = self.backend.exists_leading_run(pf.keys)
-            ns = self.backend.namespace
-            for i in range(0, pf.run, self.BATCH):
-                if pf.cancelled:
-                    return
-                batch = pf.keys[i:min(i + self.BATCH, pf.run)]
-                records = self.backend.get_many(batch)
-                nbytes = 0
-                for key, record in zip(batch, records):
-                    if record is None:   # deleted since the exists query
-                        return
-                    try:
-                        payload = decode_page(ns, key, record, pf.payload_bytes)
-                    except PageRecordError as e:
-                        self._failed(e)
-                        return
-                    nbytes += len(record)
-                    pf.payloads.append(payload)
-                self.on_io("read", nbytes, len(batch))
+            self._read_pages(pf)
+            if pf.snap_keys and not pf.cancelled and self.available:
+                self._read_snapshot(pf)
         except StorageError as e:
             self._failed(e)
         except Exception as e:  # noqa: BLE001 - a backend bug must cost a miss, not the engine
@@ -497,6 +515,60 @@ class StorageWorker:
         finally:
             pf.finished_at = time.monotonic()
             pf.done.set()
+
+    def _read_snapshot(self, pf: Prefetch) -> None:
+        top = min(pf.page_start + len(pf.payloads), pf.snap_first + len(pf.snap_keys) - 1)
+        bounds = list(range(top, pf.snap_first - 1, -1))      # deepest first
+        for i in range(0, len(bounds), self.BATCH):
+            if pf.cancelled:
+                return
+            chunk = bounds[i:i + self.BATCH]
+            present = self.backend.exists_many([pf.snap_keys[b - pf.snap_first] for b in chunk])
+            for b, there in zip(chunk, present):
+                if there and self._read_one_snapshot(pf, b):
+                    return
+
+    def _read_one_snapshot(self, pf: Prefetch, b: int) -> bool:
+        """Read and check the snapshot after page ``b``; True when it is kept."""
+        key = pf.snap_keys[b - pf.snap_first]
+        record = self.backend.get_many([key])[0]
+        if record is None:          # deleted since the exists query
+            return False
+        try:
+            payload = decode_page(self.backend.namespace, key, record, pf.snap_bytes)
+        except PageRecordError as e:
+            pf.snapshot_fallbacks += 1
+            log.warning("KV storage tier %s: the state snapshot after page %d is unreadable (%s); "
+                        "falling back to an earlier one", self.backend.url, b, e)
+            self.on_error(e.kind, str(e))
+            return False
+        self.on_io("read", len(record), 0)
+        pf.snapshot = (b, payload)
+        return True
+
+    def _read_pages(self, pf: Prefetch) -> None:
+        if pf.keys:
+            pf.run = self.backend.exists_leading_run(pf.keys)
+        else:
+            pf.run = 0
+        ns = self.backend.namespace
+        for i in range(0, pf.run, self.BATCH):
+            if pf.cancelled:
+                return
+            batch = pf.keys[i:min(i + self.BATCH, pf.run)]
+            records = self.backend.get_many(batch)
+            nbytes = 0
+            for key, record in zip(batch, records):
+                if record is None:   # deleted since the exists query
+                    return
+                try:
+                    payload = decode_page(ns, key, record, pf.payload_bytes)
+                except PageRecordError as e:
+                    self._failed(e)
+                    return
+                nbytes += len(record)
+                pf.payloads.append(payload)
+            self.on_io("read", nbytes, len(batch))
 
     def _do_write(self, items: list[tuple[bytes, Any]], encoded: bool) -> None:
         if not self.available:

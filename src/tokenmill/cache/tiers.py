@@ -163,6 +163,13 @@ class TierStats:
     pages_l2: int = 0                # gauge: host slots in use
     pages_l2_capacity: int = 0
     pages_l3_known: int = 0          # gauge: keys this replica knows to be in L3
+    # hybrid models: state snapshots restored from / written to each lower tier, L3 snapshot
+    # records found unreadable (the hit fell back to an earlier snapshot), host snapshot slots
+    snapshot_hits: dict[str, int] = field(default_factory=lambda: {"l2": 0, "l3": 0})
+    snapshots_written: dict[str, int] = field(default_factory=lambda: {"l2": 0, "l3": 0})
+    snapshot_fallbacks: int = 0
+    snapshots_l2: int = 0            # gauge: host snapshot slots in use
+    snapshots_l2_capacity: int = 0
 
     def error(self, kind: str) -> None:
         self.l3_errors[kind] = self.l3_errors.get(kind, 0) + 1
@@ -172,7 +179,9 @@ class TierStats:
                          dict(self.bytes_written), dict(self.pages_written), dict(self.l3_errors),
                          self.l3_skipped_present, self.l3_dropped_writes, self.prefetch_seconds_sum,
                          self.prefetch_count, self.prefetch_timeouts, dict(self.load_seconds),
-                         self.pages_l2, self.pages_l2_capacity, self.pages_l3_known)
+                         self.pages_l2, self.pages_l2_capacity, self.pages_l3_known,
+                         dict(self.snapshot_hits), dict(self.snapshots_written), self.snapshot_fallbacks,
+                         self.snapshots_l2, self.snapshots_l2_capacity)
 
 
 class TierDirectory:

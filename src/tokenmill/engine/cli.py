@@ -131,6 +131,10 @@ def add_cache_tier_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host-cache-dtype", default=d.host_cache_dtype, choices=HOST_CACHE_DTYPES,
                    help="storage dtype of L2 pages; bfloat16 halves a float32 pool's host memory "
                         "at bf16 precision on reload (default: auto, the KV pool's dtype)")
+    g.add_argument("--host-cache-snapshot-share", type=float, default=d.host_cache_snapshot_share,
+                   metavar="FRACTION",
+                   help="hybrid models: share of --host-cache-memory that holds state snapshots, the rest "
+                        "holds pages (default: 0.25; 0: snapshots skip L2)")
     g.add_argument("--cache-storage", default=d.cache_storage, metavar="{none,file:DIR,redis://HOST:PORT/DB}",
                    help="L3: shared page store keyed by chained page hashes (default: none)")
     g.add_argument("--cache-write-policy", default=d.cache_write_policy, choices=CACHE_WRITE_POLICIES,

@@ -65,6 +65,7 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     # Lower cache tiers (docs/kv-tiers.md): L2 host memory, L3 shared storage.
     host_cache_memory_gib: float = 0.0   # L2 size; 0 = no host tier
     host_cache_dtype: str = "auto"       # storage dtype of L2 pages (auto = the KV pool's dtype)
+    host_cache_snapshot_share: float = 0.25   # hybrid models: share of L2 for state snapshots
     cache_storage: str = "none"          # L3: none, file:DIR or redis://HOST:PORT/DB
     cache_write_policy: str = "write_through"
     cache_write_min_hits: int = 2        # write_through_selective: hits before a page is written
@@ -165,6 +166,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"suffix_min_prob must be in [0, 1), got {self.suffix_min_prob}")
         if self.host_cache_memory_gib < 0:
             raise ValueError(f"host_cache_memory_gib must be >= 0, got {self.host_cache_memory_gib}")
+        if not 0 <= self.host_cache_snapshot_share < 1:
+            raise ValueError(f"host_cache_snapshot_share must be in [0, 1), got {self.host_cache_snapshot_share}")
         if self.host_cache_dtype not in HOST_CACHE_DTYPES:
             raise ValueError(f"host_cache_dtype must be one of {HOST_CACHE_DTYPES}, got {self.host_cache_dtype!r}")
         if not (self.cache_storage in ("", "none") or self.cache_storage.startswith(("file:", "redis://", "rediss://", "unix://"))):

@@ -184,10 +184,6 @@ class Engine:
             raise ValueError(f"--tensor-parallel-size {cfg.tensor_parallel_size} is not supported with the hybrid "
                              f"model {arch} (its linear-attention layers are not sharded); use "
                              f"--tensor-parallel-size 1")
-        if cfg.host_cache_memory_gib > 0 or cfg.cache_storage not in ("", "none"):
-            flag = "--host-cache-memory" if cfg.host_cache_memory_gib > 0 else "--cache-storage"
-            raise ValueError(f"{flag} is not supported with the hybrid model {arch}: the L2/L3 cache tiers "
-                             f"hold attention pages only, not the linear layers' state; drop {flag}")
 
     def _init_kv(self) -> None:
         cfg = self.config

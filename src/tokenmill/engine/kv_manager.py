@@ -48,6 +48,11 @@ a step whose computed tokens end on a page boundary:
   the tree holds the state at the last page boundary of its prompt + output; turn 2 of a
   session hits turn 1's prompt + output there.
 
+With lower tiers, a hybrid match continues past the L1 pages through L2/L3 pages and ends at the
+deepest boundary whose snapshot a tier holds (:meth:`_match_hybrid_tiers`): the pages are loaded
+and inserted, the snapshot is written into a new snapshot slot of the tree there and restored
+from it as an L1 snapshot would be. Snapshots taken are reported to the tiers (write-through).
+
 Invariants (checked by :meth:`KVManager.check`):
 ``pool.num_free() + cache.num_cached_pages + sum(request-only pages) == pool.num_pages``;
 with slots, every running request holds a distinct request slot that is not on the free list,
@@ -76,8 +81,6 @@ class KVManager:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if tiers is not None and cache is None:
             raise ValueError("lower cache tiers need the prefix cache")
-        if tiers is not None and slots is not None:
-            raise ValueError("lower cache tiers do not hold the state of a hybrid model's linear layers")
         self.pool = pool
         self.page_size = page_size
         self.cache = cache
@@ -218,22 +221,83 @@ class KVManager:
         max_pages = (req.num_tokens - 1) // P
         key = req.cache_key(max_pages * per)[:max_pages * per]
         m = self.cache.match_prefix(key)
+        node, pages, snapshot = m.node, list(m.pages), m.snapshot
+        by_tier = {"l1": len(pages) * P, "l2": 0, "l3": 0}
+        if self.tiers is not None:
+            hit = self._match_hybrid_tiers(req, key, len(pages), max_pages)
+            if hit is not None:
+                node, pages, snapshot, by_tier = hit
         paged = self.cache.page_prefix_length(key) // per * P
-        req.snapshot_cuts = [paged] if paged > m.num_tokens // per * P else []
+        req.snapshot_cuts = [paged] if paged > len(pages) * P else []
         if req.num_cached_tokens is None:
-            req.cached_tokens_by_tier = {"l1": m.num_tokens // per * P, "l2": 0, "l3": 0}
-        if m.snapshot is None:
+            req.cached_tokens_by_tier = by_tier
+        if snapshot is None:
             req.page_table = []
             return 0
-        self.cache.lock(m.node)
-        self.cache.lock_snapshot(m.snapshot)
-        req.snapshot_restore = m.snapshot
-        req.cache_node = m.node
-        req.page_table = list(m.pages)
-        req.num_tree_pages = len(m.pages)
-        req.num_computed_tokens = len(m.pages) * P
+        self.cache.lock(node)
+        self.cache.lock_snapshot(snapshot)
+        req.snapshot_restore = snapshot
+        req.cache_node = node
+        req.page_table = pages
+        req.num_tree_pages = len(pages)
+        req.num_computed_tokens = len(pages) * P
         self.num_snapshot_hits += 1
         return req.num_computed_tokens
+
+    def _match_hybrid_tiers(self, req: Request, key: list[Any], snap_pages: int,
+                            max_pages: int) -> tuple[Any, list[int], int, dict[str, int]] | None:
+        """Continue a hybrid model's L1 match through L2/L3 to a snapshot a lower tier holds.
+
+        Every cached L1 page counts (the L1 snapshot may sit earlier or be gone); the lower tiers
+        add pages after them and a snapshot at the deepest boundary they can; the pages are loaded
+        into fresh L1 pages and inserted, and the snapshot is written into a new snapshot slot of
+        the tree at that boundary. Returns (node, pages, snapshot slot, tokens by tier), with
+        nothing locked, or None when no lower tier improves on ``snap_pages`` (the L1 hit)."""
+        cache = self.cache
+        assert cache is not None
+        P = self.page_size
+        per = cache.page_size
+        pm = cache.match_prefix(key, ignore_snapshots=True)
+        node, pages = pm.node, list(pm.pages)
+        cache.lock(node)
+        try:
+            l1 = len(pages)
+            plan = self.tiers.plan_hybrid(req, l1, snap_pages, max_pages)
+            b = plan.boundary
+            if b <= snap_pages:
+                return None
+            need = len(plan.pages)
+            loaded = {"l2": 0, "l3": 0}
+            if need:
+                fresh = self.pool.alloc(need)
+                if fresh is None:
+                    cache.evict(need - self.pool.num_free())
+                    fresh = self.pool.alloc(need)
+                if fresh is None:
+                    return None
+                loaded = self.tiers.load(plan.pages, fresh)
+                k = loaded["l2"] + loaded["l3"]
+                self.pool.free(fresh[k:])
+                if k:   # pages that did arrive are kept in L1 either way
+                    res = cache.insert(key[:(l1 + k) * per], pages + fresh[:k], session_id=req.session_id)
+                    cache.lock(res.node)
+                    cache.unlock(node)
+                    node, pages = res.node, list(res.pages)
+                if k < need:
+                    return None
+            else:   # the snapshot sits inside the L1 pages: find (split) the node ending there
+                res = cache.insert(key[:b * per], pages[:b], session_id=req.session_id)
+                cache.lock(res.node)
+                cache.unlock(node)
+                node, pages = res.node, list(res.pages)
+            slot = cache.add_snapshot(key[:b * per])
+            if slot is None:
+                return None
+            self.tiers.restore_snapshot(plan, slot)
+            return node, pages[:b], slot, {"l1": min(l1, b) * P, "l2": loaded["l2"] * P,
+                                          "l3": loaded["l3"] * P}
+        finally:
+            cache.unlock(node)
 
     def chunk_limit(self, req: Request, num_tokens: int) -> int:
         """A prefill chunk of ``num_tokens`` from ``req.num_computed_tokens``, cut (hybrid models)
@@ -301,6 +365,8 @@ class KVManager:
         if slot is not None:
             self.copy_state(req.state_slot, slot)
             self.num_snapshots_taken += 1
+            if self.tiers is not None:
+                self.tiers.on_snapshot(req, p // P, slot)
         cuts = req.snapshot_cuts
         at_cut = p in cuts
         if cuts:

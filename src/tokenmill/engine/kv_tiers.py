@@ -34,6 +34,20 @@ L2 may store pages in a narrower dtype than L1 (``host_dtype``): bfloat16 halves
 for a float32 pool, and a page loaded back is then rounded to bfloat16 precision. The default
 (``auto``) keeps L1's dtype, so a reloaded page is bit-identical to the computed one. L3 always
 stores the L1 dtype (it is part of the key namespace).
+
+Hybrid models (``states``, the model runner's StatePool): a prefix hit is exact only where a
+state snapshot of the linear layers exists, so snapshots travel with the pages. A snapshot after
+page ``b`` is keyed by :func:`snapshot_key` of page ``b``'s chained key (same namespace):
+
+* L1 snapshot given up (its pages evicted, or the snapshot LRU)  -> copied to an L2 snapshot
+  slot (``snapshot_evict_hook``); write_back: a snapshot displaced from L2 goes to L3;
+* snapshot taken (``on_snapshot``)  -> write_through: written to L3 at once;
+* arrival: the L3 prefetch also looks for the deepest readable snapshot within the pages it
+  can reach (an unreadable record is counted, logged and the next earlier one is tried);
+* admission (:meth:`TieredKV.plan_hybrid`): the continuation of the L1 pages ends at the
+  deepest page boundary whose snapshot L2 or L3 holds; the pages are loaded as usual and the
+  snapshot is written into a snapshot slot of the radix tree at that boundary, from which the
+  model runner restores it into the request's slot exactly as for an L1 hit.
 """
 from __future__ import annotations
 
@@ -59,6 +73,9 @@ log = logging.getLogger(__name__)
 
 _MAX_HIT_COUNTS = 1 << 20
 _MAX_KNOWN_KEYS = 1 << 21
+# Default share of --host-cache-memory a hybrid model's L2 gives to state snapshots (the rest:
+# pages); EngineConfig.host_cache_snapshot_share sets it.
+HOST_SNAPSHOT_SHARE = 0.25
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -97,12 +114,28 @@ class LoadPlan:
         return len(self.sources)
 
 
+def snapshot_key(page_key: bytes) -> bytes:
+    """The key of the state snapshot after the page keyed ``page_key`` (same chain, a marker)."""
+    return hashlib.blake2b(page_key + b"|tokenmill-state-snapshot", digest_size=len(page_key)).digest()
+
+
+@dataclass
+class HybridPlan:
+    """A hybrid model's lower-tier hit: ``pages`` up to ``boundary`` pages and the snapshot there."""
+
+    pages: LoadPlan
+    boundary: int = 0                  # pages covered by the snapshot (0: no hit)
+    tier: str = ""                     # where the snapshot comes from: l2 or l3
+    payload: Any = None                # the snapshot's bytes (copied at planning time)
+
+
 class TieredKV:
     """The tier decisions (which page goes where, keys, prefetches) over a page mover: the
     :class:`LocalPages` of this process's pool, or with tensor parallelism a
     :class:`RemotePages` that ships the same copies to every rank (each moves its own shard)."""
 
     def __init__(self, mover: LocalPages | RemotePages, keyer: PageKeyer, cache: RadixCache, *,
+                 states: Any = None, host_snapshots: int = 0,
                  storage: StorageBackend | None = None, write_policy: str = "write_through",
                  write_min_hits: int = 2, prefetch_timeout_s: float = 1.0,
                  prefetch_min_pages: int = 1, storage_retry_s: float = 2.0) -> None:
@@ -134,6 +167,22 @@ class TieredKV:
         self._pending: dict[bytes, int] = {}          # key -> L1 page to snapshot for L3
         self._pending_host: list[tuple[bytes, int]] = []  # key -> L2 slot to write back to L3
         cache.evict_hook = self.on_evict
+        # Hybrid models: the linear layers' state tensors ([slots, ...] each) and their L2 copies
+        self.states = states
+        self.state_leaves: list[torch.Tensor] = []
+        self.snap_bytes = 0
+        self.host_snap: HostIndex | None = None
+        self.host_state: list[torch.Tensor] = []
+        if states is not None:
+            self.state_leaves = [t for pair in zip(states.rec, states.conv) for t in pair if t is not None]
+            self.snap_bytes = sum(t[0].numel() * t.element_size() for t in self.state_leaves)
+            if host_snapshots > 0:
+                self.host_snap = HostIndex(host_snapshots)
+                pin = states.device.type == "cuda"
+                self.host_state = [torch.zeros((host_snapshots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+                                   for t in self.state_leaves]
+                self.stats.snapshots_l2_capacity = host_snapshots
+            cache.snapshot_evict_hook = self.on_snapshot_evict
 
     @property
     def host_dtype(self) -> torch.dtype | None:
@@ -172,6 +221,7 @@ class TieredKV:
             s.l3_dropped_writes += dropped
         s.pages_l2 = len(self.host) if self.host is not None else 0
         s.pages_l3_known = len(self.l3_known)
+        s.snapshots_l2 = len(self.host_snap) if self.host_snap is not None else 0
         if self.worker is not None:
             s.l3_dropped_writes = self.worker.dropped_writes
         return s
@@ -210,20 +260,34 @@ class TieredKV:
         if usable <= 0:
             return
         keys = self.keys_for(req, usable)
-        l1 = self.cache.cached_prefix_length(req.all_token_ids, usable * P) // P   # a pure probe
+        toks = req.all_token_ids
+        if self.states is not None:   # hybrid: L1 pages wherever the snapshots are, then L2
+            snap = self.cache.cached_prefix_length(toks, usable * P) // P
+            l1 = self.cache.page_prefix_length(toks, usable * P) // P
+        else:
+            l1 = self.cache.cached_prefix_length(toks, usable * P) // P   # a pure probe
         start = l1 + (self.host.leading_run(keys[l1:]) if self.host is not None else 0)
-        if usable - start < self.prefetch_min_pages:
-            return
         st = self._state(req)
-        st.prefetch = self.worker.prefetch(keys[start:], self.payload_bytes)
+        if self.states is not None:
+            if snap >= usable:
+                return
+            # the snapshots of boundaries snap+1 .. usable (the worker reads the deepest reachable)
+            st.prefetch = self.worker.prefetch(keys[start:], self.payload_bytes, page_start=start,
+                                               snap_keys=[snapshot_key(k) for k in keys[snap:]],
+                                               snap_first=snap + 1, snap_bytes=self.snap_bytes)
+        elif usable - start < self.prefetch_min_pages:
+            return
+        else:
+            st.prefetch = self.worker.prefetch(keys[start:], self.payload_bytes)
         st.prefetch_start = start
         st.deadline = st.prefetch.started + self.prefetch_timeout_s
 
-    def plan(self, req: Request, l1_pages: int, max_pages: int) -> LoadPlan:
+    def plan(self, req: Request, l1_pages: int, max_pages: int, *, finish: bool = True) -> LoadPlan:
         """Pages ``l1_pages .. max_pages-1`` of ``req`` that L2 or L3 can supply (a leading run)."""
         plan = LoadPlan(l1_pages, [])
         if max_pages <= l1_pages:
-            self._finish_prefetch(req)
+            if finish:
+                self._finish_prefetch(req)
             return plan
         keys = self.keys_for(req, max_pages)
         st = self._state(req)
@@ -241,8 +305,76 @@ class TieredKV:
                 break
             plan.sources.append(("l3", key, payload))
             i += 1
-        self._finish_prefetch(req)
+        if finish:
+            self._finish_prefetch(req)
         return plan
+
+    def plan_hybrid(self, req: Request, l1_pages: int, snap_pages: int, max_pages: int) -> HybridPlan:
+        """A hybrid model's lower-tier hit for ``req``: L1 holds ``l1_pages`` pages and its deepest
+        snapshot covers ``snap_pages``; the hit ends at the deepest boundary past ``snap_pages``
+        within the L1 + L2 + L3 pages whose snapshot L2 or L3 holds (``boundary`` 0: none)."""
+        pages = self.plan(req, l1_pages, max_pages, finish=False)
+        reach = l1_pages + len(pages)
+        out = HybridPlan(pages)
+        st = self._state(req)
+        l3: tuple[int, bytes] | None = None
+        if st.prefetch is not None:
+            pf = st.prefetch
+            self._wait_done(st)
+            if pf.done.is_set():
+                l3 = pf.snapshot
+                if pf.snapshot_fallbacks:
+                    with self._lock:
+                        self.stats.snapshot_fallbacks += pf.snapshot_fallbacks
+                    pf.snapshot_fallbacks = 0
+        if reach > snap_pages:
+            keys = self.keys_for(req, reach)
+            for b in range(reach, snap_pages, -1):
+                key = snapshot_key(keys[b - 1])
+                slot = self.host_snap.get(key) if self.host_snap is not None else None
+                if slot is not None:
+                    out.boundary, out.tier = b, "l2"
+                    out.payload = _as_bytes([h[slot:slot + 1] for h in self.host_state])[0]
+                    break
+                if l3 is not None and l3[0] == b:
+                    out.boundary, out.tier, out.payload = b, "l3", l3[1]
+                    self._remember_l3(key)
+                    break
+        if out.boundary > l1_pages:
+            del pages.sources[out.boundary - l1_pages:]
+        else:
+            pages.sources.clear()
+        self._finish_prefetch(req)
+        return out
+
+    def _wait_done(self, st: TierState) -> None:
+        """Wait for ``st``'s prefetch to finish, at most until its deadline (counted once)."""
+        pf = st.prefetch
+        while not pf.done.is_set():
+            left = st.deadline - time.monotonic()
+            if left <= 0:
+                if st.deadline:
+                    with self._lock:
+                        self.stats.prefetch_timeouts += 1
+                    st.deadline = 0.0
+                return
+            pf.done.wait(min(left, 0.005))
+
+    def restore_snapshot(self, plan: HybridPlan, slot: int) -> None:
+        """Write ``plan``'s snapshot into state-pool ``slot`` (a snapshot slot of the tree)."""
+        payload = plan.payload
+        if isinstance(payload, torch.Tensor):
+            data = payload
+        else:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        off = 0
+        for t in self.state_leaves:
+            n = t[0].numel() * t.element_size()
+            part = data[off:off + n].contiguous().view(t.dtype).reshape(t.shape[1:])
+            t[slot].copy_(part.to(t.device))
+            off += n
+        with self._lock:
+            self.stats.snapshot_hits[plan.tier] += 1
 
     def _prefetched(self, st: TierState, page: int) -> bytes | None:
         pf = st.prefetch
@@ -275,6 +407,8 @@ class TieredKV:
             self.stats.prefetch_count += 1
         for key in pf.keys[:len(pf.payloads)]:
             self._remember_l3(key)
+        if pf.snapshot is not None:
+            self._remember_l3(pf.snap_keys[pf.snapshot[0] - pf.snap_first])
         st.prefetch = None
 
     def load(self, plan: LoadPlan, pages: list[int]) -> dict[str, int]:
@@ -330,6 +464,12 @@ class TieredKV:
                 self._hits.move_to_end(key)
                 if c >= self.write_min_hits and key not in self.l3_known:
                     self._pending[key] = req.page_table[i]
+            snap = req.snapshot_restore
+            if self.states is not None and snap is not None and n \
+                    and self._hits.get(keys[-1], 0) >= self.write_min_hits:
+                skey = snapshot_key(keys[-1])   # the snapshot the hit restores goes with its pages
+                if skey not in self.l3_known:
+                    self._send_snapshots([skey], self._gather_state([snap]))
             while len(self._hits) > _MAX_HIT_COUNTS:
                 self._hits.popitem(last=False)
 
@@ -378,6 +518,52 @@ class TieredKV:
                 self.stats.bytes_written["l2"] += len(srcs) * self.host_page_bytes
                 self.stats.pages_written["l2"] += len(srcs)
 
+    def on_snapshot(self, req: Request, num_pages: int, slot: int) -> None:
+        """A snapshot of ``req``'s state after ``num_pages`` pages was just taken into ``slot``."""
+        if self.worker is None or self.write_policy != "write_through":
+            return
+        key = snapshot_key(self.keys_for(req, num_pages)[-1])
+        if key not in self.l3_known:
+            self._send_snapshots([key], self._gather_state([slot]))
+
+    def on_snapshot_evict(self, prefix_tokens: tuple[int, ...], slot: int) -> None:
+        """Radix hook: the L1 snapshot in ``slot`` after ``prefix_tokens`` is given up; keep it in
+        L2 (write_back without L2: in L3)."""
+        n = len(prefix_tokens) // self.page_size
+        key = snapshot_key(self.keyer.keys(prefix_tokens, n)[-1])
+        if self.host_snap is None:
+            if self.worker is not None and self.write_policy == "write_back" and key not in self.l3_known:
+                self._send_snapshots([key], self._gather_state([slot]))
+            return
+        if key in self.host_snap:
+            self.host_snap.get(key)
+            return
+        hslot, displaced = self.host_snap.put(key)
+        if displaced is not None and self.worker is not None and self.write_policy == "write_back" \
+                and displaced[0] not in self.l3_known:
+            d = displaced[1]
+            self._send_snapshots([displaced[0]], _as_bytes([h[d:d + 1] for h in self.host_state]))
+        for t, h in zip(self.state_leaves, self.host_state):
+            h[hslot].copy_(t[slot].to("cpu"))
+        with self._lock:
+            self.stats.snapshots_written["l2"] += 1
+            self.stats.bytes_written["l2"] += self.snap_bytes
+
+    def _gather_state(self, slots: list[int]) -> torch.Tensor:
+        idx = torch.tensor(slots, dtype=torch.long, device=self.states.device)
+        return _as_bytes([t.index_select(0, idx).cpu() for t in self.state_leaves])
+
+    def _send_snapshots(self, keys: list[bytes], data: torch.Tensor) -> None:
+        """Queue snapshots (``data``: [n, snap_bytes] uint8 on the CPU, a fresh copy) for L3."""
+        if self.worker is None:
+            return
+        raw = data.numpy()
+        if self.worker.write([(k, raw[i]) for i, k in enumerate(keys)], encoded=False):
+            for k in keys:
+                self._remember_l3(k)
+            with self._lock:
+                self.stats.snapshots_written["l3"] += len(keys)
+
     def end_step(self) -> None:
         """Snapshot queued pages and hand them to the storage worker (once per engine step)."""
         if not self._pending:
@@ -408,6 +594,8 @@ class TieredKV:
         self._pending_host.clear()
         if self.host is not None:
             self.host.clear()
+        if self.host_snap is not None:
+            self.host_snap.clear()
         self._hits.clear()
 
     def flush_storage(self) -> int:
@@ -451,7 +639,7 @@ class LocalPages:
         # a narrower host dtype applies to floating-point leaves of a single-tensor layout only
         # (never to fp8 bytes or scales)
         plain = all(leaf.tensor.dtype.is_floating_point for leaf in self.leaves) and \
-            len(self.leaves) == len(kv_caches)
+            len(self.leaves) == sum(1 for c in kv_caches if c is not None)
         self.host_dtype = host_dtype if (host_dtype is not None and plain) else None
         self.host_pages = host_pages
         pin = self.device.type == "cuda"
@@ -646,6 +834,8 @@ def page_leaves(kv_caches: list[Any], num_pages: int) -> list[PageLeaf]:
 
     leaves: list[PageLeaf] = []
     for entry in kv_caches:
+        if entry is None:                     # a hybrid model's linear layer (state pool)
+            continue
         if isinstance(entry, FP8Pages):
             tensors = entry.page_tensors()
         else:
@@ -696,7 +886,7 @@ def _chain(keyer: PageKeyer, parent: bytes, tokens: list[int]) -> list[bytes]:
 def describe_pool(kv_caches: list[Any], num_pages: int) -> dict[str, Any]:
     """The page layout of a KV pool, as plain data (a tensor-parallel rank reports its own)."""
     leaves = page_leaves(kv_caches, num_pages)
-    return {"entries": len(kv_caches),
+    return {"entries": sum(1 for c in kv_caches if c is not None),
             "leaves": [(tuple(l.page_shape), l.page_dim, str(l.tensor.dtype), l.tensor.element_size(),
                         l.tensor.dtype.is_floating_point) for l in leaves],
             "fp8_static_scales": static_scales_digest(kv_caches)}
@@ -749,7 +939,16 @@ def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any
         host_dtype = None
     host_item = torch.empty((), dtype=host_dtype).element_size() if host_dtype is not None else None
     host_page_bytes = sum(math.prod(shape) * (host_item or item) for shape, _, _, item, _ in leaves)
-    host_pages = int(config.host_cache_memory_gib * 2**30 // host_page_bytes)   # per rank with TP
+    host_bytes = config.host_cache_memory_gib * 2**30
+    states = getattr(runner, "states", None) if tp == 1 else None
+    host_snapshots = 0
+    share = getattr(config, "host_cache_snapshot_share", HOST_SNAPSHOT_SHARE)
+    if states is not None and host_bytes > 0 and share > 0:
+        # a hybrid model's L2 keeps the state snapshots beside the pages (a share of its memory)
+        snap_bytes = states.bytes_per_slot
+        host_snapshots = max(int(host_bytes * share // snap_bytes), 1)
+        host_bytes = max(host_bytes - host_snapshots * snap_bytes, 0)
+    host_pages = int(host_bytes // host_page_bytes)   # per rank with TP
     if config.host_cache_memory_gib > 0 and host_pages < 1:
         raise ValueError(f"host_cache_memory_gib={config.host_cache_memory_gib} holds no page of "
                          f"{host_page_bytes} bytes")
@@ -790,7 +989,8 @@ def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any
                             kv_dtype, host_dtype)
     else:
         mover = LocalPages(runner.kv_caches, num_pages, host_pages, host_dtype)
-    tiers = TieredKV(mover, keyer, kv.cache, storage=storage, write_policy=config.cache_write_policy,
+    tiers = TieredKV(mover, keyer, kv.cache, states=states, host_snapshots=host_snapshots, storage=storage,
+                     write_policy=config.cache_write_policy,
                      write_min_hits=config.cache_write_min_hits,
                      prefetch_timeout_s=config.cache_prefetch_timeout_s,
                      prefetch_min_pages=config.cache_prefetch_min_pages)
@@ -799,4 +999,7 @@ def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any
              str(tiers.host_dtype or tiers.kv_dtype).removeprefix("torch."),
              host_pages * host_page_bytes / 2**30, storage.url if storage else "none",
              config.cache_write_policy, namespace.hex()[:12])
+    if states is not None:
+        log.info("KV tiers: state snapshots of %d B travel with the pages; L2 holds %d of them",
+                 tiers.snap_bytes, host_snapshots)
     return tiers

@@ -59,4 +59,16 @@ def render_tier_metrics(t: TierStats, l1_pages: int, l1_capacity: int, labels: d
            [({"kind": k}, t.l3_errors.get(k, 0)) for k in kinds])
     family("cache_storage_skipped_writes_total", "counter", "L3 writes not made: page already present, or dropped.",
            [({"reason": "present"}, t.l3_skipped_present), ({"reason": "dropped"}, t.l3_dropped_writes)])
+    if t.snapshots_l2_capacity or any(t.snapshots_written.values()) or any(t.snapshot_hits.values()):
+        # hybrid models: the linear layers' state snapshots that travel with the pages
+        family("cache_tier_snapshots", "gauge", "State snapshots held in host memory (hybrid models).",
+               [({"tier": "l2"}, t.snapshots_l2)])
+        family("cache_tier_snapshot_capacity", "gauge", "State snapshot slots in host memory (hybrid models).",
+               [({"tier": "l2"}, t.snapshots_l2_capacity)])
+        family("cache_tier_snapshot_hits_total", "counter", "Prefix hits whose state snapshot came from a lower tier.",
+               [({"tier": k}, v) for k, v in t.snapshot_hits.items()])
+        family("cache_tier_snapshots_written_total", "counter", "State snapshots written to a lower tier.",
+               [({"tier": k}, v) for k, v in t.snapshots_written.items()])
+        family("cache_snapshot_fallbacks_total", "counter",
+               "Unreadable L3 snapshot records skipped for an earlier snapshot.", [({}, t.snapshot_fallbacks)])
     return lines
