@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve test venv clean redis drafter
 
-$(STAMP): pyproject.toml setup.py $(wildcard src/tokenmill/_native/*.c)
+$(STAMP): pyproject.toml setup.py $(wildcard src/tokenmill/_native/*.c) $(wildcard src/tokenmill/_native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
