@@ -373,7 +373,7 @@ class BailingHybridForCausalLM(CausalLM):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under HF transformers' in-memory names (fused experts and conv), as views."""
-        a, m = self.args, self.args.mla
+        a = self.args
         out = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm.weight,
                "lm_head.weight": self.lm_head}
         for i, layer in enumerate(self.layers):
@@ -393,38 +393,9 @@ class BailingHybridForCausalLM(CausalLM):
                 out[s + "o_proj.weight"] = att.o_proj
             else:
                 assert isinstance(att, GatedMLA)
-                mla = att.mla
-                out[s + "q_proj.weight"] = mla.q_proj
-                out[s + "kv_a_proj_with_mqa.weight"] = mla.kv_a_proj
-                if m.attention_bias:
-                    out[s + "kv_a_proj_with_mqa.bias"] = mla.kv_a_bias
-                    out[s + "o_proj.bias"] = mla.o_bias
-                out[s + "kv_a_layernorm.weight"] = mla.kv_a_layernorm.weight
-                out[s + "kv_b_proj.weight"] = mla.kv_b_proj
-                out[s + "o_proj.weight"] = mla.o_proj
+                out.update(att.mla.hf_tensors(s))
                 out[s + "g_proj.weight"] = att.g_proj
             out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
             out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-            mp, mlp = p + "mlp.", layer.mlp
-            if isinstance(mlp, MoE):
-                out[mp + "gate.weight"] = mlp.gate
-                out[mp + "gate.e_score_correction_bias"] = mlp.e_score_correction_bias
-                out[mp + "experts.gate_up_proj"] = mlp.experts_gate_up
-                out[mp + "experts.down_proj"] = mlp.experts_down
-                if mlp.shared is not None:
-                    fs = mlp.shared.inter
-                    out[mp + "shared_experts.gate_proj.weight"] = mlp.shared.gate_up_proj[:fs]
-                    out[mp + "shared_experts.up_proj.weight"] = mlp.shared.gate_up_proj[fs:]
-                    out[mp + "shared_experts.down_proj.weight"] = mlp.shared.down_proj
-                else:  # HF builds zero-width shared experts when there are none
-                    h = m.hidden_size
-                    out[mp + "shared_experts.gate_proj.weight"] = mlp.gate.new_empty(0, h)
-                    out[mp + "shared_experts.up_proj.weight"] = mlp.gate.new_empty(0, h)
-                    out[mp + "shared_experts.down_proj.weight"] = mlp.gate.new_empty(h, 0)
-            else:
-                assert isinstance(mlp, DenseMLP)
-                fi = mlp.inter
-                out[mp + "gate_proj.weight"] = mlp.gate_up_proj[:fi]
-                out[mp + "up_proj.weight"] = mlp.gate_up_proj[fi:]
-                out[mp + "down_proj.weight"] = mlp.down_proj
+            out.update(layer.mlp.hf_tensors(p + "mlp."))
         return {k: v.detach() for k, v in out.items()}

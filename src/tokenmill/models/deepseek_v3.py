@@ -169,6 +169,26 @@ class MLA(nn.Module):
         self.rope = apply_rotary_interleaved if a.rope_interleave else apply_rotary
         self.scale = a.softmax_scale
 
+    def hf_tensors(self, s: str) -> dict[str, torch.Tensor]:
+        """This attention's weights under HF names, prefixed by ``s`` (``...self_attn.``)."""
+        a, out = self.a, {}
+        if a.q_lora_rank is None:
+            out[s + "q_proj.weight"] = self.q_proj
+        else:
+            out[s + "q_a_proj.weight"] = self.q_a_proj
+            out[s + "q_a_layernorm.weight"] = self.q_a_layernorm.weight
+            out[s + "q_b_proj.weight"] = self.q_b_proj
+            if a.attention_bias:
+                out[s + "q_a_proj.bias"] = self.q_a_bias
+        out[s + "kv_a_proj_with_mqa.weight"] = self.kv_a_proj
+        if a.attention_bias:
+            out[s + "kv_a_proj_with_mqa.bias"] = self.kv_a_bias
+            out[s + "o_proj.bias"] = self.o_bias
+        out[s + "kv_a_layernorm.weight"] = self.kv_a_layernorm.weight
+        out[s + "kv_b_proj.weight"] = self.kv_b_proj
+        out[s + "o_proj.weight"] = self.o_proj
+        return out
+
     def forward(self, x: torch.Tensor, cs: CosSin, kv_cache: Any, ctx: ForwardContext) -> torch.Tensor:
         return F.linear(self.attend(x, cs, kv_cache, ctx), self.o_proj, self.o_bias)
 
@@ -198,6 +218,12 @@ class DenseMLP(nn.Module):
         self.inter = inter
         self.gate_up_proj = _param(2 * inter, hidden, dtype=dtype)
         self.down_proj = _param(hidden, inter, dtype=dtype)
+
+    def hf_tensors(self, m: str) -> dict[str, torch.Tensor]:
+        """The gate / up / down weights under HF names, prefixed by ``m`` (``...mlp.``)."""
+        fi = self.inter
+        return {m + "gate_proj.weight": self.gate_up_proj[:fi], m + "up_proj.weight": self.gate_up_proj[fi:],
+                m + "down_proj.weight": self.down_proj}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj).split(self.inter, dim=-1)
@@ -234,6 +260,19 @@ class MoE(nn.Module):
         if self._shared is None or self._shared.gate_up.data_ptr() != w.data_ptr() or self._shared.gate_up.device != w.device:
             self._shared = GroupedExperts(w.data.unsqueeze(0), self.shared.down_proj.data.unsqueeze(0))
         return self._shared
+
+    def hf_tensors(self, m: str) -> dict[str, torch.Tensor]:
+        """Router, fused experts and shared experts under HF names, prefixed by ``m`` (``...mlp.``)."""
+        out = {m + "gate.weight": self.gate, m + "gate.e_score_correction_bias": self.e_score_correction_bias,
+               m + "experts.gate_up_proj": self.experts_gate_up, m + "experts.down_proj": self.experts_down}
+        if self.shared is not None:
+            out.update(self.shared.hf_tensors(m + "shared_experts."))
+        else:  # HF builds zero-width shared experts when there are none
+            h = self.a.hidden_size
+            out[m + "shared_experts.gate_proj.weight"] = self.gate.new_empty(0, h)
+            out[m + "shared_experts.up_proj.weight"] = self.gate.new_empty(0, h)
+            out[m + "shared_experts.down_proj.weight"] = self.gate.new_empty(h, 0)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.a
@@ -406,51 +445,14 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under HF transformers' in-memory names (fused experts), as views."""
-        a = self.args
         out = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm.weight,
                "lm_head.weight": self.lm_head}
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            s, att = p + "self_attn.", layer.self_attn
-            if a.q_lora_rank is None:
-                out[s + "q_proj.weight"] = att.q_proj
-            else:
-                out[s + "q_a_proj.weight"] = att.q_a_proj
-                out[s + "q_a_layernorm.weight"] = att.q_a_layernorm.weight
-                out[s + "q_b_proj.weight"] = att.q_b_proj
-                if a.attention_bias:
-                    out[s + "q_a_proj.bias"] = att.q_a_bias
-            out[s + "kv_a_proj_with_mqa.weight"] = att.kv_a_proj
-            if a.attention_bias:
-                out[s + "kv_a_proj_with_mqa.bias"] = att.kv_a_bias
-                out[s + "o_proj.bias"] = att.o_bias
-            out[s + "kv_a_layernorm.weight"] = att.kv_a_layernorm.weight
-            out[s + "kv_b_proj.weight"] = att.kv_b_proj
-            out[s + "o_proj.weight"] = att.o_proj
+            out.update(layer.self_attn.hf_tensors(p + "self_attn."))
             out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
             out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-            m, mlp = p + "mlp.", layer.mlp
-            if isinstance(mlp, MoE):
-                out[m + "gate.weight"] = mlp.gate
-                out[m + "gate.e_score_correction_bias"] = mlp.e_score_correction_bias
-                out[m + "experts.gate_up_proj"] = mlp.experts_gate_up
-                out[m + "experts.down_proj"] = mlp.experts_down
-                if mlp.shared is not None:
-                    fs = mlp.shared.inter
-                    out[m + "shared_experts.gate_proj.weight"] = mlp.shared.gate_up_proj[:fs]
-                    out[m + "shared_experts.up_proj.weight"] = mlp.shared.gate_up_proj[fs:]
-                    out[m + "shared_experts.down_proj.weight"] = mlp.shared.down_proj
-                else:  # HF builds zero-width shared experts for n_shared_experts=0
-                    h = a.hidden_size
-                    out[m + "shared_experts.gate_proj.weight"] = mlp.gate.new_empty(0, h)
-                    out[m + "shared_experts.up_proj.weight"] = mlp.gate.new_empty(0, h)
-                    out[m + "shared_experts.down_proj.weight"] = mlp.gate.new_empty(h, 0)
-            else:
-                assert isinstance(mlp, DenseMLP)
-                fi = mlp.inter
-                out[m + "gate_proj.weight"] = mlp.gate_up_proj[:fi]
-                out[m + "up_proj.weight"] = mlp.gate_up_proj[fi:]
-                out[m + "down_proj.weight"] = mlp.down_proj
+            out.update(layer.mlp.hf_tensors(p + "mlp."))
         return {k: v.detach() for k, v in out.items()}
 
 
