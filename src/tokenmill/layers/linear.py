@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["DenseLinear", "LINEAR_BACKENDS", "LinearMethod", "OneDNNLinear", "as_linear", "onednn_available",
+           "onednn_linear", "onednn_pack",
            "select_linear_backend", "use_linear_backend"]
 
 
@@ -147,6 +148,18 @@ def onednn_available() -> bool:
         return False
 
 
+def onednn_pack(weight: torch.Tensor, rows: int = ONEDNN_PACK_ROWS) -> torch.Tensor:
+    """``weight`` [N, K] reordered once into oneDNN's blocked layout, chosen for ``rows`` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows)
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T (+ bias)`` by oneDNN's inner product; ``weight`` plain or from :func:`onednn_pack`.
+    The one place tokenmill calls oneDNN's linear (the fp32 method here, the packed MoE experts,
+    the quantized formats' prefill GEMM)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 class OneDNNLinear(LinearMethod):
     """An fp32 weight held in oneDNN's blocked layout (an opaque ``torch._mkldnn`` tensor).
 
@@ -163,8 +176,7 @@ class OneDNNLinear(LinearMethod):
             raise ValueError(f"OneDNNLinear takes an fp32 CPU weight, got {weight.dtype} on {weight.device}")
         super().__init__(*weight.shape)
         w = weight.detach().contiguous()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS),
-                             persistent=False)
+        self.register_buffer("packed", onednn_pack(w), persistent=False)
         self.dense = w if keep_dense else None
 
     @property
@@ -174,7 +186,7 @@ class OneDNNLinear(LinearMethod):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.float32:
             x = x.float()
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+        return onednn_linear(x.contiguous(), self.packed, bias)
 
     def dequantize(self) -> torch.Tensor:
         return self.dense if self.dense is not None else self.packed.to_dense()

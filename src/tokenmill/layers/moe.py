@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers.linear import onednn_available, onednn_linear, onednn_pack
+
 _GROUPED_MM = getattr(F, "grouped_mm", None)
 
 
@@ -57,17 +59,6 @@ def route_sigmoid_grouped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if norm_topk_prob:
         weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
     return weights * routed_scaling_factor, ids
-
-
-def _onednn_ops():
-    """oneDNN's prepacked linear (``_reorder_linear_weight`` / ``_linear_pointwise``), or None."""
-    try:
-        if not torch.backends.mkldnn.is_available():
-            return None
-        ops = torch.ops.mkldnn
-        return ops._reorder_linear_weight, ops._linear_pointwise
-    except (AttributeError, RuntimeError):
-        return None
 
 
 PACK_BATCH_HINT = 256   # rows per call oneDNN blocks the packed weights for (measured best of 1/64/256)
@@ -116,13 +107,12 @@ class GroupedExperts:
         self._packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def _packed_works(self) -> bool:
-        ops = _onednn_ops()
-        if ops is None or self.gate_up.device.type != "cpu" or self.gate_up.dtype not in (torch.float32, torch.bfloat16):
+        if (not onednn_available() or self.gate_up.device.type != "cpu"
+                or self.gate_up.dtype not in (torch.float32, torch.bfloat16)):
             return False
         try:
-            reorder, linear = ops
             w = torch.zeros(4, 8, dtype=self.gate_up.dtype)
-            y = linear(torch.ones(2, 8, dtype=w.dtype), reorder(w, 2), None, "none", [], "")
+            y = onednn_linear(torch.ones(2, 8, dtype=w.dtype), onednn_pack(w, 2))
             return tuple(y.shape) == (2, 4)
         except (RuntimeError, TypeError, ValueError):
             return False
@@ -144,11 +134,8 @@ class GroupedExperts:
 
     def _packed_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self._packed is None:
-            ops = _onednn_ops()
-            assert ops is not None
-            reorder = ops[0]
-            self._packed = [(reorder(self.gate_up[e].contiguous(), PACK_BATCH_HINT),
-                             reorder(self.down[e].contiguous(), PACK_BATCH_HINT)) for e in range(self.num_experts)]
+            self._packed = [(onednn_pack(self.gate_up[e], PACK_BATCH_HINT), onednn_pack(self.down[e], PACK_BATCH_HINT))
+                            for e in range(self.num_experts)]
         return self._packed
 
     def _act(self, h: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -161,9 +148,8 @@ class GroupedExperts:
         """Every token of ``x`` through expert 0 (a shared expert held as one expert), no routing;
         added into ``out`` when given."""
         if self.mode == "packed":
-            _, linear = _onednn_ops()  # type: ignore[misc]
             gu, dn = self._packed_weights()[0]
-            y = linear(self._act(linear(x, gu, None, "none", [], ""), None), dn, None, "none", [], "")
+            y = onednn_linear(self._act(onednn_linear(x, gu), None), dn)
         else:
             y = F.linear(self._act(F.linear(x, self.gate_up[0]), None), self.down[0])
         return y if out is None else out.add_(y)
@@ -179,7 +165,6 @@ class GroupedExperts:
         out_sorted = torch.empty_like(rows)
         start = 0
         if self.mode == "packed":
-            _, linear = _onednn_ops()  # type: ignore[misc]
             packed = self._packed_weights()
         for e, n in enumerate(counts.tolist()):   # one matmul pair per expert with rows
             if n:
@@ -187,8 +172,7 @@ class GroupedExperts:
                 sc = None if scale is None else scale[sl]
                 if self.mode == "packed":
                     gu, dn = packed[e]
-                    out_sorted[sl] = linear(self._act(linear(rows[sl], gu, None, "none", [], ""), sc), dn, None,
-                                            "none", [], "")
+                    out_sorted[sl] = onednn_linear(self._act(onednn_linear(rows[sl], gu), sc), dn)
                 else:
                     out_sorted[sl] = F.linear(self._act(F.linear(rows[sl], self.gate_up[e]), sc), self.down[e])
                 start += n

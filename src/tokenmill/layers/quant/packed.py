@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill._native import quant as native
-from tokenmill.layers.linear import LinearMethod
+from tokenmill.layers.linear import LinearMethod, onednn_linear
 
 QK = 32
 GEMV_MAX_ROWS = 16          # x rows up to which the integer kernel beats dequantize + GEMM here
@@ -77,18 +77,10 @@ def _scratch(numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w^T`` through oneDNN's fp32 matmul (the op torch's own compiler uses for CPU linears).
-
-    On this project's AMD CPUs, MKL's sgemm behind ``F.linear`` runs its AVX2 code while oneDNN
-    picks its AVX-512 kernels from the ISA: 2-4x faster prefill GEMMs (docs/results/quant.md)."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
-
 def _probe_onednn() -> bool:
     try:
         x, w = torch.randn(3, 40), torch.randn(5, 40)
-        return bool(torch.allclose(_onednn_linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-5))
+        return bool(torch.allclose(onednn_linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-5))
     except (AttributeError, RuntimeError):  # torch built without oneDNN, or the op is gone
         return False
 
@@ -101,7 +93,7 @@ def fp32_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     global _ONEDNN
     if _ONEDNN is None:
         _ONEDNN = torch.backends.mkldnn.is_available() and _probe_onednn()
-    return _onednn_linear(x, w) if _ONEDNN else F.linear(x, w)
+    return onednn_linear(x, w) if _ONEDNN else F.linear(x, w)
 
 
 def _padded(k: int) -> int:
