@@ -47,8 +47,8 @@ from tokenmill.layers.linear_attention import causal_conv_step, gated_delta_step
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import CosSin, RotaryEmbedding
 from tokenmill.models.base import CausalLM
-from tokenmill.models.deepseek_v3 import (MLA, DeepseekV3Args, DenseMLP, MoE, fuse_expert_weights,
-                                          split_mtp_weights)
+from tokenmill.models.deepseek_v3 import (MLA, DeepseekV3Args, DenseMLP, MoE, decoder_stack_forward,
+                                          fuse_expert_weights, split_mtp_weights)
 
 FULL, LINEAR = "full_attention", "linear_attention"
 DENSE, SPARSE = "dense", "sparse"
@@ -251,17 +251,7 @@ class BailingHybridForCausalLM(CausalLM):
 
     @torch.no_grad()
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
-        batch = ctx.batch
-        if len(ctx.kv_caches) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} KV cache entries, got {len(ctx.kv_caches)}")
-        cs = self.rotary.lookup(batch.positions, self.dtype, batch.max_seq_len)
-        h = F.embedding(batch.input_ids, self.embed_tokens)
-        ctx.capture(-1, h)
-        for i, (layer, cache) in enumerate(zip(self.layers, ctx.kv_caches)):
-            h = layer(h, cs, cache, ctx)
-            ctx.capture(i, h)
-        h = self.norm(h[batch.logits_indices])
-        return F.linear(h, self.lm_head).float()
+        return decoder_stack_forward(self, ctx)
 
     # ---- weights -------------------------------------------------------------------------
     def _hf_layout(self) -> dict[str, tuple[int, ...]]:

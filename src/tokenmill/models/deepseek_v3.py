@@ -302,6 +302,22 @@ class DeepseekV3DecoderLayer(nn.Module):
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+def decoder_stack_forward(model: Any, ctx: ForwardContext) -> torch.Tensor:
+    """Embedding, every decoder layer over its KV entry, final norm and LM head on the logits rows.
+    Shared by the models whose layers take ``(h, cos_sin, kv_cache, ctx)`` (DeepSeek-V3, Ling)."""
+    batch = ctx.batch
+    if len(ctx.kv_caches) != len(model.layers):
+        raise ValueError(f"expected {len(model.layers)} KV cache entries, got {len(ctx.kv_caches)}")
+    cs = model.rotary.lookup(batch.positions, model.dtype, batch.max_seq_len)
+    h = F.embedding(batch.input_ids, model.embed_tokens)
+    ctx.capture(-1, h)
+    for i, (layer, cache) in enumerate(zip(model.layers, ctx.kv_caches)):
+        h = layer(h, cs, cache, ctx)
+        ctx.capture(i, h)
+    h = model.norm(h[batch.logits_indices])
+    return F.linear(h, model.lm_head).float()
+
+
 class DeepseekV3ForCausalLM(CausalLM):
     """DeepSeek-V3 / Kimi K2 over a paged latent cache. Build, then ``load_weights``."""
 
@@ -325,17 +341,7 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     @torch.no_grad()
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
-        batch = ctx.batch
-        if len(ctx.kv_caches) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} KV cache entries, got {len(ctx.kv_caches)}")
-        cs = self.rotary.lookup(batch.positions, self.dtype, batch.max_seq_len)
-        h = F.embedding(batch.input_ids, self.embed_tokens)
-        ctx.capture(-1, h)
-        for i, (layer, cache) in enumerate(zip(self.layers, ctx.kv_caches)):
-            h = layer(h, cs, cache, ctx)
-            ctx.capture(i, h)
-        h = self.norm(h[batch.logits_indices])
-        return F.linear(h, self.lm_head).float()
+        return decoder_stack_forward(self, ctx)
 
     # ---- weights -------------------------------------------------------------------------
     def _hf_layout(self) -> dict[str, tuple[int, ...]]:
