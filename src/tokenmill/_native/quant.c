@@ -296,6 +296,16 @@ DEFINE_ROW_DOT(dot_s8_vnni, TGT_VNNI, s8dot_vnni, int8_t, QK, 0)
 #if __GNUC__ >= 9
 /* ---- AVX-512 (F/BW/VL + VNNI) -------------------------------------------------------------- */
 #define TGT_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+/* One x row: the 8-block AVX2 structure with the EVEX 256-bit dpwssd. Streaming the weights from
+ * DRAM it ran 1.3x faster here than the 512-bit kernels below (benchmarks/quant_kernel_rows.py);
+ * those take 2 to 16 rows. */
+TGT_512 static inline __m256i madd2_512(__m256i a, __m256i x, __m256i b, __m256i y) {
+    return _mm256_dpwssd_epi32(_mm256_madd_epi16(a, x), b, y);
+}
+DEFINE_BLOCK_DOTS(v512, TGT_512, madd2_512)
+DEFINE_ROW_DOT(dot_u4_v512_one, TGT_512, u4dot_v512, uint8_t, 16, 1)
+DEFINE_ROW_DOT(dot_s8_v512_one, TGT_512, s8dot_v512, int8_t, QK, 0)
+
 /* Activations for the u4 kernels are stored in "pair" order: blocks 2p and 2p+1 (64 values) as
  * [2p: 0..15 | 2p+1: 0..15 | 2p: 16..31 | 2p+1: 16..31], padded with a zero block to an even
  * count. Then one 32-byte load of the weights of both blocks, widened to 32 int16 lanes, gives the
@@ -597,8 +607,8 @@ static int check_group(int64_t K, int64_t group) {
 static void gemm_u4(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *sc, const void *mn,
                     int f16, int64_t N, int64_t group, const float *bias, float *y, int nt, const ActBuf *a) {
     int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
-    /* the avx512vnni u4 kernel reads pair-order activations; they were made with the set in use */
-    int use = a->pairs ? ISA_AVX512 : isa() == ISA_AVX512 ? ISA_AVX2 : isa();
+    /* the avx512vnni u4 kernel for 2+ rows reads pair-order activations (made with the set in use) */
+    int use = a->pairs ? ISA_AVX512 : isa() == ISA_AVX512 && M > 1 ? ISA_AVX2 : isa();
     (void)x;
     (void)use;
     #pragma omp parallel for num_threads(nt) schedule(static)
@@ -608,8 +618,10 @@ static void gemm_u4(const float *x, int64_t M, int64_t K, const uint8_t *qs, con
             for (int64_t o = 0; o < Kp / 2; o += 64) __builtin_prefetch(row + PREFETCH_ROWS * (Kp / 2) + o, 0, 0);
 #if TM_X86 && defined(__GNUC__)
 #if __GNUC__ >= 9
-        if (use == ISA_AVX512)
+        if (use == ISA_AVX512 && a->pairs)
             dot_u4_512(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y + n, N);
+        else if (use == ISA_AVX512)
+            dot_u4_v512_one(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, 1, a->qstride, a->bstride, y + n, N);
         else
 #endif
 #if __GNUC__ >= 11
@@ -638,7 +650,9 @@ static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int 
             for (int64_t o = 0; o < Kp; o += 64) __builtin_prefetch(row + PREFETCH_ROWS * Kp + o, 0, 0);
 #if TM_X86 && defined(__GNUC__)
 #if __GNUC__ >= 9
-        if (use == ISA_AVX512) dot_s8_512(row, sc, f16, n * G, nb, bpg, a->xq, a->xd, M, a->qstride, a->bstride, y + n, N);
+        if (use == ISA_AVX512 && M == 1)
+            dot_s8_v512_one(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, 1, a->qstride, a->bstride, y + n, N);
+        else if (use == ISA_AVX512) dot_s8_512(row, sc, f16, n * G, nb, bpg, a->xq, a->xd, M, a->qstride, a->bstride, y + n, N);
         else
 #endif
 #if __GNUC__ >= 11
@@ -658,7 +672,7 @@ static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int 
  * integer kernels. Returns 0, or -1 when out of memory. */
 int tmq_matmul(const TmqMat *w, const float *x, int64_t M, const float *bias, float *y, int nt) {
     ActBuf a;
-    if (act_quantize(x, M, w->K, w->kind == TMQ_U4 && isa() == ISA_AVX512, &a)) return -1;
+    if (act_quantize(x, M, w->K, w->kind == TMQ_U4 && M > 1 && isa() == ISA_AVX512, &a)) return -1;
     if (w->kind == TMQ_U4)
         gemm_u4(x, M, w->K, (const uint8_t *)w->qs, w->sc, w->mn, w->f16, w->N, w->group, bias, y, nt < 1 ? 1 : nt, &a);
     else
@@ -687,7 +701,7 @@ static PyObject *py_gemm_u4(PyObject *self, PyObject *args) {
     ActBuf a;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
-    err = act_quantize(PTR(const float *, x), M, K, isa() == ISA_AVX512, &a);
+    err = act_quantize(PTR(const float *, x), M, K, M > 1 && isa() == ISA_AVX512, &a);
     if (!err) {
         gemm_u4(PTR(const float *, x), M, K, PTR(const uint8_t *, qs), PTR(const void *, sc), PTR(const void *, mn),
                 f16, N, group, PTR(const float *, bias), PTR(float *, y), nt < 1 ? 1 : nt, &a);
