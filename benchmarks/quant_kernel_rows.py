@@ -5,7 +5,8 @@ For each of the default model's matrix shapes (SmolLM2-135M: qkv 960x576, o 576x
 ``--layers`` distinct random weights (so every call streams its weights from DRAM, as in a decode
 step of 30 layers) and times ``gemm_u4`` / ``gemm_s8`` on 1, 2, 4, 5, 8 and 16 x rows, for every
 kernel set this CPU runs (or those named in ``--kernels``). Kernel sets and row counts are
-interleaved over ``--rounds`` rounds; the median round is reported. Prints microseconds per call,
+interleaved over ``--rounds`` rounds; the fastest round is reported (on a shared machine load only
+adds time). Prints microseconds per call,
 ns per 32-weight block and row, the effective weight read rate, and each row count's time relative
 to one row ("extra row": (t(M) - t(1)) / (M - 1) / t(1)).
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
@@ -74,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             w = ms[0]
             blocks = w.out_features * ((w.in_features + 31) // 32)
             wbytes = blocks * (20 if isinstance(w, Int4Linear) else 34)
-            t1 = statistics.median(times[(kern, name, rows[0])])
+            t1 = min(times[(kern, name, rows[0])])
             for m in rows:
-                t = statistics.median(times[(kern, name, m)])
+                t = min(times[(kern, name, m)])
                 extra = "" if m == 1 else f"{(t - t1) / (m - 1) / t1:.2f}"
                 print(f"| {name} | {m} | {t * 1e6:.1f} | {t / blocks / m * 1e9:.2f} | {wbytes / t / 1e9:.1f} | {extra} |")
-        tot = {m: sum(statistics.median(times[(kern, n, m)]) * (args.layers if n in SHAPES_U4 else 1) for n in mats)
+        tot = {m: sum(min(times[(kern, n, m)]) * (args.layers if n in SHAPES_U4 else 1) for n in mats)
                for m in rows}
         print("all matrices of one decode step (30 layers + head), ms: "
               + ", ".join(f"{m} rows {tot[m] * 1e3:.2f}" for m in rows))

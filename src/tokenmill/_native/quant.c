@@ -346,13 +346,16 @@ TGT_512 static inline __m512 scales16_512(const void *p, int f16, int64_t row_g0
         idx = _mm512_add_epi32(idx, two);                                                                 \
     } while (0)
 
-/* one u4 weight row against MR (1..4) activation rows in pair order */
+/* one u4 weight row against MR (1..6) activation rows in pair order; below 3 rows, two accumulator
+ * chains per row (even and odd pairs), from 3 on one (the rows are independent chains) */
 TGT_512 static inline __attribute__((always_inline)) void u4_rows_512(
     const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb, int64_t bpg,
     const int16_t *xq, const float *xd, const float *xs, int64_t xq_stride, int64_t xb_stride,
     float *out, int64_t out_stride, const int MR) {
-    __m512 a0[4], a1[4], am[4], cs[4];
-    for (int j = 0; j < MR; j++) a0[j] = a1[j] = am[j] = _mm512_setzero_ps();
+    __m512 a0[6], a1s[2], am[6], cs[6];
+    __m512 *a1 = MR < 3 ? a1s : a0;
+    for (int j = 0; j < MR; j++) a0[j] = am[j] = _mm512_setzero_ps();
+    a1s[0] = a1s[1] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi16(0x0F), two = _mm512_set1_epi32(2);
     const __m512i idx0 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int64_t c = 0; c < nb; c += 16) {
@@ -378,7 +381,8 @@ TGT_512 static inline __attribute__((always_inline)) void u4_rows_512(
         xq = xq0;
     }
     for (int j = 0; j < MR; j++)
-        out[j * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[j], a1[j]), am[j]));
+        out[j * out_stride] = _mm512_reduce_add_ps(MR < 3 ? _mm512_add_ps(_mm512_add_ps(a0[j], a1s[j]), am[j])
+                                                          : _mm512_add_ps(a0[j], am[j]));
 }
 
 /* one s8 block b against MR activation rows (natural order), scale products in cb[j][i] */
@@ -392,13 +396,16 @@ TGT_512 static inline __attribute__((always_inline)) void u4_rows_512(
         }                                                                                                 \
     } while (0)
 
-/* one s8 weight row against MR (1..6) activation rows: a block is 32 int16 lanes, one dpwssd */
+/* one s8 weight row against MR (1..6) activation rows: a block is 32 int16 lanes, one dpwssd;
+ * accumulator chains as u4_rows_512 */
 TGT_512 static inline __attribute__((always_inline)) void s8_rows_512(
     const int8_t *qs, const void *sc, int f16, int64_t row_g0, int64_t nb, int64_t bpg, const int16_t *xq,
     const float *xd, int64_t xq_stride, int64_t xb_stride, float *out, int64_t out_stride, const int MR) {
-    __m512 a0[6], a1[6];
+    __m512 a0[6], a1s[2];
+    __m512 *a1 = MR < 3 ? a1s : a0;
     float cb[6][16] __attribute__((aligned(64)));
-    for (int j = 0; j < MR; j++) a0[j] = a1[j] = _mm512_setzero_ps();
+    for (int j = 0; j < MR; j++) a0[j] = _mm512_setzero_ps();
+    a1s[0] = a1s[1] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nb; c += 16) {
         const int64_t n = nb - c < 16 ? nb - c : 16;
         const __mmask16 km = (__mmask16)((1u << n) - 1);
@@ -412,21 +419,23 @@ TGT_512 static inline __attribute__((always_inline)) void s8_rows_512(
         }
         if (i < n) S8_BLOCK_512(a0, c + i, i);
     }
-    for (int j = 0; j < MR; j++) out[j * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+    for (int j = 0; j < MR; j++) out[j * out_stride] = _mm512_reduce_add_ps(MR < 3 ? _mm512_add_ps(a0[j], a1s[j]) : a0[j]);
 }
 
-/* x rows in tiles of at most 4 (as even as possible: 5 = 3 + 2), each tile sharing every widened
+/* x rows in tiles of at most 6 (as even as possible: 7 = 4 + 3), each tile sharing every widened
  * weight block */
 #define TILE_SIZES(M, CALL)                                                                                \
     do {                                                                                                  \
-        int64_t tiles_ = ((M) + 3) / 4, m0_ = 0;                                                          \
+        int64_t tiles_ = ((M) + 5) / 6, m0_ = 0;                                                          \
         for (int64_t t_ = 0; t_ < tiles_; t_++) {                                                         \
             int64_t mr_ = ((M) - m0_) / (tiles_ - t_) + (((M) - m0_) % (tiles_ - t_) != 0);                \
             switch (mr_) {                                                                                \
                 case 1: CALL(m0_, 1); break;                                                              \
                 case 2: CALL(m0_, 2); break;                                                              \
                 case 3: CALL(m0_, 3); break;                                                              \
-                default: CALL(m0_, 4); break;                                                             \
+                case 4: CALL(m0_, 4); break;                                                              \
+                case 5: CALL(m0_, 5); break;                                                              \
+                default: CALL(m0_, 6); break;                                                             \
             }                                                                                             \
             m0_ += mr_;                                                                                   \
         }                                                                                                 \
@@ -443,6 +452,8 @@ U4_ROWS_FN(1)
 U4_ROWS_FN(2)
 U4_ROWS_FN(3)
 U4_ROWS_FN(4)
+U4_ROWS_FN(5)
+U4_ROWS_FN(6)
 
 TGT_512 static void dot_u4_512(const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb,
                                int64_t bpg, const int16_t *xq, const float *xd, const float *xs, int64_t M,
