@@ -6,7 +6,8 @@ head), prefills one ``--context``-token sequence into a paged KV pool, then time
 append ``M`` tokens to that sequence and return logits for every one of them, as a verify step
 does, for M in ``--rows`` (1, 2, 4, 5). The sequence is cut back to the context after each step,
 so every step sees the same context. Row counts and kernel sets are interleaved over ``--rounds``
-rounds; the fastest round of each is reported (on a shared machine load only adds time).
+rounds, each step timed on its own; the fastest step of each is reported, with the median (on a
+shared machine load only adds time).
 Prints ms per step, the ratio to one row, and the cost of each extra row as a fraction of a
 one-row step: (T(M) - T(1)) / (M - 1) / T(1).
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,11 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per (kernel set, rows) per round")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per (rows, kernel set) per round")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--rows", default="1,2,4,5")
     ap.add_argument("--kernels", default=None, help="comma-separated kernel sets (default: the best two)")
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--baseline-so", default=None,
+                    help="another build of the _quant extension (say, of an older commit) to time side by side in "
+                         "this process, as the kernel set 'baseline:<its best set>'")
     args = ap.parse_args(argv)
 
     from tokenmill._native import quant as native
@@ -65,32 +70,46 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     forward(0, torch.randint(100, 40000, (args.context,), generator=gen).tolist())   # the context
     kernels = args.kernels.split(",") if args.kernels else native.supported_kernels()[-2:][::-1]
+    exts = {k: native._ext for k in kernels}
+    if args.baseline_so:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("tokenmill_baseline._quant", args.baseline_so)
+        assert spec is not None and spec.loader is not None
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+        exts[f"baseline:{base.best_isa()}"] = base
+        kernels.append(f"baseline:{base.best_isa()}")
     fused = model.fused_decode_stack() is not None if hasattr(model, "fused_decode_stack") else False
     print(f"load average at start {os.getloadavg()[0]:.2f}; {args.threads} thread(s); kernel sets {kernels}; "
           f"fused decode path: {fused}; context {args.context}")
-    best: dict[tuple[str, int], float] = {}
+    steps: dict[tuple[str, int], list[float]] = {}
     before = native.kernel()
     try:
         for _ in range(args.rounds):
-            for kern in kernels:
-                native.set_kernel(kern)
-                for m in rows:
-                    ids = torch.randint(100, 40000, (m,), generator=gen).tolist()
+            for m in rows:
+                ids = torch.randint(100, 40000, (m,), generator=gen).tolist()
+                for kern in kernels:
+                    native._ext = exts[kern]
+                    native.set_kernel(kern.split(":")[-1])
                     forward(args.context, ids)   # warm-up
-                    t = time.perf_counter()
                     for _ in range(args.steps):
+                        t = time.perf_counter()
                         forward(args.context, ids)
-                    dt = (time.perf_counter() - t) / args.steps
-                    best[(kern, m)] = min(best.get((kern, m), dt), dt)
+                        steps.setdefault((kern, m), []).append(time.perf_counter() - t)
     finally:
+        native._ext = exts[kernels[0]]
         native.set_kernel(before)
-    print("\n| kernel set | rows | ms / step | vs 1 row | extra row / one-row step |\n|---|---|---|---|---|")
+    print("\nms per step: the fastest step (median in brackets); extra row = (T(M) - T(1)) / (M - 1) / T(1)"
+          " on the fastest steps")
+    print("| kernel set | rows | ms / step | vs 1 row | extra row / one-row step |\n|---|---|---|---|---|")
     for kern in kernels:
-        t1 = best[(kern, rows[0])]
+        t1 = min(steps[(kern, rows[0])])
         for m in rows:
-            t = best[(kern, m)]
+            t = min(steps[(kern, m)])
             extra = "" if m == 1 else f"{(t - t1) / (m - 1) / t1:.2f}"
-            print(f"| {kern} | {m} | {t * 1e3:.2f} | {t / t1:.2f}x | {extra} |")
+            print(f"| {kern} | {m} | {t * 1e3:.2f} ({statistics.median(steps[(kern, m)]) * 1e3:.2f}) | "
+                  f"{t / t1:.2f}x | {extra} |")
     print(f"load average at end {os.getloadavg()[0]:.2f}")
     return 0
 
