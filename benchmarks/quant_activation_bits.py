@@ -5,9 +5,8 @@ through the default model's Q4_1 weights, in chunks of 250, with the activations
 matmul (a) in fp32, (b) quantized to int16 in blocks of 32 (the served decode kernels, through
 the kernels themselves) and (c) simulated variants: int8 in blocks of 32 (llama.cpp's Q8_0
 rule), 16 and 8 (scale absmax/127), and int12 in blocks of 32 (absmax/2047), each rounding half
-to even. A simulated
-variant quantizes and dequantizes x before the fp32-activation path, which is exactly what an
-integer kernel with those activations computes, up to float summation order. Prints top-1
+to even. A simulated variant quantizes and dequantizes x before the fp32-activation path, which
+is exactly what an integer kernel with those activations computes, up to float summation order. Prints top-1
 agreement with (a) and mean / max KL(fp32 || variant) per variant. The aim of the issue for int8
 activations: >= 99% agreement over 2,000 tokens.
 
