@@ -4,7 +4,8 @@ For each of the default model's matrix shapes (SmolLM2-135M: qkv 960x576, o 576x
 3072x576, down 576x1536 in Q4_1 blocks; the tied output head 49152x576 in Q8_0 blocks), it builds
 ``--layers`` distinct random weights (so every call streams its weights from DRAM, as in a decode
 step of 30 layers) and times ``gemm_u4`` / ``gemm_s8`` on 1, 2, 4, 5, 8 and 16 x rows, for every
-kernel set this CPU runs (or those named in ``--kernels``). Kernel sets and row counts are
+kernel set this CPU runs (or those named in ``--kernels``), through the kernel bindings directly
+(about a microsecond of Python per call). Kernel sets and row counts are
 interleaved over ``--rounds`` rounds; the fastest round is reported (on a shared machine load only
 adds time). Prints microseconds per call,
 ns per 32-weight block and row, the effective weight read rate, and each row count's time relative
@@ -59,10 +60,11 @@ def main(argv: list[str] | None = None) -> int:
                     for name, ms in mats.items():
                         k = ms[0].in_features
                         x = xs[m][:, :k].contiguous()
-                        ms[0](x)  # warm-up of the call path
+                        y = torch.empty(m, ms[0].out_features)
+                        ms[0]._gemm(x, y, 0, args.threads)  # warm-up
                         t = time.perf_counter()
-                        for w in ms:
-                            w(x)
+                        for w in ms:  # the kernel binding itself: no LinearMethod.forward around it
+                            w._gemm(x, y, 0, args.threads)
                         times.setdefault((kern, name, m), []).append((time.perf_counter() - t) / len(ms))
     finally:
         native.set_kernel(best)
