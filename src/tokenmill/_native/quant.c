@@ -22,9 +22,10 @@
  *
  * Vector code is compiled through function target attributes and chosen at run time from
  * __builtin_cpu_supports (sets: avx2, avxvnni, avx512vnni; each checked on its own); a portable
- * scalar path does the same arithmetic everywhere else. With 2 to 16 x rows the avx512vnni set
- * runs 512-bit kernels over tiles of up to 6 rows that share each widened weight block (u4: two
- * blocks per 32-byte load against "pair order" activations; see the AVX-512 section).
+ * scalar path does the same arithmetic everywhere else. The avx512vnni set runs 512-bit kernels
+ * for u4 at any row count (two weight rows at a time against tiles of up to 3 x rows; two blocks
+ * per 32-byte load against "pair order" activations; see the AVX-512 section) and for s8 from 2
+ * x rows on (tiles of up to 6 rows sharing each widened block).
  * Work is split over output rows with OpenMP, the thread count given by the caller (torch's).
  * tmq_matmul() is the entry point of decoder.c's fused decode path.
  */
