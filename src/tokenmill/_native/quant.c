@@ -22,10 +22,9 @@
  *
  * Vector code is compiled through function target attributes and chosen at run time from
  * __builtin_cpu_supports (sets: avx2, avxvnni, avx512vnni; each checked on its own); a portable
- * scalar path does the same arithmetic everywhere else. The avx512vnni set runs 512-bit kernels
- * for u4 at any row count (two weight rows at a time against tiles of up to 3 x rows; two blocks
- * per 32-byte load against "pair order" activations; see the AVX-512 section) and for s8 from 2
- * x rows on (tiles of up to 6 rows sharing each widened block).
+ * scalar path does the same arithmetic everywhere else. With 2 to 16 x rows the avx512vnni set
+ * runs 512-bit kernels over tiles of up to 6 rows that share each widened weight block (u4: two
+ * blocks per 32-byte load against "pair order" activations; see the AVX-512 section).
  * Work is split over output rows with OpenMP, the thread count given by the caller (torch's).
  * tmq_matmul() is the entry point of decoder.c's fused decode path.
  */
@@ -298,12 +297,14 @@ DEFINE_ROW_DOT(dot_s8_vnni, TGT_VNNI, s8dot_vnni, int8_t, QK, 0)
 #if __GNUC__ >= 9
 /* ---- AVX-512 (F/BW/VL + VNNI) -------------------------------------------------------------- */
 #define TGT_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-/* One x row of s8 weights: the 8-block AVX2 structure with the EVEX 256-bit dpwssd (streaming
- * from DRAM it kept up with the 512-bit kernel below, which takes 2 to 16 rows). */
+/* One x row: the 8-block AVX2 structure with the EVEX 256-bit dpwssd. Streaming the weights from
+ * DRAM it ran 1.3x faster here than the 512-bit kernels below (benchmarks/quant_kernel_rows.py);
+ * those take 2 to 16 rows. */
 TGT_512 static inline __m256i madd2_512(__m256i a, __m256i x, __m256i b, __m256i y) {
     return _mm256_dpwssd_epi32(_mm256_madd_epi16(a, x), b, y);
 }
 DEFINE_BLOCK_DOTS(v512, TGT_512, madd2_512)
+DEFINE_ROW_DOT(dot_u4_v512_one, TGT_512, u4dot_v512, uint8_t, 16, 1)
 DEFINE_ROW_DOT(dot_s8_v512_one, TGT_512, s8dot_v512, int8_t, QK, 0)
 
 /* Activations for the u4 kernels are stored in "pair" order: blocks 2p and 2p+1 (64 values) as
@@ -440,97 +441,6 @@ TGT_512 static inline __attribute__((always_inline)) void s8_rows_512(
             m0_ += mr_;                                                                                   \
         }                                                                                                 \
     } while (0)
-
-/* MR (1..3) activation rows against two u4 weight rows (rs bytes apart, their scale rows G apart),
- * the pair kernel's arithmetic for each of the 2 x MR outputs: the two weight rows share every
- * activation load and the loop, and give the out-of-order core 2 MR independent chains. Streaming
- * the weights from DRAM this ran 1.1 to 1.7x faster than one weight row at a time (one x row:
- * the 8-block 256-bit kernel; two x rows: the pair kernel's 2-row tile). */
-TGT_512 static inline __attribute__((always_inline)) void u4_two_rows_512(
-    const uint8_t *qs, int64_t rs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t G, int64_t nb,
-    int64_t bpg, const int16_t *xq, int64_t xq_stride, const float *xd, const float *xs, int64_t xb_stride,
-    float *out, int64_t out_stride, const int MR) {
-    __m512 aa[3], ab[3], ma[3], mb[3];
-    for (int j = 0; j < MR; j++) aa[j] = ab[j] = ma[j] = mb[j] = _mm512_setzero_ps();
-    const __m512i low4 = _mm512_set1_epi16(0x0F), two = _mm512_set1_epi32(2);
-    const __m512i idx0 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (int64_t c = 0; c < nb; c += 16) {
-        const int64_t n = nb - c < 16 ? nb - c : 16;
-        const __mmask16 km = (__mmask16)((1u << n) - 1);
-        const __m512 swa = scales16_512(sc, f16, row_g0, c, n, nb, bpg);
-        const __m512 swb = scales16_512(sc, f16, row_g0 + G, c, n, nb, bpg);
-        const __m512 mwa = scales16_512(mn, f16, row_g0, c, n, nb, bpg);
-        const __m512 mwb = scales16_512(mn, f16, row_g0 + G, c, n, nb, bpg);
-        __m512 ca[3], cb[3];
-        for (int j = 0; j < MR; j++) {
-            const __m512 xdv = _mm512_maskz_loadu_ps(km, xd + j * xb_stride + c);
-            const __m512 xsv = _mm512_maskz_loadu_ps(km, xs + j * xb_stride + c);
-            ca[j] = _mm512_mul_ps(swa, xdv);
-            cb[j] = _mm512_mul_ps(swb, xdv);
-            ma[j] = _mm512_fmadd_ps(mwa, xsv, ma[j]);
-            mb[j] = _mm512_fmadd_ps(mwb, xsv, mb[j]);
-        }
-        __m512i idx = idx0;
-        const uint8_t *w = qs + c * 16;
-        const int16_t *x = xq + c * QK;
-#define U4_TWO_PAIR(RA, RB)                                                                                \
-        do {                                                                                              \
-            __m512i wa = _mm512_cvtepu8_epi16(RA), wb = _mm512_cvtepu8_epi16(RB);                         \
-            __m512i la = _mm512_and_si512(wa, low4), ha = _mm512_srli_epi16(wa, 4);                       \
-            __m512i lb = _mm512_and_si512(wb, low4), hb = _mm512_srli_epi16(wb, 4);                       \
-            for (int j = 0; j < MR; j++) {                                                                \
-                __m512i x0 = _mm512_loadu_si512(x + j * xq_stride), x1 = _mm512_loadu_si512(x + j * xq_stride + 32); \
-                __m512i da = _mm512_dpwssd_epi32(_mm512_madd_epi16(la, x0), ha, x1);                      \
-                __m512i db = _mm512_dpwssd_epi32(_mm512_madd_epi16(lb, x0), hb, x1);                      \
-                aa[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_permutexvar_ps(idx, ca[j]), aa[j]); \
-                ab[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_permutexvar_ps(idx, cb[j]), ab[j]); \
-            }                                                                                             \
-            idx = _mm512_add_epi32(idx, two);                                                             \
-        } while (0)
-        int64_t i = 0;
-        for (; i + 2 <= n; i += 2, w += 32, x += 64)
-            U4_TWO_PAIR(_mm256_loadu_si256((const __m256i *)w), _mm256_loadu_si256((const __m256i *)(w + rs)));
-        if (i < n)  /* the last block of an odd row stands alone (16 bytes) */
-            U4_TWO_PAIR(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)w)),
-                        _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(w + rs))));
-#undef U4_TWO_PAIR
-    }
-    for (int j = 0; j < MR; j++) {
-        out[j * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(aa[j], ma[j]));
-        out[j * out_stride + 1] = _mm512_reduce_add_ps(_mm512_add_ps(ab[j], mb[j]));
-    }
-}
-
-#define U4_TWO_FN(MR)                                                                                      \
-TGT_512 static __attribute__((noinline)) void u4_two_rows_512_##MR(                                       \
-    const uint8_t *qs, int64_t rs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t G,     \
-    int64_t nb, int64_t bpg, const int16_t *xq, int64_t xq_stride, const float *xd, const float *xs,       \
-    int64_t xb_stride, float *out, int64_t out_stride) {                                                  \
-    u4_two_rows_512(qs, rs, sc, mn, f16, row_g0, G, nb, bpg, xq, xq_stride, xd, xs, xb_stride, out,        \
-                    out_stride, MR);                                                                      \
-}
-U4_TWO_FN(1)
-U4_TWO_FN(2)
-U4_TWO_FN(3)
-
-/* two u4 weight rows against M x rows, in tiles of at most 3 x rows (as even as possible) */
-TGT_512 static void dot_u4_two_512(const uint8_t *qs, int64_t rs, const void *sc, const void *mn, int f16,
-                                   int64_t row_g0, int64_t G, int64_t nb, int64_t bpg, const int16_t *xq,
-                                   const float *xd, const float *xs, int64_t M, int64_t xq_stride, int64_t xb_stride,
-                                   float *out, int64_t out_stride) {
-    int64_t tiles = (M + 2) / 3, m0 = 0;
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t mr = (M - m0) / (tiles - t) + ((M - m0) % (tiles - t) != 0);
-#define TWO_CALL(R)                                                                                        \
-    u4_two_rows_512_##R(qs, rs, sc, mn, f16, row_g0, G, nb, bpg, xq + m0 * xq_stride, xq_stride, xd + m0 * xb_stride, \
-                        xs + m0 * xb_stride, xb_stride, out + m0 * out_stride, out_stride)
-        if (mr == 1) TWO_CALL(1);
-        else if (mr == 2) TWO_CALL(2);
-        else TWO_CALL(3);
-#undef TWO_CALL
-        m0 += mr;
-    }
-}
 
 #define U4_ROWS_FN(MR)                                                                                     \
 TGT_512 static __attribute__((noinline)) void u4_rows_512_##MR(                                           \
@@ -709,24 +619,10 @@ static int check_group(int64_t K, int64_t group) {
 static void gemm_u4(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *sc, const void *mn,
                     int f16, int64_t N, int64_t group, const float *bias, float *y, int nt, const ActBuf *a) {
     int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
-    /* the avx512vnni u4 kernels read pair-order activations (made with the set in use) */
-    int use = a->pairs ? ISA_AVX512 : isa() == ISA_AVX512 ? ISA_AVX2 : isa();
+    /* the avx512vnni u4 kernel for 2+ rows reads pair-order activations (made with the set in use) */
+    int use = a->pairs ? ISA_AVX512 : isa() == ISA_AVX512 && M > 1 ? ISA_AVX2 : isa();
     (void)x;
     (void)use;
-#if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
-    if (use == ISA_AVX512) {  /* weight rows two at a time; an odd last one with the one-row tiles */
-        const int64_t pairs_n = N / 2;
-        #pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t p = 0; p < pairs_n; p++)
-            dot_u4_two_512(qs + 2 * p * (Kp / 2), Kp / 2, sc, mn, f16, 2 * p * G, G, nb, bpg, a->xq, a->xd, a->xs, M,
-                           a->qstride, a->bstride, y + 2 * p, N);
-        if (N & 1)
-            dot_u4_512(qs + (N - 1) * (Kp / 2), sc, mn, f16, (N - 1) * G, nb, bpg, a->xq, a->xd, a->xs, M, a->qstride,
-                       a->bstride, y + N - 1, N);
-        if (bias) for (int64_t m = 0; m < M; m++) for (int64_t n = 0; n < N; n++) y[m * N + n] += bias[n];
-        return;
-    }
-#endif
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = qs + n * (Kp / 2);
@@ -734,8 +630,10 @@ static void gemm_u4(const float *x, int64_t M, int64_t K, const uint8_t *qs, con
             for (int64_t o = 0; o < Kp / 2; o += 64) __builtin_prefetch(row + PREFETCH_ROWS * (Kp / 2) + o, 0, 0);
 #if TM_X86 && defined(__GNUC__)
 #if __GNUC__ >= 9
-        if (use == ISA_AVX512)
+        if (use == ISA_AVX512 && a->pairs)
             dot_u4_512(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y + n, N);
+        else if (use == ISA_AVX512)
+            dot_u4_v512_one(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, 1, a->qstride, a->bstride, y + n, N);
         else
 #endif
 #if __GNUC__ >= 11
@@ -786,7 +684,7 @@ static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int 
  * integer kernels. Returns 0, or -1 when out of memory. */
 int tmq_matmul(const TmqMat *w, const float *x, int64_t M, const float *bias, float *y, int nt) {
     ActBuf a;
-    if (act_quantize(x, M, w->K, w->kind == TMQ_U4 && isa() == ISA_AVX512, &a)) return -1;
+    if (act_quantize(x, M, w->K, w->kind == TMQ_U4 && M > 1 && isa() == ISA_AVX512, &a)) return -1;
     if (w->kind == TMQ_U4)
         gemm_u4(x, M, w->K, (const uint8_t *)w->qs, w->sc, w->mn, w->f16, w->N, w->group, bias, y, nt < 1 ? 1 : nt, &a);
     else
@@ -815,7 +713,7 @@ static PyObject *py_gemm_u4(PyObject *self, PyObject *args) {
     ActBuf a;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
-    err = act_quantize(PTR(const float *, x), M, K, isa() == ISA_AVX512, &a);
+    err = act_quantize(PTR(const float *, x), M, K, M > 1 && isa() == ISA_AVX512, &a);
     if (!err) {
         gemm_u4(PTR(const float *, x), M, K, PTR(const uint8_t *, qs), PTR(const void *, sc), PTR(const void *, mn),
                 f16, N, group, PTR(const float *, bias), PTR(float *, y), nt < 1 ? 1 : nt, &a);
