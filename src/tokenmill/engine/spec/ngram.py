@@ -40,8 +40,18 @@ class _TokenBuffer:
         return self.data[:n]
 
 
+MAX_KIND = 8   # matches are measured up to this many tokens (the draft's kind)
+
+
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Tokens that followed the most recent earlier occurrence of the longest matching suffix."""
+    return ngram_match(tokens, min_n, max_n, k)[0]
+
+
+def ngram_match(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
+    """:func:`ngram_lookup`'s draft and how long the match really is: the matched suffix
+    extended backwards while the two contexts agree, up to ``MAX_KIND`` tokens (0: no match).
+    A long match is a copy in progress, whose next tokens are far likelier to hold."""
     size = tokens.shape[0]
     for n in range(min(max_n, size - 1), min_n - 1, -1):
         pattern = tokens[size - n:]
@@ -52,13 +62,23 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
         windows = np.lib.stride_tricks.sliding_window_view(hay, n)
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
-    return []
+            h = int(hits[-1])
+            length = n
+            m = min(MAX_KIND - n, h)
+            if m > 0:   # extend backwards: tokens before the hit vs tokens before the suffix
+                same = tokens[h - m:h][::-1] == tokens[size - n - m:size - n][::-1]
+                length += m if same.all() else int(np.argmin(same))
+            start = h + n
+            return tokens[start:start + k].tolist(), length
+    return [], 0
 
 
 class NgramProposer(Proposer):
     name = "ngram"
+    drafts_then_cuts = True
+    # first-draft acceptance assumed per match length until measured (a 2-token match is often
+    # a coincidence; a longer one usually a copy)
+    kind_first_prior = {1: 0.25, 2: 0.4, 3: 0.6, 4: 0.7, 5: 0.8}
 
     def __init__(self, min_n: int = 2, max_n: int = 5) -> None:
         if not 1 <= min_n <= max_n:
@@ -76,7 +96,8 @@ class NgramProposer(Proposer):
             if buf is None:
                 buf = self._buffers[req.request_id] = _TokenBuffer()
             tokens = buf.sync(req.all_token_ids)
-            drafts.append(Draft(ngram_lookup(tokens, self.min_n, self.max_n, k)))
+            draft, length = ngram_match(tokens, self.min_n, self.max_n, k)
+            drafts.append(Draft(draft, kind=length if draft else None))
         return drafts
 
     def request_finished(self, request: Request) -> None:
