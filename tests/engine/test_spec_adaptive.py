@@ -100,3 +100,22 @@ def test_ngram_reports_the_match_length_and_kinds_learn_acceptance() -> None:
     for _ in range(40):
         st.record(2, 0)         # then none does
     assert st.gains(4)[0] < 0.2
+
+
+def test_incremental_ngram_index_matches_the_array_search() -> None:
+    import random
+
+    import numpy as np
+
+    from tokenmill.engine.spec.ngram import _NgramIndex, ngram_match
+
+    rng = random.Random(7)
+    for _ in range(100):
+        vocab = rng.choice([3, 5, 20])
+        toks = [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        index = _NgramIndex(lo, hi)
+        for end in range(1, len(toks) + 1, rng.randint(1, 4)):   # grows by one or more tokens
+            want = ngram_match(np.array(toks[:end], dtype=np.int32), lo, hi, 6)
+            assert index.lookup(toks[:end], 6) == want
