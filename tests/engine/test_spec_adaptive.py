@@ -6,6 +6,8 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.request import Request
+from tokenmill.engine.spec import StepTable
+from tokenmill.engine.step_cost import StepCost
 
 
 @pytest.fixture()
@@ -13,6 +15,10 @@ def decoder(tiny_llama):
     lm, _ = tiny_llama
     spec = LLM(loaded=lm, kv_cache_tokens=1024, speculative_method="ngram", num_speculative_tokens=4).engine.spec
     spec._steps = 1   # not a probe step
+    # the engine measured its verify steps at start-up; these tests feed their own times
+    assert spec.table.count and spec.cost.fit() is not None
+    spec.table = StepTable()
+    spec.cost = StepCost(decay=0.97, min_samples=8.0)
     return spec
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tokenmill.engine.spec.base import Draft, KindStats, Proposer, SpecStats
@@ -56,6 +56,7 @@ MIN_GAIN = 0.15      # draft position j while accept_rate ** j >= MIN_GAIN
 PROBE_EVERY = 8      # steps between one-token probes of a request whose drafts are poor ...
 MAX_PROBE_EVERY = 64  # ... doubling after each probe that fails, up to this
 COST_PROBE_EVERY = 32  # steps between short drafts while drafting does not pay for its cost
+CUT_PROBE_EVERY = 128  # the same for draft-then-cut proposers (their kinds are pooled over requests)
 EMA_WEIGHT = 0.3     # weight of the newest step in the acceptance-rate average
 COST_WEIGHT = 0.2    # weight of the newest step in the proposer-time average
 
@@ -103,6 +104,15 @@ class SpeculativeDecoder:
         self._steps = 0
         self.steps_off = 0     # steps on which drafting did not pay and was skipped (not probes)
         self.kinds: dict[int, KindStats] = {}   # acceptance per draft kind (drafts_then_cuts proposers)
+
+    def calibrate(self, time_rows: Callable[[int], float]) -> None:
+        """Seed the step-time table with ``time_rows(n)``, the measured forward time of a
+        single-sequence step of ``n`` rows, for ``n = 1 .. k + 1`` (online steps refine it)."""
+        for n in range(1, self.k + 2):
+            seconds = time_rows(n)
+            for _ in range(int(StepTable.MIN_WEIGHT)):
+                self.table.observe(n, seconds)
+                self.cost.observe(n, seconds)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine's wall time for the forward + verification of ``out``; decode-only
@@ -231,7 +241,8 @@ class SpeculativeDecoder:
                 gains.append(self._kind(d.kind).gains(n))
             else:
                 gains.append([_row_gain(req, j) for j in range(n)])
-        chosen = self._choose_rows(gains, num_decode, 0.0)   # the proposer's time is spent already
+        # the proposer's time is spent already
+        chosen = self._choose_rows(gains, num_decode, 0.0, CUT_PROBE_EVERY)
         if chosen is None:
             return [sum(1 for g in gs if g >= MIN_GAIN) for gs in gains]
         return chosen
@@ -242,7 +253,8 @@ class SpeculativeDecoder:
         chosen = self._choose_rows(gains, num_decode, self.propose_seconds)
         return ks if chosen is None else chosen
 
-    def _choose_rows(self, gains: list[list[float]], num_decode: int, propose_seconds: float) -> list[int] | None:
+    def _choose_rows(self, gains: list[list[float]], num_decode: int, propose_seconds: float,
+                     probe_every: int = COST_PROBE_EVERY) -> list[int] | None:
         """Stage 2 of adaptive ``k`` (module doc): how many draft rows of each request give the
         step the most expected tokens per second, given each row's expected gain
         (non-increasing per request), the measured step times and the proposer's time. The
@@ -264,7 +276,7 @@ class SpeculativeDecoder:
             if rate > best_rate:
                 best_rate, best_r = rate, r
         if best_r == 0:
-            if self._steps % COST_PROBE_EVERY == 0:   # keep the estimates fresh: a short draft now and then
+            if self._steps % probe_every == 0:   # keep the estimates fresh: a short draft now and then
                 return [min(1, len(g)) for g in gains]
             self.steps_off += 1
             return [0] * len(gains)
