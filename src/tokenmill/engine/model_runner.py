@@ -158,9 +158,12 @@ class ModelRunner:
                              logits_indices=torch.arange(n, dtype=torch.long, device=dev),
                              page_size=self.page_size, max_seq_len=context + n)
         best = float("inf")
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         for i in range(repeats + 1):
+            sync()
             t0 = time.perf_counter()
             self.model(ForwardContext.prepare(self.attn, batch, scratch))
+            sync()
             if i:
                 best = min(best, time.perf_counter() - t0)
         return best

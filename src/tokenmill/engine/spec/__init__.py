@@ -14,30 +14,33 @@
 
 Adaptive ``k`` (``speculative_adaptive``), in two stages:
 
-1. *Per request:* each request keeps two moving averages: ``f``, how often the first draft of a
-   step is accepted, and ``c``, how often a draft is accepted after an accepted one (drafts
-   that copy the context come in runs: once one holds, the next usually does too). Draft
-   position ``j`` (1-based) is reached and accepted with probability about ``f * c**(j-1)``;
-   the request may draft ``j`` tokens while that is ``>= MIN_GAIN``, capped at ``k``. Below
-   ``f = MIN_GAIN`` (a learned drafter may set the starting ``f`` from its measured held-out
-   acceptance, :attr:`Proposer.first_rate_prior`) it stops drafting and tries a one-token draft after ``PROBE_EVERY`` steps
-   so it can recover; each probe that fails doubles the wait (up to ``MAX_PROBE_EVERY``), so a
-   proposer that keeps missing costs almost nothing.
-2. *Against the measured cost:* the decoder fits the time of decode-only steps as a line in
-   their token count, ``T(n) = t0 + t1 * n`` (:class:`~tokenmill.engine.step_cost.StepCost`),
-   and times the proposer itself (``D`` per step). A step with ``B`` decodes and no drafts
-   yields about ``B`` tokens in ``T(B)``. Draft rows are taken in order of their expected
-   gain ``f_i * c_i**(j-1)`` while each one raises the expected tokens per second, i.e. while
-   ``gain * T >= t1 * E`` (``T``, ``E``: time and expected tokens so far); then, if even the
-   chosen drafts do not pay for ``D``, the step drafts nothing. So where a verify row costs
-   nearly nothing (a weight-bound step) every promising draft goes out, where rows are dear
-   (a compute-bound kernel or a large batch) only the likely ones do, and a proposer whose
-   drafts are rarely accepted is switched off (it is tried again every ``COST_PROBE_EVERY`` steps,
-   so the estimates stay fresh). Until the fit has seen enough steps, stage 1 alone decides.
+1. *Expected gain per draft position.* A cheap model-free proposer (``drafts_then_cuts``:
+   ngram, suffix) drafts the longest allowed every step and tags each draft with a *kind* (the
+   length of the match it came from); acceptance per position is pooled per kind over all
+   requests (:class:`~tokenmill.engine.spec.base.KindStats`, with a prior by kind), so a long
+   match (a copy in progress) is trusted and a 2-token coincidence is not. Other proposers use
+   two per-request moving averages: ``f``, how often the first draft of a step is accepted, and
+   ``c``, how often a draft is accepted after an accepted one; position ``j`` (1-based) holds
+   with probability about ``f * c**(j-1)`` and the request asks for drafts while that is
+   ``>= MIN_GAIN``, capped at ``k``. Below ``f = MIN_GAIN`` (a learned drafter may set the
+   starting ``f``, :attr:`Proposer.first_rate_prior`) it stops and tries a one-token draft after
+   ``PROBE_EVERY`` steps, doubling the wait after each failed probe (up to ``MAX_PROBE_EVERY``).
+2. *Against the measured cost.* Decode-only step times are kept per step size
+   (:class:`StepTable`, seeded at start-up by :meth:`SpeculativeDecoder.calibrate` with verify
+   forwards of ``1 .. k + 1`` rows; a line fitted over all steps,
+   :class:`~tokenmill.engine.step_cost.StepCost`, extends it to unseen sizes), and the
+   proposer's own time ``D`` is measured. The draft rows of all requests are ranked by gain and
+   the step sends the number ``R`` of best rows that maximises ``(B + gains) / (T(B + R) + D)``
+   (``B`` decodes), trying every ``R``: a step's time is not a line in its rows (the int4 GEMV
+   has one path for a single row and one for 2-4), so a lone draft may not pay while three do.
+   Where rows are nearly free (a weight-bound step) every promising draft goes out; where they
+   are dear only likely ones do; if no ``R > 0`` pays, the step drafts nothing, with a one-token
+   probe every ``COST_PROBE_EVERY`` (``CUT_PROBE_EVERY`` for draft-then-cut proposers) steps.
    On top, one step's drafts are capped at ``speculative_max_draft_tokens`` in total.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +54,8 @@ if TYPE_CHECKING:
     from tokenmill.engine.model_runner import StepResult
     from tokenmill.engine.request import Request
     from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 MIN_GAIN = 0.15      # draft position j while accept_rate ** j >= MIN_GAIN
 PROBE_EVERY = 8      # steps between one-token probes of a request whose drafts are poor ...
@@ -108,11 +113,15 @@ class SpeculativeDecoder:
     def calibrate(self, time_rows: Callable[[int], float]) -> None:
         """Seed the step-time table with ``time_rows(n)``, the measured forward time of a
         single-sequence step of ``n`` rows, for ``n = 1 .. k + 1`` (online steps refine it)."""
+        times = []
         for n in range(1, self.k + 2):
             seconds = time_rows(n)
+            times.append(seconds)
             for _ in range(int(StepTable.MIN_WEIGHT)):
                 self.table.observe(n, seconds)
                 self.cost.observe(n, seconds)
+        log.info("speculative decoding: a step of 1..%d rows takes %s ms", self.k + 1,
+                 " / ".join(f"{1000 * t:.1f}" for t in times))
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine's wall time for the forward + verification of ``out``; decode-only
