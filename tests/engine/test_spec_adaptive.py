@@ -52,7 +52,9 @@ def test_free_rows_draft_everything_and_a_slow_proposer_is_switched_off(decoder)
     assert decoder._worth_drafting([_req(0.3, 0.5)], [4], 1) == [4]
     decoder.propose_seconds = 0.050   # five steps: more than the ~3.1 tokens its drafts are expected to add
     assert decoder._worth_drafting([_req(0.9, 0.9)], [4], 1) == [0]
-    decoder._steps = 32              # but a short probe goes out now and then
+    decoder._steps = 32              # a probe would cost 5 steps: not every 32 steps ...
+    assert decoder._worth_drafting([_req(0.9, 0.9)], [4], 1) == [0]
+    decoder._steps = 250             # ... but every 250 (2% of the time), a short probe goes out
     assert decoder._worth_drafting([_req(0.9, 0.9)], [4], 1) == [1]
 
 

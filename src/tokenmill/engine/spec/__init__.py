@@ -35,7 +35,8 @@ Adaptive ``k`` (``speculative_adaptive``), in two stages:
    has one path for a single row and one for 2-4), so a lone draft may not pay while three do.
    Where rows are nearly free (a weight-bound step) every promising draft goes out; where they
    are dear only likely ones do; if no ``R > 0`` pays, the step drafts nothing, with a one-token
-   probe every ``COST_PROBE_EVERY`` (``CUT_PROBE_EVERY`` for draft-then-cut proposers) steps.
+   probe every ``COST_PROBE_EVERY`` (``CUT_PROBE_EVERY`` for draft-then-cut proposers) steps,
+   or rarer, so that probes take at most ``PROBE_BUDGET`` of the decode time.
    On top, one step's drafts are capped at ``speculative_max_draft_tokens`` in total.
 """
 from __future__ import annotations
@@ -61,6 +62,7 @@ MIN_GAIN = 0.15      # draft position j while accept_rate ** j >= MIN_GAIN
 PROBE_EVERY = 8      # steps between one-token probes of a request whose drafts are poor ...
 MAX_PROBE_EVERY = 64  # ... doubling after each probe that fails, up to this
 COST_PROBE_EVERY = 32  # steps between short drafts while drafting does not pay for its cost
+PROBE_BUDGET = 0.02   # share of decode time that cost probes may take
 CUT_PROBE_EVERY = 128  # the same for draft-then-cut proposers (their kinds are pooled over requests)
 EMA_WEIGHT = 0.3     # weight of the newest step in the acceptance-rate average
 COST_WEIGHT = 0.2    # weight of the newest step in the proposer-time average
@@ -285,7 +287,11 @@ class SpeculativeDecoder:
             if rate > best_rate:
                 best_rate, best_r = rate, r
         if best_r == 0:
-            if self._steps % probe_every == 0:   # keep the estimates fresh: a short draft now and then
+            # keep the estimates fresh: a short draft now and then, rarer when a probe is dear
+            # (its extra row and the proposer's pass), so probing costs at most PROBE_BUDGET
+            probe_time = max((self.step_time(n + 1) or base_time) - base_time, 0.0) + propose_seconds
+            every = max(probe_every, int(probe_time / (PROBE_BUDGET * base_time)))
+            if self._steps % every == 0:
                 return [min(1, len(g)) for g in gains]
             self.steps_off += 1
             return [0] * len(gains)
