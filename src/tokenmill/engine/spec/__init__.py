@@ -31,8 +31,9 @@ Adaptive ``k`` (``speculative_adaptive``), in two stages:
    :class:`~tokenmill.engine.step_cost.StepCost`, extends it to unseen sizes), and the
    proposer's own time ``D`` is measured. The draft rows of all requests are ranked by gain and
    the step sends the number ``R`` of best rows that maximises ``(B + gains) / (T(B + R) + D)``
-   (``B`` decodes), trying every ``R``: a step's time is not a line in its rows (the int4 GEMV
-   has one path for a single row and one for 2-4), so a lone draft may not pay while three do.
+   (``B`` decodes), trying every ``R``: a step's time is not a line in its rows (on the int4
+   weights the second row nearly doubles a step, rows 3-4 add little), so a lone draft may not
+   pay while three do.
    Where rows are nearly free (a weight-bound step) every promising draft goes out; where they
    are dear only likely ones do; if no ``R > 0`` pays, the step drafts nothing, with a one-token
    probe every ``COST_PROBE_EVERY`` (``CUT_PROBE_EVERY`` for draft-then-cut proposers) steps,
@@ -334,8 +335,9 @@ class StepTable:
     """Decode-only step time per step size (tokens), as a moving average per size.
 
     A line fits a weight-bound step well but not a kernel whose cost jumps at row-count
-    boundaries (the int4 GEMV handles 1 row and 2-4 rows with different code); the table
-    records each size actually seen, and :meth:`predict` interpolates between seen sizes.
+    boundaries (on the int4 weights the second row nearly doubles a step, rows 3-4 add
+    little); the table records each size actually seen, and :meth:`predict` interpolates
+    between seen sizes.
     """
 
     MIN_WEIGHT = 2.0    # observations of a size before its mean is used
