@@ -121,6 +121,8 @@ class Engine:
                                       linear_backend=config.linear_backend, compile=config.compile)
             if self.runner.states is not None:   # snapshots are taken by copying a request's slot
                 self.kv.copy_state = self.runner.states.copy
+            if self.step_cost is not None:   # packed weights: small steps are a cheaper kind
+                self.step_cost.split_rows = self.runner.step_kind_rows()
             self._init_tiers()
         self.generation_tokens_total = 0
         self._arrivals = 0
@@ -381,7 +383,7 @@ class Engine:
         result = self.runner.execute(out)
         seconds = time.perf_counter() - t0
         if self.step_cost is not None:
-            self.step_cost.observe(out.num_tokens, seconds)
+            self.step_cost.observe_step(out.scheduled, seconds)
         if self.spec is not None:
             self.spec.observe_step(out, seconds)
         self.scheduler.post_step(out)

@@ -40,6 +40,7 @@ from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import ForwardContext, select_attention_backend
 from tokenmill.layers import fused
 from tokenmill.layers.linear import select_linear_backend, use_linear_backend
+from tokenmill.layers.quant import packed
 from tokenmill.engine.structured import apply_grammar_masks
 from tokenmill.layers.sampling import PenaltyState, Sampler, SamplingInputs
 from tokenmill.layers.speculative import VerifyInputs, verify
@@ -108,6 +109,14 @@ class ModelRunner:
         self.sampler = Sampler(seed, device=self.device)
         self.capture_layers: frozenset[int] = frozenset()   # set by a learned drafter
         self.prompt_rows: list[PromptRows] = []
+
+    def step_kind_rows(self) -> int | None:
+        """Rows up to which a step runs the packed-weight integer kernels, a cheaper kind of step
+        than the dequantize + GEMM path above it (the step-cost model fits the two apart); None
+        when the model has no packed int4/int8 matrices."""
+        if any(isinstance(m, (packed.Int4Linear, packed.Int8Linear)) for m in self.model.modules()):
+            return packed.GEMV_MAX_ROWS
+        return None
 
     def calibrate_fp8_scales(self, tokens: list[int]) -> None:
         """Static fp8 KV scales from one prefill of ``tokens`` into a scratch pool of the same

@@ -24,7 +24,7 @@ Adaptive ``k`` (``speculative_adaptive``), in two stages:
    so it can recover; each probe that fails doubles the wait (up to ``MAX_PROBE_EVERY``), so a
    proposer that keeps missing costs almost nothing.
 2. *Against the measured cost:* the decoder fits the time of decode-only steps as a line in
-   their token count, ``T(n) = t0 + t1 * n`` (:class:`~tokenmill.engine.step_cost.StepCost`),
+   their token count, ``T(n) = t0 + t1 * n`` (:class:`~tokenmill.engine.step_cost.TokenLine`),
    and times the proposer itself (``D`` per step). A step with ``B`` decodes and no drafts
    yields about ``B`` tokens in ``T(B)``. Draft rows are taken in order of their expected
    gain ``f_i * c_i**(j-1)`` while each one raises the expected tokens per second, i.e. while
@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tokenmill.engine.spec.base import Draft, Proposer, SpecStats
-from tokenmill.engine.step_cost import StepCost
+from tokenmill.engine.step_cost import TokenLine
 
 if TYPE_CHECKING:
     from tokenmill.engine.config import EngineConfig
@@ -97,7 +97,7 @@ class SpeculativeDecoder:
         self.stats = SpecStats(proposer.name, num_speculative_tokens)
         # decode-only step time as a line in its tokens (fed by the engine), and the proposer's
         # own time per step (observe + propose): the costs stage 2 of adaptive k weighs
-        self.cost = StepCost(decay=0.97, min_samples=8.0)
+        self.cost = TokenLine(decay=0.97, min_samples=8.0)
         self.propose_seconds = 0.0
         self._steps = 0
         self.steps_off = 0     # steps on which drafting did not pay and was skipped (not probes)
