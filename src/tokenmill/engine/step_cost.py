@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple, Protocol
+from typing import Any, Iterable, NamedTuple, Protocol
 
 
 class _Scheduled(Protocol):
@@ -265,3 +265,49 @@ class PrefillBound:
         self.rows += n
         self.pairs += chunk_pairs(context, n)
         self.added += n
+
+
+STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+def step_kind(scheduled: Iterable[Any]) -> str:
+    """``decode`` (every request one token behind, drafts allowed), ``prefill`` (chunks only) or
+    ``mixed``, for scheduled entries with ``num_tokens``, ``num_draft`` and ``samples``."""
+    dec = pre = False
+    for s in scheduled:
+        if s.num_tokens - s.num_draft > 1 or not s.samples:
+            pre = True
+        else:
+            dec = True
+    return "mixed" if dec and pre else ("prefill" if pre else "decode")
+
+
+class StepTimes:
+    """Histograms of step wall time by kind of step (``/metrics``: ``engine_step_seconds``), so a
+    user can see what a decode step costs alone and how much the prefill beside it adds."""
+
+    def __init__(self, buckets: tuple[float, ...] = STEP_SECONDS_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = {k: [0] * len(buckets) for k in STEP_KINDS}   # per bucket, not cumulative
+        self.sums = dict.fromkeys(STEP_KINDS, 0.0)
+        self.totals = dict.fromkeys(STEP_KINDS, 0)
+
+    def observe(self, kind: str, seconds: float) -> None:
+        self.totals[kind] += 1
+        self.sums[kind] += seconds
+        for i, b in enumerate(self.buckets):
+            if seconds <= b:
+                self.counts[kind][i] += 1
+                break
+
+    def snapshot(self) -> dict[str, tuple[list[int], float, int]]:
+        """kind -> (cumulative counts per bucket, sum of seconds, count)."""
+        out = {}
+        for k in STEP_KINDS:
+            cum, run = [], 0
+            for n in self.counts[k]:
+                run += n
+                cum.append(run)
+            out[k] = (cum, self.sums[k], self.totals[k])
+        return out
