@@ -1,5 +1,5 @@
 """Do decodes stall behind prefill? The Mooncake trace at concurrency 4 with short outputs,
-against tokenmill with the step-time prefill bound on (``--decode-slowdown 2``) and off (a
+against tokenmill with the step-time prefill bound on (``--decode-slowdown 2``, or ``--slowdown``) and off (a
 step's prefill may fill ``--max-batch-tokens``, the behaviour before the bound), in one run.
 
 Every request streams a few tokens; its TPOT is the time between its streamed tokens, i.e. the
@@ -8,14 +8,17 @@ alone is measured first: single requests with cached prompts, nothing else runni
 
     .venv/bin/python benchmarks/decode_stall.py --num-requests 40
 
-Prints TPOT p50/mean, TTFT p50 and total tok/s per setting, and TPOT relative to alone.
+Prints TPOT p50/mean, TTFT p50 and total tok/s per setting, TPOT relative to alone, and the
+engine's steps by kind (decode / mixed / prefill: count and mean wall time, from ``/metrics``).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +37,16 @@ def bench(base_url: str, out: Path, args, *, concurrency: int, num_requests: int
     return json.loads((out / "results.json").read_text())["runs"][0]
 
 
+def step_seconds(base_url: str) -> dict[str, tuple[int, float]]:
+    """The server's engine_step_seconds histogram: kind -> (steps, mean seconds)."""
+    text = urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=30).read().decode()
+    sums, counts = {}, {}
+    for m in re.finditer(r'^tokenmill:engine_step_seconds_(sum|count)\{([^}]*)\} (\S+)$', text, re.M):
+        kind = re.search(r'kind="([^"]+)"', m.group(2)).group(1)
+        (sums if m.group(1) == "sum" else counts)[kind] = float(m.group(3))
+    return {k: (int(counts[k]), sums[k] / counts[k]) for k in counts if counts[k]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -43,22 +56,33 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=40)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--slowdown", type=float, default=2.0, help="--decode-slowdown of the bounded server")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "decode_stall")
     args = ap.parse_args()
     print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     rows = {}
-    for label, slowdown in (("bound on (--decode-slowdown 2)", "2"), ("bound off", "0")):
+    for label, slowdown in ((f"bound on (--decode-slowdown {args.slowdown:g})", f"{args.slowdown:g}"),
+                            ("bound off", "0")):
         argv = ["serve", "--model", args.model, "--served-model-name", "m", "--threads", str(args.threads),
                 "--decode-slowdown", slowdown, "--kv-cache-tokens", "65536"]
         with ServiceProcess(argv, start_timeout=600, log_path=args.out.parent / "decode_stall_server.log") as srv:
             out = args.out / label.split()[1]
             alone = bench(srv.base_url, out / "alone", args, concurrency=1, num_requests=8)
+            before = step_seconds(srv.base_url)
             loaded = bench(srv.base_url, out / "c4", args, concurrency=args.concurrency,
                            num_requests=args.num_requests)
+            after = step_seconds(srv.base_url)
+        steps = []
+        for kind, (n, mean) in after.items():   # the loaded run's steps only
+            n0, mean0 = before.get(kind, (0, 0.0))
+            if n > n0:
+                steps.append(f"{kind} {n - n0} x {(n * mean - n0 * mean0) / (n - n0) * 1000:.1f} ms")
         rows[label] = (alone, loaded)
         print(f"[{label}] alone TPOT p50 {alone['tpot_p50_s'] * 1000:.0f} ms; c={args.concurrency}: TPOT p50 "
               f"{loaded['tpot_p50_s'] * 1000:.0f} ms, mean {loaded['tpot_mean_s'] * 1000:.0f} ms, TTFT p50 "
-              f"{loaded['ttft_p50_s']:.2f} s, total {loaded['total_tokens_per_s']:.0f} tok/s", flush=True)
+              f"{loaded['ttft_p50_s']:.2f} s, total {loaded['total_tokens_per_s']:.0f} tok/s; engine steps (mean): "
+              f"{', '.join(steps) or 'not reported'}", flush=True)
     print(f"load average at end: {open('/proc/loadavg').read().split()[:3]}")
     print(f"\n| setting | TPOT alone p50 | TPOT c={args.concurrency} p50 | ratio to alone | TPOT mean | "
           f"TTFT p50 | total tok/s |")
