@@ -30,7 +30,7 @@ from tokenmill.engine.config import (DEFAULT_SNAPSHOT_MEMORY_CAP_GIB, DEFAULT_SN
                                      default_kv_cache_tokens, resolve_kv_dtype)
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
-from tokenmill.engine.model_runner import ModelRunner, SampledTokens
+from tokenmill.engine.model_runner import ModelRunner, SampledTokens, step_kind_rows
 from tokenmill.engine.parallel import ParallelRunner, WorkerSpec, check_tensor_parallel_devices, new_init_method
 from tokenmill.engine.request import ListView, Request, RequestOutput, RequestStatus
 from tokenmill.contracts.kv import KVCacheSpec
@@ -124,9 +124,9 @@ class Engine:
                                       linear_backend=config.linear_backend, compile=config.compile)
             if self.runner.states is not None:   # snapshots are taken by copying a request's slot
                 self.kv.copy_state = self.runner.states.copy
-            if self.step_cost is not None:   # packed weights: small steps are a cheaper kind
-                self.step_cost.split_rows = self.runner.step_kind_rows()
             self._init_tiers()
+        if self.step_cost is not None:   # packed weights: small steps are a cheaper kind
+            self.step_cost.split_rows = step_kind_rows(self.loaded.model)
         self.generation_tokens_total = 0
         self._arrivals = 0
         self._num_timed = 0   # requests added with a deadline (expiry is skipped while there are none)

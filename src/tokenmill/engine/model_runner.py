@@ -74,6 +74,15 @@ def _token_logprob(tok: int, lp: Any) -> TokenLogprob:
     return TokenLogprob(tok, lp[0], [TopLogprob(t, v) for t, v in lp[1]])
 
 
+def step_kind_rows(model: torch.nn.Module) -> int | None:
+    """Rows up to which a step of ``model`` runs the packed-weight integer kernels, a cheaper kind
+    of step than the dequantize + GEMM path above it (the step-cost model fits the two apart);
+    None when the model has no packed int4/int8 matrices."""
+    if any(isinstance(m, (packed.Int4Linear, packed.Int8Linear)) for m in model.modules()):
+        return packed.GEMV_MAX_ROWS
+    return None
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_pages: int, page_size: int, vocab_size: int,
                  device: torch.device | str = "cpu", seed: int | None = None, *,
@@ -109,14 +118,6 @@ class ModelRunner:
         self.sampler = Sampler(seed, device=self.device)
         self.capture_layers: frozenset[int] = frozenset()   # set by a learned drafter
         self.prompt_rows: list[PromptRows] = []
-
-    def step_kind_rows(self) -> int | None:
-        """Rows up to which a step runs the packed-weight integer kernels, a cheaper kind of step
-        than the dequantize + GEMM path above it (the step-cost model fits the two apart); None
-        when the model has no packed int4/int8 matrices."""
-        if any(isinstance(m, (packed.Int4Linear, packed.Int8Linear)) for m in self.model.modules()):
-            return packed.GEMV_MAX_ROWS
-        return None
 
     def calibrate_fp8_scales(self, tokens: list[int]) -> None:
         """Static fp8 KV scales from one prefill of ``tokens`` into a scratch pool of the same
