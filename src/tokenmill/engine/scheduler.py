@@ -12,9 +12,10 @@ Order within a step:
    behind, and count as decode tokens for the prefill bound); drafts are cut to what the
    budget allows, and dropped rather than preempting anyone for their pages;
 2. running requests further behind (prefill chunks), in priority order; when the step already
-   carries decodes, prefill (this and admission) gets only the budget of
-   :meth:`~tokenmill.engine.step_cost.StepCost.prefill_budget`, so a decode's next token is not
-   held up by seconds of prefill (step time is learned online from the engine's own steps).
+   carries decodes, prefill (this and admission, chunk by chunk, one allowance per step) gets
+   only what :class:`~tokenmill.engine.step_cost.PrefillBound` allows, so a decode's next token
+   is not held up by seconds of prefill (step time is learned online from the engine's own
+   steps, over token rows and attention reads, so a chunk after a long context is smaller).
    Under that bound the prefill with the fewest tokens left goes first, and a waiting request
    with fewer left (after its cached prefix) than every running prefill is admitted before
    them (``shortest_prefill_first``), so a new agent turn is not queued behind a long first

@@ -2,7 +2,7 @@
 
 Every prefill token in a step that also carries decodes delays those decodes' next token. The
 scheduler therefore gives prefill chunks only as many tokens as keep the step within
-``slowdown`` times the time of the decodes alone (see :meth:`StepCost.prefill_cap`).
+``slowdown`` times the time of the decodes alone (see :class:`PrefillBound`).
 
 A step is described by two numbers (:class:`StepShape`): its token rows, and the query-key pairs
 its attention reads, ``sum over scheduled requests of n * start + n * (n + 1) / 2`` for ``n``
