@@ -10,12 +10,17 @@ alone is measured first: single requests with cached prompts, nothing else runni
 
 Prints TPOT p50/mean, TTFT p50 and total tok/s per setting, TPOT relative to alone, and the
 engine's steps by kind (decode / mixed / prefill: count and mean wall time, from ``/metrics``).
+Both servers run side by side (one idle while the other is measured); with ``--rounds N`` the
+two settings take turns N times, each round from an empty prefix cache, and the table gives
+medians, since on a shared machine one run's throughput moves by +-15% with the load.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
+import statistics
 import subprocess
 import sys
 import urllib.request
@@ -57,43 +62,67 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--slowdown", type=float, default=2.0, help="--decode-slowdown of the bounded server")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat both settings, alternating which goes first (the load here drifts)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "decode_stall")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = {}
-    for label, slowdown in ((f"bound on (--decode-slowdown {args.slowdown:g})", f"{args.slowdown:g}"),
-                            ("bound off", "0")):
-        argv = ["serve", "--model", args.model, "--served-model-name", "m", "--threads", str(args.threads),
-                "--decode-slowdown", slowdown, "--kv-cache-tokens", "65536"]
-        with ServiceProcess(argv, start_timeout=600, log_path=args.out.parent / "decode_stall_server.log") as srv:
-            out = args.out / label.split()[1]
-            alone = bench(srv.base_url, out / "alone", args, concurrency=1, num_requests=8)
-            before = step_seconds(srv.base_url)
-            loaded = bench(srv.base_url, out / "c4", args, concurrency=args.concurrency,
-                           num_requests=args.num_requests)
-            after = step_seconds(srv.base_url)
-        steps = []
-        for kind, (n, mean) in after.items():   # the loaded run's steps only
-            n0, mean0 = before.get(kind, (0, 0.0))
-            if n > n0:
-                steps.append(f"{kind} {n - n0} x {(n * mean - n0 * mean0) / (n - n0) * 1000:.1f} ms")
-        rows[label] = (alone, loaded)
-        print(f"[{label}] alone TPOT p50 {alone['tpot_p50_s'] * 1000:.0f} ms; c={args.concurrency}: TPOT p50 "
-              f"{loaded['tpot_p50_s'] * 1000:.0f} ms, mean {loaded['tpot_mean_s'] * 1000:.0f} ms, TTFT p50 "
-              f"{loaded['ttft_p50_s']:.2f} s, total {loaded['total_tokens_per_s']:.0f} tok/s; engine steps (mean): "
-              f"{', '.join(steps) or 'not reported'}", flush=True)
+    settings = {f"bound on (--decode-slowdown {args.slowdown:g})": f"{args.slowdown:g}", "bound off": "0"}
+    rows: dict[str, list[tuple[dict, dict]]] = {label: [] for label in settings}
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for label, slowdown in settings.items():
+            argv = ["serve", "--model", args.model, "--served-model-name", "m", "--threads", str(args.threads),
+                    "--decode-slowdown", slowdown, "--kv-cache-tokens", "65536"]
+            log = args.out.parent / f"decode_stall_server_{label.split()[1]}.log"
+            servers[label] = stack.enter_context(ServiceProcess(argv, start_timeout=600, log_path=log))
+        for r in range(args.rounds):
+            # both servers are up (one idles while the other runs); rounds alternate which goes
+            # first, so a change of load on the machine falls on both settings
+            order = list(settings) if r % 2 == 0 else list(settings)[::-1]
+            for label in order:
+                srv = servers[label]
+                if r:   # every round starts from an empty prefix cache, as the first does
+                    urllib.request.urlopen(urllib.request.Request(srv.base_url + "/flush_cache", method="POST"),
+                                           timeout=60).read()
+                out = args.out / label.split()[1] / f"round{r}"
+                alone = bench(srv.base_url, out / "alone", args, concurrency=1, num_requests=8)
+                before = step_seconds(srv.base_url)
+                loaded = bench(srv.base_url, out / "c4", args, concurrency=args.concurrency,
+                               num_requests=args.num_requests)
+                after = step_seconds(srv.base_url)
+                steps = []
+                for kind, (n, mean) in after.items():   # the loaded run's steps only
+                    n0, mean0 = before.get(kind, (0, 0.0))
+                    if n > n0:
+                        steps.append(f"{kind} {n - n0} x {(n * mean - n0 * mean0) / (n - n0) * 1000:.1f} ms")
+                rows[label].append((alone, loaded))
+                print(f"[round {r + 1}, {label}] alone TPOT p50 {alone['tpot_p50_s'] * 1000:.0f} ms; "
+                      f"c={args.concurrency}: TPOT p50 {loaded['tpot_p50_s'] * 1000:.0f} ms, mean "
+                      f"{loaded['tpot_mean_s'] * 1000:.0f} ms, TTFT p50 {loaded['ttft_p50_s']:.2f} s, total "
+                      f"{loaded['total_tokens_per_s']:.0f} tok/s; engine steps (mean): "
+                      f"{', '.join(steps) or 'not reported'}; load {open('/proc/loadavg').read().split()[0]}",
+                      flush=True)
     print(f"load average at end: {open('/proc/loadavg').read().split()[:3]}")
+    med = statistics.median
     print(f"\n| setting | TPOT alone p50 | TPOT c={args.concurrency} p50 | ratio to alone | TPOT mean | "
-          f"TTFT p50 | total tok/s |")
+          f"TTFT p50 | total tok/s |" + ("  (medians over rounds)" if args.rounds > 1 else ""))
     print("|---|---|---|---|---|---|---|")
-    for label, (alone, loaded) in rows.items():
-        print(f"| {label} | {alone['tpot_p50_s'] * 1000:.0f} ms | {loaded['tpot_p50_s'] * 1000:.0f} ms | "
-              f"{loaded['tpot_p50_s'] / alone['tpot_p50_s']:.2f}x | {loaded['tpot_mean_s'] * 1000:.0f} ms | "
-              f"{loaded['ttft_p50_s']:.2f} s | {loaded['total_tokens_per_s']:.0f} |")
-    on, off = (rows[k][1] for k in rows)
-    print(f"\nbound on / off: TPOT p50 {on['tpot_p50_s'] / off['tpot_p50_s']:.2f}x, total throughput "
-          f"{on['total_tokens_per_s'] / off['total_tokens_per_s']:.2f}x")
+    for label, runs in rows.items():
+        alone_s = med(a["tpot_p50_s"] for a, _ in runs)
+        tpot = med(l["tpot_p50_s"] for _, l in runs)
+        ratio = med(l["tpot_p50_s"] / a["tpot_p50_s"] for a, l in runs)
+        print(f"| {label} | {alone_s * 1000:.0f} ms | {tpot * 1000:.0f} ms | {ratio:.2f}x | "
+              f"{med(l['tpot_mean_s'] for _, l in runs) * 1000:.0f} ms | "
+              f"{med(l['ttft_p50_s'] for _, l in runs):.2f} s | {med(l['total_tokens_per_s'] for _, l in runs):.0f} |")
+    on, off = rows.values()
+    tp = [a[1]["total_tokens_per_s"] / b[1]["total_tokens_per_s"] for a, b in zip(on, off)]
+    tpot = [a[1]["tpot_p50_s"] / b[1]["tpot_p50_s"] for a, b in zip(on, off)]
+    print(f"\nbound on / off, per round: TPOT p50 {', '.join(f'{x:.2f}x' for x in tpot)}; total throughput "
+          f"{', '.join(f'{x:.2f}x' for x in tp)}" + (f" (median {med(tp):.2f}x)" if args.rounds > 1 else ""))
     return 0
 
 

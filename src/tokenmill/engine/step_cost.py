@@ -64,12 +64,12 @@ def chunk_pairs(start: int, n: int) -> int:
 class _Fit:
     """Exponentially weighted least squares of ``y`` on ``(1, x1, x2)`` with non-negative slopes."""
 
-    __slots__ = ("decay", "w", "s1", "s2", "sy", "s11", "s12", "s22", "s1y", "s2y", "syy", "_coef")
+    __slots__ = ("decay", "w", "s1", "s2", "sy", "s11", "s12", "s22", "s1y", "s2y", "_coef")
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
         self.w = self.s1 = self.s2 = self.sy = 0.0
-        self.s11 = self.s12 = self.s22 = self.s1y = self.s2y = self.syy = 0.0
+        self.s11 = self.s12 = self.s22 = self.s1y = self.s2y = 0.0
         self._coef: tuple[float, float, float] | None | bool = False   # False: not solved yet
 
     def add(self, x1: float, x2: float, y: float) -> None:
@@ -83,7 +83,6 @@ class _Fit:
         self.s22 = self.s22 * d + x2 * x2
         self.s1y = self.s1y * d + x1 * y
         self.s2y = self.s2y * d + x2 * y
-        self.syy = self.syy * d + y * y
         self._coef = False
 
     def coef(self, min_samples: float) -> tuple[float, float, float] | None:
