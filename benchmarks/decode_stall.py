@@ -1,6 +1,7 @@
 """Do decodes stall behind prefill? The Mooncake trace at concurrency 4 with short outputs,
-against tokenmill with the step-time prefill bound on (``--decode-slowdown 2``, or ``--slowdown``) and off (a
-step's prefill may fill ``--max-batch-tokens``, the behaviour before the bound), in one run.
+against tokenmill with the step-time prefill bound on (serve's default ``--decode-slowdown 1.75``,
+or ``--slowdown``) and off (a step's prefill may fill ``--max-batch-tokens``, the behaviour
+before the bound), in one run.
 
 Every request streams a few tokens; its TPOT is the time between its streamed tokens, i.e. the
 steps it decoded in, which at concurrency 4 mostly also carry other requests' prefill. TPOT
@@ -61,7 +62,8 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=40)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--slowdown", type=float, default=2.0, help="--decode-slowdown of the bounded server")
+    ap.add_argument("--slowdown", type=float, default=1.75,
+                    help="--decode-slowdown of the bounded server (serve's default)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat both settings, alternating which goes first (the load here drifts)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "decode_stall")
