@@ -168,6 +168,24 @@ def _read_stream(base_url: str, body: dict, out: dict) -> None:
     out["started"].set()
 
 
+def test_port_in_use_exits_1_with_a_message(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The HTTP server runs on its own thread, the engine loop on the main one: when the port
+    cannot be bound, the HTTP thread stops the engine loop and the process exits 1, not hangs."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(tiny_checkpoint),
+                               "--port", str(port), "--kv-cache-tokens", "4096"],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"could not start the HTTP server on 127.0.0.1:{port}" in proc.stderr
+
+
 def test_sigterm_finishes_in_flight_work_and_exits_0(keyed_server: ServiceProcess) -> None:
     """Runs last in this module: it stops the module's server."""
     short = {"model": "tiny", "messages": [{"role": "user", "content": "short"}], "max_tokens": 40,
