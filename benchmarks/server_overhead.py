@@ -10,6 +10,11 @@ Prints output tokens/s, mean TTFT and the mean inter-token gap (at concurrency 1
 TPOT) of each mode, and the ratios of each mode to offline. Each request uses its own random
 prompt (no prefix sharing) and ignore_eos, so every mode does exactly the same engine work.
 ``--threads`` sets OMP_NUM_THREADS for the whole benchmark, and so for the server it starts.
+
+``--new-tokens N`` turns the prefix cache on and makes every round after the warm-up a follow-up
+turn: request i's prompt is its prompt of the round before plus N new tokens, so its TTFT is that
+of a cached-prefix request (the agentic case). The tokenizer's time to encode such a prompt as
+text is printed too (the HTTP mode sends token ids, so it does not pay it).
 """
 from __future__ import annotations
 
@@ -48,7 +53,11 @@ class RunResult(NamedTuple):
                 f"ITL p50 {1000 * statistics.median(self.itl_s or [0.0]):6.2f} ms")
 
 
-def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+def prompts(n: int, length: int, seed: int, new_tokens: int = 0) -> list[list[int]]:
+    """Round ``seed``'s prompts; with ``new_tokens``, round r extends round r-1's by that many."""
+    if new_tokens:
+        rng = random.Random(1234)
+        return [[rng.randrange(100, 40000) for _ in range(length + seed * new_tokens)] for _ in range(n)]
     rng = random.Random(seed)
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
 
@@ -149,6 +158,8 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="the engine's --quantization (default: its own)")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every mode")
     ap.add_argument("--modes", default="offline,inprocess,http")
+    ap.add_argument("--new-tokens", type=int, default=0,
+                    help="prefix cache on; each round extends the last one's prompts by this many tokens")
     args = ap.parse_args()
     if args.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -166,26 +177,33 @@ def main() -> None:
 
         model = str(build_tiny_checkpoint(Path(tmp.name) / "tiny"))
     kv_tokens = max(16384, 2 * args.concurrency * (args.prompt_tokens + args.output_tokens))
-    flags = ["--kv-cache-tokens", str(kv_tokens), "--no-prefix-cache"]
+    kv_tokens += 2 * args.concurrency * args.rounds * args.new_tokens
+    cache = args.new_tokens > 0
+    flags = ["--kv-cache-tokens", str(kv_tokens)] + ([] if cache else ["--no-prefix-cache"])
     extra = {}
     if args.quantization is not None:
         flags += ["--quantization", args.quantization]
         extra["quantization"] = args.quantization
     print(f"model={args.model} concurrency={args.concurrency} prompt={args.prompt_tokens} "
           f"output={args.output_tokens} rounds={args.rounds} quantization={args.quantization or 'default'} "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} (prefix cache off)  "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} "
+          f"({f'prefix cache on, {args.new_tokens} new tokens per round' if cache else 'prefix cache off'})  "
           f"loadavg {open('/proc/loadavg').read().split()[0]}")
 
     def batch(r: int) -> list[list[int]]:
-        return prompts(args.concurrency, args.prompt_tokens, r)
+        return prompts(args.concurrency, args.prompt_tokens, r, args.new_tokens)
 
     results: dict[str, RunResult] = {}
+    tok = None
     if "offline" in modes or "inprocess" in modes:
-        engine = Engine(EngineConfig(model=model, kv_cache_tokens=kv_tokens, enable_prefix_cache=False, **extra))
+        engine = Engine(EngineConfig(model=model, kv_cache_tokens=kv_tokens, enable_prefix_cache=cache, **extra))
+        tok = engine.tokenizer
         if "offline" in modes:
             results["offline"] = merge([res for r in range(args.rounds + 1)   # round 0 warms up
                                         if (res := run_offline(engine, batch(r), args.output_tokens)) and r])
         if "inprocess" in modes:
+            if cache:
+                engine.flush_cache()   # the offline rounds must not have warmed it
             ae = AsyncEngine(engine)
             results["in-process"] = merge([res for r in range(args.rounds + 1)
                                            if (res := asyncio.run(run_inprocess(ae, batch(r), args.output_tokens)))
@@ -200,6 +218,13 @@ def main() -> None:
                                      if (res := asyncio.run(run_http(proc.base_url, "m", batch(r),
                                                                      args.output_tokens))) and r])
 
+    if cache and tok is not None:
+        text = tok.decode(batch(args.rounds)[0])
+        t0 = time.perf_counter()
+        for _ in range(20):
+            tok.encode(text, add_special_tokens=False)
+        print(f"tokenizing one last-round prompt as text ({len(text)} chars): "
+              f"{1000 * (time.perf_counter() - t0) / 20:.2f} ms")
     for name, res in results.items():
         print(res.line(name))
     base_name = next(iter(results))
