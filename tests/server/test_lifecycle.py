@@ -218,3 +218,24 @@ def test_sigterm_finishes_in_flight_work_and_exits_0(keyed_server: ServiceProces
     assert "Application shutdown complete" in log
     with pytest.raises(httpx.ConnectError):
         httpx.get(keyed_server.base_url + "/health", timeout=2)
+
+
+@pytest.mark.parametrize(("argv", "env", "expected"), [
+    (["serve", "--help"], None, "1000"),       # the engine's default, set before torch loads
+    (["serve", "--help"], "7", "7"),           # the user's own setting wins
+    (["plan", "--help"], None, "unset"),       # not an engine command: left alone
+])
+def test_engine_commands_set_the_openmp_spin_count(argv: list[str], env: str | None, expected: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, sys\nfrom tokenmill import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('SPIN=' + os.environ.get('GOMP_SPINCOUNT', 'unset'))")
+    child_env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if env is not None:
+        child_env["GOMP_SPINCOUNT"] = env
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=child_env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == f"SPIN={expected}"
