@@ -9,7 +9,8 @@ plain loop), through AsyncEngine in-process (the engine thread and the event loo
 Prints output tokens/s, mean TTFT and the mean inter-token gap (at concurrency 1 this is the
 TPOT) of each mode, and the ratios of each mode to offline. Each request uses its own random
 prompt (no prefix sharing) and ignore_eos, so every mode does exactly the same engine work.
-``--threads`` sets OMP_NUM_THREADS for the whole benchmark, and so for the server it starts.
+``--threads`` sets OMP_NUM_THREADS for the whole benchmark, and so for the server it starts;
+GOMP_SPINCOUNT gets `tokenmill serve`'s default unless it is set.
 
 ``--new-tokens N`` turns the prefix cache on and makes every round after the warm-up a follow-up
 turn: request i's prompt is its prompt of the round before plus N new tokens, so its TTFT is that
@@ -163,6 +164,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    from tokenmill.cli import OMP_SPIN_COUNT
+
+    os.environ.setdefault("GOMP_SPINCOUNT", OMP_SPIN_COUNT)   # what `tokenmill serve` runs with
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
 
     from tokenmill.engine.async_engine import AsyncEngine
