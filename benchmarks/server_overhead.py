@@ -4,13 +4,16 @@ plain loop), through AsyncEngine in-process (the engine thread and the event loo
 
     .venv/bin/python benchmarks/server_overhead.py [--model tiny|smollm2-135m-instruct|PATH]
         [--concurrency 16] [--prompt-tokens 128] [--output-tokens 64] [--rounds 2]
-        [--quantization none] [--threads N] [--modes offline,inprocess,http]
+        [--quantization none] [--threads N] [--modes offline,offline-thread,inprocess,http]
+        [--busy-process]
 
 Prints output tokens/s, mean TTFT and the mean inter-token gap (at concurrency 1 this is the
 TPOT) of each mode, and the ratios of each mode to offline. Each request uses its own random
 prompt (no prefix sharing) and ignore_eos, so every mode does exactly the same engine work.
 ``--threads`` sets OMP_NUM_THREADS for the whole benchmark, and so for the server it starts;
-GOMP_SPINCOUNT gets `tokenmill serve`'s default unless it is set.
+GOMP_SPINCOUNT gets `tokenmill serve`'s default unless it is set. ``offline-thread`` is the
+offline loop on a second thread (how OpenMP fares off the main thread), and ``--busy-process``
+runs a busy-loop process beside every mode (one core taken by someone else, as on a shared box).
 
 ``--new-tokens N`` turns the prefix cache on and makes every round after the warm-up a follow-up
 turn: request i's prompt is its prompt of the round before plus N new tokens, so its TTFT is that
@@ -24,7 +27,10 @@ import asyncio
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -159,6 +165,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="the engine's --quantization (default: its own)")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every mode")
     ap.add_argument("--modes", default="offline,inprocess,http")
+    ap.add_argument("--busy-process", action="store_true", help="a busy-loop process runs beside every mode")
     ap.add_argument("--new-tokens", type=int, default=0,
                     help="prefix cache on; each round extends the last one's prompts by this many tokens")
     args = ap.parse_args()
@@ -168,12 +175,6 @@ def main() -> None:
 
     os.environ.setdefault("GOMP_SPINCOUNT", OMP_SPIN_COUNT)   # what `tokenmill serve` runs with
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-
-    from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.engine import Engine
-    from tokenmill.utils.proc import ServiceProcess
-
     tmp = tempfile.TemporaryDirectory()
     model = args.model
     if model == "tiny":
@@ -192,19 +193,47 @@ def main() -> None:
           f"output={args.output_tokens} rounds={args.rounds} quantization={args.quantization or 'default'} "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} "
           f"({f'prefix cache on, {args.new_tokens} new tokens per round' if cache else 'prefix cache off'})  "
+          f"GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}{'  busy process beside' if args.busy_process else ''}  "
           f"loadavg {open('/proc/loadavg').read().split()[0]}")
 
     def batch(r: int) -> list[list[int]]:
         return prompts(args.concurrency, args.prompt_tokens, r, args.new_tokens)
 
     results: dict[str, RunResult] = {}
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_process else None
+    try:
+        tok = run_modes(args, modes, model, kv_tokens, cache, extra, flags, tmp, batch, results)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+    report(args, cache, tok, batch, results)
+
+
+def run_modes(args, modes, model, kv_tokens, cache, extra, flags, tmp, batch, results) -> object:
+    """Fill ``results`` with each mode's merged rounds; return the engine's tokenizer (or None)."""
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.engine import Engine
+    from tokenmill.utils.proc import ServiceProcess
+
     tok = None
-    if "offline" in modes or "inprocess" in modes:
+    if any(m in modes for m in ("offline", "offline-thread", "inprocess")):
         engine = Engine(EngineConfig(model=model, kv_cache_tokens=kv_tokens, enable_prefix_cache=cache, **extra))
         tok = engine.tokenizer
         if "offline" in modes:
             results["offline"] = merge([res for r in range(args.rounds + 1)   # round 0 warms up
                                         if (res := run_offline(engine, batch(r), args.output_tokens)) and r])
+        if "offline-thread" in modes:
+            if cache:
+                engine.flush_cache()
+            done: list[RunResult] = []
+            worker = threading.Thread(target=lambda: done.append(merge(
+                [res for r in range(args.rounds + 1) if (res := run_offline(engine, batch(r), args.output_tokens))
+                 and r])))
+            worker.start()
+            worker.join()
+            results["off-thread"] = done[0]
         if "inprocess" in modes:
             if cache:
                 engine.flush_cache()   # the offline rounds must not have warmed it
@@ -221,7 +250,10 @@ def main() -> None:
             results["HTTP"] = merge([res for r in range(args.rounds + 1)
                                      if (res := asyncio.run(run_http(proc.base_url, "m", batch(r),
                                                                      args.output_tokens))) and r])
+    return tok
 
+
+def report(args, cache, tok, batch, results) -> None:
     if cache and tok is not None:
         text = tok.decode(batch(args.rounds)[0])
         t0 = time.perf_counter()
