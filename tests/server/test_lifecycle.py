@@ -239,3 +239,13 @@ def test_engine_commands_set_the_openmp_spin_count(argv: list[str], env: str | N
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == f"SPIN={expected}"
+
+
+def test_sigterm_while_idle_exits_0(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The engine loop waits for work on the main thread; a signal must still reach uvicorn."""
+    with ServiceProcess(["serve", "--model", str(tiny_checkpoint), "--kv-cache-tokens", "4096"],
+                        log_path=tmp_path / "server.log") as proc:
+        assert httpx.get(proc.base_url + "/health", timeout=10).status_code == 200
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(timeout=30) == 0
