@@ -238,3 +238,9 @@ def test_loop_on_the_callers_thread(tiny_checkpoint: Path) -> None:
             await ae.submit("late", [1, 2, 3], _params(2))
 
     asyncio.run(late())
+
+
+def test_run_forever_refused_beside_the_background_thread(aengine: AsyncEngine) -> None:
+    with pytest.raises(RuntimeError, match="already running"):
+        aengine.run_forever()
+    assert aengine.is_running

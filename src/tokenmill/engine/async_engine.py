@@ -6,7 +6,7 @@ that calls :meth:`AsyncEngine.run_forever`, typically the process's main thread 
 loop runs on another one. The second is what ``tokenmill serve`` does: torch's OpenMP kernels run
 markedly slower when a thread other than the main thread starts their parallel regions (measured:
 a SmolLM2-135M fp32 decode step 26 ms instead of 18 ms on 2 cores; see docs/results/engine.md).
-The engine thread It loops: drain the command inbox (add, abort, call), run ``Engine.step()``
+The engine thread loops: drain the command inbox (add, abort, call), run ``Engine.step()``
 while there is work, and sleep on an event when there is none. The asyncio side never waits on
 a step: it puts commands into a thread-safe queue and receives outputs on per-request
 ``asyncio.Queue`` objects, filled from the engine thread with ``loop.call_soon_threadsafe``
@@ -161,7 +161,8 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Runs an :class:`Engine` on a background thread; see the module docstring for the contract."""
+    """Runs an :class:`Engine` on one thread of its own (a background thread, or the caller's with
+    ``start_thread=False`` and :meth:`run_forever`); see the module docstring for the contract."""
 
     def __init__(self, engine: Engine, *, name: str = "tokenmill-engine",
                  on_fatal: Callable[[BaseException], None] | None = None, start_thread: bool = True,
@@ -181,9 +182,10 @@ class AsyncEngine:
         self._loop_started = False
         self._loop_ident = 0
         if switch_interval_s is not None:
-            # the engine thread gives the GIL back after every native call and wants it again
-            # right after: with Python's default 5 ms interval, a busy event-loop thread could keep
-            # it that long per hand-off (process-wide, and only ever lowered here)
+            # the engine thread gives the GIL back around every torch op and wants it again right
+            # after: with Python's default 5 ms interval, a busy event-loop thread could keep it
+            # that long per hand-off (process-wide, and only ever lowered here; on SmolLM2 at
+            # concurrency 4 the A/B against 5 ms was within the noise)
             sys.setswitchinterval(min(sys.getswitchinterval(), switch_interval_s))
         self._thread: threading.Thread | None = None
         if start_thread:
@@ -283,7 +285,7 @@ class AsyncEngine:
 
         Only for an AsyncEngine built with ``start_thread=False`` (the constructor's thread calls
         it otherwise), and only once."""
-        if self._loop_started:
+        if self._loop_started or (self._thread is not None and self._thread is not threading.current_thread()):
             raise RuntimeError("the engine loop is already running (or has run)")
         self._loop_started = True
         self._loop_ident = threading.get_ident()
