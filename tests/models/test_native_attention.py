@@ -175,3 +175,26 @@ def test_auto_falls_back_for_what_the_kernel_does_not_do():
     assert select_attention_backend(bf16, "cpu", torch.bfloat16, "auto").name == "torch"   # bf16 activations
     assert select_attention_backend(bf16, "cpu", torch.float32, "auto").name == "native"
     assert select_attention_backend(KVCacheSpec.dense(2, 2, 16), "cpu", torch.float32).name == "native"
+
+
+def test_tiled_prefill_does_not_depend_on_threads_or_company():
+    """Prefill rows come out bit-identical whatever the thread count (which changes how the rows
+    are cut into tasks) and whatever else is in the batch."""
+    shapes = [(700, 300), (3, 130), (0, 1), (1500, 1), (64, 9)]
+    spec, pool, tables, q, k, v = _random_case(9, 3, 64, 16, shapes, "float32", 3)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3, 8):
+            torch.set_num_threads(n)
+            results.append(_run("native", spec, pool, shapes, 16, q, k, v, tables)[0])
+    finally:
+        torch.set_num_threads(threads)
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+    row = 0
+    for i, (c, n) in enumerate(shapes):
+        alone, _ = _run("native", spec, pool, [(c, n)], 16, q[row:row + n], k[row:row + n], v[row:row + n], [tables[i]])
+        assert torch.equal(alone, results[0][row:row + n])
+        row += n
+

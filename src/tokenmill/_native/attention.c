@@ -182,6 +182,12 @@ static void task_scalar(const Problem *P, const Task *T, float *part_m, float *p
  * where they are. A row's result depends only on its own sequence's rows and keys.
  */
 #define TILE_KEYS 32        /* keys of one block (a multiple of every kernel's key step) */
+#ifndef TILE_TASK_FLOATS
+#define TILE_TASK_FLOATS 49152  /* query floats (rows x group x head_dim) of one prefill task */
+#endif
+#ifndef TILE_PREFETCH
+#define TILE_PREFETCH 1     /* blocks of K/V rows requested ahead of use */
+#endif
 
 typedef struct {
     const float *qt;                    /* [D][qw] the group's scaled queries, transposed */
@@ -297,8 +303,13 @@ static void task_tiled(const Problem *P, const Task *T, float *part_m, float *pa
             }
         }
         for (int j = nk; j < TILE_KEYS; j++) kp[j] = vp[j] = kv;
-        if (j0 + TILE_KEYS < T->k1)   /* the next block, while this one is computed */
-            prefetch_keys(P, table, T->kvh, j0 + TILE_KEYS, j0 + 2 * TILE_KEYS < T->k1 ? j0 + 2 * TILE_KEYS : T->k1, esz);
+        {   /* the block TILE_PREFETCH ahead, while this one is computed (the first call asks
+             * for all the blocks up to it) */
+            int64_t pa = j0 == T->k0 ? j0 + TILE_KEYS : j0 + (int64_t)TILE_PREFETCH * TILE_KEYS;
+            int64_t pb = j0 + (int64_t)(TILE_PREFETCH + 1) * TILE_KEYS;
+            if (pb > T->k1) pb = T->k1;
+            if (pa < pb) prefetch_keys(P, table, T->kvh, (int)pa, (int)pb, esz);
+        }
         for (int g = 0; g < ngrp; g++) {
             const float pmin = qpos[g * qw], pmax = qpos[g * qw + qw - 1];
             if (pmax < (float)j0) continue;   /* the whole block lies after the group's queries */
@@ -848,7 +859,7 @@ static int have_avx512(void) { return 0; }
 /* ---------------------------------------------------------------------------------------- */
 /* task planning and the parallel driver                                                    */
 
-static int plan_tasks(const Problem *P, int num_seqs, int nthreads, Task **out_tasks, int *num_parts) {
+static int plan_tasks(const Problem *P, int num_seqs, int nthreads, int tiled, Task **out_tasks, int *num_parts) {
     const int G = P->group;
     int rows_per_task = MAX_QVEC / G;
     if (rows_per_task > 64) rows_per_task = 64;
@@ -856,16 +867,31 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, Task **out_t
     /* Decode rows over long contexts are split over keys (chunks of SPLIT_KEYS), so that a
      * long single-sequence decode keeps every thread busy. The split depends only on the
      * sequence's own length, never on the batch or the thread count: a request's result is the
-     * same bits alone or in any batch. */
-    (void)nthreads;
+     * same bits alone or in any batch. (The cut of tiled prefill rows may follow the thread
+     * count, since their results do not depend on it.) */
     int cap = 16, count = 0, parts = 0;
     Task *tasks = malloc(sizeof(Task) * cap);
     for (int i = 0; i < num_seqs; i++) {
         int64_t n = P->qsl[i + 1] - P->qsl[i], L = P->seq_lens[i];
         if (n <= 0) continue;
+        int rows = rows_per_task;
+        if (tiled && n > 1) {
+            /* The rows of a tiled prefill task share every K/V block it loads, so tasks are
+             * large (TILE_TASK_FLOATS of queries, as many again of output), but cut smaller
+             * when one sequence would give fewer than two tasks per thread. A tiled row's
+             * result does not depend on how the rows are cut (each lane is its own query). */
+            int vecs = TILE_TASK_FLOATS / P->d;
+            rows = vecs / G > 0 ? vecs / G : 1;
+            int64_t per_head = (2 * (int64_t)nthreads + P->hkv - 1) / P->hkv;
+            if ((n + rows - 1) / rows < per_head) {
+                int64_t r = (n + per_head - 1) / per_head;
+                rows = (int)(r > 16 ? r : 16);
+                if (rows > n) rows = (int)n;
+            }
+        }
         for (int h = 0; h < P->hkv; h++)
-            for (int64_t r0 = 0; r0 < n; r0 += rows_per_task) {
-                int64_t r1 = r0 + rows_per_task < n ? r0 + rows_per_task : n;
+            for (int64_t r0 = 0; r0 < n; r0 += rows) {
+                int64_t r1 = r0 + rows < n ? r0 + rows : n;
                 int64_t kend = L - n + r1;   /* the last row sees keys [0, kend) */
                 int splits = n == 1 && kend >= 2 * SPLIT_KEYS ? (int)(kend / SPLIT_KEYS) : 1;
                 int64_t chunk = (kend + splits - 1) / splits;
@@ -885,14 +911,7 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, Task **out_t
 }
 
 static void run_problem(const Problem *P, int num_seqs, int nthreads) {
-    Task *tasks;
-    int parts;
-    int count = plan_tasks(P, num_seqs, nthreads, &tasks, &parts);
     const int G = P->group, D = P->d;
-    /* a partial slot holds one decode row's G query vectors */
-    float *pm = parts ? malloc(sizeof(float) * parts * G) : NULL;
-    float *pl = parts ? malloc(sizeof(float) * parts * G) : NULL;
-    float *pa = parts ? malloc(sizeof(float) * (size_t)parts * G * D) : NULL;
     const int no512 = getenv("TOKENMILL_NO_AVX512") != NULL;
     int vec = have_avx2() && D % 8 == 0 && D <= MAX_HEAD_DIM;
     int vec512 = vec && have_avx512() && D % 16 == 0 && !no512;
@@ -903,6 +922,13 @@ static void run_problem(const Problem *P, int num_seqs, int nthreads) {
     if (tk && have_avx512() && D % 8 == 0 && !no512) tk = &tile_kernel_avx512;
     else if (tk && have_avx2() && D % 4 == 0) tk = &tile_kernel_avx2;
 #endif
+    Task *tasks;
+    int parts;
+    int count = plan_tasks(P, num_seqs, nthreads, tk != NULL, &tasks, &parts);
+    /* a partial slot holds one decode row's G query vectors */
+    float *pm = parts ? malloc(sizeof(float) * parts * G) : NULL;
+    float *pl = parts ? malloc(sizeof(float) * parts * G) : NULL;
+    float *pa = parts ? malloc(sizeof(float) * (size_t)parts * G * D) : NULL;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (count > 1 && nthreads > 1)
     for (int i = 0; i < count; i++) {
         const Task *t = &tasks[i];
