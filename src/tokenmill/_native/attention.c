@@ -14,8 +14,11 @@
  * the online-softmax recurrence over its keys page by page and either writes normalised output
  * (it covers all keys its rows can see) or a partial (running max, sum, unnormalised
  * accumulator) that a merge pass combines. Long single-sequence decodes are split over keys so
- * that every thread has work (split-K, as in flash-decoding). Each query row's result depends
- * only on its own sequence, so a request gives the same bits whatever else is in the batch.
+ * that every thread has work (split-K, as in flash-decoding). Decode rows (a sequence with one
+ * query row) take the per-row path; prefill chunks take the tiled path ("tiled prefill path"
+ * below), which scores groups of query vectors against blocks of keys as small matrix
+ * products. Each query row's result depends only on its own sequence, so a request gives the
+ * same bits whatever else is in the batch.
  *
  * Vector code is compiled for AVX-512 and for AVX2+FMA through function target attributes and
  * chosen at run time (TOKENMILL_NO_AVX512=1 forces the AVX2 path); a portable scalar path does
