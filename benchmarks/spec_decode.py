@@ -53,9 +53,10 @@ def workloads(n: int, tokenizer) -> dict[str, list[list[int]]]:
     return {"agent": agent, "prose": prose}
 
 
-def _single(loaded, prompt: list[int], max_tokens: int, spec: dict) -> tuple[list[int], float, int]:
+def _single(loaded, prompt: list[int], max_tokens: int, spec: dict) -> tuple[list[int], float, int, tuple[int, int]]:
     """One prompt alone on a fresh engine (so the suffix index knows nothing of earlier runs):
-    (output ids, seconds from the first to the last token, decode steps after the first)."""
+    (output ids, seconds from the first to the last token, decode steps after the first,
+    (steps that verified drafts, tokens those steps emitted))."""
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(loaded=loaded, kv_cache_tokens=16384, **spec)
@@ -76,7 +77,8 @@ def _single(loaded, prompt: list[int], max_tokens: int, spec: dict) -> tuple[lis
             last = now
             if o.finished:
                 final = o
-    return list(final.token_ids), last - first, n_steps
+    st = eng.spec.stats if eng.spec is not None else None
+    return list(final.token_ids), last - first, n_steps, (st.verify_steps, st.emitted) if st else (0, 0)
 
 
 def _concurrent(loaded, prompts: list[list[int]], max_tokens: int, spec: dict) -> tuple[int, float]:
@@ -98,15 +100,18 @@ def run_tokenmill(loaded, configs: dict[str, dict], prompts: list[list[int]], ma
     the machine's load hits all configurations alike. Decode tok/s = all single-stream decode
     tokens / their time; c4 = the prompts at once, once per round, tokens / wall time."""
     labels = list(configs)
-    acc = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "c4_tokens": 0, "c4_seconds": 0.0, "outputs": []}
+    acc = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "c4_tokens": 0, "c4_seconds": 0.0, "outputs": [],
+               "verify_steps": 0, "verify_emitted": 0}
            for k in labels}
     for r in range(rounds):
         order = labels if r % 2 == 0 else labels[::-1]
         for i, p in enumerate(prompts[:single]):
             _single(loaded, p, max_tokens, {})   # unmeasured: whoever runs a prompt first pays its warm-up
             for label in order:
-                ids, secs, steps = _single(loaded, p, max_tokens, configs[label])
+                ids, secs, steps, (vsteps, vemitted) = _single(loaded, p, max_tokens, configs[label])
                 a = acc[label]
+                a["verify_steps"] += vsteps
+                a["verify_emitted"] += vemitted
                 a["tokens"] += len(ids) - 1
                 a["seconds"] += secs
                 a["steps"] += steps
@@ -118,6 +123,8 @@ def run_tokenmill(loaded, configs: dict[str, dict], prompts: list[list[int]], ma
             acc[label]["c4_seconds"] += secs
     return {k: {"decode_tok_s": a["tokens"] / a["seconds"],
                 "acceptance_length": a["tokens"] / a["steps"] if a["steps"] else None,
+                # vLLM's metric: tokens per step that verified drafts (steps without one left out)
+                "accept_per_drafted_step": a["verify_emitted"] / a["verify_steps"] if a["verify_steps"] else None,
                 "total_tok_s_c4": a["c4_tokens"] / a["c4_seconds"], "outputs": a["outputs"]}
             for k, a in acc.items()}
 
@@ -173,7 +180,8 @@ def run_vllm(prompts: dict[str, list[list[int]]], max_tokens: int, spec: dict | 
                     ns = [r[0] for r in ex.map(one, ps)]
                 wall = time.perf_counter() - t0
                 results[name] = {"decode_tok_s": statistics.mean(rates) if rates else None,
-                                 "acceptance_length": acc, "total_tok_s_c4": sum(ns) / wall}
+                                 "acceptance_length": None, "accept_per_drafted_step": acc,
+                                 "total_tok_s_c4": sum(ns) / wall}
     except Exception as e:  # noqa: BLE001 - reported in the table
         results["error"] = f"{type(e).__name__}: {e}"
     return results
@@ -246,8 +254,10 @@ def main() -> int:
         else:
             results["vllm-ngram"] = v
     print(f"\nload average at end: {open('/proc/loadavg').read().strip()}")
+    print("\naccept len: output tokens per decode step (all steps); per drafted: tokens per step that "
+          "verified drafts (vLLM's spec_decode metrics; the only one it reports)")
     print(f"\n{'config':12s} {'workload':8s} {'decode tok/s':>12s} {'x none':>7s} {'accept len':>10s} "
-          f"{'c' + str(args.prompts) + ' tok/s':>9s} {'x none':>7s}")
+          f"{'per drafted':>11s} {'c' + str(args.prompts) + ' tok/s':>9s} {'x none':>7s}")
     for label, per in results.items():
         for w in prompts:
             r = per.get(w)
@@ -256,8 +266,11 @@ def main() -> int:
                 continue
             base = results["none"][w]
             d, c4 = r.get("decode_tok_s"), r.get("total_tok_s_c4")
+            al, pd = r.get("acceptance_length"), r.get("accept_per_drafted_step")
+            al_s = f"{al:10.2f}" if al else f"{'-':>10s}"
+            pd_s = f"{pd:11.2f}" if pd else f"{'-':>11s}"
             print(f"{label:12s} {w:8s} {d or 0:12.1f} {(d or 0) / base['decode_tok_s']:7.2f} "
-                  f"{r.get('acceptance_length') or 1:10.2f} {c4 or 0:9.1f} {(c4 or 0) / base['total_tok_s_c4']:7.2f}")
+                  f"{al_s} {pd_s} {c4 or 0:9.1f} {(c4 or 0) / base['total_tok_s_c4']:7.2f}")
     if args.json:
         for per in results.values():
             for r in per.values():

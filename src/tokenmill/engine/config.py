@@ -79,7 +79,7 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     quant_symmetric: bool = False    # int4: symmetric (scale only) instead of scale + min
     # speculative decoding (docs/speculative.md); None: off
     speculative_method: str | None = None
-    num_speculative_tokens: int = 4      # most draft tokens per request per step (k)
+    num_speculative_tokens: int = 8      # most draft tokens per request per step (k)
     speculative_model: str | None = None  # drafter checkpoint directory (dflash)
     speculative_adaptive: bool = True    # shrink k per request when acceptance is poor
     speculative_max_draft_tokens: int = 64  # most draft tokens in one step (compute-bound cap)

@@ -289,6 +289,10 @@ class Engine:
                                        # request (engine/parallel.py), so constrained requests do not draft
                                        constrained=cfg.tensor_parallel_size == 1)
         self.runner.capture_layers = frozenset(proposer.capture_layers)
+        if cfg.speculative_adaptive and isinstance(self.runner, ModelRunner) and self.runner.states is None:
+            # adaptive k weighs rows by measured step times: measure verify steps once now, so
+            # the first requests do not pay for learning them
+            self.spec.calibrate(self.runner.time_rows)
         log.info("speculative decoding: %s, up to %d draft tokens per step", proposer.name,
                  cfg.num_speculative_tokens)
 

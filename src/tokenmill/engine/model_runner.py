@@ -140,6 +140,34 @@ class ModelRunner:
                             page_size=self.page_size, max_seq_len=n,
                             state_slots=None if self.states is None else torch.zeros(1, dtype=torch.long, device=dev))
 
+    @torch.inference_mode()
+    def time_rows(self, num_rows: int, context: int = 128, repeats: int = 2) -> float:
+        """Seconds of one forward of a single sequence with ``num_rows`` new tokens after
+        ``context`` cached ones, logits for every row (a verify step's shape), on a scratch KV
+        pool: the best of ``repeats`` after one unmeasured run. Not for hybrid models (their
+        state slots would advance)."""
+        n = num_rows
+        dev = self.device
+        pages = (context + n + self.page_size - 1) // self.page_size
+        scratch = self.attn.allocate(pages, self.page_size)
+        pos = torch.arange(context, context + n, dtype=torch.long, device=dev)
+        batch = ForwardBatch(input_ids=torch.ones(n, dtype=torch.long, device=dev), positions=pos,
+                             slot_mapping=pos, query_start_loc=torch.tensor([0, n], dtype=torch.long, device=dev),
+                             seq_lens=torch.tensor([context + n], dtype=torch.long, device=dev),
+                             block_tables=torch.arange(pages, dtype=torch.long, device=dev)[None, :],
+                             logits_indices=torch.arange(n, dtype=torch.long, device=dev),
+                             page_size=self.page_size, max_seq_len=context + n)
+        best = float("inf")
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        for i in range(repeats + 1):
+            sync()
+            t0 = time.perf_counter()
+            self.model(ForwardContext.prepare(self.attn, batch, scratch))
+            sync()
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        return best
+
     def make_generator(self, seed: int | None) -> torch.Generator | None:
         """A request's own random stream (seeded requests only; others share the sampler's)."""
         if seed is None:

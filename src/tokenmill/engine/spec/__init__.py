@@ -14,36 +14,41 @@
 
 Adaptive ``k`` (``speculative_adaptive``), in two stages:
 
-1. *Per request:* each request keeps two moving averages: ``f``, how often the first draft of a
-   step is accepted, and ``c``, how often a draft is accepted after an accepted one (drafts
-   that copy the context come in runs: once one holds, the next usually does too). Draft
-   position ``j`` (1-based) is reached and accepted with probability about ``f * c**(j-1)``;
-   the request may draft ``j`` tokens while that is ``>= MIN_GAIN``, capped at ``k``. Below
-   ``f = MIN_GAIN`` (a learned drafter may set the starting ``f`` from its measured held-out
-   acceptance, :attr:`Proposer.first_rate_prior`) it stops drafting and tries a one-token draft after ``PROBE_EVERY`` steps
-   so it can recover; each probe that fails doubles the wait (up to ``MAX_PROBE_EVERY``), so a
-   proposer that keeps missing costs almost nothing.
-2. *Against the measured cost:* the decoder fits the time of decode-only steps as a line in
-   their token count, ``T(n) = t0 + t1 * n`` (:class:`~tokenmill.engine.step_cost.StepCost`),
-   and times the proposer itself (``D`` per step). A step with ``B`` decodes and no drafts
-   yields about ``B`` tokens in ``T(B)``. Draft rows are taken in order of their expected
-   gain ``f_i * c_i**(j-1)`` while each one raises the expected tokens per second, i.e. while
-   ``gain * T >= t1 * E`` (``T``, ``E``: time and expected tokens so far); then, if even the
-   chosen drafts do not pay for ``D``, the step drafts nothing. So where a verify row costs
-   nearly nothing (a weight-bound step) every promising draft goes out, where rows are dear
-   (a compute-bound kernel or a large batch) only the likely ones do, and a proposer whose
-   drafts are rarely accepted is switched off (it is tried again every ``COST_PROBE_EVERY`` steps,
-   so the estimates stay fresh). Until the fit has seen enough steps, stage 1 alone decides.
+1. *Expected gain per draft position.* A cheap model-free proposer (``drafts_then_cuts``:
+   ngram, suffix) drafts the longest allowed every step and tags each draft with a *kind* (the
+   length of the match it came from); acceptance per position is pooled per kind over all
+   requests (:class:`~tokenmill.engine.spec.base.KindStats`, with a prior by kind), so a long
+   match (a copy in progress) is trusted and a 2-token coincidence is not. Other proposers use
+   two per-request moving averages: ``f``, how often the first draft of a step is accepted, and
+   ``c``, how often a draft is accepted after an accepted one; position ``j`` (1-based) holds
+   with probability about ``f * c**(j-1)`` and the request asks for drafts while that is
+   ``>= MIN_GAIN``, capped at ``k``. Below ``f = MIN_GAIN`` (a learned drafter may set the
+   starting ``f``, :attr:`Proposer.first_rate_prior`) it stops and tries a one-token draft after
+   ``PROBE_EVERY`` steps, doubling the wait after each failed probe (up to ``MAX_PROBE_EVERY``).
+2. *Against the measured cost.* Decode-only step times are kept per step size
+   (:class:`StepTable`, seeded at start-up by :meth:`SpeculativeDecoder.calibrate` with verify
+   forwards of ``1 .. k + 1`` rows; a line fitted over all steps,
+   :class:`~tokenmill.engine.step_cost.StepCost`, extends it to unseen sizes), and the
+   proposer's own time ``D`` is measured. The draft rows of all requests are ranked by gain and
+   the step sends the number ``R`` of best rows that maximises ``(B + gains) / (T(B + R) + D)``
+   (``B`` decodes), trying every ``R``: a step's time is not a line in its rows (on the int4
+   weights the second row nearly doubles a step, rows 3-4 add little), so a lone draft may not
+   pay while three do.
+   Where rows are nearly free (a weight-bound step) every promising draft goes out; where they
+   are dear only likely ones do; if no ``R > 0`` pays, the step drafts nothing, with a one-token
+   probe every ``COST_PROBE_EVERY`` (``CUT_PROBE_EVERY`` for draft-then-cut proposers) steps,
+   or rarer, so that probes take at most ``PROBE_BUDGET`` of the decode time.
    On top, one step's drafts are capped at ``speculative_max_draft_tokens`` in total.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from tokenmill.engine.spec.base import Draft, Proposer, SpecStats
+from tokenmill.engine.spec.base import Draft, KindStats, Proposer, SpecStats
 from tokenmill.engine.step_cost import StepCost
 
 if TYPE_CHECKING:
@@ -52,10 +57,14 @@ if TYPE_CHECKING:
     from tokenmill.engine.request import Request
     from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 
+log = logging.getLogger(__name__)
+
 MIN_GAIN = 0.15      # draft position j while accept_rate ** j >= MIN_GAIN
 PROBE_EVERY = 8      # steps between one-token probes of a request whose drafts are poor ...
 MAX_PROBE_EVERY = 64  # ... doubling after each probe that fails, up to this
 COST_PROBE_EVERY = 32  # steps between short drafts while drafting does not pay for its cost
+PROBE_BUDGET = 0.02   # share of decode time that cost probes may take
+CUT_PROBE_EVERY = 128  # the same for draft-then-cut proposers (their kinds are pooled over requests)
 EMA_WEIGHT = 0.3     # weight of the newest step in the acceptance-rate average
 COST_WEIGHT = 0.2    # weight of the newest step in the proposer-time average
 
@@ -98,18 +107,34 @@ class SpeculativeDecoder:
         # decode-only step time as a line in its tokens (fed by the engine), and the proposer's
         # own time per step (observe + propose): the costs stage 2 of adaptive k weighs
         self.cost = StepCost(decay=0.97, min_samples=8.0)
+        self.table = StepTable()   # ... and per step size, for sizes seen often enough
         self.propose_seconds = 0.0
         self._steps = 0
         self.steps_off = 0     # steps on which drafting did not pay and was skipped (not probes)
+        self.kinds: dict[int, KindStats] = {}   # acceptance per draft kind (drafts_then_cuts proposers)
+
+    def calibrate(self, time_rows: Callable[[int], float]) -> None:
+        """Seed the step-time table with ``time_rows(n)``, the measured forward time of a
+        single-sequence step of ``n`` rows, for ``n = 1 .. k + 1`` (online steps refine it)."""
+        times = []
+        for n in range(1, self.k + 2):
+            seconds = time_rows(n)
+            times.append(seconds)
+            for _ in range(int(StepTable.MIN_WEIGHT)):
+                self.table.observe(n, seconds)
+                self.cost.observe(n, seconds)
+        log.info("speculative decoding: a step of 1..%d rows takes %s ms", self.k + 1,
+                 " / ".join(f"{1000 * t:.1f}" for t in times))
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine's wall time for the forward + verification of ``out``; decode-only
         steps (every request one token behind, plus its drafts) feed the cost line."""
         if out.scheduled and all(s.num_tokens == 1 + s.num_draft for s in out.scheduled):
-            expected = self.cost.predict(out.num_tokens)
+            expected = self.step_time(out.num_tokens)
             if expected is not None and expected > 0:   # a step slowed by another process: clip it
                 seconds = min(seconds, 1.5 * expected)
             self.cost.observe(out.num_tokens, seconds)
+            self.table.observe(out.num_tokens, seconds)
 
     def after_step(self, out: SchedulerOutput, result: StepResult) -> None:
         """Roll back, record, feed the drafter, and propose the next drafts (see module doc)."""
@@ -118,6 +143,8 @@ class SpeculativeDecoder:
                 req = s.request
                 self.scheduler.rollback(req)
                 self.stats.record(s.num_draft, s.num_accepted)
+                if req.spec_kind is not None:
+                    self._kind(req.spec_kind).record(s.num_draft, s.num_accepted)
                 req.num_draft_tokens += s.num_draft
                 rate = s.num_accepted / s.num_draft
                 req.spec_accept_rate += EMA_WEIGHT * (rate - req.spec_accept_rate)
@@ -133,6 +160,7 @@ class SpeculativeDecoder:
         for s in out.scheduled:
             s.request.spec_token_ids = []
             s.request.spec_probs = None
+            s.request.spec_kind = None
         if self._propose():
             dt = time.perf_counter() - t0
             self.propose_seconds += COST_WEIGHT * (dt - self.propose_seconds) if self.propose_seconds else dt
@@ -155,6 +183,9 @@ class SpeculativeDecoder:
         reqs: list[Request] = []
         ks: list[int] = []
         num_decode = 0
+        # a cheap proposer that tags its drafts drafts the longest allowed, and the drafts are
+        # cut after (stage 1 then uses the pooled acceptance of each draft's kind)
+        cuts = self.adaptive and self.proposer.drafts_then_cuts
         for req in self.scheduler.running:
             if req.num_uncomputed_tokens != 1:
                 continue
@@ -165,7 +196,7 @@ class SpeculativeDecoder:
                 req.spec_seen = True
                 if self.proposer.first_rate_prior is not None:
                     req.spec_first_rate = self.proposer.first_rate_prior
-            k = self._draft_len(req)
+            k = self.k if cuts else self._draft_len(req)
             # never draft past max_tokens or the context limit (the step emits up to k + 1)
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1)
@@ -175,16 +206,23 @@ class SpeculativeDecoder:
                 ks.append(k)
         if not reqs:
             return False
-        if self.adaptive:
-            ks = self._worth_drafting(reqs, ks, num_decode)
-            if not any(ks):
-                return False
-            keep = [i for i, k in enumerate(ks) if k > 0]
-            reqs, ks = [reqs[i] for i in keep], [ks[i] for i in keep]
+        if cuts:
+            drafts = self.proposer.propose(reqs, ks)
+            ks = self._cut(reqs, drafts, num_decode)
+        else:
+            if self.adaptive:
+                ks = self._worth_drafting(reqs, ks, num_decode)
+                if not any(ks):
+                    return False
+                keep = [i for i, k in enumerate(ks) if k > 0]
+                reqs, ks = [reqs[i] for i in keep], [ks[i] for i in keep]
+            drafts = None
         if sum(ks) > self.max_draft_tokens:
-            share = max(1, self.max_draft_tokens // len(ks))
+            share = max(1, self.max_draft_tokens // max(1, sum(1 for k in ks if k)))
             ks = [min(k, share) for k in ks]
-        for req, k, draft in zip(reqs, ks, self.proposer.propose(reqs, ks)):
+        if drafts is None:
+            drafts = self.proposer.propose(reqs, ks)
+        for req, k, draft in zip(reqs, ks, drafts):
             tokens = list(draft.token_ids[:k])
             if req.grammar is not None and tokens:   # cut at the first draft the grammar rejects
                 tokens = tokens[:req.grammar.draft_prefix(tokens, keep_rejected=draft.probs is not None)]
@@ -192,39 +230,83 @@ class SpeculativeDecoder:
                 tokens = list(req.draft_validator(req, tokens))
             req.spec_token_ids = tokens
             req.spec_probs = draft.probs[: len(tokens)] if draft.probs is not None and tokens else None
+            req.spec_kind = draft.kind if tokens else None
         return True
 
-    def _worth_drafting(self, reqs: list[Request], ks: list[int], num_decode: int) -> list[int]:
-        """Stage 2 of adaptive ``k`` (module doc): the draft lengths that raise the expected
-        tokens per second of the step, given the measured step-cost line and proposer time."""
-        fit = self.cost.fit()
-        if fit is None:
-            return ks
-        t0, t1 = fit
-        n = max(num_decode, 1)
-        base_time = max(t0 + t1 * n, 1e-6)
-        if t1 <= 0.0:                      # extra rows look free: only the proposer's time counts
-            chosen = list(ks)
-            gain = sum(_row_gain(r, j) for r, k in zip(reqs, ks) for j in range(k))
-            extra = 0.0
-        else:
-            rows = sorted(((_row_gain(r, j), i) for i, (r, k) in enumerate(zip(reqs, ks)) for j in range(k)),
-                          reverse=True)
-            chosen = [0] * len(ks)
-            time_s, tokens = base_time, float(n)
-            for g, i in rows:
-                if g * time_s < t1 * tokens:
-                    break
-                chosen[i] += 1
-                time_s += t1
-                tokens += g
-            gain, extra = tokens - n, time_s - base_time
-        if gain <= 0.0 or (n + gain) * base_time < n * (base_time + extra + self.propose_seconds):
-            if self._steps % COST_PROBE_EVERY == 0:   # keep the estimates fresh: a short draft now and then
-                return [min(1, k) for k in ks]
-            self.steps_off += 1
-            return [0] * len(ks)
+    def _kind(self, kind: int) -> KindStats:
+        st = self.kinds.get(kind)
+        if st is None:
+            priors = self.proposer.kind_first_prior
+            below = [k for k in priors if k <= kind]
+            first = priors[max(below)] if below else 0.5
+            st = self.kinds[kind] = KindStats(self.k, first)
+        return st
+
+    def _cut(self, reqs: list[Request], drafts: list[Draft], num_decode: int) -> list[int]:
+        """How many of each (already proposed) draft to send: stage 2 over the gains of each
+        draft's kind (the request's own averages for an untagged draft); before the cost line
+        is known, positions whose gain is at least ``MIN_GAIN``."""
+        gains = []
+        for req, d in zip(reqs, drafts):
+            n = len(d.token_ids)
+            if d.kind is not None:
+                gains.append(self._kind(d.kind).gains(n))
+            else:
+                gains.append([_row_gain(req, j) for j in range(n)])
+        # the proposer's time is spent already
+        chosen = self._choose_rows(gains, num_decode, 0.0, CUT_PROBE_EVERY)
+        if chosen is None:
+            return [sum(1 for g in gs if g >= MIN_GAIN) for gs in gains]
         return chosen
+
+    def _worth_drafting(self, reqs: list[Request], ks: list[int], num_decode: int) -> list[int]:
+        """Stage 2 of adaptive ``k`` for a proposer asked for ``ks`` drafts (module doc)."""
+        gains = [[_row_gain(r, j) for j in range(k)] for r, k in zip(reqs, ks)]
+        chosen = self._choose_rows(gains, num_decode, self.propose_seconds)
+        return ks if chosen is None else chosen
+
+    def _choose_rows(self, gains: list[list[float]], num_decode: int, propose_seconds: float,
+                     probe_every: int = COST_PROBE_EVERY) -> list[int] | None:
+        """Stage 2 of adaptive ``k`` (module doc): how many draft rows of each request give the
+        step the most expected tokens per second, given each row's expected gain
+        (non-increasing per request), the measured step times and the proposer's time. The
+        rows are taken best first and every count is tried, because the time of a step is not
+        a line in its rows (a multi-row kernel may cost as much for two rows as for four).
+        None: too little measured yet."""
+        n = max(num_decode, 1)
+        base_time = self.step_time(n)
+        if base_time is None:
+            return None
+        base_time = max(base_time, 1e-6)
+        rows = sorted(((g, i) for i, gs in enumerate(gains) for g in gs), reverse=True)
+        best_rate, best_r = n / base_time, 0
+        tokens = float(n)
+        for r, (g, _) in enumerate(rows, start=1):
+            tokens += g
+            t = self.step_time(n + r)
+            rate = tokens / (max(t if t is not None else base_time, base_time) + propose_seconds)
+            if rate > best_rate:
+                best_rate, best_r = rate, r
+        if best_r == 0:
+            # keep the estimates fresh: a short draft now and then, rarer when a probe is dear
+            # (its extra row and the proposer's pass), so probing costs at most PROBE_BUDGET
+            probe_time = max((self.step_time(n + 1) or base_time) - base_time, 0.0) + propose_seconds
+            every = max(probe_every, int(probe_time / (PROBE_BUDGET * base_time)))
+            if self._steps % every == 0:
+                return [min(1, len(g)) for g in gains]
+            self.steps_off += 1
+            return [0] * len(gains)
+        chosen = [0] * len(gains)
+        for _, i in rows[:best_r]:
+            chosen[i] += 1
+        return chosen
+
+    def step_time(self, num_tokens: int) -> float | None:
+        """Predicted wall time of a decode-only step of ``num_tokens`` tokens: the measured
+        mean at that size, else interpolated between the nearest measured sizes, else the
+        fitted line (None while neither exists)."""
+        return self.table.predict(num_tokens, self.cost.fit())
+
     def _draft_len(self, req: Request) -> int:
         if not self.adaptive:
             return self.k
@@ -247,6 +329,44 @@ class SpeculativeDecoder:
 
     def request_finished(self, req: Request) -> None:
         self.proposer.request_finished(req)
+
+
+class StepTable:
+    """Decode-only step time per step size (tokens), as a moving average per size.
+
+    A line fits a weight-bound step well but not a kernel whose cost jumps at row-count
+    boundaries (on the int4 weights the second row nearly doubles a step, rows 3-4 add
+    little); the table records each size actually seen, and :meth:`predict` interpolates
+    between seen sizes.
+    """
+
+    MIN_WEIGHT = 2.0    # observations of a size before its mean is used
+    WEIGHT = 0.2        # weight of the newest observation once a size has 1 / WEIGHT of them
+
+    def __init__(self) -> None:
+        self.mean: dict[int, float] = {}
+        self.count: dict[int, float] = {}
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        c = self.count.get(num_tokens, 0.0) + 1.0
+        self.count[num_tokens] = c
+        m = self.mean.get(num_tokens, seconds)
+        self.mean[num_tokens] = m + max(1.0 / c, self.WEIGHT) * (seconds - m)
+
+    def predict(self, n: int, line: tuple[float, float] | None) -> float | None:
+        seen = [k for k, c in self.count.items() if c >= self.MIN_WEIGHT]
+        if n in seen:
+            return self.mean[n]
+        lo = max((k for k in seen if k < n), default=None)
+        hi = min((k for k in seen if k > n), default=None)
+        if lo is not None and hi is not None:
+            return self.mean[lo] + (self.mean[hi] - self.mean[lo]) * (n - lo) / (hi - lo)
+        slope = line[1] if line is not None else None
+        if lo is not None and slope is not None:
+            return self.mean[lo] + max(slope, 0.0) * (n - lo)
+        if hi is not None and slope is not None:
+            return max(self.mean[hi] - max(slope, 0.0) * (hi - n), 1e-6)
+        return None if line is None else line[0] + line[1] * n
 
 
 def _row_gain(req: Request, j: int) -> float:

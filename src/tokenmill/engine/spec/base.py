@@ -29,10 +29,20 @@ ACCEPT_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 33)
 class Draft(NamedTuple):
     token_ids: list[int]
     probs: Any = None      # torch.Tensor [len(token_ids), vocab] draft distribution, or None
+    # a proposer-specific class of the draft (ngram, suffix: the length of the match it came
+    # from, capped); adaptive k pools acceptance per kind over all requests
+    # (:class:`KindStats`). None: the request's own moving averages decide.
+    kind: int | None = None
 
 
 class Proposer(abc.ABC):
     name: str = "abstract"
+    # the proposer is cheap enough to run with the longest allowed draft every step and tags
+    # its drafts with a ``kind``: adaptive k then cuts each draft after seeing it
+    drafts_then_cuts: bool = False
+    # what adaptive k assumes before it has seen any draft of a kind: the chance the first
+    # draft is accepted, per kind (a missing kind uses the largest kind below it)
+    kind_first_prior: dict[int, float] = {}
     # target layers whose hidden states the proposer reads (-1: the embedding output)
     capture_layers: frozenset[int] = frozenset()
     # what adaptive k assumes at first about how often a request's first draft is accepted
@@ -49,6 +59,47 @@ class Proposer(abc.ABC):
 
     def request_finished(self, request: Request) -> None:
         """``request`` left the engine (finished or aborted): drop what is kept for it."""
+
+
+class KindStats:
+    """Acceptance per draft position for drafts of one kind, pooled over requests.
+
+    ``p[j]``: the chance draft ``j`` (0-based) is accepted given that drafts ``0 .. j-1`` were,
+    estimated from decayed counts plus a prior worth ``PRIOR_WEIGHT`` drafts (first position:
+    ``first``, later positions: ``CONT_PRIOR``; copied text comes in runs, so once a draft holds
+    the next usually does too). :meth:`gains` gives the chance each position is reached and
+    accepted, which is what that row adds to the step's expected tokens.
+    """
+
+    PRIOR_WEIGHT = 3.0
+    CONT_PRIOR = 0.8
+    DECAY = 0.97        # weight kept by older drafts at each new draft of this kind
+
+    __slots__ = ("reach", "hit", "prior")
+
+    def __init__(self, k: int, first: float) -> None:
+        self.prior = [first] + [self.CONT_PRIOR] * (k - 1)
+        self.reach = [0.0] * k
+        self.hit = [0.0] * k
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        d = self.DECAY
+        for j in range(len(self.reach)):
+            self.reach[j] *= d
+            self.hit[j] *= d
+        for j in range(min(num_draft, num_accepted + 1, len(self.reach))):
+            self.reach[j] += 1.0
+            if j < num_accepted:
+                self.hit[j] += 1.0
+
+    def gains(self, n: int) -> list[float]:
+        out: list[float] = []
+        g = 1.0
+        w = self.PRIOR_WEIGHT
+        for j in range(min(n, len(self.reach))):
+            g *= (self.hit[j] + w * self.prior[j]) / (self.reach[j] + w)
+            out.append(g)
+        return out
 
 
 @dataclass

@@ -139,6 +139,9 @@ class SuffixTrie:
 
 class SuffixProposer(Proposer):
     name = "suffix"
+    drafts_then_cuts = True
+    # first-draft acceptance assumed per match length (the draft's kind) until measured
+    kind_first_prior = {1: 0.2, 2: 0.4, 3: 0.6, 4: 0.7, 5: 0.8}
 
     def __init__(self, max_depth: int = 16, max_global_tokens: int = 20_000, min_prob: float = 0.1) -> None:
         self.max_depth = max_depth
@@ -159,7 +162,7 @@ class SuffixProposer(Proposer):
             trie = self._local_trie(req)
             context = req.all_token_ids[-pattern_max:]
             best: list[int] = []
-            best_score = 0.0
+            best_score, best_m = 0.0, 0
             for t in (trie, self.global_trie):
                 node, m = t.match(context, pattern_max)
                 if node is None:
@@ -167,8 +170,8 @@ class SuffixProposer(Proposer):
                 room = min(k, 2 * m, self.max_depth - m)
                 toks, score = t.continuation(node, room, self.min_prob)
                 if score > best_score:
-                    best, best_score = toks, score
-            drafts.append(Draft(best))
+                    best, best_score, best_m = toks, score, m
+            drafts.append(Draft(best, kind=min(best_m, 8) if best else None))
         return drafts
 
     def _local_trie(self, req: Request) -> SuffixTrie:
