@@ -160,3 +160,28 @@ def test_fused_decode_refuses_a_wrong_shape(packed):
     cs = torch.ones(1, a.head_dim)
     with pytest.raises(ValueError, match="layer 0 gate_up_proj is not a packed"):
         bad.run(h, cs, cs, drv.kv, ctx.meta)
+
+
+@pytest.mark.parametrize("kernel", native.supported_kernels())
+def test_fused_decode_is_the_same_bits_on_any_thread_count(packed, kernel):
+    """The step runs in one parallel region whose threads split matmul rows and attention tasks;
+    no row's sum depends on the split, so 1, 2 and 3 threads give identical logits and KV."""
+    best = native.best_kernel()
+    model = packed["llama-int4"].model
+    before = torch.get_num_threads()
+    native.set_kernel(kernel)
+    try:
+        runs = []
+        for nt in (1, 2, 3):
+            torch.set_num_threads(nt)
+            logits, kv, _, ran = _run(model, True, "float32")
+            assert any(ran)
+            runs.append((logits, kv))
+    finally:
+        torch.set_num_threads(before)
+        native.set_kernel(best)
+    for logits, kv in runs[1:]:
+        for g, w in zip(logits, runs[0][0]):
+            assert torch.equal(g, w)
+        for g, w in zip(kv, runs[0][1]):
+            assert torch.equal(g, w)

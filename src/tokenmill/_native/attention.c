@@ -913,50 +913,75 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, int tiled, T
     return count;
 }
 
-static void run_problem(const Problem *P, int num_seqs, int nthreads) {
-    const int G = P->group, D = P->d;
+/* The kernels run_problem picks for P on this CPU. */
+typedef struct {
+    const TileKernel *tk;
+    int vec, vec512;
+} Kernels;
+
+static Kernels pick_kernels(const Problem *P) {
+    const int D = P->d;
     const int no512 = getenv("TOKENMILL_NO_AVX512") != NULL;
-    int vec = have_avx2() && D % 8 == 0 && D <= MAX_HEAD_DIM;
-    int vec512 = vec && have_avx512() && D % 16 == 0 && !no512;
+    Kernels k;
+    k.vec = have_avx2() && D % 8 == 0 && D <= MAX_HEAD_DIM;
+    k.vec512 = k.vec && have_avx512() && D % 16 == 0 && !no512;
     /* prefill chunks (sequences with more than one query row) take the tiled path;
      * TOKENMILL_NO_PREFILL_TILES=1 sends them through the per-row path (for A/B checks) */
-    const TileKernel *tk = getenv("TOKENMILL_NO_PREFILL_TILES") ? NULL : &tile_kernel_scalar;
+    k.tk = getenv("TOKENMILL_NO_PREFILL_TILES") ? NULL : &tile_kernel_scalar;
 #if TM_X86
-    if (tk && have_avx512() && D % 8 == 0 && !no512) tk = &tile_kernel_avx512;
-    else if (tk && have_avx2() && D % 4 == 0) tk = &tile_kernel_avx2;
+    if (k.tk && have_avx512() && D % 8 == 0 && !no512) k.tk = &tile_kernel_avx512;
+    else if (k.tk && have_avx2() && D % 4 == 0) k.tk = &tile_kernel_avx2;
 #endif
+    return k;
+}
+
+/* A planned problem: its tasks and the split-K partial slots (a slot holds one decode row's G
+ * query vectors). */
+typedef struct {
     Task *tasks;
-    int parts;
-    int count = plan_tasks(P, num_seqs, nthreads, tk != NULL, &tasks, &parts);
-    /* a partial slot holds one decode row's G query vectors */
-    float *pm = parts ? malloc(sizeof(float) * parts * G) : NULL;
-    float *pl = parts ? malloc(sizeof(float) * parts * G) : NULL;
-    float *pa = parts ? malloc(sizeof(float) * (size_t)parts * G * D) : NULL;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (count > 1 && nthreads > 1)
-    for (int i = 0; i < count; i++) {
-        const Task *t = &tasks[i];
-        float *m = t->part >= 0 ? pm + (size_t)t->part * G : NULL;
-        float *l = t->part >= 0 ? pl + (size_t)t->part * G : NULL;
-        float *a = t->part >= 0 ? pa + (size_t)t->part * G * D : NULL;
-        if (tk && P->qsl[t->seq + 1] - P->qsl[t->seq] > 1) {
-            task_tiled(P, t, m, l, a, tk);
-            continue;
-        }
-#if TM_X86
-        if (vec512) {
-            if (P->kv_bf16) task_avx512_bf16(P, t, m, l, a);
-            else task_avx512_f32(P, t, m, l, a);
-            continue;
-        }
-        if (vec) {
-            if (P->kv_bf16) task_avx2_bf16(P, t, m, l, a);
-            else task_avx2_f32(P, t, m, l, a);
-            continue;
-        }
-#endif
-        task_scalar(P, t, m, l, a);
+    int count, parts;
+    float *pm, *pl, *pa;
+} Plan;
+
+static void make_plan(const Problem *P, int num_seqs, int nthreads, const Kernels *k, Plan *pl) {
+    const int G = P->group, D = P->d;
+    pl->count = plan_tasks(P, num_seqs, nthreads, k->tk != NULL, &pl->tasks, &pl->parts);
+    pl->pm = pl->parts ? malloc(sizeof(float) * pl->parts * G) : NULL;
+    pl->pl = pl->parts ? malloc(sizeof(float) * pl->parts * G) : NULL;
+    pl->pa = pl->parts ? malloc(sizeof(float) * (size_t)pl->parts * G * D) : NULL;
+}
+
+static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) {
+    const int G = P->group, D = P->d;
+    const Task *t = &pl->tasks[i];
+    float *m = t->part >= 0 ? pl->pm + (size_t)t->part * G : NULL;
+    float *l = t->part >= 0 ? pl->pl + (size_t)t->part * G : NULL;
+    float *a = t->part >= 0 ? pl->pa + (size_t)t->part * G * D : NULL;
+    if (k->tk && P->qsl[t->seq + 1] - P->qsl[t->seq] > 1) {
+        task_tiled(P, t, m, l, a, k->tk);
+        return;
     }
-    /* merge split-K partials: consecutive tasks of one (seq, head) hold consecutive parts */
+#if TM_X86
+    if (k->vec512) {
+        if (P->kv_bf16) task_avx512_bf16(P, t, m, l, a);
+        else task_avx512_f32(P, t, m, l, a);
+        return;
+    }
+    if (k->vec) {
+        if (P->kv_bf16) task_avx2_bf16(P, t, m, l, a);
+        else task_avx2_f32(P, t, m, l, a);
+        return;
+    }
+#endif
+    task_scalar(P, t, m, l, a);
+}
+
+/* merge split-K partials (consecutive tasks of one (seq, head) hold consecutive parts), then free the plan */
+static void finish_plan(const Problem *P, Plan *p) {
+    const int G = P->group, D = P->d;
+    const Task *tasks = p->tasks;
+    const int count = p->count;
+    const float *pm = p->pm, *pl = p->pl, *pa = p->pa;
     for (int i = 0; i < count;) {
         if (tasks[i].part < 0) { i++; continue; }
         int j = i;
@@ -982,7 +1007,30 @@ static void run_problem(const Problem *P, int num_seqs, int nthreads) {
         }
         i = j;
     }
-    free(pm); free(pl); free(pa); free(tasks);
+    free(p->pm); free(p->pl); free(p->pa); free(p->tasks);
+}
+
+static void run_problem(const Problem *P, int num_seqs, int nthreads) {
+    Kernels k = pick_kernels(P);
+    Plan pl;
+    make_plan(P, num_seqs, nthreads, &k, &pl);
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (pl.count > 1 && nthreads > 1)
+    for (int i = 0; i < pl.count; i++) run_task(P, &pl, i, &k);
+    finish_plan(P, &pl);
+}
+
+/* run_problem for a caller already inside an `omp parallel` region: every thread of the team
+ * calls it; one plans, the team shares the tasks (orphaned `omp for`), one merges; it ends in a
+ * barrier. Each task's result is the same whichever thread runs it. */
+static void run_problem_team(const Problem *P, int num_seqs) {
+    Kernels k = pick_kernels(P);
+    Plan pl;
+    #pragma omp single copyprivate(pl)
+    make_plan(P, num_seqs, omp_get_num_threads(), &k, &pl);
+    #pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < pl.count; i++) run_task(P, &pl, i, &k);
+    #pragma omp single
+    finish_plan(P, &pl);
 }
 
 /* paged_attention(q_ptr, q_stride, out_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, qsl_ptr,
@@ -997,6 +1045,19 @@ static int c_paged_attention(const float *q, int64_t q_stride, float *out, const
     if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) return -1;
     Problem P = {q, q_stride, out, kc, vc, kv_bf16 != 0, bt, bt_stride, qsl, sl, ps, hq, hkv, d, hq / hkv, scale};
     run_problem(&P, num_seqs, nthreads < 1 ? 1 : nthreads);
+    return 0;
+}
+
+/* The team variant (capsule TM_ATTENTION_TEAM_CAPSULE): every thread of the caller's parallel
+ * region calls it with the same arguments; 0 (on every thread), or -1 on an unsupported shape. */
+static int c_paged_attention_team(const float *q, int64_t q_stride, float *out, const void *kc, const void *vc,
+                                  int kv_bf16, const int64_t *bt, int64_t bt_stride, const int64_t *qsl,
+                                  const int64_t *sl, int num_seqs, int ps, int hq, int hkv, int d, float scale,
+                                  int nthreads) {
+    (void)nthreads;  /* the team's size */
+    if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) return -1;
+    Problem P = {q, q_stride, out, kc, vc, kv_bf16 != 0, bt, bt_stride, qsl, sl, ps, hq, hkv, d, hq / hkv, scale};
+    run_problem_team(&P, num_seqs);
     return 0;
 }
 
@@ -1042,6 +1103,13 @@ PyMODINIT_FUNC PyInit__attention(void) {
     tm_paged_attention_fn fn = c_paged_attention;
     PyObject *cap = PyCapsule_New((void *)fn, TM_ATTENTION_CAPSULE, NULL);
     if (!cap || PyModule_AddObject(m, "_C_API", cap) < 0) {
+        Py_XDECREF(cap);
+        Py_DECREF(m);
+        return NULL;
+    }
+    tm_paged_attention_fn team = c_paged_attention_team;
+    cap = PyCapsule_New((void *)team, TM_ATTENTION_TEAM_CAPSULE, NULL);
+    if (!cap || PyModule_AddObject(m, "_C_API_TEAM", cap) < 0) {
         Py_XDECREF(cap);
         Py_DECREF(m);
         return NULL;

@@ -7,6 +7,10 @@
 #include <stdint.h>
 
 #define TM_ATTENTION_CAPSULE "tokenmill._native._attention._C_API"
+/* the same kernel for a caller inside its own `omp parallel` region: every thread of the team
+ * calls it with the same arguments (nthreads is ignored: the team's size is used); it ends in a
+ * barrier, and returns the same value on every thread */
+#define TM_ATTENTION_TEAM_CAPSULE "tokenmill._native._attention._C_API_TEAM"
 #define TM_ATTENTION_MAX_HEAD_DIM 512   /* the kernel refuses larger heads ... */
 #define TM_ATTENTION_MAX_GROUP 256      /* ... and more query heads per kv head */
 

@@ -26,6 +26,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <omp.h>
+
 #include "attention.h"
 #include "quant.h"
 
@@ -35,7 +37,7 @@ enum { MAT_KIND = 0, MAT_QS, MAT_SC, MAT_MN, MAT_F16, MAT_N, MAT_K, MAT_GROUP, M
 enum { W_QKV = 0, W_O, W_GATE_UP, W_DOWN, W_COUNT };
 #define LAYER_FIELDS (F_MATS + W_COUNT * MAT_FIELDS)
 
-static tm_paged_attention_fn g_attention = NULL;
+static tm_paged_attention_fn g_attention_team = NULL;
 
 /* Optional per-phase timers (decode_profile(True) turns them on; benchmarks read them). */
 enum { P_NORM = 0, P_QKV, P_ROPE_KV, P_ATTN, P_O, P_GATE_UP, P_SILU, P_DOWN, P_RESID, P_COUNT };
@@ -49,7 +51,6 @@ static inline double now_s(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
-#define TICK(phase) do { if (g_prof) { double t_ = now_s(); g_prof_s[phase] += t_ - t_last; t_last = t_; } } while (0)
 
 static TmqMat layer_mat(const int64_t *row, int w) {
     const int64_t *f = row + F_MATS + w * MAT_FIELDS;
@@ -180,44 +181,97 @@ typedef struct {
     int num_seqs, page_size, kv_bf16, nt;
 } Step;
 
-/* scratch: x [M,H], qkv [M,qn], att [M,hq*d], tmp [M,H], gu [M,2I] ; act reuses x when it fits */
-static int run_layer(const int64_t *row, const Step *S, float *h, float *x, float *qkv, float *att, float *tmp,
-                     float *gu, float *act) {
+/* scratch: x [M,H], qkv [M,qn], att [M,hq*d], tmp [M,H], gu [M,2I], act [M,I] */
+typedef struct {
+    float *h, *x, *qkv, *att, *tmp, *gu, *act;
+} Bufs;
+
+/* The whole step is one `omp parallel` region (a fork/join per matmul cost more than a second
+ * thread gained). Every thread of the team runs this loop: the small per-layer ops run on one
+ * thread (`omp single`, whose closing barrier orders them against the next phase), each matmul
+ * splits its output rows across the team (tmq_matmul_team), attention its tasks (the team
+ * variant of the kernel). Shared state (the quantized activations, the error) lives in *aq and
+ * *err, read only after a barrier, so every thread takes the same branch. The phase timers
+ * count on thread 0 (each phase there includes the barrier at its end). */
+static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const Bufs *B, void **aq, int *err) {
     const int64_t M = S->M, H = S->H, qsz = S->hq * S->d, kvsz = S->hkv * S->d, qn = qsz + 2 * kvsz, I = S->inter;
-    TmqMat w;
-    double t_last = g_prof ? now_s() : 0.0;
-    rmsnorm(h, (const float *)(uintptr_t)row[F_NORM1], x, M, H, S->eps);
-    TICK(P_NORM);
-    w = layer_mat(row, W_QKV);
-    if (tmq_matmul(&w, x, M, (const float *)(uintptr_t)row[F_QKV_BIAS], qkv, S->nt)) return -1;
-    TICK(P_QKV);
-    rotary(qkv, M, qn, (int)(S->hq + S->hkv), (int)S->d, S->cos, S->sin);
-    void *kc = (void *)(uintptr_t)row[F_K_CACHE], *vc = (void *)(uintptr_t)row[F_V_CACHE];
-    kv_write(kc, qkv + qsz, qn, S->slots, M, kvsz, S->kv_bf16);
-    kv_write(vc, qkv + qsz + kvsz, qn, S->slots, M, kvsz, S->kv_bf16);
-    TICK(P_ROPE_KV);
-    if (g_attention(qkv, qn, att, kc, vc, S->kv_bf16, S->bt, S->bt_stride, S->qsl, S->seq_lens, S->num_seqs,
-                    S->page_size, (int)S->hq, (int)S->hkv, (int)S->d, S->scale, S->nt))
-        return -2;
-    TICK(P_ATTN);
-    w = layer_mat(row, W_O);
-    if (tmq_matmul(&w, att, M, NULL, tmp, S->nt)) return -1;
-    TICK(P_O);
-    for (int64_t i = 0; i < M * H; i++) h[i] += tmp[i];
-    TICK(P_RESID);
-    rmsnorm(h, (const float *)(uintptr_t)row[F_NORM2], x, M, H, S->eps);
-    TICK(P_NORM);
-    w = layer_mat(row, W_GATE_UP);
-    if (tmq_matmul(&w, x, M, NULL, gu, S->nt)) return -1;
-    TICK(P_GATE_UP);
-    for (int64_t t = 0; t < M; t++) silu_mul(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
-    TICK(P_SILU);
-    w = layer_mat(row, W_DOWN);
-    if (tmq_matmul(&w, act, M, NULL, tmp, S->nt)) return -1;
-    TICK(P_DOWN);
-    for (int64_t i = 0; i < M * H; i++) h[i] += tmp[i];
-    TICK(P_RESID);
-    return 0;
+    const int prof = g_prof && omp_get_thread_num() == 0;
+    double t_last = prof ? now_s() : 0.0;
+#define TTICK(phase) do { if (prof) { double t_ = now_s(); g_prof_s[phase] += t_ - t_last; t_last = t_; } } while (0)
+    float *h = B->h;
+    #pragma omp single
+    {
+        rmsnorm(h, (const float *)(uintptr_t)tab[F_NORM1], B->x, M, H, S->eps);
+        TmqMat w = layer_mat(tab, W_QKV);
+        if (!(*aq = tmq_act_quantize(&w, B->x, M))) *err = -1;
+    }
+    TTICK(P_NORM);
+    for (int64_t l = 0; l < L && !*err; l++) {
+        const int64_t *row = tab + l * LAYER_FIELDS;
+        TmqMat w = layer_mat(row, W_QKV);
+        tmq_matmul_team(&w, *aq, M, (const float *)(uintptr_t)row[F_QKV_BIAS], B->qkv);
+        TTICK(P_QKV);
+        void *kc = (void *)(uintptr_t)row[F_K_CACHE], *vc = (void *)(uintptr_t)row[F_V_CACHE];
+        #pragma omp single
+        {
+            tmq_act_free(*aq);
+            *aq = NULL;
+            rotary(B->qkv, M, qn, (int)(S->hq + S->hkv), (int)S->d, S->cos, S->sin);
+            kv_write(kc, B->qkv + qsz, qn, S->slots, M, kvsz, S->kv_bf16);
+            kv_write(vc, B->qkv + qsz + kvsz, qn, S->slots, M, kvsz, S->kv_bf16);
+        }
+        TTICK(P_ROPE_KV);
+        if (g_attention_team(B->qkv, qn, B->att, kc, vc, S->kv_bf16, S->bt, S->bt_stride, S->qsl, S->seq_lens,
+                             S->num_seqs, S->page_size, (int)S->hq, (int)S->hkv, (int)S->d, S->scale, S->nt)) {
+            #pragma omp single
+            *err = -2;
+            break;  /* every thread: the kernel's answer depends only on the shape */
+        }
+        TTICK(P_ATTN);
+        w = layer_mat(row, W_O);
+        #pragma omp single
+        if (!(*aq = tmq_act_quantize(&w, B->att, M))) *err = -1;
+        if (*err) break;
+        tmq_matmul_team(&w, *aq, M, NULL, B->tmp);
+        TTICK(P_O);
+        w = layer_mat(row, W_GATE_UP);
+        #pragma omp single
+        {
+            tmq_act_free(*aq);
+            for (int64_t i = 0; i < M * H; i++) h[i] += B->tmp[i];
+            rmsnorm(h, (const float *)(uintptr_t)row[F_NORM2], B->x, M, H, S->eps);
+            if (!(*aq = tmq_act_quantize(&w, B->x, M))) *err = -1;
+        }
+        TTICK(P_NORM);
+        if (*err) break;
+        tmq_matmul_team(&w, *aq, M, NULL, B->gu);
+        TTICK(P_GATE_UP);
+        w = layer_mat(row, W_DOWN);
+        #pragma omp single
+        {
+            tmq_act_free(*aq);
+            for (int64_t t = 0; t < M; t++) silu_mul(B->gu + t * 2 * I, B->gu + t * 2 * I + I, B->act + t * I, I);
+            if (!(*aq = tmq_act_quantize(&w, B->act, M))) *err = -1;
+        }
+        TTICK(P_SILU);
+        if (*err) break;
+        tmq_matmul_team(&w, *aq, M, NULL, B->tmp);
+        TTICK(P_DOWN);
+        #pragma omp single
+        {
+            tmq_act_free(*aq);
+            *aq = NULL;
+            for (int64_t i = 0; i < M * H; i++) h[i] += B->tmp[i];
+            if (l + 1 < L) {  /* the next layer's first norm and its qkv activations */
+                const int64_t *next = row + LAYER_FIELDS;
+                rmsnorm(h, (const float *)(uintptr_t)next[F_NORM1], B->x, M, H, S->eps);
+                TmqMat wn = layer_mat(next, W_QKV);
+                if (!(*aq = tmq_act_quantize(&wn, B->x, M))) *err = -1;
+            }
+        }
+        TTICK(P_RESID);
+    }
+#undef TTICK
 }
 
 /* check every layer row against the model's sizes (with the GIL, before any work) */
@@ -266,9 +320,9 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
                      "seqs=%d page=%d)", M, H, hq, hkv, d, inter, num_seqs, page_size);
         return NULL;
     }
-    if (!g_attention) {
-        g_attention = (tm_paged_attention_fn)PyCapsule_Import(TM_ATTENTION_CAPSULE, 0);
-        if (!g_attention) return NULL;
+    if (!g_attention_team) {
+        g_attention_team = (tm_paged_attention_fn)PyCapsule_Import(TM_ATTENTION_TEAM_CAPSULE, 0);
+        if (!g_attention_team) return NULL;
     }
     Step S = {M, H, hq, hkv, d, inter, eps, scale, PTR(const float *, cos), PTR(const float *, sin),
               PTR(const int64_t *, slots), PTR(const int64_t *, bt), PTR(const int64_t *, qsl),
@@ -282,10 +336,13 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     float *x = mem, *tmp = x + M * H, *qkv = tmp + M * H, *att = qkv + M * qn, *gu = att + M * qsz,
           *act = gu + M * 2 * inter;
     int err = 0;
+    void *aq = NULL;
+    Bufs B = {PTR(float *, h), x, qkv, att, tmp, gu, act};
     Py_BEGIN_ALLOW_THREADS
-    for (int64_t l = 0; l < L && !err; l++)
-        err = run_layer(tab + l * LAYER_FIELDS, &S, PTR(float *, h), x, qkv, att, tmp, gu, act);
+    #pragma omp parallel num_threads(S.nt)
+    run_layers_team(tab, L, &S, &B, &aq, &err);
     Py_END_ALLOW_THREADS
+    tmq_act_free(aq);
     free(mem);
     if (err == -1) return PyErr_NoMemory();
     if (err == -2) {

@@ -616,14 +616,16 @@ static int check_group(int64_t K, int64_t group) {
     return group > 0 && group % QK == 0 && group <= (Kp > QK ? Kp : QK);
 }
 
-static void gemm_u4(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *sc, const void *mn,
-                    int f16, int64_t N, int64_t group, const float *bias, float *y, int nt, const ActBuf *a) {
+/* The row loops below are orphaned `omp for` loops (static schedule, closing barrier): called
+ * by every thread of an enclosing parallel region they split the output rows across the team;
+ * called outside one, the calling thread does every row. A row's sum never depends on the split. */
+static void gemm_u4_team(int64_t M, int64_t K, const uint8_t *qs, const void *sc, const void *mn,
+                         int f16, int64_t N, int64_t group, const float *bias, float *y, const ActBuf *a) {
     int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
     /* the avx512vnni u4 kernel for 2+ rows reads pair-order activations (made with the set in use) */
     int use = a->pairs ? ISA_AVX512 : isa() == ISA_AVX512 && M > 1 ? ISA_AVX2 : isa();
-    (void)x;
     (void)use;
-    #pragma omp parallel for num_threads(nt) schedule(static)
+    #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = qs + n * (Kp / 2);
         if (PREFETCH_ROWS && n + PREFETCH_ROWS < N)  /* software prefetch a few rows ahead: decode streams W once */
@@ -650,12 +652,12 @@ static void gemm_u4(const float *x, int64_t M, int64_t K, const uint8_t *qs, con
     }
 }
 
-static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int f16, int64_t N, int64_t group,
-                    const float *bias, float *y, int nt, const ActBuf *a) {
+static void gemm_s8_team(int64_t M, int64_t K, const int8_t *qs, const void *sc, int f16, int64_t N, int64_t group,
+                         const float *bias, float *y, const ActBuf *a) {
     int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
     int use = isa();
     (void)use;
-    #pragma omp parallel for num_threads(nt) schedule(static)
+    #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *row = qs + n * Kp;
         if (PREFETCH_ROWS && n + PREFETCH_ROWS < N)
@@ -680,16 +682,50 @@ static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int 
     }
 }
 
-/* The one entry point other C files use (decoder.c): y[M, N] = x[M, K] @ W^T (+ bias) with the
- * integer kernels. Returns 0, or -1 when out of memory. */
-int tmq_matmul(const TmqMat *w, const float *x, int64_t M, const float *bias, float *y, int nt) {
-    ActBuf a;
-    if (act_quantize(x, M, w->K, w->kind == TMQ_U4 && M > 1 && isa() == ISA_AVX512, &a)) return -1;
+/* one fork/join per matmul: the entry points of the bindings below */
+static void gemm_u4(int64_t M, int64_t K, const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t N,
+                    int64_t group, const float *bias, float *y, int nt, const ActBuf *a) {
+    #pragma omp parallel num_threads(nt)
+    gemm_u4_team(M, K, qs, sc, mn, f16, N, group, bias, y, a);
+}
+
+static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int f16, int64_t N, int64_t group,
+                    const float *bias, float *y, int nt, const ActBuf *a) {
+    #pragma omp parallel num_threads(nt)
+    gemm_s8_team(M, K, qs, sc, f16, N, group, bias, y, a);
+}
+
+/* The entry points other C files use (decoder.c): y[M, N] = x[M, K] @ W^T (+ bias) with the
+ * integer kernels, as a quantize step (one thread) and a row loop (the whole team). */
+void *tmq_act_quantize(const TmqMat *w, const float *x, int64_t M) {
+    ActBuf *a = malloc(sizeof *a);
+    if (!a) return NULL;
+    if (act_quantize(x, M, w->K, w->kind == TMQ_U4 && M > 1 && isa() == ISA_AVX512, a)) { free(a); return NULL; }
+    return a;
+}
+
+void tmq_act_free(void *act) {
+    if (!act) return;
+    free(((ActBuf *)act)->mem);
+    free(act);
+}
+
+void tmq_matmul_team(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y) {
+    const ActBuf *a = act;
     if (w->kind == TMQ_U4)
-        gemm_u4(x, M, w->K, (const uint8_t *)w->qs, w->sc, w->mn, w->f16, w->N, w->group, bias, y, nt < 1 ? 1 : nt, &a);
+        gemm_u4_team(M, w->K, (const uint8_t *)w->qs, w->sc, w->mn, w->f16, w->N, w->group, bias, y, a);
     else
-        gemm_s8(M, w->K, (const int8_t *)w->qs, w->sc, w->f16, w->N, w->group, bias, y, nt < 1 ? 1 : nt, &a);
-    free(a.mem);
+        gemm_s8_team(M, w->K, (const int8_t *)w->qs, w->sc, w->f16, w->N, w->group, bias, y, a);
+}
+
+int tmq_matmul(const TmqMat *w, const float *x, int64_t M, const float *bias, float *y, int nt) {
+    void *a = tmq_act_quantize(w, x, M);
+    if (!a) return -1;
+    if (w->kind == TMQ_U4)
+        gemm_u4(M, w->K, (const uint8_t *)w->qs, w->sc, w->mn, w->f16, w->N, w->group, bias, y, nt < 1 ? 1 : nt, a);
+    else
+        gemm_s8(M, w->K, (const int8_t *)w->qs, w->sc, w->f16, w->N, w->group, bias, y, nt < 1 ? 1 : nt, a);
+    tmq_act_free(a);
     return 0;
 }
 
@@ -715,7 +751,7 @@ static PyObject *py_gemm_u4(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     err = act_quantize(PTR(const float *, x), M, K, M > 1 && isa() == ISA_AVX512, &a);
     if (!err) {
-        gemm_u4(PTR(const float *, x), M, K, PTR(const uint8_t *, qs), PTR(const void *, sc), PTR(const void *, mn),
+        gemm_u4(M, K, PTR(const uint8_t *, qs), PTR(const void *, sc), PTR(const void *, mn),
                 f16, N, group, PTR(const float *, bias), PTR(float *, y), nt < 1 ? 1 : nt, &a);
         free(a.mem);
     }
