@@ -1019,19 +1019,42 @@ static void run_problem(const Problem *P, int num_seqs, int nthreads) {
     finish_plan(P, &pl);
 }
 
-/* run_problem for a caller already inside an `omp parallel` region: every thread of the team
- * calls it; one plans, the team shares the tasks (orphaned `omp for`), one merges; it ends in a
- * barrier. Each task's result is the same whichever thread runs it. */
-static void run_problem_team(const Problem *P, int num_seqs) {
-    Kernels k = pick_kernels(P);
+/* One call as a task list, for a caller that runs its own threads (the capsule
+ * TM_ATTENTION_TASKS_CAPSULE): plan, run every task once on any thread, then finish. Each
+ * task's result is the same whichever thread runs it. */
+typedef struct {
+    Problem P;
+    Kernels k;
     Plan pl;
-    #pragma omp single copyprivate(pl)
-    make_plan(P, num_seqs, omp_get_num_threads(), &k, &pl);
-    #pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < pl.count; i++) run_task(P, &pl, i, &k);
-    #pragma omp single
-    finish_plan(P, &pl);
+} TaskCall;
+
+static void *tasks_plan(const float *q, int64_t q_stride, float *out, const void *kc, const void *vc, int kv_bf16,
+                        const int64_t *bt, int64_t bt_stride, const int64_t *qsl, const int64_t *sl, int num_seqs,
+                        int ps, int hq, int hkv, int d, float scale, int nthreads) {
+    if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) return NULL;
+    TaskCall *c = malloc(sizeof *c);
+    if (!c) return NULL;
+    Problem P = {q, q_stride, out, kc, vc, kv_bf16 != 0, bt, bt_stride, qsl, sl, ps, hq, hkv, d, hq / hkv, scale};
+    c->P = P;
+    c->k = pick_kernels(&c->P);
+    make_plan(&c->P, num_seqs, nthreads < 1 ? 1 : nthreads, &c->k, &c->pl);
+    return c;
 }
+
+static int tasks_count(const void *call) { return ((const TaskCall *)call)->pl.count; }
+
+static void tasks_run(const void *call, int i) {
+    const TaskCall *c = call;
+    run_task(&c->P, &c->pl, i, &c->k);
+}
+
+static void tasks_finish(void *call) {
+    TaskCall *c = call;
+    finish_plan(&c->P, &c->pl);
+    free(c);
+}
+
+static const tm_attention_tasks g_tasks_api = {tasks_plan, tasks_count, tasks_run, tasks_finish};
 
 /* paged_attention(q_ptr, q_stride, out_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, qsl_ptr,
  *                 seq_lens_ptr, num_seqs, page_size, num_q_heads, num_kv_heads, head_dim,
@@ -1045,19 +1068,6 @@ static int c_paged_attention(const float *q, int64_t q_stride, float *out, const
     if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) return -1;
     Problem P = {q, q_stride, out, kc, vc, kv_bf16 != 0, bt, bt_stride, qsl, sl, ps, hq, hkv, d, hq / hkv, scale};
     run_problem(&P, num_seqs, nthreads < 1 ? 1 : nthreads);
-    return 0;
-}
-
-/* The team variant (capsule TM_ATTENTION_TEAM_CAPSULE): every thread of the caller's parallel
- * region calls it with the same arguments; 0 (on every thread), or -1 on an unsupported shape. */
-static int c_paged_attention_team(const float *q, int64_t q_stride, float *out, const void *kc, const void *vc,
-                                  int kv_bf16, const int64_t *bt, int64_t bt_stride, const int64_t *qsl,
-                                  const int64_t *sl, int num_seqs, int ps, int hq, int hkv, int d, float scale,
-                                  int nthreads) {
-    (void)nthreads;  /* the team's size */
-    if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) return -1;
-    Problem P = {q, q_stride, out, kc, vc, kv_bf16 != 0, bt, bt_stride, qsl, sl, ps, hq, hkv, d, hq / hkv, scale};
-    run_problem_team(&P, num_seqs);
     return 0;
 }
 
@@ -1107,9 +1117,8 @@ PyMODINIT_FUNC PyInit__attention(void) {
         Py_DECREF(m);
         return NULL;
     }
-    tm_paged_attention_fn team = c_paged_attention_team;
-    cap = PyCapsule_New((void *)team, TM_ATTENTION_TEAM_CAPSULE, NULL);
-    if (!cap || PyModule_AddObject(m, "_C_API_TEAM", cap) < 0) {
+    cap = PyCapsule_New((void *)&g_tasks_api, TM_ATTENTION_TASKS_CAPSULE, NULL);
+    if (!cap || PyModule_AddObject(m, "_C_API_TASKS", cap) < 0) {
         Py_XDECREF(cap);
         Py_DECREF(m);
         return NULL;

@@ -7,10 +7,8 @@
 #include <stdint.h>
 
 #define TM_ATTENTION_CAPSULE "tokenmill._native._attention._C_API"
-/* the same kernel for a caller inside its own `omp parallel` region: every thread of the team
- * calls it with the same arguments (nthreads is ignored: the team's size is used); it ends in a
- * barrier, and returns the same value on every thread */
-#define TM_ATTENTION_TEAM_CAPSULE "tokenmill._native._attention._C_API_TEAM"
+/* the same kernel as a task list (a tm_attention_tasks), for a caller that runs its own threads */
+#define TM_ATTENTION_TASKS_CAPSULE "tokenmill._native._attention._C_API_TASKS"
 #define TM_ATTENTION_MAX_HEAD_DIM 512   /* the kernel refuses larger heads ... */
 #define TM_ATTENTION_MAX_GROUP 256      /* ... and more query heads per kv head */
 
@@ -18,5 +16,19 @@ typedef int (*tm_paged_attention_fn)(const float *q, int64_t q_stride, float *ou
                                      const void *v_cache, int kv_bf16, const int64_t *block_tables,
                                      int64_t bt_stride, const int64_t *qsl, const int64_t *seq_lens, int num_seqs,
                                      int page_size, int hq, int hkv, int head_dim, float scale, int nthreads);
+
+/* plan(): the paged_attention arguments (nthreads only shapes the cut of tiled prefill rows,
+ * never a result); NULL on an unsupported shape or no memory. Then run(call, i) for every
+ * i < tasks(call), each exactly once, on any threads; once all have returned, finish(call)
+ * merges split-K parts into the output and frees the call. */
+typedef struct {
+    void *(*plan)(const float *q, int64_t q_stride, float *out, const void *k_cache, const void *v_cache,
+                  int kv_bf16, const int64_t *block_tables, int64_t bt_stride, const int64_t *qsl,
+                  const int64_t *seq_lens, int num_seqs, int page_size, int hq, int hkv, int head_dim, float scale,
+                  int nthreads);
+    int (*tasks)(const void *call);
+    void (*run)(const void *call, int i);
+    void (*finish)(void *call);
+} tm_attention_tasks;
 
 #endif

@@ -27,6 +27,8 @@
 #include <time.h>
 
 #include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 
 #include "attention.h"
 #include "quant.h"
@@ -37,7 +39,7 @@ enum { MAT_KIND = 0, MAT_QS, MAT_SC, MAT_MN, MAT_F16, MAT_N, MAT_K, MAT_GROUP, M
 enum { W_QKV = 0, W_O, W_GATE_UP, W_DOWN, W_COUNT };
 #define LAYER_FIELDS (F_MATS + W_COUNT * MAT_FIELDS)
 
-static tm_paged_attention_fn g_attention_team = NULL;
+static const tm_attention_tasks *g_attn = NULL;
 
 /* Optional per-phase timers (decode_profile(True) turns them on; benchmarks read them). */
 enum { P_NORM = 0, P_QKV, P_ROPE_KV, P_ATTN, P_O, P_GATE_UP, P_SILU, P_DOWN, P_RESID, P_COUNT };
@@ -186,79 +188,123 @@ typedef struct {
     float *h, *x, *qkv, *att, *tmp, *gu, *act;
 } Bufs;
 
+/* A spinning barrier for the threads of one step. libgomp's barrier spins GOMP_SPINCOUNT times
+ * (the CLI sets 1000, so that idle threads between steps leave the cores to other processes)
+ * and then sleeps in the kernel; inside a step the waits are microseconds, and a thread put to
+ * sleep there costs a wake-up, and on a busy machine a wait for a core, at every barrier. This
+ * one spins (with pause) for about SPIN_PAUSES rounds, then yields the core between checks. */
+#define SPIN_PAUSES 20000
+typedef struct {
+    atomic_int arrived, gen, next;  /* next: attention's task counter */
+    int n;
+} SpinBar;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void bar_wait(SpinBar *b) {
+    if (b->n <= 1) return;
+    int g = atomic_load_explicit(&b->gen, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->n - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&b->gen, 1, memory_order_release);
+        return;
+    }
+    for (int i = 0; atomic_load_explicit(&b->gen, memory_order_acquire) == g; i++) {
+        if (i < SPIN_PAUSES) cpu_relax();
+        else sched_yield();
+    }
+}
+
 /* The whole step is one `omp parallel` region (a fork/join per matmul cost more than a second
- * thread gained). Every thread of the team runs this loop: the small per-layer ops run on one
- * thread (`omp single`, whose closing barrier orders them against the next phase), each matmul
- * splits its output rows across the team (tmq_matmul_team), attention its tasks (the team
- * variant of the kernel). Shared state (the quantized activations, the error) lives in *aq and
- * *err, read only after a barrier, so every thread takes the same branch. The phase timers
- * count on thread 0 (each phase there includes the barrier at its end). */
-static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const Bufs *B, void **aq, int *err) {
+ * thread gained). Every thread runs this loop: the small per-layer ops and the quantization of
+ * each matmul's activations run on thread 0, each matmul splits its output rows over the
+ * threads (tmq_matmul_rows), attention's tasks go to whichever thread takes the next one; a
+ * barrier separates dependent phases. Shared state (the quantized activations, the attention
+ * call, the error) is written by thread 0 and read only after a barrier, so every thread takes
+ * the same branch. The phase timers count on thread 0 (each phase includes its barrier). */
+static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const Bufs *B, void **aq, void **call,
+                            int *err, SpinBar *bar) {
     const int64_t M = S->M, H = S->H, qsz = S->hq * S->d, kvsz = S->hkv * S->d, qn = qsz + 2 * kvsz, I = S->inter;
-    const int prof = g_prof && omp_get_thread_num() == 0;
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    if (t == 0) bar->n = T;
+    #pragma omp barrier
+    const int prof = g_prof && t == 0;
     double t_last = prof ? now_s() : 0.0;
 #define TTICK(phase) do { if (prof) { double t_ = now_s(); g_prof_s[phase] += t_ - t_last; t_last = t_; } } while (0)
     float *h = B->h;
-    #pragma omp single
-    {
+    if (t == 0) {
         rmsnorm(h, (const float *)(uintptr_t)tab[F_NORM1], B->x, M, H, S->eps);
         TmqMat w = layer_mat(tab, W_QKV);
         if (!(*aq = tmq_act_quantize(&w, B->x, M))) *err = -1;
     }
+    bar_wait(bar);
     TTICK(P_NORM);
     for (int64_t l = 0; l < L && !*err; l++) {
         const int64_t *row = tab + l * LAYER_FIELDS;
         TmqMat w = layer_mat(row, W_QKV);
-        tmq_matmul_team(&w, *aq, M, (const float *)(uintptr_t)row[F_QKV_BIAS], B->qkv);
+        tmq_matmul_rows(&w, *aq, M, (const float *)(uintptr_t)row[F_QKV_BIAS], B->qkv, t, T);
+        bar_wait(bar);
         TTICK(P_QKV);
-        void *kc = (void *)(uintptr_t)row[F_K_CACHE], *vc = (void *)(uintptr_t)row[F_V_CACHE];
-        #pragma omp single
-        {
+        if (t == 0) {
+            void *kc = (void *)(uintptr_t)row[F_K_CACHE], *vc = (void *)(uintptr_t)row[F_V_CACHE];
             tmq_act_free(*aq);
             *aq = NULL;
             rotary(B->qkv, M, qn, (int)(S->hq + S->hkv), (int)S->d, S->cos, S->sin);
             kv_write(kc, B->qkv + qsz, qn, S->slots, M, kvsz, S->kv_bf16);
             kv_write(vc, B->qkv + qsz + kvsz, qn, S->slots, M, kvsz, S->kv_bf16);
+            *call = g_attn->plan(B->qkv, qn, B->att, kc, vc, S->kv_bf16, S->bt, S->bt_stride, S->qsl, S->seq_lens,
+                                 S->num_seqs, S->page_size, (int)S->hq, (int)S->hkv, (int)S->d, S->scale, T);
+            if (!*call) *err = -2;
+            atomic_store_explicit(&bar->next, 0, memory_order_relaxed);
         }
+        bar_wait(bar);
         TTICK(P_ROPE_KV);
-        if (g_attention_team(B->qkv, qn, B->att, kc, vc, S->kv_bf16, S->bt, S->bt_stride, S->qsl, S->seq_lens,
-                             S->num_seqs, S->page_size, (int)S->hq, (int)S->hkv, (int)S->d, S->scale, S->nt)) {
-            #pragma omp single
-            *err = -2;
-            break;  /* every thread: the kernel's answer depends only on the shape */
-        }
-        TTICK(P_ATTN);
-        w = layer_mat(row, W_O);
-        #pragma omp single
-        if (!(*aq = tmq_act_quantize(&w, B->att, M))) *err = -1;
         if (*err) break;
-        tmq_matmul_team(&w, *aq, M, NULL, B->tmp);
+        for (int n = g_attn->tasks(*call), i; (i = atomic_fetch_add_explicit(&bar->next, 1, memory_order_relaxed)) < n;)
+            g_attn->run(*call, i);
+        bar_wait(bar);
+        w = layer_mat(row, W_O);
+        if (t == 0) {
+            g_attn->finish(*call);
+            *call = NULL;
+            if (!(*aq = tmq_act_quantize(&w, B->att, M))) *err = -1;
+        }
+        bar_wait(bar);
+        TTICK(P_ATTN);
+        if (*err) break;
+        tmq_matmul_rows(&w, *aq, M, NULL, B->tmp, t, T);
+        bar_wait(bar);
         TTICK(P_O);
         w = layer_mat(row, W_GATE_UP);
-        #pragma omp single
-        {
+        if (t == 0) {
             tmq_act_free(*aq);
             for (int64_t i = 0; i < M * H; i++) h[i] += B->tmp[i];
             rmsnorm(h, (const float *)(uintptr_t)row[F_NORM2], B->x, M, H, S->eps);
             if (!(*aq = tmq_act_quantize(&w, B->x, M))) *err = -1;
         }
+        bar_wait(bar);
         TTICK(P_NORM);
         if (*err) break;
-        tmq_matmul_team(&w, *aq, M, NULL, B->gu);
+        tmq_matmul_rows(&w, *aq, M, NULL, B->gu, t, T);
+        bar_wait(bar);
         TTICK(P_GATE_UP);
         w = layer_mat(row, W_DOWN);
-        #pragma omp single
-        {
+        if (t == 0) {
             tmq_act_free(*aq);
-            for (int64_t t = 0; t < M; t++) silu_mul(B->gu + t * 2 * I, B->gu + t * 2 * I + I, B->act + t * I, I);
+            for (int64_t r = 0; r < M; r++) silu_mul(B->gu + r * 2 * I, B->gu + r * 2 * I + I, B->act + r * I, I);
             if (!(*aq = tmq_act_quantize(&w, B->act, M))) *err = -1;
         }
+        bar_wait(bar);
         TTICK(P_SILU);
         if (*err) break;
-        tmq_matmul_team(&w, *aq, M, NULL, B->tmp);
+        tmq_matmul_rows(&w, *aq, M, NULL, B->tmp, t, T);
+        bar_wait(bar);
         TTICK(P_DOWN);
-        #pragma omp single
-        {
+        if (t == 0) {
             tmq_act_free(*aq);
             *aq = NULL;
             for (int64_t i = 0; i < M * H; i++) h[i] += B->tmp[i];
@@ -269,6 +315,7 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
                 if (!(*aq = tmq_act_quantize(&wn, B->x, M))) *err = -1;
             }
         }
+        bar_wait(bar);
         TTICK(P_RESID);
     }
 #undef TTICK
@@ -320,9 +367,9 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
                      "seqs=%d page=%d)", M, H, hq, hkv, d, inter, num_seqs, page_size);
         return NULL;
     }
-    if (!g_attention_team) {
-        g_attention_team = (tm_paged_attention_fn)PyCapsule_Import(TM_ATTENTION_TEAM_CAPSULE, 0);
-        if (!g_attention_team) return NULL;
+    if (!g_attn) {
+        g_attn = (const tm_attention_tasks *)PyCapsule_Import(TM_ATTENTION_TASKS_CAPSULE, 0);
+        if (!g_attn) return NULL;
     }
     Step S = {M, H, hq, hkv, d, inter, eps, scale, PTR(const float *, cos), PTR(const float *, sin),
               PTR(const int64_t *, slots), PTR(const int64_t *, bt), PTR(const int64_t *, qsl),
@@ -336,17 +383,24 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     float *x = mem, *tmp = x + M * H, *qkv = tmp + M * H, *att = qkv + M * qn, *gu = att + M * qsz,
           *act = gu + M * 2 * inter;
     int err = 0;
-    void *aq = NULL;
+    void *aq = NULL, *call = NULL;
     Bufs B = {PTR(float *, h), x, qkv, att, tmp, gu, act};
+    SpinBar bar;
+    atomic_init(&bar.arrived, 0);
+    atomic_init(&bar.gen, 0);
+    atomic_init(&bar.next, 0);
+    bar.n = 1;
     Py_BEGIN_ALLOW_THREADS
     #pragma omp parallel num_threads(S.nt)
-    run_layers_team(tab, L, &S, &B, &aq, &err);
+    run_layers_team(tab, L, &S, &B, &aq, &call, &err, &bar);
     Py_END_ALLOW_THREADS
     tmq_act_free(aq);
+    if (call) g_attn->finish(call);
     free(mem);
     if (err == -1) return PyErr_NoMemory();
     if (err == -2) {
-        PyErr_SetString(PyExc_ValueError, "decode_layers: the attention kernel refused the head shape");
+        PyErr_SetString(PyExc_ValueError, "decode_layers: the attention kernel refused the head shape "
+                        "(or ran out of memory)");
         return NULL;
     }
     Py_RETURN_NONE;

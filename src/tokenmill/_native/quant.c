@@ -616,17 +616,16 @@ static int check_group(int64_t K, int64_t group) {
     return group > 0 && group % QK == 0 && group <= (Kp > QK ? Kp : QK);
 }
 
-/* The row loops below are orphaned `omp for` loops (static schedule, closing barrier): called
- * by every thread of an enclosing parallel region they split the output rows across the team;
- * called outside one, the calling thread does every row. A row's sum never depends on the split. */
-static void gemm_u4_team(int64_t M, int64_t K, const uint8_t *qs, const void *sc, const void *mn,
-                         int f16, int64_t N, int64_t group, const float *bias, float *y, const ActBuf *a) {
+/* The row loops below compute output rows [n0, n1); the callers split the rows over threads in
+ * contiguous ranges (tmq_row_range). A row's sum never depends on the split. */
+static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc, const void *mn,
+                         int f16, int64_t N, int64_t group, const float *bias, float *y, const ActBuf *a,
+                         int64_t n0, int64_t n1) {
     int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
     /* the avx512vnni u4 kernel for 2+ rows reads pair-order activations (made with the set in use) */
     int use = a->pairs ? ISA_AVX512 : isa() == ISA_AVX512 && M > 1 ? ISA_AVX2 : isa();
     (void)use;
-    #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = qs + n * (Kp / 2);
         if (PREFETCH_ROWS && n + PREFETCH_ROWS < N)  /* software prefetch a few rows ahead: decode streams W once */
             for (int64_t o = 0; o < Kp / 2; o += 64) __builtin_prefetch(row + PREFETCH_ROWS * (Kp / 2) + o, 0, 0);
@@ -652,13 +651,12 @@ static void gemm_u4_team(int64_t M, int64_t K, const uint8_t *qs, const void *sc
     }
 }
 
-static void gemm_s8_team(int64_t M, int64_t K, const int8_t *qs, const void *sc, int f16, int64_t N, int64_t group,
-                         const float *bias, float *y, const ActBuf *a) {
+static void gemm_s8_rows(int64_t M, int64_t K, const int8_t *qs, const void *sc, int f16, int64_t N, int64_t group,
+                         const float *bias, float *y, const ActBuf *a, int64_t n0, int64_t n1) {
     int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
     int use = isa();
     (void)use;
-    #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = n0; n < n1; n++) {
         const int8_t *row = qs + n * Kp;
         if (PREFETCH_ROWS && n + PREFETCH_ROWS < N)
             for (int64_t o = 0; o < Kp; o += 64) __builtin_prefetch(row + PREFETCH_ROWS * Kp + o, 0, 0);
@@ -682,17 +680,31 @@ static void gemm_s8_team(int64_t M, int64_t K, const int8_t *qs, const void *sc,
     }
 }
 
+void tmq_row_range(int64_t N, int t, int T, int64_t *n0, int64_t *n1) {
+    int64_t per = N / T, extra = N % T;  /* the first `extra` threads take one row more */
+    *n0 = t * per + (t < extra ? t : extra);
+    *n1 = *n0 + per + (t < extra);
+}
+
 /* one fork/join per matmul: the entry points of the bindings below */
 static void gemm_u4(int64_t M, int64_t K, const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t N,
                     int64_t group, const float *bias, float *y, int nt, const ActBuf *a) {
     #pragma omp parallel num_threads(nt)
-    gemm_u4_team(M, K, qs, sc, mn, f16, N, group, bias, y, a);
+    {
+        int64_t n0, n1;
+        tmq_row_range(N, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
+        gemm_u4_rows(M, K, qs, sc, mn, f16, N, group, bias, y, a, n0, n1);
+    }
 }
 
 static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int f16, int64_t N, int64_t group,
                     const float *bias, float *y, int nt, const ActBuf *a) {
     #pragma omp parallel num_threads(nt)
-    gemm_s8_team(M, K, qs, sc, f16, N, group, bias, y, a);
+    {
+        int64_t n0, n1;
+        tmq_row_range(N, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
+        gemm_s8_rows(M, K, qs, sc, f16, N, group, bias, y, a, n0, n1);
+    }
 }
 
 /* The entry points other C files use (decoder.c): y[M, N] = x[M, K] @ W^T (+ bias) with the
@@ -710,12 +722,14 @@ void tmq_act_free(void *act) {
     free(act);
 }
 
-void tmq_matmul_team(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y) {
+void tmq_matmul_rows(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int t, int T) {
     const ActBuf *a = act;
+    int64_t n0, n1;
+    tmq_row_range(w->N, t, T, &n0, &n1);
     if (w->kind == TMQ_U4)
-        gemm_u4_team(M, w->K, (const uint8_t *)w->qs, w->sc, w->mn, w->f16, w->N, w->group, bias, y, a);
+        gemm_u4_rows(M, w->K, (const uint8_t *)w->qs, w->sc, w->mn, w->f16, w->N, w->group, bias, y, a, n0, n1);
     else
-        gemm_s8_team(M, w->K, (const int8_t *)w->qs, w->sc, w->f16, w->N, w->group, bias, y, a);
+        gemm_s8_rows(M, w->K, (const int8_t *)w->qs, w->sc, w->f16, w->N, w->group, bias, y, a, n0, n1);
 }
 
 int tmq_matmul(const TmqMat *w, const float *x, int64_t M, const float *bias, float *y, int nt) {

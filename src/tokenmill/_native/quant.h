@@ -17,12 +17,13 @@ typedef struct {
 
 /* y[M, N] = x[M, K] @ W^T (+ bias): int16 activations, as the gemm_u4/gemm_s8 bindings. 0 or -1 (no memory). */
 int tmq_matmul(const TmqMat *w, const float *x, int64_t M, const float *bias, float *y, int nt);
-/* The same in pieces, for a caller that runs inside its own `omp parallel` region: one thread
- * quantizes x for w (NULL: out of memory) and shares the result; then every thread of the team
- * calls tmq_matmul_team (an orphaned `omp for` over the output rows, ending in a barrier);
- * then one thread frees the activations. Results are those of tmq_matmul, row for row. */
+/* The same in pieces, for a caller that runs its own threads (decoder.c): one thread quantizes
+ * x for w (NULL: out of memory) and shares the result; then thread t of T computes its part of
+ * the output rows (tmq_row_range: contiguous, the first N % T threads one row more); after all
+ * have finished, one thread frees the activations. Results are those of tmq_matmul, row for row. */
 void *tmq_act_quantize(const TmqMat *w, const float *x, int64_t M);
-void tmq_matmul_team(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y);
+void tmq_matmul_rows(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int t, int T);
+void tmq_row_range(int64_t N, int t, int T, int64_t *n0, int64_t *n1);
 void tmq_act_free(void *act);
 /* 1 when the matrix description is one the kernels take. */
 int tmq_check_mat(const TmqMat *w);
