@@ -27,7 +27,8 @@ Adaptive ``k`` (``speculative_adaptive``), in two stages:
    ``PROBE_EVERY`` steps, doubling the wait after each failed probe (up to ``MAX_PROBE_EVERY``).
 2. *Against the measured cost.* Decode-only step times are kept per step size
    (:class:`StepTable`, seeded at start-up by :meth:`SpeculativeDecoder.calibrate` with verify
-   forwards of ``1 .. k + 1`` rows; a line fitted over all steps,
+   forwards of ``1 .. k + 1`` rows, whose shape then only scales with one shared load factor;
+   a line fitted over all steps,
    :class:`~tokenmill.engine.step_cost.StepCost`, extends it to unseen sizes), and the
    proposer's own time ``D`` is measured. The draft rows of all requests are ranked by gain and
    the step sends the number ``R`` of best rows that maximises ``(B + gains) / (T(B + R) + D)``
