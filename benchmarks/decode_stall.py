@@ -1,6 +1,7 @@
 """Do decodes stall behind prefill? The Mooncake trace at concurrency 4 with short outputs,
-against tokenmill with the step-time prefill bound on (``--decode-slowdown 2``) and off (a
-step's prefill may fill ``--max-batch-tokens``, the behaviour before the bound), in one run.
+against tokenmill with the step-time prefill bound on (serve's default ``--decode-slowdown 1.75``,
+or ``--slowdown``) and off (a step's prefill may fill ``--max-batch-tokens``, the behaviour
+before the bound), in one run.
 
 Every request streams a few tokens; its TPOT is the time between its streamed tokens, i.e. the
 steps it decoded in, which at concurrency 4 mostly also carry other requests' prefill. TPOT
@@ -8,14 +9,22 @@ alone is measured first: single requests with cached prompts, nothing else runni
 
     .venv/bin/python benchmarks/decode_stall.py --num-requests 40
 
-Prints TPOT p50/mean, TTFT p50 and total tok/s per setting, and TPOT relative to alone.
+Prints TPOT p50/mean, TTFT p50 and total tok/s per setting, TPOT relative to alone, and the
+engine's steps by kind (decode / mixed / prefill: count and mean wall time, from ``/metrics``).
+Both servers run side by side (one idle while the other is measured); with ``--rounds N`` the
+two settings take turns N times, each round from an empty prefix cache, and the table gives
+medians, since on a shared machine one run's throughput moves by +-15% with the load.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
+import statistics
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +43,16 @@ def bench(base_url: str, out: Path, args, *, concurrency: int, num_requests: int
     return json.loads((out / "results.json").read_text())["runs"][0]
 
 
+def step_seconds(base_url: str) -> dict[str, tuple[int, float]]:
+    """The server's engine_step_seconds histogram: kind -> (steps, mean seconds)."""
+    text = urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=30).read().decode()
+    sums, counts = {}, {}
+    for m in re.finditer(r'^tokenmill:engine_step_seconds_(sum|count)\{([^}]*)\} (\S+)$', text, re.M):
+        kind = re.search(r'kind="([^"]+)"', m.group(2)).group(1)
+        (sums if m.group(1) == "sum" else counts)[kind] = float(m.group(3))
+    return {k: (int(counts[k]), sums[k] / counts[k]) for k in counts if counts[k]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -43,33 +62,69 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=40)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--slowdown", type=float, default=1.75,
+                    help="--decode-slowdown of the bounded server (serve's default)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat both settings, alternating which goes first (the load here drifts)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "decode_stall")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
-    rows = {}
-    for label, slowdown in (("bound on (--decode-slowdown 2)", "2"), ("bound off", "0")):
-        argv = ["serve", "--model", args.model, "--served-model-name", "m", "--threads", str(args.threads),
-                "--decode-slowdown", slowdown, "--kv-cache-tokens", "65536"]
-        with ServiceProcess(argv, start_timeout=600, log_path=args.out.parent / "decode_stall_server.log") as srv:
-            out = args.out / label.split()[1]
-            alone = bench(srv.base_url, out / "alone", args, concurrency=1, num_requests=8)
-            loaded = bench(srv.base_url, out / "c4", args, concurrency=args.concurrency,
-                           num_requests=args.num_requests)
-        rows[label] = (alone, loaded)
-        print(f"[{label}] alone TPOT p50 {alone['tpot_p50_s'] * 1000:.0f} ms; c={args.concurrency}: TPOT p50 "
-              f"{loaded['tpot_p50_s'] * 1000:.0f} ms, mean {loaded['tpot_mean_s'] * 1000:.0f} ms, TTFT p50 "
-              f"{loaded['ttft_p50_s']:.2f} s, total {loaded['total_tokens_per_s']:.0f} tok/s", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    settings = {f"bound on (--decode-slowdown {args.slowdown:g})": f"{args.slowdown:g}", "bound off": "0"}
+    rows: dict[str, list[tuple[dict, dict]]] = {label: [] for label in settings}
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for label, slowdown in settings.items():
+            argv = ["serve", "--model", args.model, "--served-model-name", "m", "--threads", str(args.threads),
+                    "--decode-slowdown", slowdown, "--kv-cache-tokens", "65536"]
+            log = args.out.parent / f"decode_stall_server_{label.split()[1]}.log"
+            servers[label] = stack.enter_context(ServiceProcess(argv, start_timeout=600, log_path=log))
+        for r in range(args.rounds):
+            # both servers are up (one idles while the other runs); rounds alternate which goes
+            # first, so a change of load on the machine falls on both settings
+            order = list(settings) if r % 2 == 0 else list(settings)[::-1]
+            for label in order:
+                srv = servers[label]
+                if r:   # every round starts from an empty prefix cache, as the first does
+                    urllib.request.urlopen(urllib.request.Request(srv.base_url + "/flush_cache", method="POST"),
+                                           timeout=60).read()
+                out = args.out / label.split()[1] / f"round{r}"
+                alone = bench(srv.base_url, out / "alone", args, concurrency=1, num_requests=8)
+                before = step_seconds(srv.base_url)
+                loaded = bench(srv.base_url, out / "c4", args, concurrency=args.concurrency,
+                               num_requests=args.num_requests)
+                after = step_seconds(srv.base_url)
+                steps = []
+                for kind, (n, mean) in after.items():   # the loaded run's steps only
+                    n0, mean0 = before.get(kind, (0, 0.0))
+                    if n > n0:
+                        steps.append(f"{kind} {n - n0} x {(n * mean - n0 * mean0) / (n - n0) * 1000:.1f} ms")
+                rows[label].append((alone, loaded))
+                print(f"[round {r + 1}, {label}] alone TPOT p50 {alone['tpot_p50_s'] * 1000:.0f} ms; "
+                      f"c={args.concurrency}: TPOT p50 {loaded['tpot_p50_s'] * 1000:.0f} ms, mean "
+                      f"{loaded['tpot_mean_s'] * 1000:.0f} ms, TTFT p50 {loaded['ttft_p50_s']:.2f} s, total "
+                      f"{loaded['total_tokens_per_s']:.0f} tok/s; engine steps (mean): "
+                      f"{', '.join(steps) or 'not reported'}; load {open('/proc/loadavg').read().split()[0]}",
+                      flush=True)
     print(f"load average at end: {open('/proc/loadavg').read().split()[:3]}")
+    med = statistics.median
     print(f"\n| setting | TPOT alone p50 | TPOT c={args.concurrency} p50 | ratio to alone | TPOT mean | "
-          f"TTFT p50 | total tok/s |")
+          f"TTFT p50 | total tok/s |" + ("  (medians over rounds)" if args.rounds > 1 else ""))
     print("|---|---|---|---|---|---|---|")
-    for label, (alone, loaded) in rows.items():
-        print(f"| {label} | {alone['tpot_p50_s'] * 1000:.0f} ms | {loaded['tpot_p50_s'] * 1000:.0f} ms | "
-              f"{loaded['tpot_p50_s'] / alone['tpot_p50_s']:.2f}x | {loaded['tpot_mean_s'] * 1000:.0f} ms | "
-              f"{loaded['ttft_p50_s']:.2f} s | {loaded['total_tokens_per_s']:.0f} |")
-    on, off = (rows[k][1] for k in rows)
-    print(f"\nbound on / off: TPOT p50 {on['tpot_p50_s'] / off['tpot_p50_s']:.2f}x, total throughput "
-          f"{on['total_tokens_per_s'] / off['total_tokens_per_s']:.2f}x")
+    for label, runs in rows.items():
+        alone_s = med(a["tpot_p50_s"] for a, _ in runs)
+        tpot = med(l["tpot_p50_s"] for _, l in runs)
+        ratio = med(l["tpot_p50_s"] / a["tpot_p50_s"] for a, l in runs)
+        print(f"| {label} | {alone_s * 1000:.0f} ms | {tpot * 1000:.0f} ms | {ratio:.2f}x | "
+              f"{med(l['tpot_mean_s'] for _, l in runs) * 1000:.0f} ms | "
+              f"{med(l['ttft_p50_s'] for _, l in runs):.2f} s | {med(l['total_tokens_per_s'] for _, l in runs):.0f} |")
+    on, off = rows.values()
+    tp = [a[1]["total_tokens_per_s"] / b[1]["total_tokens_per_s"] for a, b in zip(on, off)]
+    tpot = [a[1]["tpot_p50_s"] / b[1]["tpot_p50_s"] for a, b in zip(on, off)]
+    print(f"\nbound on / off, per round: TPOT p50 {', '.join(f'{x:.2f}x' for x in tpot)}; total throughput "
+          f"{', '.join(f'{x:.2f}x' for x in tp)}" + (f" (median {med(tp):.2f}x)" if args.rounds > 1 else ""))
     return 0
 
 

@@ -121,12 +121,13 @@ def main() -> int:
     Path(args.out).write_text(json.dumps({k: {str(L): v for L, v in r.items()} for k, r in results.items()}, indent=2))
     names = list(results)
     print("\n| context | " + " | ".join(f"{n} decode tok/s | {n} TTFT s" for n in names) +
-          (" | tokenmill / vllm decode |" if {"tokenmill", "vllm"} <= set(names) else " |"))
+          (" | tokenmill / vllm decode | tokenmill / vllm TTFT |" if {"tokenmill", "vllm"} <= set(names) else " |"))
     for L in contexts:
         row = [f"{results[n][L]['decode_tok_s']:.2f} | {results[n][L]['ttft_s']:.1f}" for n in names]
         ratio = ""
         if {"tokenmill", "vllm"} <= set(names):
-            ratio = f" {results['tokenmill'][L]['decode_tok_s'] / results['vllm'][L]['decode_tok_s']:.2f}x |"
+            tm, vl = results["tokenmill"][L], results["vllm"][L]
+            ratio = f" {tm['decode_tok_s'] / vl['decode_tok_s']:.2f}x | {tm['ttft_s'] / vl['ttft_s']:.2f}x |"
         print(f"| {L} | " + " | ".join(row) + " |" + ratio)
     for n in names:
         base = results[n][contexts[0]]["decode_tok_s"]

@@ -16,8 +16,8 @@ def test_fit_recovers_a_line_and_budget_keeps_the_slowdown():
     assert cost.fit() is None and cost.prefill_budget(4, 500) == cost.warmup_tokens
     for n in (1, 4, 16, 64, 200, 8, 32):
         cost.observe(n, 0.050 + 0.002 * n)
-    a, b = cost.fit()
-    assert a == pytest.approx(0.050, rel=1e-6) and b == pytest.approx(0.002, rel=1e-6)
+    a, b, c = cost.fit()
+    assert a == pytest.approx(0.050, rel=1e-6) and b == pytest.approx(0.002, rel=1e-6) and c == 0.0
     d = 4
     p = cost.prefill_budget(d, 10_000)
     assert cost.predict(d + p) <= 2.0 * cost.predict(d) + 1e-12
@@ -36,11 +36,11 @@ def test_old_observations_fade():
     for _ in range(40):
         for n in (1, 50, 100):
             cost.observe(n, 0.01 + 0.001 * n)
-    a, b = cost.fit()
+    a, b, _ = cost.fit()
     assert a == pytest.approx(0.01, rel=1e-3) and b == pytest.approx(0.001, rel=1e-3)
 
 
-@pytest.mark.parametrize("bad", [dict(slowdown=1.0), dict(min_tokens=0), dict(decay=1.0)])
+@pytest.mark.parametrize("bad", [dict(slowdown=1.0), dict(min_tokens=0), dict(decay=1.0), dict(split_rows=0)])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         StepCost(**bad)
@@ -105,3 +105,115 @@ def test_short_prefill_goes_before_a_long_one_while_decodes_run(shortest_first):
                                   SamplingParams(max_tokens=1)))
     seen = [_step(sched) for _ in range(6)]
     assert sum(1 for t in seen if "long" in t) >= 3 and long.num_computed_tokens >= 13 + 30
+
+
+# -- attention pairs and kinds of step ---------------------------------------------------------------
+
+def _quant_cpu(rows: int, pairs: int) -> float:
+    """A synthetic machine like this one with packed weights: up to 16 rows run the integer kernels
+    (cheap per step, dearer per row), more rows pay a dequantization (35 ms) and then GEMM rates;
+    attention pairs cost 1 us each in both kinds."""
+    if rows <= 16:
+        return 0.010 + 0.0015 * rows + 1e-6 * pairs
+    return 0.035 + 0.0010 * rows + 1e-6 * pairs
+
+
+def _observe_mixture(cost: StepCost, fn=_quant_cpu) -> None:
+    for rows, pairs in [(1, 300), (2, 900), (4, 1600), (3, 400), (4, 4000), (8, 3000), (16, 9000), (12, 300),
+                        (512, 200_000), (300, 50_000), (64, 80_000), (128, 10_000), (20, 30_000), (400, 300_000)]:
+        cost.observe(rows, fn(rows, pairs), pairs)
+
+
+def test_step_shape_counts_rows_and_causal_pairs():
+    from tokenmill.engine.step_cost import StepShape, chunk_pairs
+
+    class S:
+        def __init__(self, start, n):
+            self.start, self.num_tokens = start, n
+    assert chunk_pairs(0, 3) == 1 + 2 + 3
+    assert chunk_pairs(10, 1) == 11                     # a decode reads its whole context
+    assert StepShape.of([S(10, 1), S(100, 4)]) == (5, 11 + 4 * 100 + 10)
+
+
+def test_each_kind_has_its_own_fit_with_an_attention_term():
+    cost = StepCost(slowdown=2.0, split_rows=16)
+    _observe_mixture(cost)
+    for rows in (4, 100):
+        a, b, c = cost.fit(rows)
+        want = (0.010, 0.0015) if rows <= 16 else (0.035, 0.0010)
+        assert (a, b, c) == pytest.approx((*want, 1e-6), rel=1e-6)
+    assert cost.predict(16, 5000) == pytest.approx(_quant_cpu(16, 5000))
+    assert cost.predict(17, 5000) == pytest.approx(_quant_cpu(17, 5000))
+
+
+def test_budget_keeps_the_bound_in_the_cheap_kind_and_shrinks_with_context():
+    cost = StepCost(slowdown=2.0, split_rows=16)
+    _observe_mixture(cost)
+    d, dp = 4, 4 * 400                                  # four decodes at 400 tokens of context
+    alone = _quant_cpu(d, dp)
+    for context in (0, 500, 3000):
+        k = cost.prefill_budget(d, 508, decode_pairs=dp, context=context)
+        pairs = dp + k * context + k * (k + 1) // 2
+        assert _quant_cpu(d + k, pairs) <= 2.0 * alone + 1e-12
+        assert _quant_cpu(d + k + 1, pairs + context + k + 1) > 2.0 * alone   # the largest that fits
+        assert d + k <= 16                              # a 17-row step would cost 3x: never chosen
+    ks = [cost.prefill_budget(d, 508, decode_pairs=dp, context=c) for c in (0, 500, 3000)]
+    assert ks[0] > ks[1] > ks[2] >= 1                   # a chunk reading more context is smaller
+    # a looser bound can afford the dequantize + GEMM kind, and then takes all it allows
+    k = ks[0]
+    loose = StepCost(slowdown=10.0, split_rows=16)
+    _observe_mixture(loose)
+    kl = loose.prefill_budget(d, 508, decode_pairs=dp, context=0)
+    assert kl > 16 > k and _quant_cpu(d + kl, dp + kl * (kl + 1) // 2) <= 10.0 * alone
+    assert _quant_cpu(d + kl + 1, dp + (kl + 1) * (kl + 2) // 2) > 10.0 * alone
+
+
+def test_warmup_with_kinds_stays_in_the_cheap_kind():
+    cost = StepCost(slowdown=2.0, split_rows=16)
+    assert cost.prefill_budget(4, 500) == 12
+    assert cost.prefill_budget(20, 500) == cost.min_tokens       # already past the cheap kind
+
+
+def test_negative_slope_from_noise_is_dropped():
+    cost = StepCost(slowdown=2.0)
+    # time grows with rows; the pairs happen to be largest on the cheapest steps
+    for rows, pairs, t in [(1, 9000, 0.011), (2, 5000, 0.012), (4, 100, 0.014), (8, 50, 0.018), (16, 10, 0.026)]:
+        cost.observe(rows, t, pairs)
+    a, b, c = cost.fit()
+    assert c == 0.0 and b > 0.0
+    assert cost.predict(16, 10) == pytest.approx(0.026, abs=2e-3)
+
+
+def test_bound_is_shared_by_every_chunk_and_admission_of_a_step():
+    cost = StepCost(slowdown=2.0, split_rows=16)
+    _observe_mixture(cost)
+    kv = KVManager(PagePool(512), 16)
+    sched = Scheduler(kv, max_batch_tokens=1200, max_running_requests=8, step_cost=cost)
+    decoders = [Request(f"d{i}", list(range(i * 1000, i * 1000 + 300)), SamplingParams(max_tokens=50))
+                for i in range(4)]
+    for r in decoders:
+        sched.add_request(r)
+    _step(sched)                                        # 4 x 300 prompt tokens in one step
+    assert all(r.num_uncomputed_tokens == 1 for r in decoders)
+    prefills = [Request(f"p{i}", list(range(50_000 + i * 1000, 50_000 + i * 1000 + n)), SamplingParams(max_tokens=2))
+                for i, n in enumerate((400, 15, 15))]
+    for r in prefills:
+        sched.add_request(r)
+    most_chunks = 0
+    for _ in range(30):
+        out = sched.schedule()
+        shape = out.shape
+        decode = [s for s in out.scheduled if s.start == s.request.num_tokens - 1]   # one token behind
+        dpairs = sum(s.start + 1 for s in decode)
+        if len(decode) == len(out.scheduled):
+            break
+        assert _quant_cpu(shape.rows, shape.pairs) <= 2.0 * _quant_cpu(len(decode), dpairs) + 1e-12
+        assert shape.rows <= 16 and shape.rows > len(decode) + 1      # prefill moves, in the cheap kind
+        most_chunks = max(most_chunks, len(out.scheduled) - len(decode))
+        cost.observe_step(out.scheduled, _quant_cpu(shape.rows, shape.pairs))
+        sched.post_step(out)
+        for s in out.scheduled:
+            if s.samples:
+                s.request.all_token_ids.append(7)
+    assert most_chunks >= 2                             # chunks and admissions share one bound
+    assert all(r.num_computed_tokens > 0 for r in prefills)

@@ -198,8 +198,10 @@ def test_prefill_gemm_reuses_one_scratch_buffer_without_stale_weights():
 def test_a_row_gives_the_same_result_alone_or_with_others(kernel, n, k, group):
     """Up to GEMV_MAX_ROWS rows (a decode with speculative drafts, a small batch), every row's
     result equals that row computed alone up to float summation order: the one-row kernel
-    reduces eight blocks at a time, the multi-row kernel shares each decoded weight block
-    between up to four rows and sums block by block (docs/quantization.md)."""
+    reduces eight blocks at a time, the multi-row kernels share each decoded weight block
+    between up to four rows (avx2, avxvnni) or six (avx512vnni, whose Q4 kernel reads two
+    blocks per load against pair-order activations) and sum block by block (docs/quantization.md).
+    Row counts 5, 9 and 16 exercise uneven tiles (5 = one tile of 5 on avx512vnni, 9 = 5 + 4)."""
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=gen) * 0.1
     for name, method in _methods(w, group).items():

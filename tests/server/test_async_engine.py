@@ -180,3 +180,67 @@ def test_outputs_waiting_for_a_slow_consumer_are_merged(aengine: AsyncEngine) ->
     (out,) = outs
     assert out.finished and out.new_token_ids == out.token_ids and len(out.token_ids) == 12
     assert out.new_text == out.text
+
+
+def test_loop_on_the_callers_thread(tiny_checkpoint: Path) -> None:
+    """``start_thread=False``: the engine loop runs where ``run_forever`` is called (here the
+    main thread, as in ``tokenmill serve``), the event loop on another thread; requests submitted
+    before the loop starts wait for it, and ``shutdown`` from the event-loop thread ends it."""
+    import threading
+
+    from tokenmill.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_checkpoint), kv_cache_tokens=2048, page_size=16,
+                                 max_model_len=512, debug_checks=True))
+    ae = AsyncEngine(engine, start_thread=False)
+    assert ae.is_running   # accepts work: it queues until run_forever starts
+    results: dict[str, object] = {}
+    engine_threads: set[int] = set()
+    real_step = engine.step
+
+    def step():   # the real step, noting which thread calls it
+        engine_threads.add(threading.get_ident())
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+
+    async def client() -> None:
+        async def one(i: int) -> list:
+            return [out async for out in ae.generate(f"main{i}", [5 + i, 6, 7, 8], _params(4 + i))]
+
+        results["outs"] = await asyncio.gather(*(one(i) for i in range(3)))
+        results["call"] = await ae.call(lambda e: threading.get_ident())
+
+    def http_side() -> None:
+        try:
+            asyncio.run(client())
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            results["error"] = e
+        finally:
+            ae.shutdown()   # returns once the loop on the main thread has ended
+
+    t = threading.Thread(target=http_side)
+    t.start()
+    ae.run_forever()        # returns when http_side shuts the engine down
+    t.join(30)
+    assert not t.is_alive()
+    assert "error" not in results, results.get("error")
+    main = threading.get_ident()
+    assert engine_threads == {main} and results["call"] == main
+    for i, outs in enumerate(results["outs"]):  # type: ignore[arg-type]
+        assert outs[-1].finished and len(outs[-1].token_ids) == 4 + i
+    assert not ae.is_running
+    with pytest.raises(RuntimeError, match="already running"):
+        ae.run_forever()
+
+    async def late() -> None:
+        with pytest.raises(EngineStoppedError):
+            await ae.submit("late", [1, 2, 3], _params(2))
+
+    asyncio.run(late())
+
+
+def test_run_forever_refused_beside_the_background_thread(aengine: AsyncEngine) -> None:
+    with pytest.raises(RuntimeError, match="already running"):
+        aengine.run_forever()
+    assert aengine.is_running

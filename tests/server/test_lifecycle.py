@@ -168,6 +168,24 @@ def _read_stream(base_url: str, body: dict, out: dict) -> None:
     out["started"].set()
 
 
+def test_port_in_use_exits_1_with_a_message(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The HTTP server runs on its own thread, the engine loop on the main one: when the port
+    cannot be bound, the HTTP thread stops the engine loop and the process exits 1, not hangs."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(tiny_checkpoint),
+                               "--port", str(port), "--kv-cache-tokens", "4096"],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"could not start the HTTP server on 127.0.0.1:{port}" in proc.stderr
+
+
 def test_sigterm_finishes_in_flight_work_and_exits_0(keyed_server: ServiceProcess) -> None:
     """Runs last in this module: it stops the module's server."""
     short = {"model": "tiny", "messages": [{"role": "user", "content": "short"}], "max_tokens": 40,
@@ -200,3 +218,34 @@ def test_sigterm_finishes_in_flight_work_and_exits_0(keyed_server: ServiceProces
     assert "Application shutdown complete" in log
     with pytest.raises(httpx.ConnectError):
         httpx.get(keyed_server.base_url + "/health", timeout=2)
+
+
+@pytest.mark.parametrize(("argv", "env", "expected"), [
+    (["serve", "--help"], None, "1000"),       # the engine's default, set before torch loads
+    (["serve", "--help"], "7", "7"),           # the user's own setting wins
+    (["plan", "--help"], None, "unset"),       # not an engine command: left alone
+])
+def test_engine_commands_set_the_openmp_spin_count(argv: list[str], env: str | None, expected: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, sys\nfrom tokenmill import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('SPIN=' + os.environ.get('GOMP_SPINCOUNT', 'unset'))")
+    child_env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if env is not None:
+        child_env["GOMP_SPINCOUNT"] = env
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=child_env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == f"SPIN={expected}"
+
+
+def test_sigterm_while_idle_exits_0(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The engine loop waits for work on the main thread; a signal must still reach uvicorn."""
+    with ServiceProcess(["serve", "--model", str(tiny_checkpoint), "--kv-cache-tokens", "4096"],
+                        log_path=tmp_path / "server.log") as proc:
+        assert httpx.get(proc.base_url + "/health", timeout=10).status_code == 200
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(timeout=30) == 0

@@ -52,13 +52,13 @@ def _run_engine(checkpoint: str, budget: int, slowdown: float | None):
     engine = Engine(EngineConfig(model=checkpoint, page_size=PAGE, kv_cache_tokens=POOL_PAGES * PAGE,
                                  max_batch_tokens=budget, max_running_requests=MAX_RUNNING,
                                  session_retention_s=0.0, num_threads=1, decode_slowdown=slowdown))
-    times: list[tuple[int, float]] = []
+    times: list[tuple[int, int, float]] = []
     if engine.step_cost is not None:
         observe = engine.step_cost.observe
 
-        def recording_observe(num_tokens: int, seconds: float) -> None:
-            times.append((num_tokens, seconds))
-            observe(num_tokens, seconds)
+        def recording_observe(num_tokens: int, seconds: float, pairs: int = 0) -> None:
+            times.append((num_tokens, pairs, seconds))
+            observe(num_tokens, seconds, pairs)
 
         engine.step_cost.observe = recording_observe  # type: ignore[method-assign]
     steps: list[tuple[list[tuple[str, int, int, bool]], list[str]]] = []
@@ -99,7 +99,7 @@ def _run_engine(checkpoint: str, budget: int, slowdown: float | None):
     return steps, arrived_at, prompts, finished, engine.num_preemptions, times
 
 
-def _run_sim(arrived_at, prompts, finished, budget: int, slowdown: float | None, times: list[tuple[int, float]]):
+def _run_sim(arrived_at, prompts, finished, budget: int, slowdown: float | None, times: list[tuple[int, int, float]]):
     prof = ReplicaProfile(name="tiny-test", kv_capacity_tokens=POOL_PAGES * PAGE, max_running_requests=MAX_RUNNING,
                           page_size=PAGE, max_prefill_tokens=budget, decode_slowdown=slowdown,
                           prefill=PrefillModel(fixed_s=0.003, per_token_s=2e-5),
@@ -111,10 +111,10 @@ def _run_sim(arrived_at, prompts, finished, budget: int, slowdown: float | None,
         measured = iter(times)
         observe = sc.observe
 
-        def replay(num_tokens: int, seconds: float) -> None:
-            n, t = next(measured)
-            assert n == num_tokens
-            observe(n, t)
+        def replay(num_tokens: int, seconds: float, pairs: int = 0) -> None:
+            n, p, t = next(measured)
+            assert (n, p) == (num_tokens, pairs)
+            observe(n, t, p)
 
         sc.observe = replay  # type: ignore[method-assign]
     reqs: dict[int, SimRequest] = {}
@@ -145,7 +145,7 @@ def _run_sim(arrived_at, prompts, finished, budget: int, slowdown: float | None,
 @pytest.mark.parametrize("budget,slowdown", [(64, None), (256, 1.05)])
 def test_sim_replica_and_engine_agree_step_by_step(tiny_checkpoint, budget, slowdown):
     """(256, 1.05): a budget that holds whole prompts, cut down by the prefill bound while
-    decodes run (to 16-token chunks on this machine)."""
+    decodes run (to chunks of a few tokens on this machine)."""
     eng_steps, arrived_at, prompts, finished, eng_preemptions, times = _run_engine(tiny_checkpoint, budget, slowdown)
     sim_steps, reqs, rep = _run_sim(arrived_at, prompts, finished, budget, slowdown, times)
     for n, (e, s) in enumerate(zip(eng_steps, sim_steps)):

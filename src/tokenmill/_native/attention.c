@@ -14,8 +14,11 @@
  * the online-softmax recurrence over its keys page by page and either writes normalised output
  * (it covers all keys its rows can see) or a partial (running max, sum, unnormalised
  * accumulator) that a merge pass combines. Long single-sequence decodes are split over keys so
- * that every thread has work (split-K, as in flash-decoding). Each query row's result depends
- * only on its own sequence, so a request gives the same bits whatever else is in the batch.
+ * that every thread has work (split-K, as in flash-decoding). Decode rows (a sequence with one
+ * query row) take the per-row path; prefill chunks take the tiled path ("tiled prefill path"
+ * below), which scores groups of query vectors against blocks of keys as small matrix
+ * products. Each query row's result depends only on its own sequence, so a request gives the
+ * same bits whatever else is in the batch.
  *
  * Vector code is compiled for AVX-512 and for AVX2+FMA through function target attributes and
  * chosen at run time (TOKENMILL_NO_AVX512=1 forces the AVX2 path); a portable scalar path does
@@ -160,6 +163,182 @@ static void task_scalar(const Problem *P, const Task *T, float *part_m, float *p
     free(acc);
     if (qs != qv) free(qs);
 }
+
+/* ---------------------------------------------------------------------------------------- */
+/* tiled prefill path                                                                       */
+/*
+ * A task of a prefill chunk holds nq = rows x G query vectors (its block of rows times the G
+ * query heads that share its kv head), and all of them read the same keys. The per-row path
+ * above scores one query vector at a time and so loads each K/V row once per query vector;
+ * here the vectors are cut into groups of QW and each group meets a block of TILE_KEYS keys at
+ * once, like a small GEMM:
+ *   - the group's queries are kept transposed, qt[x][i] = dim x of query vector i, so that one
+ *     broadcast of k_j[x] (read from the page in place) feeds an FMA over a register of queries:
+ *     s[j][i] = sum_x k_j[x] qt[x][i], each K element loaded once per group instead of once
+ *     per query vector, with no horizontal sums;
+ *   - the online softmax is then lane-wise: a lane is one query vector with its own running max
+ *     and sum, and the causal mask is a lane compare that only blocks crossing the diagonal pay;
+ *   - the output stays transposed too, acc[x][i] += v_j[x] * p[j][i], one broadcast of v_j[x]
+ *     per register of queries.
+ * Blocks that lie wholly after a group's last query are skipped. bf16 pages are widened into
+ * a float32 copy of the block (TILE_KEYS rows, reused by every group); float32 pages are read
+ * where they are. A row's result depends only on its own sequence's rows and keys.
+ */
+#define TILE_KEYS 32        /* keys of one block (a multiple of every kernel's key step) */
+#ifndef TILE_TASK_FLOATS
+#define TILE_TASK_FLOATS 49152  /* query floats (rows x group x head_dim) of one prefill task */
+#endif
+#ifndef TILE_PREFETCH
+#define TILE_PREFETCH 1     /* blocks of K/V rows requested ahead of use */
+#endif
+
+typedef struct {
+    const float *qt;                    /* [D][qw] the group's scaled queries, transposed */
+    float *acc;                         /* [D][qw] unnormalised output, transposed */
+    float *m, *l;                       /* [qw] running max and sum */
+    const float *qpos;                  /* [qw] each query's context position */
+    const float *const *kp, *const *vp; /* [TILE_KEYS] float32 K and V rows of the block */
+    float *s;                           /* [TILE_KEYS][qw] scratch: scores, then probabilities */
+    int nk;                             /* keys to score: a multiple of the kernel's key step */
+    int nvalid;                         /* keys [nvalid, nk) are padding (zero rows), masked */
+    int j0;                             /* context position of the block's first key */
+    int d;
+    int masked;                         /* some key of [0, nk) is invisible to some query */
+} TileArgs;
+
+typedef void (*tile_fn)(const TileArgs *A);
+typedef void (*widen_fn)(float *dst, const uint16_t *src, int n);
+
+typedef struct {
+    tile_fn tile;
+    widen_fn widen;
+    int qw;      /* query vectors per group */
+    int kstep;   /* the kernel scores keys in steps of this many */
+} TileKernel;
+
+static void widen_scalar(float *dst, const uint16_t *src, int n) {
+    for (int x = 0; x < n; x++) {
+        uint32_t u = (uint32_t)src[x] << 16;
+        memcpy(dst + x, &u, sizeof u);
+    }
+}
+
+#define SCALAR_QW 8
+
+/* The portable tile (the compiler vectorises the inner loops over the group's lanes). */
+static void tile_scalar(const TileArgs *A) {
+    enum { QW = SCALAR_QW };
+    const int D = A->d, nk = A->nk;
+    float *s = A->s;
+    for (int j = 0; j < nk; j++) {
+        const float *k = A->kp[j];
+        float a[QW] = {0};
+        for (int x = 0; x < D; x++)
+            for (int i = 0; i < QW; i++) a[i] += k[x] * A->qt[x * QW + i];
+        for (int i = 0; i < QW; i++)
+            s[j * QW + i] = j >= A->nvalid || (A->masked && (float)(A->j0 + j) > A->qpos[i]) ? -INFINITY : a[i];
+    }
+    float alpha[QW];
+    for (int i = 0; i < QW; i++) {
+        float bm = -INFINITY;
+        for (int j = 0; j < nk; j++) bm = s[j * QW + i] > bm ? s[j * QW + i] : bm;
+        float mn = A->m[i] > bm ? A->m[i] : bm;
+        float safe = mn == -INFINITY ? 0.f : mn;   /* no visible key yet: everything stays 0 */
+        alpha[i] = expf(A->m[i] - safe);
+        float sum = 0.f;
+        for (int j = 0; j < nk; j++) { float p = expf(s[j * QW + i] - safe); s[j * QW + i] = p; sum += p; }
+        A->l[i] = A->l[i] * alpha[i] + sum;
+        A->m[i] = mn;
+    }
+    for (int x = 0; x < D; x++) {
+        float *o = A->acc + x * QW;
+        for (int i = 0; i < QW; i++) o[i] *= alpha[i];
+        for (int j = 0; j < nk; j++) {
+            float vx = A->vp[j][x];
+            for (int i = 0; i < QW; i++) o[i] += vx * s[j * QW + i];
+        }
+    }
+}
+
+static void *alloc64(size_t floats) {
+    size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
+    return aligned_alloc(64, bytes ? bytes : 64);
+}
+
+static void task_tiled(const Problem *P, const Task *T, float *part_m, float *part_l, float *part_acc,
+                       const TileKernel *K) {
+    const int D = P->d, G = P->group, ps = P->page_size, qw = K->qw;
+    const int64_t q0 = P->qsl[T->seq], n = P->qsl[T->seq + 1] - q0, L = P->seq_lens[T->seq];
+    const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
+    const int nq = (T->r1 - T->r0) * G, ngrp = (nq + qw - 1) / qw, nqp = ngrp * qw;
+    const size_t esz = P->kv_bf16 ? 2 : 4;
+    float *qt = alloc64((size_t)nqp * D), *acc = alloc64((size_t)nqp * D);
+    float *m = alloc64(nqp), *l = alloc64(nqp), *qpos = alloc64(nqp);
+    float *s = alloc64((size_t)TILE_KEYS * qw);
+    /* a zero row for padding keys, then (bf16) the widened K and V rows of the block */
+    float *kv = alloc64((size_t)D * (1 + (P->kv_bf16 ? 2 * TILE_KEYS : 0)));
+    const float *kp[TILE_KEYS], *vp[TILE_KEYS];
+    memset(acc, 0, sizeof(float) * (size_t)nqp * D);
+    memset(kv, 0, sizeof(float) * D);
+    /* pad vectors (nq .. nqp) have zero queries and the last row's position: their lanes are
+     * computed and dropped, and they never widen a group's key range */
+    for (int v = 0; v < nqp; v++) {
+        int vv = v < nq ? v : nq - 1, r = vv / G, g = vv % G;
+        float *dst = qt + (size_t)(v / qw) * D * qw + v % qw;
+        const float *src = P->q + (q0 + T->r0 + r) * P->q_stride + (int64_t)(T->kvh * G + g) * D;
+        for (int x = 0; x < D; x++) dst[(size_t)x * qw] = v < nq ? src[x] * P->scale : 0.f;
+        qpos[v] = (float)(L - n + T->r0 + r);
+        m[v] = -INFINITY;
+        l[v] = 0.f;
+    }
+    for (int j0 = T->k0; j0 < T->k1; j0 += TILE_KEYS) {
+        const int nk = T->k1 - j0 < TILE_KEYS ? T->k1 - j0 : TILE_KEYS;
+        for (int j = 0; j < nk; j++) {
+            int64_t p = j0 + j, off = ((table[p / ps] * ps + p % ps) * P->hkv + T->kvh) * D;
+            if (P->kv_bf16) {
+                float *kr = kv + (size_t)(1 + j) * D, *vr = kv + (size_t)(1 + TILE_KEYS + j) * D;
+                K->widen(kr, (const uint16_t *)P->kc + off, D);
+                K->widen(vr, (const uint16_t *)P->vc + off, D);
+                kp[j] = kr; vp[j] = vr;
+            } else {
+                kp[j] = (const float *)P->kc + off;
+                vp[j] = (const float *)P->vc + off;
+            }
+        }
+        for (int j = nk; j < TILE_KEYS; j++) kp[j] = vp[j] = kv;
+        {   /* the block TILE_PREFETCH ahead, while this one is computed (the first call asks
+             * for all the blocks up to it) */
+            int64_t pa = j0 == T->k0 ? j0 + TILE_KEYS : j0 + (int64_t)TILE_PREFETCH * TILE_KEYS;
+            int64_t pb = j0 + (int64_t)(TILE_PREFETCH + 1) * TILE_KEYS;
+            if (pb > T->k1) pb = T->k1;
+            if (pa < pb) prefetch_keys(P, table, T->kvh, (int)pa, (int)pb, esz);
+        }
+        for (int g = 0; g < ngrp; g++) {
+            const float pmin = qpos[g * qw], pmax = qpos[g * qw + qw - 1];
+            if (pmax < (float)j0) continue;   /* the whole block lies after the group's queries */
+            int vis = pmax + 1.f - (float)j0 < (float)nk ? (int)(pmax + 1.f - (float)j0) : nk;
+            int nks = (vis + K->kstep - 1) / K->kstep * K->kstep;
+            TileArgs A = {qt + (size_t)g * D * qw, acc + (size_t)g * D * qw, m + g * qw, l + g * qw, qpos + g * qw,
+                          kp, vp, s, nks, vis, j0, D, pmin < (float)(j0 + nks - 1)};
+            K->tile(&A);
+        }
+    }
+    for (int v = 0; v < nq; v++) {
+        const int r = v / G, g = v % G;
+        const float *a = acc + (size_t)(v / qw) * D * qw + v % qw;
+        if (T->part < 0) {
+            float *dst = P->out + (q0 + T->r0 + r) * (int64_t)P->hq * D + (int64_t)(T->kvh * G + g) * D;
+            float inv = l[v] > 0.f ? 1.f / l[v] : 0.f;
+            for (int x = 0; x < D; x++) dst[x] = a[(size_t)x * qw] * inv;
+        } else {
+            part_m[v] = m[v]; part_l[v] = l[v];
+            for (int x = 0; x < D; x++) part_acc[(size_t)v * D + x] = a[(size_t)x * qw];
+        }
+    }
+    free(qt); free(acc); free(m); free(l); free(qpos); free(s); free(kv);
+}
+
+static const TileKernel tile_kernel_scalar = {tile_scalar, widen_scalar, SCALAR_QW, 1};
 
 /* ---------------------------------------------------------------------------------------- */
 /* AVX2 + FMA path                                                                          */
@@ -337,6 +516,84 @@ AVX2 static void task_avx2_bf16(const Problem *P, const Task *T, float *m, float
     task_avx2_body(P, T, m, l, a, 1);
 }
 
+/* The tile with 8-wide vectors: groups of 16 query vectors (two registers), keys scored four
+ * at a time (8 accumulators), the output updated four dims at a time (8 accumulators). */
+#define AVX2_QW 16
+
+AVX2 static void tile_avx2(const TileArgs *A) {
+    const int D = A->d, nk = A->nk;
+    const float *qt = A->qt;
+    float *s = A->s;
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const __m256 qp0 = _mm256_loadu_ps(A->qpos), qp1 = _mm256_loadu_ps(A->qpos + 8);
+    for (int jb = 0; jb < nk; jb += 4) {
+        const float *k0 = A->kp[jb], *k1 = A->kp[jb + 1], *k2 = A->kp[jb + 2], *k3 = A->kp[jb + 3];
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+        for (int x = 0; x < D; x++) {
+            __m256 q0 = _mm256_load_ps(qt + x * 16), q1 = _mm256_load_ps(qt + x * 16 + 8), b;
+            b = _mm256_broadcast_ss(k0 + x); a00 = _mm256_fmadd_ps(b, q0, a00); a01 = _mm256_fmadd_ps(b, q1, a01);
+            b = _mm256_broadcast_ss(k1 + x); a10 = _mm256_fmadd_ps(b, q0, a10); a11 = _mm256_fmadd_ps(b, q1, a11);
+            b = _mm256_broadcast_ss(k2 + x); a20 = _mm256_fmadd_ps(b, q0, a20); a21 = _mm256_fmadd_ps(b, q1, a21);
+            b = _mm256_broadcast_ss(k3 + x); a30 = _mm256_fmadd_ps(b, q0, a30); a31 = _mm256_fmadd_ps(b, q1, a31);
+        }
+        __m256 a[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+        for (int k = 0; k < 4; k++) {
+            int j = jb + k;
+            if (j >= A->nvalid) { a[k][0] = ninf; a[k][1] = ninf; }
+            else if (A->masked) {   /* lanes whose query lies before key j */
+                __m256 kpos = _mm256_set1_ps((float)(A->j0 + j));
+                a[k][0] = _mm256_blendv_ps(a[k][0], ninf, _mm256_cmp_ps(qp0, kpos, _CMP_LT_OQ));
+                a[k][1] = _mm256_blendv_ps(a[k][1], ninf, _mm256_cmp_ps(qp1, kpos, _CMP_LT_OQ));
+            }
+            _mm256_store_ps(s + j * 16, a[k][0]);
+            _mm256_store_ps(s + j * 16 + 8, a[k][1]);
+        }
+    }
+    __m256 alpha[2];
+    for (int h = 0; h < 2; h++) {
+        __m256 mv = _mm256_loadu_ps(A->m + 8 * h), bm = ninf;
+        for (int j = 0; j < nk; j++) bm = _mm256_max_ps(bm, _mm256_load_ps(s + j * 16 + 8 * h));
+        __m256 mn = _mm256_max_ps(mv, bm);
+        __m256 safe = _mm256_blendv_ps(mn, _mm256_setzero_ps(), _mm256_cmp_ps(mn, ninf, _CMP_EQ_OQ));
+        alpha[h] = exp256(_mm256_sub_ps(mv, safe));
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = 0; j < nk; j++) {
+            __m256 p = exp256(_mm256_sub_ps(_mm256_load_ps(s + j * 16 + 8 * h), safe));
+            _mm256_store_ps(s + j * 16 + 8 * h, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        _mm256_storeu_ps(A->l + 8 * h, _mm256_fmadd_ps(_mm256_loadu_ps(A->l + 8 * h), alpha[h], sum));
+        _mm256_storeu_ps(A->m + 8 * h, mn);
+    }
+    for (int d0 = 0; d0 < D; d0 += 4) {
+        float *o = A->acc + d0 * 16;
+        __m256 o00 = _mm256_mul_ps(_mm256_load_ps(o), alpha[0]), o01 = _mm256_mul_ps(_mm256_load_ps(o + 8), alpha[1]);
+        __m256 o10 = _mm256_mul_ps(_mm256_load_ps(o + 16), alpha[0]), o11 = _mm256_mul_ps(_mm256_load_ps(o + 24), alpha[1]);
+        __m256 o20 = _mm256_mul_ps(_mm256_load_ps(o + 32), alpha[0]), o21 = _mm256_mul_ps(_mm256_load_ps(o + 40), alpha[1]);
+        __m256 o30 = _mm256_mul_ps(_mm256_load_ps(o + 48), alpha[0]), o31 = _mm256_mul_ps(_mm256_load_ps(o + 56), alpha[1]);
+        for (int j = 0; j < nk; j++) {
+            const float *vv = A->vp[j] + d0;
+            __m256 p0 = _mm256_load_ps(s + j * 16), p1 = _mm256_load_ps(s + j * 16 + 8), b;
+            b = _mm256_broadcast_ss(vv);     o00 = _mm256_fmadd_ps(b, p0, o00); o01 = _mm256_fmadd_ps(b, p1, o01);
+            b = _mm256_broadcast_ss(vv + 1); o10 = _mm256_fmadd_ps(b, p0, o10); o11 = _mm256_fmadd_ps(b, p1, o11);
+            b = _mm256_broadcast_ss(vv + 2); o20 = _mm256_fmadd_ps(b, p0, o20); o21 = _mm256_fmadd_ps(b, p1, o21);
+            b = _mm256_broadcast_ss(vv + 3); o30 = _mm256_fmadd_ps(b, p0, o30); o31 = _mm256_fmadd_ps(b, p1, o31);
+        }
+        _mm256_store_ps(o, o00); _mm256_store_ps(o + 8, o01);
+        _mm256_store_ps(o + 16, o10); _mm256_store_ps(o + 24, o11);
+        _mm256_store_ps(o + 32, o20); _mm256_store_ps(o + 40, o21);
+        _mm256_store_ps(o + 48, o30); _mm256_store_ps(o + 56, o31);
+    }
+}
+
+AVX2 static void widen_avx2(float *dst, const uint16_t *src, int n) {
+    int x = 0;
+    for (; x + 8 <= n; x += 8) _mm256_storeu_ps(dst + x, ld8(src + x, 1));
+    widen_scalar(dst + x, src + x, n - x);
+}
+
+static const TileKernel tile_kernel_avx2 = {tile_avx2, widen_avx2, AVX2_QW, 4};
+
 #define AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
 
 AVX512 static inline __attribute__((always_inline)) __m512 ld16(const void *p, int bf16) {
@@ -475,6 +732,111 @@ AVX512 static void task_avx512_bf16(const Problem *P, const Task *T, float *m, f
     task_avx512_body(P, T, m, l, a, 1);
 }
 
+/* exp(x) for x <= 0 (and -inf -> 0), 16 lanes: exp256's range reduction and polynomial. */
+AVX512 static inline __m512 exp512(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, ln2_hi, x);
+    x = _mm512_fnmadd_ps(fx, ln2_lo, x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 x2 = _mm512_mul_ps(x, x);
+    y = _mm512_fmadd_ps(y, x2, _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    return _mm512_maskz_mov_ps((__mmask16)~under, y);
+}
+
+/* The tile with 16-wide vectors: groups of 32 query vectors (two registers), keys scored eight
+ * at a time (16 accumulators), the output updated eight dims at a time (16 accumulators). */
+#define AVX512_QW 32
+#define AVX512_KS 8
+
+AVX512 static void tile_avx512(const TileArgs *A) {
+    const int D = A->d, nk = A->nk;
+    const float *qt = A->qt;
+    float *s = A->s;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 qp0 = _mm512_loadu_ps(A->qpos), qp1 = _mm512_loadu_ps(A->qpos + 16);
+    for (int jb = 0; jb < nk; jb += AVX512_KS) {
+        const float *kr[AVX512_KS];
+        __m512 a[AVX512_KS][2];
+        for (int k = 0; k < AVX512_KS; k++) { kr[k] = A->kp[jb + k]; a[k][0] = a[k][1] = _mm512_setzero_ps(); }
+        for (int x = 0; x < D; x++) {
+            __m512 q0 = _mm512_load_ps(qt + x * 32), q1 = _mm512_load_ps(qt + x * 32 + 16);
+            for (int k = 0; k < AVX512_KS; k++) {
+                __m512 b = _mm512_set1_ps(kr[k][x]);
+                a[k][0] = _mm512_fmadd_ps(b, q0, a[k][0]);
+                a[k][1] = _mm512_fmadd_ps(b, q1, a[k][1]);
+            }
+        }
+        for (int k = 0; k < AVX512_KS; k++) {
+            int j = jb + k;
+            if (j >= A->nvalid) { a[k][0] = ninf; a[k][1] = ninf; }
+            else if (A->masked) {   /* lanes whose query lies before key j */
+                __m512 kpos = _mm512_set1_ps((float)(A->j0 + j));
+                a[k][0] = _mm512_mask_mov_ps(a[k][0], _mm512_cmp_ps_mask(qp0, kpos, _CMP_LT_OQ), ninf);
+                a[k][1] = _mm512_mask_mov_ps(a[k][1], _mm512_cmp_ps_mask(qp1, kpos, _CMP_LT_OQ), ninf);
+            }
+            _mm512_store_ps(s + j * 32, a[k][0]);
+            _mm512_store_ps(s + j * 32 + 16, a[k][1]);
+        }
+    }
+    __m512 alpha[2];
+    for (int h = 0; h < 2; h++) {
+        __m512 mv = _mm512_loadu_ps(A->m + 16 * h), bm = ninf;
+        for (int j = 0; j < nk; j++) bm = _mm512_max_ps(bm, _mm512_load_ps(s + j * 32 + 16 * h));
+        __m512 mn = _mm512_max_ps(mv, bm);
+        __m512 safe = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
+        alpha[h] = exp512(_mm512_sub_ps(mv, safe));
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < nk; j++) {
+            __m512 p = exp512(_mm512_sub_ps(_mm512_load_ps(s + j * 32 + 16 * h), safe));
+            _mm512_store_ps(s + j * 32 + 16 * h, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        _mm512_storeu_ps(A->l + 16 * h, _mm512_fmadd_ps(_mm512_loadu_ps(A->l + 16 * h), alpha[h], sum));
+        _mm512_storeu_ps(A->m + 16 * h, mn);
+    }
+    for (int d0 = 0; d0 < D; d0 += 8) {
+        float *o = A->acc + d0 * 32;
+        __m512 acc[8][2];
+        for (int t = 0; t < 8; t++) {
+            acc[t][0] = _mm512_mul_ps(_mm512_load_ps(o + t * 32), alpha[0]);
+            acc[t][1] = _mm512_mul_ps(_mm512_load_ps(o + t * 32 + 16), alpha[1]);
+        }
+        for (int j = 0; j < nk; j++) {
+            const float *vv = A->vp[j] + d0;
+            __m512 p0 = _mm512_load_ps(s + j * 32), p1 = _mm512_load_ps(s + j * 32 + 16);
+            for (int t = 0; t < 8; t++) {
+                __m512 b = _mm512_set1_ps(vv[t]);
+                acc[t][0] = _mm512_fmadd_ps(b, p0, acc[t][0]);
+                acc[t][1] = _mm512_fmadd_ps(b, p1, acc[t][1]);
+            }
+        }
+        for (int t = 0; t < 8; t++) {
+            _mm512_store_ps(o + t * 32, acc[t][0]);
+            _mm512_store_ps(o + t * 32 + 16, acc[t][1]);
+        }
+    }
+}
+
+AVX512 static void widen_avx512(float *dst, const uint16_t *src, int n) {
+    int x = 0;
+    for (; x + 16 <= n; x += 16) _mm512_storeu_ps(dst + x, ld16(src + x, 1));
+    widen_scalar(dst + x, src + x, n - x);
+}
+
+static const TileKernel tile_kernel_avx512 = {tile_avx512, widen_avx512, AVX512_QW, AVX512_KS};
+
 static int have_avx2(void) {
     static int cached = -1;
     if (cached < 0) {
@@ -500,7 +862,7 @@ static int have_avx512(void) { return 0; }
 /* ---------------------------------------------------------------------------------------- */
 /* task planning and the parallel driver                                                    */
 
-static int plan_tasks(const Problem *P, int num_seqs, int nthreads, Task **out_tasks, int *num_parts) {
+static int plan_tasks(const Problem *P, int num_seqs, int nthreads, int tiled, Task **out_tasks, int *num_parts) {
     const int G = P->group;
     int rows_per_task = MAX_QVEC / G;
     if (rows_per_task > 64) rows_per_task = 64;
@@ -508,16 +870,31 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, Task **out_t
     /* Decode rows over long contexts are split over keys (chunks of SPLIT_KEYS), so that a
      * long single-sequence decode keeps every thread busy. The split depends only on the
      * sequence's own length, never on the batch or the thread count: a request's result is the
-     * same bits alone or in any batch. */
-    (void)nthreads;
+     * same bits alone or in any batch. (The cut of tiled prefill rows may follow the thread
+     * count, since their results do not depend on it.) */
     int cap = 16, count = 0, parts = 0;
     Task *tasks = malloc(sizeof(Task) * cap);
     for (int i = 0; i < num_seqs; i++) {
         int64_t n = P->qsl[i + 1] - P->qsl[i], L = P->seq_lens[i];
         if (n <= 0) continue;
+        int rows = rows_per_task;
+        if (tiled && n > 1) {
+            /* The rows of a tiled prefill task share every K/V block it loads, so tasks are
+             * large (TILE_TASK_FLOATS of queries, as many again of output), but cut smaller
+             * when one sequence would give fewer than two tasks per thread. A tiled row's
+             * result does not depend on how the rows are cut (each lane is its own query). */
+            int vecs = TILE_TASK_FLOATS / P->d;
+            rows = vecs / G > 0 ? vecs / G : 1;
+            int64_t per_head = (2 * (int64_t)nthreads + P->hkv - 1) / P->hkv;
+            if ((n + rows - 1) / rows < per_head) {
+                int64_t r = (n + per_head - 1) / per_head;
+                rows = (int)(r > 16 ? r : 16);
+                if (rows > n) rows = (int)n;
+            }
+        }
         for (int h = 0; h < P->hkv; h++)
-            for (int64_t r0 = 0; r0 < n; r0 += rows_per_task) {
-                int64_t r1 = r0 + rows_per_task < n ? r0 + rows_per_task : n;
+            for (int64_t r0 = 0; r0 < n; r0 += rows) {
+                int64_t r1 = r0 + rows < n ? r0 + rows : n;
                 int64_t kend = L - n + r1;   /* the last row sees keys [0, kend) */
                 int splits = n == 1 && kend >= 2 * SPLIT_KEYS ? (int)(kend / SPLIT_KEYS) : 1;
                 int64_t chunk = (kend + splits - 1) / splits;
@@ -537,22 +914,34 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, Task **out_t
 }
 
 static void run_problem(const Problem *P, int num_seqs, int nthreads) {
+    const int G = P->group, D = P->d;
+    const int no512 = getenv("TOKENMILL_NO_AVX512") != NULL;
+    int vec = have_avx2() && D % 8 == 0 && D <= MAX_HEAD_DIM;
+    int vec512 = vec && have_avx512() && D % 16 == 0 && !no512;
+    /* prefill chunks (sequences with more than one query row) take the tiled path;
+     * TOKENMILL_NO_PREFILL_TILES=1 sends them through the per-row path (for A/B checks) */
+    const TileKernel *tk = getenv("TOKENMILL_NO_PREFILL_TILES") ? NULL : &tile_kernel_scalar;
+#if TM_X86
+    if (tk && have_avx512() && D % 8 == 0 && !no512) tk = &tile_kernel_avx512;
+    else if (tk && have_avx2() && D % 4 == 0) tk = &tile_kernel_avx2;
+#endif
     Task *tasks;
     int parts;
-    int count = plan_tasks(P, num_seqs, nthreads, &tasks, &parts);
-    const int G = P->group, D = P->d;
+    int count = plan_tasks(P, num_seqs, nthreads, tk != NULL, &tasks, &parts);
     /* a partial slot holds one decode row's G query vectors */
     float *pm = parts ? malloc(sizeof(float) * parts * G) : NULL;
     float *pl = parts ? malloc(sizeof(float) * parts * G) : NULL;
     float *pa = parts ? malloc(sizeof(float) * (size_t)parts * G * D) : NULL;
-    int vec = have_avx2() && D % 8 == 0 && D <= MAX_HEAD_DIM;
-    int vec512 = vec && have_avx512() && D % 16 == 0 && !getenv("TOKENMILL_NO_AVX512");
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (count > 1 && nthreads > 1)
     for (int i = 0; i < count; i++) {
         const Task *t = &tasks[i];
         float *m = t->part >= 0 ? pm + (size_t)t->part * G : NULL;
         float *l = t->part >= 0 ? pl + (size_t)t->part * G : NULL;
         float *a = t->part >= 0 ? pa + (size_t)t->part * G * D : NULL;
+        if (tk && P->qsl[t->seq + 1] - P->qsl[t->seq] > 1) {
+            task_tiled(P, t, m, l, a, tk);
+            continue;
+        }
 #if TM_X86
         if (vec512) {
             if (P->kv_bf16) task_avx512_bf16(P, t, m, l, a);

@@ -22,8 +22,9 @@
  *
  * Vector code is compiled through function target attributes and chosen at run time from
  * __builtin_cpu_supports (sets: avx2, avxvnni, avx512vnni; each checked on its own); a portable
- * scalar path does the same arithmetic everywhere else. With several x rows the avx512vnni set
- * widens each weight block to 32 int16 lanes once per 4 rows and runs one 512-bit dpwssd per row.
+ * scalar path does the same arithmetic everywhere else. With 2 to 16 x rows the avx512vnni set
+ * runs 512-bit kernels over tiles of up to 6 rows that share each widened weight block (u4: two
+ * blocks per 32-byte load against "pair order" activations; see the AVX-512 section).
  * Work is split over output rows with OpenMP, the thread count given by the caller (torch's).
  * tmq_matmul() is the entry point of decoder.c's fused decode path.
  */
@@ -296,7 +297,9 @@ DEFINE_ROW_DOT(dot_s8_vnni, TGT_VNNI, s8dot_vnni, int8_t, QK, 0)
 #if __GNUC__ >= 9
 /* ---- AVX-512 (F/BW/VL + VNNI) -------------------------------------------------------------- */
 #define TGT_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-/* one row of x: the 8-block AVX2 structure with the EVEX 256-bit dpwssd */
+/* One x row: the 8-block AVX2 structure with the EVEX 256-bit dpwssd. Streaming the weights from
+ * DRAM it ran 1.3x faster here than the 512-bit kernels below (benchmarks/quant_kernel_rows.py);
+ * those take 2 to 16 rows. */
 TGT_512 static inline __m256i madd2_512(__m256i a, __m256i x, __m256i b, __m256i y) {
     return _mm256_dpwssd_epi32(_mm256_madd_epi16(a, x), b, y);
 }
@@ -304,102 +307,173 @@ DEFINE_BLOCK_DOTS(v512, TGT_512, madd2_512)
 DEFINE_ROW_DOT(dot_u4_v512_one, TGT_512, u4dot_v512, uint8_t, 16, 1)
 DEFINE_ROW_DOT(dot_s8_v512_one, TGT_512, s8dot_v512, int8_t, QK, 0)
 
-/* the 32 values of a u4 block as int16, value i in lane i: the 16 bytes widened twice, the
- * upper copy shifted right by 4 */
-TGT_512 static inline __m512i u4_block_i16(const uint8_t *p) {
-    __m512i w = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p)));
-    const __m512i sh = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0x0004000400040004LL,
-                                        0x0004000400040004LL, 0, 0, 0, 0);
-    return _mm512_and_si512(_mm512_srlv_epi16(w, sh), _mm512_set1_epi16(0x0F));
-}
+/* Activations for the u4 kernels are stored in "pair" order: blocks 2p and 2p+1 (64 values) as
+ * [2p: 0..15 | 2p+1: 0..15 | 2p: 16..31 | 2p+1: 16..31], padded with a zero block to an even
+ * count. Then one 32-byte load of the weights of both blocks, widened to 32 int16 lanes, gives the
+ * low nibbles (and 0x0F) and the high nibbles (>> 4) of both blocks in the order of the two 64-byte
+ * activation halves: two dpwssd per 64 weights and no shuffle of the weights beyond the widening.
+ * The int32 lanes 0-7 then hold block 2p's partial sums and lanes 8-15 block 2p+1's, so one fp32
+ * multiply-add with [s(2p) xd(2p) x8 | s(2p+1) xd(2p+1) x8] applies both block scales: that vector
+ * is one permute of the 16 products s(b) xd(b) formed per 16 blocks. */
 
-TGT_512 static inline __m512i s8_block_i16(const int8_t *p) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
-}
-
-/* sum over a row's blocks of min[g(b)] * xs[b] (the u4 min term of one x row) */
-TGT_512 static float min_term_512(const void *mn, int f16, int64_t row_g0, int64_t nb, int64_t bpg, const float *xs) {
-    if (bpg >= nb) {  /* one min per row */
-        __m512 a = _mm512_setzero_ps();
-        int64_t b = 0;
-        for (; b + 16 <= nb; b += 16) a = _mm512_add_ps(a, _mm512_loadu_ps(xs + b));
-        float s = _mm512_reduce_add_ps(a);
-        for (; b < nb; b++) s += xs[b];
-        return scale_avx2(mn, row_g0, f16) * s;
-    }
-    float s = 0.f;
-    int64_t b = 0;
+/* the scales of blocks b0 .. b0+n-1 (n <= 16) of a row whose first group is row_g0; lanes >= n are
+ * 0 or (one scale per row) that scale: they always meet zero weights or activations */
+TGT_512 static inline __m512 scales16_512(const void *p, int f16, int64_t row_g0, int64_t b0, int64_t n,
+                                          int64_t nb, int64_t bpg) {
     if (bpg == 1) {
-        __m512 a = _mm512_setzero_ps();
-        for (; b + 16 <= nb; b += 16) {
-            __m512 m = f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mn + row_g0 + b)))
-                           : _mm512_loadu_ps((const float *)mn + row_g0 + b);
-            a = _mm512_fmadd_ps(m, _mm512_loadu_ps(xs + b), a);
-        }
-        s = _mm512_reduce_add_ps(a);
+        __mmask16 k = (__mmask16)((1u << n) - 1);
+        return f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + row_g0 + b0))
+                   : _mm512_maskz_loadu_ps(k, (const float *)p + row_g0 + b0);
     }
-    for (; b < nb; b++) s += scale_avx2(mn, row_g0 + b / bpg, f16) * xs[b];
-    return s;
+    if (bpg >= nb) return _mm512_set1_ps(scale_avx2(p, row_g0, f16));
+    float buf[16];
+    for (int i = 0; i < 16; i++) buf[i] = i < n ? scale_avx2(p, row_g0 + (b0 + i) / bpg, f16) : 0.f;
+    return _mm512_loadu_ps(buf);
 }
 
-/* One weight row against several x rows, 4 at a time: each weight block is widened to 32 int16
- * lanes once per 4 rows, then one dpwssd per row; the block result is scaled in fp32 per row. */
-#define DEFINE_ROWS_512(NAME, WT, WSTRIDE, DECODE, HAS_MIN)                                                \
-TGT_512 static void NAME(const WT *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb, \
-                         int64_t bpg, const int16_t *xq, const float *xd, const float *xs, int64_t nrows_x,   \
-                         int64_t x_stride, int64_t xb_stride, float *out, int64_t out_stride) {               \
-    for (int64_t m0 = 0; m0 < nrows_x; m0 += 4) {                                                         \
-        int64_t mr = nrows_x - m0 < 4 ? nrows_x - m0 : 4;                                                 \
-        const int16_t *x[4];                                                                              \
-        const float *d[4];                                                                                \
-        for (int j = 0; j < 4; j++) { /* rows past the end repeat the chunk's first (results dropped) */  \
-            int64_t m = m0 + (j < mr ? j : 0);                                                            \
-            x[j] = xq + m * x_stride;                                                                     \
-            d[j] = xd + m * xb_stride;                                                                    \
+/* one pair of u4 blocks against MR activation rows, into accumulators A: RAW is the pair's 32
+ * weight bytes (the second 16 zero past the end of a row), X the pair's offset in an activation
+ * row, idx selects the two blocks' lanes of the 16-block scale products cs[j] */
+#define U4_PAIR_512(A, RAW, X)                                                                             \
+    do {                                                                                                  \
+        __m512i w_ = _mm512_cvtepu8_epi16(RAW);                                                           \
+        __m512i lo_ = _mm512_and_si512(w_, low4), hi_ = _mm512_srli_epi16(w_, 4);                         \
+        for (int j = 0; j < MR; j++) {                                                                    \
+            const int16_t *xp_ = xq + j * xq_stride + (X);                                                \
+            __m512i d_ = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo_, _mm512_loadu_si512(xp_)), hi_,        \
+                                             _mm512_loadu_si512(xp_ + 32));                               \
+            A[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_), _mm512_permutexvar_ps(idx, cs[j]), A[j]);      \
         }                                                                                                 \
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                       \
-        const __m512i z = _mm512_setzero_si512();                                                         \
-        int64_t g = row_g0, left = bpg;                                                                   \
-        float s = scale_avx2(sc, g, f16);                                                                 \
-        for (int64_t b = 0; b < nb; b++) {                                                                \
-            if (left == 0) { g++; left = bpg; s = scale_avx2(sc, g, f16); }                               \
-            left--;                                                                                       \
-            __m512i w = DECODE(qs + b * WSTRIDE);                                                          \
-            __m512 vs = _mm512_set1_ps(s);                                                                \
-            const int64_t o = b * QK;                                                                     \
-            a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(z, w, _mm512_loadu_si512(x[0] + o))), \
-                                 _mm512_mul_ps(vs, _mm512_set1_ps(d[0][b])), a0);                        \
-            a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(z, w, _mm512_loadu_si512(x[1] + o))), \
-                                 _mm512_mul_ps(vs, _mm512_set1_ps(d[1][b])), a1);                        \
-            a2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(z, w, _mm512_loadu_si512(x[2] + o))), \
-                                 _mm512_mul_ps(vs, _mm512_set1_ps(d[2][b])), a2);                        \
-            a3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(z, w, _mm512_loadu_si512(x[3] + o))), \
-                                 _mm512_mul_ps(vs, _mm512_set1_ps(d[3][b])), a3);                        \
-        }                                                                                                 \
-        float r[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),         \
-                      _mm512_reduce_add_ps(a3)};                                                          \
-        for (int64_t j = 0; j < mr; j++) {                                                                \
-            float v = r[j];                                                                               \
-            if (HAS_MIN) v += min_term_512(mn, f16, row_g0, nb, bpg, xs + (m0 + j) * xb_stride);          \
-            out[(m0 + j) * out_stride] = v;                                                               \
-        }                                                                                                 \
-    }                                                                                                     \
+        idx = _mm512_add_epi32(idx, two);                                                                 \
+    } while (0)
+
+/* one u4 weight row against MR (1..6) activation rows in pair order; below 3 rows, two accumulator
+ * chains per row (even and odd pairs), from 3 on one (the rows are independent chains) */
+TGT_512 static inline __attribute__((always_inline)) void u4_rows_512(
+    const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb, int64_t bpg,
+    const int16_t *xq, const float *xd, const float *xs, int64_t xq_stride, int64_t xb_stride,
+    float *out, int64_t out_stride, const int MR) {
+    __m512 a0[6], a1s[2], am[6], cs[6];
+    __m512 *a1 = MR < 3 ? a1s : a0;
+    for (int j = 0; j < MR; j++) a0[j] = am[j] = _mm512_setzero_ps();
+    a1s[0] = a1s[1] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi16(0x0F), two = _mm512_set1_epi32(2);
+    const __m512i idx0 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int64_t c = 0; c < nb; c += 16) {
+        const int64_t n = nb - c < 16 ? nb - c : 16;
+        const __mmask16 km = (__mmask16)((1u << n) - 1);
+        const __m512 sw = scales16_512(sc, f16, row_g0, c, n, nb, bpg);
+        const __m512 mw = scales16_512(mn, f16, row_g0, c, n, nb, bpg);
+        for (int j = 0; j < MR; j++) {
+            am[j] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(km, xs + j * xb_stride + c), am[j]);
+            cs[j] = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(km, xd + j * xb_stride + c));
+        }
+        __m512i idx = idx0;
+        const uint8_t *w = qs + c * 16;
+        const int16_t *xq0 = xq;
+        xq += c * QK;
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4, w += 64, xq += 128) {
+            U4_PAIR_512(a0, _mm256_loadu_si256((const __m256i *)w), 0);
+            U4_PAIR_512(a1, _mm256_loadu_si256((const __m256i *)(w + 32)), 64);
+        }
+        if (i + 2 <= n) { U4_PAIR_512(a0, _mm256_loadu_si256((const __m256i *)w), 0); i += 2; w += 32; xq += 64; }
+        if (i < n) U4_PAIR_512(a1, _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)w)), 0);
+        xq = xq0;
+    }
+    for (int j = 0; j < MR; j++)
+        out[j * out_stride] = _mm512_reduce_add_ps(MR < 3 ? _mm512_add_ps(_mm512_add_ps(a0[j], a1s[j]), am[j])
+                                                          : _mm512_add_ps(a0[j], am[j]));
 }
-DEFINE_ROWS_512(rows_u4_512, uint8_t, 16, u4_block_i16, 1)
-DEFINE_ROWS_512(rows_s8_512, int8_t, QK, s8_block_i16, 0)
+
+/* one s8 block b against MR activation rows (natural order), scale products in cb[j][i] */
+#define S8_BLOCK_512(A, B, I)                                                                              \
+    do {                                                                                                  \
+        __m512i w_ = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qs + (B) * QK)));          \
+        for (int j = 0; j < MR; j++) {                                                                    \
+            __m512i d_ = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w_,                                  \
+                                             _mm512_loadu_si512(xq + j * xq_stride + (B) * QK));          \
+            A[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_), _mm512_set1_ps(cb[j][I]), A[j]);               \
+        }                                                                                                 \
+    } while (0)
+
+/* one s8 weight row against MR (1..6) activation rows: a block is 32 int16 lanes, one dpwssd;
+ * accumulator chains as u4_rows_512 */
+TGT_512 static inline __attribute__((always_inline)) void s8_rows_512(
+    const int8_t *qs, const void *sc, int f16, int64_t row_g0, int64_t nb, int64_t bpg, const int16_t *xq,
+    const float *xd, int64_t xq_stride, int64_t xb_stride, float *out, int64_t out_stride, const int MR) {
+    __m512 a0[6], a1s[2];
+    __m512 *a1 = MR < 3 ? a1s : a0;
+    float cb[6][16] __attribute__((aligned(64)));
+    for (int j = 0; j < MR; j++) a0[j] = _mm512_setzero_ps();
+    a1s[0] = a1s[1] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nb; c += 16) {
+        const int64_t n = nb - c < 16 ? nb - c : 16;
+        const __mmask16 km = (__mmask16)((1u << n) - 1);
+        const __m512 sw = scales16_512(sc, f16, row_g0, c, n, nb, bpg);
+        for (int j = 0; j < MR; j++)
+            _mm512_store_ps(cb[j], _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(km, xd + j * xb_stride + c)));
+        int64_t i = 0;
+        for (; i + 2 <= n; i += 2) {
+            S8_BLOCK_512(a0, c + i, i);
+            S8_BLOCK_512(a1, c + i + 1, i + 1);
+        }
+        if (i < n) S8_BLOCK_512(a0, c + i, i);
+    }
+    for (int j = 0; j < MR; j++) out[j * out_stride] = _mm512_reduce_add_ps(MR < 3 ? _mm512_add_ps(a0[j], a1s[j]) : a0[j]);
+}
+
+/* x rows in tiles of at most 6 (as even as possible: 7 = 4 + 3), each tile sharing every widened
+ * weight block */
+#define TILE_SIZES(M, CALL)                                                                                \
+    do {                                                                                                  \
+        int64_t tiles_ = ((M) + 5) / 6, m0_ = 0;                                                          \
+        for (int64_t t_ = 0; t_ < tiles_; t_++) {                                                         \
+            int64_t mr_ = ((M) - m0_) / (tiles_ - t_) + (((M) - m0_) % (tiles_ - t_) != 0);                \
+            switch (mr_) {                                                                                \
+                case 1: CALL(m0_, 1); break;                                                              \
+                case 2: CALL(m0_, 2); break;                                                              \
+                case 3: CALL(m0_, 3); break;                                                              \
+                case 4: CALL(m0_, 4); break;                                                              \
+                case 5: CALL(m0_, 5); break;                                                              \
+                default: CALL(m0_, 6); break;                                                             \
+            }                                                                                             \
+            m0_ += mr_;                                                                                   \
+        }                                                                                                 \
+    } while (0)
+
+#define U4_ROWS_FN(MR)                                                                                     \
+TGT_512 static __attribute__((noinline)) void u4_rows_512_##MR(                                           \
+    const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb, int64_t bpg,  \
+    const int16_t *xq, const float *xd, const float *xs, int64_t xq_stride, int64_t xb_stride,             \
+    float *out, int64_t out_stride) {                                                                     \
+    u4_rows_512(qs, sc, mn, f16, row_g0, nb, bpg, xq, xd, xs, xq_stride, xb_stride, out, out_stride, MR); \
+}
+U4_ROWS_FN(1)
+U4_ROWS_FN(2)
+U4_ROWS_FN(3)
+U4_ROWS_FN(4)
+U4_ROWS_FN(5)
+U4_ROWS_FN(6)
 
 TGT_512 static void dot_u4_512(const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb,
-                               int64_t bpg, const int16_t *xq, const float *xd, const float *xs, int64_t nrows_x,
-                               int64_t x_stride, int64_t xb_stride, float *out, int64_t out_stride) {
-    if (nrows_x == 1) dot_u4_v512_one(qs, sc, mn, f16, row_g0, nb, bpg, xq, xd, xs, 1, x_stride, xb_stride, out, out_stride);
-    else rows_u4_512(qs, sc, mn, f16, row_g0, nb, bpg, xq, xd, xs, nrows_x, x_stride, xb_stride, out, out_stride);
+                               int64_t bpg, const int16_t *xq, const float *xd, const float *xs, int64_t M,
+                               int64_t xq_stride, int64_t xb_stride, float *out, int64_t out_stride) {
+#define U4_CALL(m0, mr)                                                                                    \
+    u4_rows_512_##mr(qs, sc, mn, f16, row_g0, nb, bpg, xq + (m0) * xq_stride, xd + (m0) * xb_stride,     \
+                     xs + (m0) * xb_stride, xq_stride, xb_stride, out + (m0) * out_stride, out_stride)
+    TILE_SIZES(M, U4_CALL);
+#undef U4_CALL
 }
 
-TGT_512 static void dot_s8_512(const int8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb,
-                               int64_t bpg, const int16_t *xq, const float *xd, const float *xs, int64_t nrows_x,
-                               int64_t x_stride, int64_t xb_stride, float *out, int64_t out_stride) {
-    if (nrows_x == 1) dot_s8_v512_one(qs, sc, mn, f16, row_g0, nb, bpg, xq, xd, xs, 1, x_stride, xb_stride, out, out_stride);
-    else rows_s8_512(qs, sc, mn, f16, row_g0, nb, bpg, xq, xd, xs, nrows_x, x_stride, xb_stride, out, out_stride);
+TGT_512 static void dot_s8_512(const int8_t *qs, const void *sc, int f16, int64_t row_g0, int64_t nb, int64_t bpg,
+                               const int16_t *xq, const float *xd, int64_t M, int64_t xq_stride, int64_t xb_stride,
+                               float *out, int64_t out_stride) {
+#define S8_CALL(m0, mr)                                                                                    \
+    s8_rows_512(qs, sc, f16, row_g0, nb, bpg, xq + (m0) * xq_stride, xd + (m0) * xb_stride, xq_stride,   \
+                xb_stride, out + (m0) * out_stride, out_stride, mr)
+    TILE_SIZES(M, S8_CALL);
+#undef S8_CALL
 }
 #endif /* __GNUC__ >= 9 */
 
@@ -488,24 +562,52 @@ static void deq_s8_block_scalar(const int8_t *p, float s, float *out, int64_t n)
 }
 
 /* ---- drivers ------------------------------------------------------------------------------- */
+/* Quantized activations of M rows: xq [M, qstride] int16, xd / xs [M, bstride]; with pairs (the
+ * avx512vnni u4 kernels) in pair order and padded with a zero block to an even block count. */
 typedef struct {
     int16_t *xq;
     float *xd, *xs;
+    int64_t qstride, bstride;
+    int pairs;
     void *mem;
 } ActBuf;
 
-static int act_quantize(const float *x, int64_t M, int64_t K, ActBuf *a) {
-    int64_t nb = (K + QK - 1) / QK, Kp = nb * QK;
-    size_t qbytes = ((size_t)(M * Kp) * sizeof(int16_t) + 63) & ~(size_t)63;
-    a->mem = malloc(qbytes + 2 * (size_t)(M * nb) * sizeof(float) + 64);
+/* natural block order -> pair order (see the AVX-512 section), in place */
+static void to_pair_order(int16_t *q, float *xd, float *xs, int64_t nb) {
+    if (nb & 1) {  /* the padding block */
+        memset(q + nb * QK, 0, QK * sizeof(int16_t));
+        xd[nb] = 0.f;
+        xs[nb] = 0.f;
+    }
+    for (int64_t p = 0; p < (nb + 1) / 2; p++) {
+        int16_t t[16], *v = q + p * 2 * QK;
+        memcpy(t, v + 16, sizeof t);
+        memcpy(v + 16, v + 32, sizeof t);
+        memcpy(v + 32, t, sizeof t);
+    }
+}
+
+static int act_quantize(const float *x, int64_t M, int64_t K, int pairs, ActBuf *a) {
+    int64_t nb = (K + QK - 1) / QK;
+    a->pairs = pairs;
+    a->bstride = pairs ? (nb + 1) / 2 * 2 : nb;
+    a->qstride = a->bstride * QK;
+    size_t qbytes = ((size_t)(M * a->qstride) * sizeof(int16_t) + 63) & ~(size_t)63;
+    a->mem = malloc(qbytes + 2 * (size_t)(M * a->bstride) * sizeof(float) + 64);
     if (!a->mem) return -1;
     a->xq = (int16_t *)a->mem;
     a->xd = (float *)((char *)a->mem + qbytes);
-    a->xs = a->xd + M * nb;
+    a->xs = a->xd + M * a->bstride;
+    for (int64_t m = 0; m < M; m++) {
+        int16_t *q = a->xq + m * a->qstride;
+        float *d = a->xd + m * a->bstride, *s = a->xs + m * a->bstride;
 #if TM_X86 && defined(__GNUC__)
-    if (isa() >= ISA_AVX2) { quantize_rows_avx2(x, M, K, a->xq, a->xd, a->xs); return 0; }
+        if (isa() >= ISA_AVX2) quantize_rows_avx2(x + m * K, 1, K, q, d, s);
+        else
 #endif
-    quantize_rows(x, M, K, a->xq, a->xd, a->xs);
+        quantize_rows(x + m * K, 1, K, q, d, s);
+        if (pairs) to_pair_order(q, d, s, nb);
+    }
     return 0;
 }
 
@@ -517,7 +619,8 @@ static int check_group(int64_t K, int64_t group) {
 static void gemm_u4(const float *x, int64_t M, int64_t K, const uint8_t *qs, const void *sc, const void *mn,
                     int f16, int64_t N, int64_t group, const float *bias, float *y, int nt, const ActBuf *a) {
     int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
-    int use = isa();
+    /* the avx512vnni u4 kernel for 2+ rows reads pair-order activations (made with the set in use) */
+    int use = a->pairs ? ISA_AVX512 : isa() == ISA_AVX512 && M > 1 ? ISA_AVX2 : isa();
     (void)x;
     (void)use;
     #pragma omp parallel for num_threads(nt) schedule(static)
@@ -527,18 +630,22 @@ static void gemm_u4(const float *x, int64_t M, int64_t K, const uint8_t *qs, con
             for (int64_t o = 0; o < Kp / 2; o += 64) __builtin_prefetch(row + PREFETCH_ROWS * (Kp / 2) + o, 0, 0);
 #if TM_X86 && defined(__GNUC__)
 #if __GNUC__ >= 9
-        if (use == ISA_AVX512) dot_u4_512(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, Kp, nb, y + n, N);
+        if (use == ISA_AVX512 && a->pairs)
+            dot_u4_512(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y + n, N);
+        else if (use == ISA_AVX512)
+            dot_u4_v512_one(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, 1, a->qstride, a->bstride, y + n, N);
         else
 #endif
 #if __GNUC__ >= 11
-        if (use == ISA_AVXVNNI) dot_u4_vnni(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, Kp, nb, y + n, N);
+        if (use == ISA_AVXVNNI) dot_u4_vnni(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y + n, N);
         else
 #endif
-        if (use == ISA_AVX2) dot_u4_avx2(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, Kp, nb, y + n, N);
+        if (use == ISA_AVX2) dot_u4_avx2(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y + n, N);
         else
 #endif
         for (int64_t m = 0; m < M; m++)
-            y[m * N + n] = dot_u4_scalar(row, sc, mn, f16, n * G, nb, bpg, a->xq + m * Kp, a->xd + m * nb, a->xs + m * nb);
+            y[m * N + n] = dot_u4_scalar(row, sc, mn, f16, n * G, nb, bpg, a->xq + m * a->qstride, a->xd + m * a->bstride,
+                                         a->xs + m * a->bstride);
         if (bias) for (int64_t m = 0; m < M; m++) y[m * N + n] += bias[n];
     }
 }
@@ -555,18 +662,20 @@ static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int 
             for (int64_t o = 0; o < Kp; o += 64) __builtin_prefetch(row + PREFETCH_ROWS * Kp + o, 0, 0);
 #if TM_X86 && defined(__GNUC__)
 #if __GNUC__ >= 9
-        if (use == ISA_AVX512) dot_s8_512(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, Kp, nb, y + n, N);
+        if (use == ISA_AVX512 && M == 1)
+            dot_s8_v512_one(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, 1, a->qstride, a->bstride, y + n, N);
+        else if (use == ISA_AVX512) dot_s8_512(row, sc, f16, n * G, nb, bpg, a->xq, a->xd, M, a->qstride, a->bstride, y + n, N);
         else
 #endif
 #if __GNUC__ >= 11
-        if (use == ISA_AVXVNNI) dot_s8_vnni(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, Kp, nb, y + n, N);
+        if (use == ISA_AVXVNNI) dot_s8_vnni(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y + n, N);
         else
 #endif
-        if (use == ISA_AVX2) dot_s8_avx2(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, Kp, nb, y + n, N);
+        if (use == ISA_AVX2) dot_s8_avx2(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y + n, N);
         else
 #endif
         for (int64_t m = 0; m < M; m++)
-            y[m * N + n] = dot_s8_scalar(row, sc, f16, n * G, nb, bpg, a->xq + m * Kp, a->xd + m * nb);
+            y[m * N + n] = dot_s8_scalar(row, sc, f16, n * G, nb, bpg, a->xq + m * a->qstride, a->xd + m * a->bstride);
         if (bias) for (int64_t m = 0; m < M; m++) y[m * N + n] += bias[n];
     }
 }
@@ -575,7 +684,7 @@ static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int 
  * integer kernels. Returns 0, or -1 when out of memory. */
 int tmq_matmul(const TmqMat *w, const float *x, int64_t M, const float *bias, float *y, int nt) {
     ActBuf a;
-    if (act_quantize(x, M, w->K, &a)) return -1;
+    if (act_quantize(x, M, w->K, w->kind == TMQ_U4 && M > 1 && isa() == ISA_AVX512, &a)) return -1;
     if (w->kind == TMQ_U4)
         gemm_u4(x, M, w->K, (const uint8_t *)w->qs, w->sc, w->mn, w->f16, w->N, w->group, bias, y, nt < 1 ? 1 : nt, &a);
     else
@@ -604,7 +713,7 @@ static PyObject *py_gemm_u4(PyObject *self, PyObject *args) {
     ActBuf a;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
-    err = act_quantize(PTR(const float *, x), M, K, &a);
+    err = act_quantize(PTR(const float *, x), M, K, M > 1 && isa() == ISA_AVX512, &a);
     if (!err) {
         gemm_u4(PTR(const float *, x), M, K, PTR(const uint8_t *, qs), PTR(const void *, sc), PTR(const void *, mn),
                 f16, N, group, PTR(const float *, bias), PTR(float *, y), nt < 1 ? 1 : nt, &a);
@@ -628,7 +737,7 @@ static PyObject *py_gemm_s8(PyObject *self, PyObject *args) {
     ActBuf a;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
-    err = act_quantize(PTR(const float *, x), M, K, &a);
+    err = act_quantize(PTR(const float *, x), M, K, 0, &a);
     if (!err) {
         gemm_s8(M, K, PTR(const int8_t *, qs), PTR(const void *, sc), f16, N, group, PTR(const float *, bias),
                 PTR(float *, y), nt < 1 ? 1 : nt, &a);

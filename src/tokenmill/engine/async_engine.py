@@ -1,7 +1,12 @@
 """AsyncEngine: the engine behind a thread boundary, for asyncio servers.
 
-One background thread owns the :class:`~tokenmill.engine.engine.Engine` and is the only thread
-that ever calls it. It loops: drain the command inbox (add, abort, call), run ``Engine.step()``
+One thread owns the :class:`~tokenmill.engine.engine.Engine` and is the only thread that ever
+calls it: a background thread started by the constructor, or (``start_thread=False``) the thread
+that calls :meth:`AsyncEngine.run_forever`, typically the process's main thread while the event
+loop runs on another one. The second is what ``tokenmill serve`` does: torch's OpenMP kernels run
+markedly slower when a thread other than the main thread starts their parallel regions (measured:
+a SmolLM2-135M fp32 decode step 26 ms instead of 18 ms on 2 cores; see docs/results/engine.md).
+The engine thread loops: drain the command inbox (add, abort, call), run ``Engine.step()``
 while there is work, and sleep on an event when there is none. The asyncio side never waits on
 a step: it puts commands into a thread-safe queue and receives outputs on per-request
 ``asyncio.Queue`` objects, filled from the engine thread with ``loop.call_soon_threadsafe``
@@ -20,6 +25,8 @@ Contract:
   in-flight requests fail, the loop stops (new requests get :class:`EngineStoppedError`),
   :attr:`AsyncEngine.fatal_error` holds the error and ``on_fatal`` is called with it, from the
   engine thread (the server uses it to shut down and exit non-zero).
+* :meth:`AsyncEngine.run_forever` (``start_thread=False`` only) runs the loop in the calling thread
+  until :meth:`AsyncEngine.shutdown` (from any thread) or a fatal error stops it.
 * :meth:`AsyncEngine.stats` returns a snapshot refreshed by the engine thread after every step
   and every batch of commands, so reading it never waits for a step.
 """
@@ -29,6 +36,7 @@ import asyncio
 import dataclasses
 import logging
 import queue
+import sys
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -46,6 +54,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# GIL switch interval set by an AsyncEngine (Python's default is 5 ms); see AsyncEngine.__init__
+SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineStepError(RuntimeError):
@@ -150,10 +161,12 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Runs an :class:`Engine` on a background thread; see the module docstring for the contract."""
+    """Runs an :class:`Engine` on one thread of its own (a background thread, or the caller's with
+    ``start_thread=False`` and :meth:`run_forever`); see the module docstring for the contract."""
 
     def __init__(self, engine: Engine, *, name: str = "tokenmill-engine",
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None, start_thread: bool = True,
+                 switch_interval_s: float | None = SWITCH_INTERVAL_S) -> None:
         self.engine = engine
         self.on_fatal = on_fatal
         self.fatal_error: BaseException | None = None
@@ -165,13 +178,24 @@ class AsyncEngine:
         # request ids submitted and not yet closed; touched only by event-loop code
         self._live_ids: set[str] = set()
         self._stats: EngineStats = engine.stats()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._done = threading.Event()      # set when the loop has ended (or never will run)
+        self._loop_started = False
+        self._loop_ident = 0
+        if switch_interval_s is not None:
+            # the engine thread gives the GIL back around every torch op and wants it again right
+            # after: with Python's default 5 ms interval, a busy event-loop thread could keep it
+            # that long per hand-off (process-wide, and only ever lowered here; on SmolLM2 at
+            # concurrency 4 the A/B against 5 ms was within the noise)
+            sys.setswitchinterval(min(sys.getswitchinterval(), switch_interval_s))
+        self._thread: threading.Thread | None = None
+        if start_thread:
+            self._thread = threading.Thread(target=self.run_forever, name=name, daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------------ asyncio side
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping.is_set()
+        return not self._done.is_set() and not self._stopping.is_set()
 
     def stats(self) -> EngineStats:
         """Latest snapshot of ``Engine.stats()`` (refreshed after every step and command batch).
@@ -237,10 +261,17 @@ class AsyncEngine:
         return await self.call(lambda e: e.flush_cache())
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop: abort whatever is in flight and join the thread."""
+        """Stop the loop: abort whatever is in flight and wait (up to ``timeout``) for it to end.
+
+        From the engine thread itself, or before :meth:`run_forever` was ever called, it only
+        asks the loop to stop."""
         self._stopping.set()
         self._wake.set()
-        self._thread.join(timeout)
+        if self._thread is not None:
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout)
+        elif self._loop_started and threading.get_ident() != self._loop_ident:
+            self._done.wait(timeout)
 
     def _send(self, cmd: _Add | _Abort | _Call) -> None:
         if isinstance(cmd, _Abort):
@@ -249,6 +280,20 @@ class AsyncEngine:
         self._wake.set()
 
     # ------------------------------------------------------------------ engine thread
+    def run_forever(self) -> None:
+        """Run the engine loop in the calling thread until :meth:`shutdown` or a fatal error.
+
+        Only for an AsyncEngine built with ``start_thread=False`` (the constructor's thread calls
+        it otherwise), and only once."""
+        if self._loop_started or (self._thread is not None and self._thread is not threading.current_thread()):
+            raise RuntimeError("the engine loop is already running (or has run)")
+        self._loop_started = True
+        self._loop_ident = threading.get_ident()
+        try:
+            self._run()
+        finally:
+            self._done.set()
+
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping.is_set():

@@ -72,7 +72,7 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     cache_prefetch_timeout_s: float = 1.0   # longest an admission waits for L3 pages
     cache_prefetch_min_pages: int = 1    # shortest L3 run worth fetching
     cache_storage_timeout_s: float = 1.0  # socket timeout of one storage call
-    decode_slowdown: float | None = 2.0  # bound on a decode step's time while prefill shares it
+    decode_slowdown: float | None = 1.75  # bound on a decode step's time while prefill shares it
                                           # (x the decodes-only step; None: prefill fills the step)
     quantization: str = "auto"       # weight format, see tokenmill.layers.quant.methods.QuantConfig
     quant_group_size: int = 128      # int4: inputs per scale group (a multiple of 32)

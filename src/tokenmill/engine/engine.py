@@ -30,13 +30,13 @@ from tokenmill.engine.config import (DEFAULT_SNAPSHOT_MEMORY_CAP_GIB, DEFAULT_SN
                                      default_kv_cache_tokens, resolve_kv_dtype)
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
-from tokenmill.engine.model_runner import ModelRunner, SampledTokens
+from tokenmill.engine.model_runner import ModelRunner, SampledTokens, step_kind_rows
 from tokenmill.engine.parallel import ParallelRunner, WorkerSpec, check_tensor_parallel_devices, new_init_method
 from tokenmill.engine.request import ListView, Request, RequestOutput, RequestStatus
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.step_cost import StepCost
+from tokenmill.engine.step_cost import StepCost, StepTimes, step_kind
 from tokenmill.engine.structured import GrammarCompiler, GrammarWaitRoom
 
 if TYPE_CHECKING:
@@ -76,6 +76,8 @@ class EngineStats:
     state_snapshots_cached: int = 0    # snapshot slots holding a snapshot of the prefix cache
     state_bytes_per_request: int = 0
     predicted_wait_s: float = 0.0    # how long a request queued now would wait to start (admission.py)
+    # step wall time by kind: kind -> (cumulative counts per STEP_SECONDS_BUCKETS bound, sum, count)
+    step_seconds: dict[str, tuple[list[int], float, int]] | None = None
 
     @property
     def cache_hit_rate(self) -> float:
@@ -92,6 +94,7 @@ class Engine:
         self._init_model(loaded)
         self._init_kv()
         self.step_cost = StepCost(config.decode_slowdown) if config.decode_slowdown else None
+        self.step_times = StepTimes()   # wall time of steps by kind (decode, mixed, prefill)
         self.scheduler = Scheduler(self.kv, max_batch_tokens=config.max_batch_tokens,
                                    max_running_requests=config.max_running_requests,
                                    step_cost=self.step_cost)
@@ -122,6 +125,8 @@ class Engine:
             if self.runner.states is not None:   # snapshots are taken by copying a request's slot
                 self.kv.copy_state = self.runner.states.copy
             self._init_tiers()
+        if self.step_cost is not None:   # packed weights: small steps are a cheaper kind
+            self.step_cost.split_rows = step_kind_rows(self.loaded.model)
         self.generation_tokens_total = 0
         self._arrivals = 0
         self._num_timed = 0   # requests added with a deadline (expiry is skipped while there are none)
@@ -384,8 +389,9 @@ class Engine:
         t0 = time.perf_counter()
         result = self.runner.execute(out)
         seconds = time.perf_counter() - t0
+        self.step_times.observe(step_kind(out.scheduled), seconds)
         if self.step_cost is not None:
-            self.step_cost.observe(out.num_tokens, seconds)
+            self.step_cost.observe_step(out.scheduled, seconds)
         if self.spec is not None:
             self.spec.observe_step(out, seconds)
         self.scheduler.post_step(out)
@@ -546,6 +552,7 @@ class Engine:
             tensor_parallel_size=self.config.tensor_parallel_size,
             tiers=self.tiers.snapshot_stats() if self.tiers is not None else None,
             predicted_wait_s=self.start_estimator.predicted_wait(s, time.monotonic()),
+            step_seconds=self.step_times.snapshot(),
             **self._state_stats(),
         )
 

@@ -40,6 +40,7 @@ from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import ForwardContext, select_attention_backend
 from tokenmill.layers import fused
 from tokenmill.layers.linear import select_linear_backend, use_linear_backend
+from tokenmill.layers.quant import packed
 from tokenmill.engine.structured import apply_grammar_masks
 from tokenmill.layers.sampling import PenaltyState, Sampler, SamplingInputs
 from tokenmill.layers.speculative import VerifyInputs, verify
@@ -71,6 +72,15 @@ log = logging.getLogger(__name__)
 
 def _token_logprob(tok: int, lp: Any) -> TokenLogprob:
     return TokenLogprob(tok, lp[0], [TopLogprob(t, v) for t, v in lp[1]])
+
+
+def step_kind_rows(model: torch.nn.Module) -> int | None:
+    """Rows up to which a step of ``model`` runs the packed-weight integer kernels, a cheaper kind
+    of step than the dequantize + GEMM path above it (the step-cost model fits the two apart);
+    None when the model has no packed int4/int8 matrices."""
+    if any(isinstance(m, (packed.Int4Linear, packed.Int8Linear)) for m in model.modules()):
+        return packed.GEMV_MAX_ROWS
+    return None
 
 
 class ModelRunner:

@@ -12,9 +12,10 @@ Order within a step:
    behind, and count as decode tokens for the prefill bound); drafts are cut to what the
    budget allows, and dropped rather than preempting anyone for their pages;
 2. running requests further behind (prefill chunks), in priority order; when the step already
-   carries decodes, prefill (this and admission) gets only the budget of
-   :meth:`~tokenmill.engine.step_cost.StepCost.prefill_budget`, so a decode's next token is not
-   held up by seconds of prefill (step time is learned online from the engine's own steps).
+   carries decodes, prefill (this and admission, chunk by chunk, one allowance per step) gets
+   only what :class:`~tokenmill.engine.step_cost.PrefillBound` allows, so a decode's next token
+   is not held up by seconds of prefill (step time is learned online from the engine's own
+   steps, over token rows and attention reads, so a chunk after a long context is smaller).
    Under that bound the prefill with the fewest tokens left goes first, and a waiting request
    with fewer left (after its cached prefix) than every running prefill is admitted before
    them (``shortest_prefill_first``), so a new agent turn is not queued behind a long first
@@ -41,7 +42,7 @@ from typing import NamedTuple
 
 from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.step_cost import StepCost
+from tokenmill.engine.step_cost import PrefillBound, StepCost, StepShape, chunk_pairs
 
 
 class ScheduledRequest(NamedTuple):
@@ -69,6 +70,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def shape(self) -> StepShape:
+        """Token rows and attention query-key pairs: what the step-cost model is fitted on."""
+        return StepShape.of(self.scheduled)
+
 
 class _StepPlan:
     """Working state while one step is being planned."""
@@ -77,10 +83,19 @@ class _StepPlan:
         self.budget = budget
         self.tokens: dict[Request, int] = {}
         self.preempted: list[Request] = []
+        self.bound: PrefillBound | None = None   # the step-time bound on prefill (decodes run)
 
-    def add(self, req: Request, n: int) -> None:
+    def prefill_limit(self, req: Request, context: int) -> int:
+        """Tokens a prefill chunk of ``req`` after ``context`` computed tokens may take."""
+        n = min(req.num_uncomputed_tokens, self.budget)
+        return n if self.bound is None else self.bound.cap(context, n)
+
+    def add(self, req: Request, n: int, context: int | None = None) -> None:
+        """``n`` tokens for ``req``; ``context``: a prefill chunk's start (counted by the bound)."""
         self.tokens[req] = n
         self.budget -= n
+        if context is not None and self.bound is not None:
+            self.bound.add(context, n)
 
     def drop(self, req: Request) -> None:
         self.budget += self.tokens.pop(req, 0)
@@ -143,7 +158,8 @@ class Scheduler:
         num_decode = sum(plan.tokens.values())
         if num_decode and self.step_cost is not None and plan.budget > 0:
             # Prefill shares this step with decodes: give it only what keeps them moving.
-            plan.budget = self.step_cost.prefill_budget(num_decode, plan.budget)
+            decode_pairs = sum(chunk_pairs(r.num_computed_tokens, n) for r, n in plan.tokens.items())
+            plan.bound = self.step_cost.bound(num_decode, decode_pairs)
             if self.shortest_prefill_first:
                 prefills = self._shortest_first(prefills)
                 if self.waiting and not plan.preempted:
@@ -193,9 +209,11 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            n = self.kv.chunk_limit(req, min(req.num_uncomputed_tokens, plan.budget))
+            n = self.kv.chunk_limit(req, plan.prefill_limit(req, req.num_computed_tokens))
+            if n <= 0:
+                break
             if self._allocate_or_preempt(req, req.num_computed_tokens + n, plan):
-                plan.add(req, n)
+                plan.add(req, n, req.num_computed_tokens)
 
     def _shortest_first(self, prefills: list[Request]) -> list[Request]:
         """Running prefills by tokens left (stable), those passed over too often first."""
@@ -216,11 +234,13 @@ class Scheduler:
                     return
             if max_remaining is not None and req.num_tokens - self.kv.cached_prefix_tokens(req) > max_remaining:
                 return
+            if plan.bound is not None and plan.bound.cap(self.kv.cached_prefix_tokens(req), 1) <= 0:
+                return                       # the step-time bound has no room for another chunk
             if not self.kv.take_slot(req):   # hybrid models: every state slot is taken
                 return
             matched = self.kv.match(req)
-            n = self.kv.chunk_limit(req, min(req.num_uncomputed_tokens, plan.budget))
-            if not self.kv.allocate(req, req.num_computed_tokens + n):
+            n = self.kv.chunk_limit(req, plan.prefill_limit(req, req.num_computed_tokens))
+            if n <= 0 or not self.kv.allocate(req, req.num_computed_tokens + n):
                 self.kv.release(req, keep_in_cache=False)
                 req.num_computed_tokens = 0
                 return
@@ -232,7 +252,7 @@ class Scheduler:
                 self.prompt_tokens_total += req.num_prompt_tokens
                 self.cached_tokens_total += matched
                 self.kv.admitted(req)
-            plan.add(req, n)
+            plan.add(req, n, req.num_computed_tokens)
 
     def _next_waiting(self) -> Request:
         """The waiting request to admit next: the queue front, or (short queue, cache on) the

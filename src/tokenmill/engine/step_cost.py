@@ -2,29 +2,157 @@
 
 Every prefill token in a step that also carries decodes delays those decodes' next token. The
 scheduler therefore gives prefill chunks only as many tokens as keep the step within
-``slowdown`` times the time of the decodes alone (see :meth:`StepCost.prefill_budget`).
+``slowdown`` times the time of the decodes alone (see :class:`PrefillBound`).
 
-The model is a line, ``seconds = a + b * tokens``, fitted by exponentially weighted least
-squares over recent steps (older steps fade with ``decay``). On a CPU a small step costs about
-the weight read (``a``) and each extra token about its share of the FLOPs (``b``), so the line is
-a fair local fit; because the scheduler's choices feed the next observations, the fit follows
-whatever region the engine runs in. Until enough steps of different sizes have been seen, the
-budget is ``warmup_tokens``.
+A step is described by two numbers (:class:`StepShape`): its token rows, and the query-key pairs
+its attention reads, ``sum over scheduled requests of n * start + n * (n + 1) / 2`` for ``n``
+tokens from position ``start`` (a decode reads its whole context; a chunk of ``n`` after ``c``
+cached tokens reads about ``n * (c + n / 2)``). The model is
+
+    seconds = a + b * rows + c * pairs
+
+fitted by exponentially weighted least squares over recent steps (older steps fade with
+``decay``), with ``b`` and ``c`` kept non-negative (a slope the noise makes negative is dropped
+and the fit redone without it). Rows carry the weight matmuls; pairs carry attention, which is
+what makes a chunk after a long cached context cost more than the same chunk at the start of a
+prompt.
+
+Steps come in kinds with different lines. Packed int4/int8 weights run steps of at most
+``split_rows`` rows through the integer decode kernels (one native call per step) and larger
+steps through dequantize + GEMM, whose fixed cost (the dequantization) is several decode steps:
+a line through both would be wrong for both. With ``split_rows`` set, each kind has its own fit,
+and the bound picks the largest chunk that keeps the step within the bound in either kind (a
+mixed step that fits in ``split_rows`` rows usually stays within it; one just past it does not).
+
+Until a kind's fit is trustworthy (``min_samples`` effective observations with some spread), the
+budget is ``warmup_tokens``, or with ``split_rows`` what keeps the step in the small kind.
 
 Pure Python and no I/O: the engine feeds it wall time; the simulator can feed it modelled time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, NamedTuple, Protocol
+
+
+class _Scheduled(Protocol):
+    start: int
+    num_tokens: int
+
+
+class StepShape(NamedTuple):
+    """What a step's time is modelled on: token rows and attention query-key pairs."""
+
+    rows: int
+    pairs: int
+
+    @classmethod
+    def of(cls, scheduled: Iterable[_Scheduled]) -> "StepShape":
+        rows = pairs = 0
+        for s in scheduled:
+            rows += s.num_tokens
+            pairs += chunk_pairs(s.start, s.num_tokens)
+        return cls(rows, pairs)
+
+
+def chunk_pairs(start: int, n: int) -> int:
+    """Query-key pairs of ``n`` causal query rows from position ``start`` (row i sees start + i + 1)."""
+    return n * start + n * (n + 1) // 2
+
+
+class _Fit:
+    """Exponentially weighted least squares of ``y`` on ``(1, x1, x2)`` with non-negative slopes."""
+
+    __slots__ = ("decay", "w", "s1", "s2", "sy", "s11", "s12", "s22", "s1y", "s2y", "_coef")
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.w = self.s1 = self.s2 = self.sy = 0.0
+        self.s11 = self.s12 = self.s22 = self.s1y = self.s2y = 0.0
+        self._coef: tuple[float, float, float] | None | bool = False   # False: not solved yet
+
+    def add(self, x1: float, x2: float, y: float) -> None:
+        d = self.decay
+        self.w = self.w * d + 1.0
+        self.s1 = self.s1 * d + x1
+        self.s2 = self.s2 * d + x2
+        self.sy = self.sy * d + y
+        self.s11 = self.s11 * d + x1 * x1
+        self.s12 = self.s12 * d + x1 * x2
+        self.s22 = self.s22 * d + x2 * x2
+        self.s1y = self.s1y * d + x1 * y
+        self.s2y = self.s2y * d + x2 * y
+        self._coef = False
+
+    def coef(self, min_samples: float) -> tuple[float, float, float] | None:
+        """``(a, b, c)``, or None while the observations cannot define ``b`` (too few, no spread)."""
+        if self._coef is False:
+            self._coef = self._solve() if self.w >= min_samples else None
+        return self._coef  # type: ignore[return-value]
+
+    def _solve(self) -> tuple[float, float, float] | None:
+        w = self.w
+        m1, m2, my = self.s1 / w, self.s2 / w, self.sy / w
+        v11 = self.s11 / w - m1 * m1
+        v22 = self.s22 / w - m2 * m2
+        v12 = self.s12 / w - m1 * m2
+        c1 = self.s1y / w - m1 * my
+        c2 = self.s2y / w - m2 * my
+        ok1 = v11 > 1e-9 * max(1.0, m1 * m1)
+        ok2 = v22 > 1e-9 * max(1.0, m2 * m2)
+        if not ok1:
+            return None            # every step had the same rows: no line in rows yet
+        best: tuple[float, float] | None = None
+        best_gain = -math.inf      # explained variance; the largest feasible one wins
+        det = v11 * v22 - v12 * v12
+        if ok2 and det > 1e-9 * v11 * v22:
+            b = (c1 * v22 - c2 * v12) / det
+            c = (c2 * v11 - c1 * v12) / det
+            if b >= 0.0 and c >= 0.0:
+                best, best_gain = (b, c), b * c1 + c * c2
+        if best is None:
+            for b, c, gain in ((c1 / v11, 0.0, c1 * c1 / v11),
+                               ((0.0, c2 / v22, c2 * c2 / v22) if ok2 else (0.0, 0.0, -math.inf))):
+                if b >= 0.0 and c >= 0.0 and gain > best_gain:
+                    best, best_gain = (b, c), gain
+        b, c = best if best is not None else (0.0, 0.0)
+        return my - b * m1 - c * m2, b, c
+
+
+class TokenLine:
+    """An exponentially weighted line ``seconds = a + b * tokens`` (the speculative decoder's cost
+    of decode-only steps); ``fit`` gives ``(a, b)`` once ``min_samples`` steps of different sizes
+    were seen."""
+
+    def __init__(self, decay: float = 0.95, min_samples: float = 3.0) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"decay must be in (0, 1), got {decay}")
+        self.min_samples = min_samples
+        self._fit = _Fit(decay)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0 and seconds > 0.0:
+            self._fit.add(float(num_tokens), 0.0, float(seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        f = self._fit.coef(self.min_samples)
+        return None if f is None else (f[0], f[1])
+
+    def predict(self, num_tokens: int) -> float | None:
+        f = self.fit()
+        return None if f is None else f[0] + f[1] * num_tokens
 
 
 @dataclass
 class StepCost:
     slowdown: float = 2.0          # a mixed step may take this many times the decodes-only step
-    min_tokens: int = 16           # never give prefill less than this while decodes run
-    warmup_tokens: int = 64        # budget before the fit is trustworthy
-    decay: float = 0.95            # weight kept by each older observation
-    min_samples: float = 3.0       # effective observations needed before trusting the fit
+    min_tokens: int = 1            # the first prefill chunk of a step gets at least this many
+    warmup_tokens: int = 64        # budget before the fit is trustworthy (no split_rows)
+    decay: float = 0.95            # weight kept by each older observation (of the same kind)
+    min_samples: float = 3.0       # effective observations needed before trusting a kind's fit
+    split_rows: int | None = None  # steps of at most this many rows are a kind of their own
+    _fits: list[_Fit] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.slowdown > 1.0:
@@ -33,49 +161,152 @@ class StepCost:
             raise ValueError("min_tokens and warmup_tokens must be >= 1")
         if not 0.0 < self.decay < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {self.decay}")
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        if self.split_rows is not None and self.split_rows < 1:
+            raise ValueError(f"split_rows must be >= 1 (or None), got {self.split_rows}")
+        self._fits = [_Fit(self.decay), _Fit(self.decay)]
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """One finished step of ``num_tokens`` tokens that took ``seconds``."""
+    # -- the model --------------------------------------------------------------------------------
+    def kind(self, rows: int) -> int:
+        """0 for steps of at most ``split_rows`` rows (all steps without a split), else 1."""
+        return 0 if self.split_rows is None or rows <= self.split_rows else 1
+
+    def observe(self, num_tokens: int, seconds: float, pairs: int = 0) -> None:
+        """One finished step of ``num_tokens`` rows reading ``pairs`` query-key pairs."""
         if num_tokens <= 0 or not seconds > 0.0:
             return
-        d = self.decay
-        x, y = float(num_tokens), float(seconds)
-        self._w = self._w * d + 1.0
-        self._x = self._x * d + x
-        self._y = self._y * d + y
-        self._xx = self._xx * d + x * x
-        self._xy = self._xy * d + x * y
+        self._fits[self.kind(num_tokens)].add(float(num_tokens), float(pairs), float(seconds))
 
-    def fit(self) -> tuple[float, float] | None:
-        """``(a, b)`` of the current line, or None while the observations cannot define one."""
-        if self._w < self.min_samples:
-            return None
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mean_x * mean_x
-        if var <= 1e-9 * max(1.0, mean_x * mean_x):
-            return None
-        b = (self._xy / self._w - mean_x * mean_y) / var
-        a = mean_y - b * mean_x
-        return a, b
+    def observe_step(self, scheduled: Iterable[_Scheduled], seconds: float) -> None:
+        """One finished step, from its scheduled ``(start, num_tokens)`` entries."""
+        shape = StepShape.of(scheduled)
+        self.observe(shape.rows, seconds, shape.pairs)
 
-    def predict(self, num_tokens: int) -> float | None:
-        f = self.fit()
-        return None if f is None else f[0] + f[1] * num_tokens
+    def fit(self, rows: int = 1) -> tuple[float, float, float] | None:
+        """``(a, b, c)`` of the kind of a ``rows``-row step, or None while it is not known."""
+        return self._fits[self.kind(rows)].coef(self.min_samples)
 
-    def prefill_budget(self, num_decode_tokens: int, limit: int) -> int:
-        """Prefill tokens to add to a step that already has ``num_decode_tokens`` decodes.
+    def predict(self, rows: int, pairs: int = 0) -> float | None:
+        f = self.fit(rows)
+        return None if f is None else f[0] + f[1] * rows + f[2] * pairs
 
-        At most ``limit`` (what is left of the step's token budget); with no decodes the
-        caller does not ask.
-        """
-        f = self.fit()
-        if f is None:
-            budget = self.warmup_tokens
+    # -- the bound --------------------------------------------------------------------------------
+    def bound(self, num_decode_tokens: int, decode_pairs: int = 0) -> "PrefillBound":
+        """The prefill bound of a step that already carries these decodes (see PrefillBound)."""
+        return PrefillBound(self, num_decode_tokens, decode_pairs)
+
+    def prefill_budget(self, num_decode_tokens: int, limit: int, *, decode_pairs: int = 0,
+                       context: int = 0) -> int:
+        """Tokens of one prefill chunk after ``context`` cached tokens that a step with these
+        decodes may take (at most ``limit``, at least ``min(min_tokens, limit)``)."""
+        return self.bound(num_decode_tokens, decode_pairs).cap(context, limit, first=True)
+
+
+class PrefillBound:
+    """The prefill tokens one step may still take, chunk by chunk.
+
+    The step's decodes take ``T(d)`` seconds alone; every chunk added must keep the predicted
+    step time within ``slowdown * T(d)``. ``cap(context, limit)`` is the largest next chunk
+    after ``context`` cached tokens; ``add(context, n)`` records the chunk that was scheduled.
+    """
+
+    def __init__(self, cost: StepCost, num_decode_tokens: int, decode_pairs: int) -> None:
+        self.cost = cost
+        self.rows = num_decode_tokens
+        self.pairs = decode_pairs
+        self.added = 0
+        alone = cost.predict(num_decode_tokens, decode_pairs)
+        self.target = None if alone is None else cost.slowdown * max(alone, 0.0)
+        # warm-up allowance: tokens the step may take while the fit is not known
+        if cost.split_rows is not None:
+            self.warmup = max(cost.split_rows - num_decode_tokens, 0)
         else:
-            a, b = f
-            if b <= 0.0:   # extra tokens look free: the step is bound by the weight read
-                return limit
-            alone = max(a + b * num_decode_tokens, 0.0)
-            budget = int((self.slowdown - 1.0) * alone / b)
-        return max(min(budget, limit), min(self.min_tokens, limit))
+            self.warmup = cost.warmup_tokens
+
+    def _fits(self, k: int, context: int) -> bool:
+        rows = self.rows + k
+        t = self.cost.predict(rows, self.pairs + chunk_pairs(context, k))
+        if t is None:
+            return False
+        return t <= self.target  # type: ignore[operator]
+
+    def cap(self, context: int, limit: int, first: bool | None = None) -> int:
+        """The largest chunk (<= ``limit``) after ``context`` cached tokens that keeps the bound;
+        the step's first chunk gets at least ``min_tokens``."""
+        if limit <= 0:
+            return 0
+        first = self.added == 0 if first is None else first
+        floor = min(self.cost.min_tokens, limit) if first else 0
+        if self.target is None:
+            return max(min(self.warmup - self.added, limit), floor)
+        best = 0
+        split = self.cost.split_rows
+        ranges = [(1, limit)]
+        if split is not None and self.rows < split < self.rows + limit:
+            ranges = [(1, split - self.rows), (split - self.rows + 1, limit)]
+        for lo, hi in ranges:
+            if self.cost.fit(self.rows + lo) is None:
+                continue
+            if self._fits(hi, context):
+                best = max(best, hi)
+                continue
+            if not self._fits(lo, context):
+                continue
+            while lo < hi:   # largest k in [lo, hi] that fits; predictions grow with k
+                mid = (lo + hi + 1) // 2
+                if self._fits(mid, context):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            best = max(best, lo)
+        return max(best, floor)
+
+    def add(self, context: int, n: int) -> None:
+        self.rows += n
+        self.pairs += chunk_pairs(context, n)
+        self.added += n
+
+
+STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+def step_kind(scheduled: Iterable[Any]) -> str:
+    """``decode`` (every request one token behind, drafts allowed), ``prefill`` (chunks only) or
+    ``mixed``, for scheduled entries with ``num_tokens``, ``num_draft`` and ``samples``."""
+    dec = pre = False
+    for s in scheduled:
+        if s.num_tokens - s.num_draft > 1 or not s.samples:
+            pre = True
+        else:
+            dec = True
+    return "mixed" if dec and pre else ("prefill" if pre else "decode")
+
+
+class StepTimes:
+    """Histograms of step wall time by kind of step (``/metrics``: ``engine_step_seconds``), so a
+    user can see what a decode step costs alone and how much the prefill beside it adds."""
+
+    def __init__(self, buckets: tuple[float, ...] = STEP_SECONDS_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = {k: [0] * len(buckets) for k in STEP_KINDS}   # per bucket, not cumulative
+        self.sums = dict.fromkeys(STEP_KINDS, 0.0)
+        self.totals = dict.fromkeys(STEP_KINDS, 0)
+
+    def observe(self, kind: str, seconds: float) -> None:
+        self.totals[kind] += 1
+        self.sums[kind] += seconds
+        for i, b in enumerate(self.buckets):
+            if seconds <= b:
+                self.counts[kind][i] += 1
+                break
+
+    def snapshot(self) -> dict[str, tuple[list[int], float, int]]:
+        """kind -> (cumulative counts per bucket, sum of seconds, count)."""
+        out = {}
+        for k in STEP_KINDS:
+            cum, run = [], 0
+            for n in self.counts[k]:
+                run += n
+                cum.append(run)
+            out[k] = (cum, self.sums[k], self.totals[k])
+        return out

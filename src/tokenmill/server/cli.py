@@ -115,7 +115,10 @@ def run(args: argparse.Namespace) -> int:
             timer.daemon = True
             timer.start()
 
-    async_engine = AsyncEngine(engine, on_fatal=on_fatal)
+    # The engine loop runs on this (the main) thread and the HTTP event loop on a thread of its
+    # own: torch's OpenMP kernels lose their parallel speed-up when a non-main thread starts
+    # their parallel regions (see tokenmill.engine.async_engine).
+    async_engine = AsyncEngine(engine, on_fatal=on_fatal, start_thread=False)
     state = ServerState.create(async_engine, server_config, prefix_cache_enabled=engine_config.enable_prefix_cache)
     logger.info("serving %s as %s on http://%s:%d (max_model_len=%d)", args.model,
                 ", ".join(server_config.served_model_names), args.host, args.port, state.max_model_len)
@@ -123,10 +126,28 @@ def run(args: argparse.Namespace) -> int:
                                timeout_graceful_shutdown=args.shutdown_grace_s, access_log=False,
                                timeout_keep_alive=30)
     server = _Server(uv_config)
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        except SystemExit:   # uvicorn exits when it cannot bind; reported below (not started)
+            pass
+        except BaseException:  # noqa: BLE001 - the engine loop must stop whatever happened here
+            logger.exception("the HTTP server failed")
+        finally:
+            async_engine.shutdown()   # no-op when the app's shutdown already stopped it
+
+    http = threading.Thread(target=serve_http, name="tokenmill-http", daemon=True)
+    # uvicorn installs signal handlers only on the main thread, which is the engine's here
+    originals = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        http.start()
+        async_engine.run_forever()
     finally:
-        async_engine.shutdown()
+        server.should_exit = True   # the engine loop ended first (a fatal error): stop serving
+        http.join()
+        for sig, handler in originals.items():
+            signal.signal(sig, handler)
     if async_engine.fatal_error is not None:
         print(f"tokenmill serve: the model replica failed, shutting down: {async_engine.fatal_error}",
               file=sys.stderr)
@@ -139,20 +160,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, minus re-raising the caught signal after a graceful stop.
-
-    uvicorn re-raises SIGTERM once it has shut down, which kills the process with status -15;
-    a graceful stop on SIGTERM must exit 0.
-    """
+    """uvicorn's server, run on a thread other than the main one, so it installs no signal
+    handlers: :func:`run` routes SIGINT/SIGTERM to :meth:`handle_exit` from the main thread, and
+    nothing re-raises the signal after a graceful stop (which must exit 0)."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in originals.items():
-                signal.signal(sig, handler)
+        yield

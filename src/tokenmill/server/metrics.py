@@ -175,6 +175,22 @@ class _EngineCollector:
         yield family(g, "process_threads", "Threads alive in the server process.", threading.active_count())
         if getattr(stats, "spec", None) is not None:
             yield from _spec_families(stats.spec, model)
+        if getattr(stats, "step_seconds", None):
+            yield _step_seconds_family(stats.step_seconds, model)
+
+
+def _step_seconds_family(step_seconds: dict[str, Any], model: str) -> Any:
+    """Engine step wall time by kind: decode (decodes only), mixed (decodes beside prefill), prefill."""
+    from tokenmill.engine.step_cost import STEP_SECONDS_BUCKETS
+
+    hist = HistogramMetricFamily(PREFIX + "engine_step_seconds",
+                                 "Wall time of engine steps by kind (decode, mixed, prefill).",
+                                 labels=["model_name", "kind"])
+    for kind, (cumulative, total_s, count) in step_seconds.items():
+        buckets = [(str(float(b)), n) for b, n in zip(STEP_SECONDS_BUCKETS, cumulative)]
+        buckets.append(("+Inf", count))
+        hist.add_metric([model, kind], buckets, total_s)
+    return hist
 
 
 def _spec_families(spec: Any, model: str) -> Iterator[Any]:

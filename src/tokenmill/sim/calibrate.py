@@ -243,7 +243,7 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
                    help="the server's prefill chunk, i.e. max batch tokens (default 512)")
     p.add_argument("--decode-slowdown", type=float, default=None,
                    help="the server's bound on prefill while decodes run (tokenmill serve's "
-                        "--decode-slowdown, 2.0 by default there); unset: no bound")
+                        "--decode-slowdown, 1.75 by default there); unset: no bound")
     p.add_argument("--prefill-sizes", default="32,128,256,512,1024,1536", help="comma-separated prompt lengths")
     p.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated decode batch sizes")
     p.add_argument("--decode-contexts", default="32,512", help="comma-separated prompt lengths for the decode sweep")

@@ -377,7 +377,7 @@ class SimReplica:
     def _complete_step(self, out: SchedulerOutput, t: float, done: list[SimRequest]) -> None:
         self._step = None
         if self.scheduler.step_cost is not None:   # the engine learns its step time likewise
-            self.scheduler.step_cost.observe(out.num_tokens, self._step_s)
+            self.scheduler.step_cost.observe_step(out.scheduled, self._step_s)
         self.scheduler.post_step(out)
         for s in out.scheduled:
             if s.samples:
@@ -484,10 +484,11 @@ class SimReplica:
         t = run.end(k)
         finished: list[Request] = []
         sc = self.scheduler.step_cost
-        if sc is not None:
+        if sc is not None:   # decode step j reads each request's context, one token longer each step
             b = len(self.scheduler.running)
+            ctx = sum(r.num_computed_tokens + 1 for r in self.scheduler.running)
             for j in range(k):
-                sc.observe(b, run.a + run.c * j)
+                sc.observe(b, run.a + run.c * j, ctx + b * j)
         for r in self.scheduler.running:
             ok = kv.allocate(r, r.num_computed_tokens + k)
             assert ok, "a decode run was planned without the pages for it"

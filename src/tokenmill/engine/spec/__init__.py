@@ -29,7 +29,7 @@ Adaptive ``k`` (``speculative_adaptive``), in two stages:
    (:class:`StepTable`, seeded at start-up by :meth:`SpeculativeDecoder.calibrate` with verify
    forwards of ``1 .. k + 1`` rows, whose shape then only scales with one shared load factor;
    a line fitted over all steps,
-   :class:`~tokenmill.engine.step_cost.StepCost`, extends it to unseen sizes), and the
+   :class:`~tokenmill.engine.step_cost.TokenLine`, extends it to unseen sizes), and the
    proposer's own time ``D`` is measured. The draft rows of all requests are ranked by gain and
    the step sends the number ``R`` of best rows that maximises ``(B + gains) / (T(B + R) + D)``
    (``B`` decodes), trying every ``R``: a step's time is not a line in its rows (on the int4
@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tokenmill.engine.spec.base import Draft, KindStats, Proposer, SpecStats
-from tokenmill.engine.step_cost import StepCost
+from tokenmill.engine.step_cost import TokenLine
 
 if TYPE_CHECKING:
     from tokenmill.engine.config import EngineConfig
@@ -107,7 +107,7 @@ class SpeculativeDecoder:
         self.stats = SpecStats(proposer.name, num_speculative_tokens)
         # decode-only step time as a line in its tokens (fed by the engine), and the proposer's
         # own time per step (observe + propose): the costs stage 2 of adaptive k weighs
-        self.cost = StepCost(decay=0.97, min_samples=8.0)
+        self.cost = TokenLine(decay=0.97, min_samples=8.0)
         self.table = StepTable()   # ... and per step size, for sizes seen often enough
         self.propose_seconds = 0.0
         self._steps = 0

@@ -5,7 +5,9 @@ per layer), so the two backends are interchangeable on the same pool and the ref
 check the kernel. One kernel call per layer covers the whole step (decodes, fresh prefills and
 chunks after cached context together): no per-sequence Python loop, no mask tensor, no gather
 of the context into a copy. Its metadata is the batch's own integer tensors, so building it
-costs nothing. Writing the step's K/V into its slots stays a torch ``index_copy_``.
+costs nothing. Writing the step's K/V into its slots stays a torch ``index_copy_``. Decode rows
+take the kernel's per-row online softmax; prefill chunks its tiled path, where each K/V row read
+from a page serves a whole group of query rows and heads (see ``_native/attention.c``).
 
 Supported: fp32 activations with an fp32 or bf16 KV pool (bf16 pages are widened to fp32 as
 they are read, halving the bytes a long-context decode reads) on the CPU. Anything else falls back to the torch

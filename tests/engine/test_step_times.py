@@ -1,0 +1,44 @@
+"""The engine's step-time record: kinds of step for the cost model, and the histogram /metrics shows."""
+from __future__ import annotations
+
+from tokenmill.contracts.sampling import SamplingParams
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.step_cost import STEP_SECONDS_BUCKETS
+from tokenmill.layers.quant.packed import GEMV_MAX_ROWS
+from tokenmill.server.metrics import ServerMetrics
+
+
+def _engine(path: str, **kw) -> Engine:
+    return Engine(EngineConfig(model=path, page_size=16, kv_cache_tokens=1024, max_batch_tokens=64,
+                               num_threads=1, **kw))
+
+
+def test_packed_weights_give_the_cost_model_two_kinds_of_step(tiny_dir):
+    path = str(tiny_dir("LlamaForCausalLM"))
+    assert _engine(path).step_cost.split_rows is None                        # fp32: one kind
+    assert _engine(path, quantization="int4").step_cost.split_rows == GEMV_MAX_ROWS
+    assert _engine(path, quantization="int4", decode_slowdown=None).step_cost is None
+
+
+def test_step_seconds_by_kind_reach_metrics(tiny_dir):
+    engine = _engine(str(tiny_dir("LlamaForCausalLM")))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", list(range(10, 30)), params)
+    kinds = []
+    while engine.has_unfinished_requests():
+        if len(kinds) == 2:   # "a" decodes now: a long prompt arrives beside it
+            engine.add_request("b", list(range(100, 300)), params)
+        before = {k: v[2] for k, v in engine.stats().step_seconds.items()}
+        engine.step()
+        after = engine.stats().step_seconds
+        kinds += [k for k in after if after[k][2] > before[k]]
+    assert kinds[0] == "prefill" and kinds[1] == "decode" and kinds[2] == "mixed"
+    stats = engine.stats()
+    for kind, (cumulative, total, count) in stats.step_seconds.items():
+        assert count == kinds.count(kind) and len(cumulative) == len(STEP_SECONDS_BUCKETS)
+        assert cumulative == sorted(cumulative) and cumulative[-1] <= count and total >= 0.0
+    text = ServerMetrics("m").render(stats)
+    n = stats.step_seconds["mixed"][2]
+    assert f'tokenmill:engine_step_seconds_count{{kind="mixed",model_name="m"}} {float(n)}' in text
+    assert 'tokenmill:engine_step_seconds_bucket{kind="decode",le="+Inf",model_name="m"}' in text
