@@ -16,7 +16,7 @@ def decoder(tiny_llama):
     spec = LLM(loaded=lm, kv_cache_tokens=1024, speculative_method="ngram", num_speculative_tokens=4).engine.spec
     spec._steps = 1   # not a probe step
     # the engine measured its verify steps at start-up; these tests feed their own times
-    assert spec.table.count and spec.cost.fit() is not None
+    assert spec.table.calibrated and spec.cost.fit() is not None
     spec.table = StepTable()
     spec.cost = StepCost(decay=0.97, min_samples=8.0)
     return spec
@@ -127,3 +127,32 @@ def test_incremental_ngram_index_matches_the_array_search() -> None:
         for end in range(1, len(toks) + 1, rng.randint(1, 4)):   # grows by one or more tokens
             want = ngram_match(np.array(toks[:end], dtype=np.int32), lo, hi, 6)
             assert index.lookup(toks[:end], 6) == want
+
+
+def test_load_scales_calibrated_step_times_alike(decoder) -> None:
+    # start-up times of the int4 shape; then the machine gets busy and the one-row steps the
+    # engine keeps running take 1.4x as long. Multi-row steps must be predicted 1.4x dearer
+    # too, or a draft that did not pay at start-up would look worth sending.
+    for n, t in ((1, 0.0073), (2, 0.0142), (3, 0.0160), (4, 0.0175), (5, 0.0317)):
+        decoder.table.calibrate(n, t)
+        decoder.cost.observe(n, t)
+    kind2 = [[0.4, 0.32, 0.26, 0.2]]   # the prior gains of a 2-token match
+    assert decoder._choose_rows(kind2, 1, 0.0) == [0]
+    for _ in range(60):
+        decoder.observe_step(_decode_only(1), 1.4 * 0.0073)
+    assert decoder.step_time(1) == pytest.approx(1.4 * 0.0073, rel=0.02)
+    assert decoder.step_time(4) / decoder.step_time(1) == pytest.approx(0.0175 / 0.0073)
+    assert decoder._choose_rows(kind2, 1, 0.0) == [0]
+    # likely drafts still go out, and sizes not calibrated learn their own mean
+    assert decoder._choose_rows([[0.9, 0.81, 0.73, 0.66]], 1, 0.0) == [3]
+    for _ in range(3):
+        decoder.table.observe(12, 0.080)
+    assert decoder.step_time(12) == pytest.approx(0.080)
+
+
+def _decode_only(num_tokens: int):
+    """A decode-only step: one request one token behind, with ``num_tokens - 1`` drafts."""
+    from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+    drafts = tuple(range(7, 6 + num_tokens))
+    return SchedulerOutput([ScheduledRequest(_req(0.5, 0.5), 3, num_tokens, True, drafts)])

@@ -27,7 +27,8 @@ Adaptive ``k`` (``speculative_adaptive``), in two stages:
    ``PROBE_EVERY`` steps, doubling the wait after each failed probe (up to ``MAX_PROBE_EVERY``).
 2. *Against the measured cost.* Decode-only step times are kept per step size
    (:class:`StepTable`, seeded at start-up by :meth:`SpeculativeDecoder.calibrate` with verify
-   forwards of ``1 .. k + 1`` rows; a line fitted over all steps,
+   forwards of ``1 .. k + 1`` rows, whose shape then only scales with one shared load factor;
+   a line fitted over all steps,
    :class:`~tokenmill.engine.step_cost.TokenLine`, extends it to unseen sizes), and the
    proposer's own time ``D`` is measured. The draft rows of all requests are ranked by gain and
    the step sends the number ``R`` of best rows that maximises ``(B + gains) / (T(B + R) + D)``
@@ -120,8 +121,8 @@ class SpeculativeDecoder:
         for n in range(1, self.k + 2):
             seconds = time_rows(n)
             times.append(seconds)
+            self.table.calibrate(n, seconds)
             for _ in range(int(StepTable.MIN_WEIGHT)):
-                self.table.observe(n, seconds)
                 self.cost.observe(n, seconds)
         log.info("speculative decoding: a step of 1..%d rows takes %s ms", self.k + 1,
                  " / ".join(f"{1000 * t:.1f}" for t in times))
@@ -332,40 +333,66 @@ class SpeculativeDecoder:
 
 
 class StepTable:
-    """Decode-only step time per step size (tokens), as a moving average per size.
+    """Decode-only step time per step size (tokens).
 
     A line fits a weight-bound step well but not a kernel whose cost jumps at row-count
     boundaries (on the int4 weights the second row nearly doubles a step, rows 3-4 add
     little); the table records each size actually seen, and :meth:`predict` interpolates
     between seen sizes.
+
+    Sizes measured at start-up (:meth:`calibrate`) keep their measured *shape* and share one
+    *load factor*: every decode-only step of such a size moves the factor towards its time over
+    the calibrated time, and the prediction is ``factor x calibrated``. A plain per-size mean
+    would go stale unevenly: the size the engine runs most (one row, when drafting does not pay)
+    follows the machine's load step by step while the sizes it seldom runs keep their quiet
+    start-up times, so under load drafted steps would look cheaper than they are (on a busy
+    2-core machine a one-row step ran 1.35x its start-up time while 4-row steps were still
+    predicted at theirs, and suffix drafts that did not pay went out: 0.91x on prose).
+    Sizes not calibrated keep a moving average of their own.
     """
 
     MIN_WEIGHT = 2.0    # observations of a size before its mean is used
     WEIGHT = 0.2        # weight of the newest observation once a size has 1 / WEIGHT of them
+    LOAD_WEIGHT = 0.1   # weight of the newest calibrated-size step in the load factor
 
     def __init__(self) -> None:
         self.mean: dict[int, float] = {}
         self.count: dict[int, float] = {}
+        self.calibrated: dict[int, float] = {}
+        self.load = 1.0
+
+    def calibrate(self, num_tokens: int, seconds: float) -> None:
+        """The start-up time of a step of ``num_tokens`` (the shape the load factor scales)."""
+        self.calibrated[num_tokens] = max(seconds, 1e-9)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
+        cal = self.calibrated.get(num_tokens)
+        if cal is not None:
+            self.load += self.LOAD_WEIGHT * (seconds / cal - self.load)
+            return
         c = self.count.get(num_tokens, 0.0) + 1.0
         self.count[num_tokens] = c
         m = self.mean.get(num_tokens, seconds)
         self.mean[num_tokens] = m + max(1.0 / c, self.WEIGHT) * (seconds - m)
 
+    def _known(self) -> dict[int, float]:
+        known = {k: self.mean[k] for k, c in self.count.items() if c >= self.MIN_WEIGHT}
+        known.update((k, self.load * t) for k, t in self.calibrated.items())
+        return known
+
     def predict(self, n: int, line: tuple[float, float] | None) -> float | None:
-        seen = [k for k, c in self.count.items() if c >= self.MIN_WEIGHT]
-        if n in seen:
-            return self.mean[n]
-        lo = max((k for k in seen if k < n), default=None)
-        hi = min((k for k in seen if k > n), default=None)
+        known = self._known()
+        if n in known:
+            return known[n]
+        lo = max((k for k in known if k < n), default=None)
+        hi = min((k for k in known if k > n), default=None)
         if lo is not None and hi is not None:
-            return self.mean[lo] + (self.mean[hi] - self.mean[lo]) * (n - lo) / (hi - lo)
+            return known[lo] + (known[hi] - known[lo]) * (n - lo) / (hi - lo)
         slope = line[1] if line is not None else None
         if lo is not None and slope is not None:
-            return self.mean[lo] + max(slope, 0.0) * (n - lo)
+            return known[lo] + max(slope, 0.0) * (n - lo)
         if hi is not None and slope is not None:
-            return max(self.mean[hi] - max(slope, 0.0) * (hi - n), 1e-6)
+            return max(known[hi] - max(slope, 0.0) * (hi - n), 1e-6)
         return None if line is None else line[0] + line[1] * n
 
 
