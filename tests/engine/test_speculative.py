@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine_oracle import random_prompts
+from spec_drafters import BadSampledDrafter
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.spec.base import Draft, Proposer
 from tokenmill.engine.spec.ngram import ngram_lookup
@@ -41,25 +42,6 @@ class ScriptedProposer(Proposer):
                 if self.rng.random() < self.wrong:
                     draft[j] = self.rng.randrange(3, self.vocab)
             out.append(Draft(draft))
-        return out
-
-
-class BadSampledDrafter(Proposer):
-    """Drafts sampled from a fixed distribution q over a few candidates, unlike the target's p."""
-
-    name = "bad"
-
-    def __init__(self, candidates: list[int], vocab: int, seed: int = 0) -> None:
-        weights = torch.linspace(1.0, 3.0, len(candidates))  # skewed the wrong way on purpose
-        self.q = torch.zeros(vocab)
-        self.q[torch.tensor(candidates)] = weights / weights.sum()
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def propose(self, requests, num_tokens):
-        out = []
-        for k in num_tokens:
-            toks = torch.multinomial(self.q, k, replacement=True, generator=self.gen).tolist()
-            out.append(Draft(toks, self.q.expand(k, -1).clone()))
         return out
 
 

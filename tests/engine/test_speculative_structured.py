@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine_oracle import random_prompts
+from spec_drafters import BadSampledDrafter
 from tokenmill import LLM, SamplingParams
 from tokenmill.contracts.sampling import StructuredOutputs
 from tokenmill.engine.spec.base import Draft, Proposer
@@ -160,25 +161,6 @@ def test_seeded_sampled_constrained_equals_no_speculation(peaked) -> None:
     assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in ref]
 
 
-class BadSampledGrammarDrafter(Proposer):
-    """Drafts sampled from a fixed q over a few tokens, some of them outside the grammar."""
-
-    name = "bad"
-
-    def __init__(self, candidates: list[int], vocab: int, seed: int = 0) -> None:
-        weights = torch.linspace(1.0, 3.0, len(candidates))
-        self.q = torch.zeros(vocab)
-        self.q[torch.tensor(candidates)] = weights / weights.sum()
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def propose(self, requests, num_tokens):
-        out = []
-        for k in num_tokens:
-            toks = torch.multinomial(self.q, k, replacement=True, generator=self.gen).tolist()
-            out.append(Draft(toks, self.q.expand(k, -1).clone()))
-        return out
-
-
 def test_chi_square_sampled_drafter_under_a_grammar_keeps_the_distribution(peaked) -> None:
     from scipy.stats import chi2_contingency
 
@@ -196,7 +178,7 @@ def test_chi_square_sampled_drafter_under_a_grammar_keeps_the_distribution(peake
     assert len(outside) == 3 and not set(outside) & {t for seq in ref for t in seq}
     llm = _llm(peaked, kv_cache_tokens=16384, max_running_requests=256, speculative_method="ngram",
                speculative_adaptive=False, num_speculative_tokens=2)
-    llm.engine.spec.proposer = BadSampledGrammarDrafter(outside + [top], peaked.model.args.vocab_size)
+    llm.engine.spec.proposer = BadSampledDrafter(outside + [top], peaked.model.args.vocab_size)
     got = [tuple(o.token_ids) for o in llm.generate([prompt] * n, params)]
     st = llm.engine.stats().spec
     assert st.proposed > n // 2 and 0 < st.accepted < st.proposed, st

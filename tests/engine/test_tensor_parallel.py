@@ -44,6 +44,17 @@ def _assert_same(ref, got, tol: float = 1e-5) -> None:
                 assert abs(top_r[t] - top_g[t]) <= tol, (t, top_r[t], top_g[t])
 
 
+def _assert_turn2_hits(one: LLM, two: LLM) -> None:
+    """A session's second turn on the sharded engine hits the first turn's pages and decodes
+    what one rank decodes."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    turn1 = two.generate([LONG[:70]], params)[0]
+    turn2 = LONG[:70] + list(turn1.token_ids) + [9, 8, 7]
+    second = two.generate([turn2], params)[0]
+    assert second.cached_tokens >= 64
+    assert list(second.token_ids) == list(one.generate([turn2], params)[0].token_ids)
+
+
 @pytest.fixture(scope="module")
 def tiny_gqa(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 query / 2 KV heads: at N=2 each rank holds 2 query heads and 1 KV head."""
@@ -252,12 +263,7 @@ def test_tp2_deepseek_v3_mla_moe_matches_one_rank(tiny_dir) -> None:
         assert [i["num_heads"] for i in info] == [loaded.model.args.num_heads // 2] * 2
         assert two.engine.kv_spec == loaded.model.kv_cache_spec()     # the full latent on every rank
         got = _run(two)
-        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-        turn1 = two.generate([LONG[:70]], params)[0]
-        turn2 = LONG[:70] + list(turn1.token_ids) + [9, 8, 7]
-        second = two.generate([turn2], params)[0]
-        assert second.cached_tokens >= 64
-        assert list(second.token_ids) == list(one.generate([turn2], params)[0].token_ids)
+        _assert_turn2_hits(one, two)
     _assert_same(ref, got)
 
 
@@ -305,12 +311,7 @@ def test_ep2_deepseek_v3_matches_one_rank(tiny_dir) -> None:
                              MoEBoundsInput(tokens=1)).expert_weight_bytes
         assert [i["expert_weight_bytes"] for i in info] == [(a.num_layers - a.first_k_dense_replace) * planned] * 2
         got = _run(two)
-        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-        turn1 = two.generate([LONG[:70]], params)[0]
-        turn2 = LONG[:70] + list(turn1.token_ids) + [9, 8, 7]
-        second = two.generate([turn2], params)[0]
-        assert second.cached_tokens >= 64
-        assert list(second.token_ids) == list(one.generate([turn2], params)[0].token_ids)
+        _assert_turn2_hits(one, two)
     _assert_same(ref, got)
 
 

@@ -52,24 +52,7 @@ def _run(backend_name, spec, pool, shapes, page_size, q, k, v, tables):
 def test_native_matches_torch_reference(hq, hkv, d, page_size, shapes, kv_dtype, isa, monkeypatch):
     if isa == "no-avx512":   # the AVX2 path on a CPU that also has AVX-512
         monkeypatch.setenv("TOKENMILL_NO_AVX512", "1")
-    gen = torch.Generator().manual_seed(hq * 100 + d)
-    rng = random.Random(d)
-    spec = KVCacheSpec.dense(1, hkv, d, kv_dtype)
-    num_pages = sum(-(-(c + n) // page_size) for c, n in shapes) + 2
-    free = list(range(1, num_pages))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-(c + n) // page_size))] for c, n in shapes]
-    pool = torch.randn(2, num_pages, page_size, hkv, d, generator=gen).to(getattr(torch, kv_dtype))
-    t = sum(n for _, n in shapes)
-    # q as a strided view, the way the model hands it over (a slice of the fused q/k tensor)
-    qk = torch.randn(t, hq + hkv, d, generator=gen)
-    q = qk[:, :hq]
-    k = torch.randn(t, hkv, d, generator=gen)
-    v = torch.randn(t, hkv, d, generator=gen)
-    if kv_dtype == "bfloat16":
-        # the reference attends a fresh chunk with its own unrounded K/V, the kernel reads every
-        # key back from the bf16 pool: give both values that bf16 holds exactly
-        k, v = k.bfloat16().float(), v.bfloat16().float()
+    spec, pool, tables, q, k, v = _random_case(hq, hkv, d, page_size, shapes, kv_dtype, hq * 100 + d)
     ref, ref_cache = _run("torch", spec, pool, shapes, page_size, q, k, v, tables)
     out, cache = _run("native", spec, pool, shapes, page_size, q, k, v, tables)
     assert torch.equal(cache, ref_cache)
@@ -87,9 +70,12 @@ def _random_case(hq, hkv, d, page_size, shapes, kv_dtype, seed):
     tables = [[free.pop() for _ in range(-(-(c + n) // page_size))] for c, n in shapes]
     pool = torch.randn(2, num_pages, page_size, hkv, d, generator=gen).to(getattr(torch, kv_dtype))
     t = sum(n for _, n in shapes)
+    # q as a strided view, the way the model hands it over (a slice of the fused q/k tensor)
     q = torch.randn(t, hq + hkv, d, generator=gen)[:, :hq]
     k, v = torch.randn(t, hkv, d, generator=gen), torch.randn(t, hkv, d, generator=gen)
     if kv_dtype == "bfloat16":
+        # the reference attends a fresh chunk with its own unrounded K/V, the kernel reads every
+        # key back from the bf16 pool: give both values that bf16 holds exactly
         k, v = k.bfloat16().float(), v.bfloat16().float()
     return spec, pool, tables, q, k, v
 
