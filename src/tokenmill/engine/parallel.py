@@ -54,6 +54,7 @@ from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0      # loading a checkpoint on a crowded machine can be slow
+DEATH_GRACE_S = 3.0          # after rank 0's error, how long to wait for another rank's exit to show
 STOP_GRACE_S = 3.0
 
 
@@ -169,10 +170,14 @@ class ParallelRunner:
         self._send_all("step", desc, data)
         msg = self._recv(0, None, what="step")
         if msg[0] != "ok":
-            # a rank's error is often another rank's death seen in a collective: name the dead too
-            time.sleep(0.2)
-            dead = self._dead_ranks_message()
-            self._fail(f"rank 0: {msg[1]}" + (f" ({dead})" if dead and "rank 0 exited" not in dead else ""))
+            # a rank's error is often another rank's death seen in a collective: name the dead too.
+            # The dead rank's exit can reach us a little after rank 0's error (a loaded machine), so
+            # wait for the other ranks' sentinels a while rather than a fixed pause.
+            others = [p.sentinel for p in self._procs[1:]]
+            if others:
+                wait(others, timeout=DEATH_GRACE_S)
+            dead = self._dead_ranks_message(skip=0)   # rank 0 exits right after sending its error
+            self._fail(f"{msg[1]}" + (f" ({dead})" if dead else ""))
         results, prompt_lps, captured, q_start = msg[1], msg[2], msg[3], msg[4]
         if len(results) != len(samplers):
             self._fail(f"rank 0 returned {len(results)} tokens for {len(samplers)} sampling requests")
@@ -301,9 +306,11 @@ class ParallelRunner:
             if deadline is not None and time.monotonic() >= deadline:
                 self._fail(f"tensor-parallel rank {rank} did not answer ({what}) within {timeout:.0f} s")
 
-    def _dead_ranks_message(self) -> str:
+    def _dead_ranks_message(self, skip: int | None = None) -> str:
         dead = []
         for r, p in enumerate(self._procs):
+            if r == skip:
+                continue
             p.join(timeout=0)
             if p.exitcode is not None:
                 dead.append(f"rank {r} exited with code {p.exitcode}{self._last_words(r)}")
