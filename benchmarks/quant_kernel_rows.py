@@ -5,13 +5,19 @@ For each of the default model's matrix shapes (SmolLM2-135M: qkv 960x576, o 576x
 ``--layers`` distinct random weights (so every call streams its weights from DRAM, as in a decode
 step of 30 layers) and times ``gemm_u4`` / ``gemm_s8`` on 1, 2, 4, 5, 8 and 16 x rows, for every
 kernel set this CPU runs (or those named in ``--kernels``), through the kernel bindings directly
-(about a microsecond of Python per call). Kernel sets and row counts are
+(about a microsecond of Python per call). With ``--dequant`` it also times the path above the
+integer kernels' row limit on the same weights: dequantize into the reused fp32 buffer, then the
+fp32 GEMM (``_Packed._dequant_matmul``), and prints, per kernel set, the largest row count up to
+which the integer kernels stay faster, per matrix and for the whole step (the crossover that
+``packed.gemv_max_rows()`` encodes). Run it with ``ONEDNN_MAX_CPU_ISA=AVX2 --kernels avx2`` to see
+an AVX2-only machine's side (oneDNN limited to AVX2 as well). Kernel sets and row counts are
 interleaved over ``--rounds`` rounds; the fastest round is reported (on a shared machine load only
 adds time). Prints microseconds per call,
 ns per 32-weight block and row, the effective weight read rate, and each row count's time relative
 to one row ("extra row": (t(M) - t(1)) / (M - 1) / t(1)).
 
     .venv/bin/python benchmarks/quant_kernel_rows.py [--threads 1] [--rounds 5] [--kernels avx512vnni,avxvnni]
+        [--rows 1,2,4,8,16,24,32,48] [--dequant]
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--kernels", default=None, help="comma-separated kernel sets (default: every supported one)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--dequant", action="store_true",
+                    help="also time dequantize + fp32 GEMM at every row count and print the crossover")
     args = ap.parse_args(argv)
 
     from tokenmill._native import quant as native
@@ -66,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
                         for w in ms:  # the kernel binding itself: no LinearMethod.forward around it
                             w._gemm(x, y, 0, args.threads)
                         times.setdefault((kern, name, m), []).append((time.perf_counter() - t) / len(ms))
+                        if args.dequant:
+                            ms[0]._dequant_matmul(x, args.threads)  # warm-up
+                            t = time.perf_counter()
+                            for w in ms:
+                                w._dequant_matmul(x, args.threads)
+                            times.setdefault((kern, name + " dq", m), []).append((time.perf_counter() - t) / len(ms))
     finally:
         native.set_kernel(best)
     for kern in kernels:
@@ -85,8 +99,35 @@ def main(argv: list[str] | None = None) -> int:
                for m in rows}
         print("all matrices of one decode step (30 layers + head), ms: "
               + ", ".join(f"{m} rows {tot[m] * 1e3:.2f}" for m in rows))
+        if args.dequant:
+            _crossover(kern, mats, rows, times, tot, args.layers)
     print(f"load average at end {os.getloadavg()[0]:.2f}")
     return 0
+
+
+def _last_faster(faster: dict[int, bool], rows: list[int]) -> str:
+    """The largest row count up to which every measured count has the integer kernels faster."""
+    last = None
+    for m in rows:
+        if not faster[m]:
+            break
+        last = m
+    return "none" if last is None else str(last)
+
+
+def _crossover(kern: str, mats: dict, rows: list[int], times: dict, tot: dict, layers: int) -> None:
+    dq = {m: sum(min(times[(kern, n + " dq", m)]) * (layers if n != "lm_head (s8)" else 1) for n in mats)
+          for m in rows}
+    print(f"\n### integer kernels ({kern}) vs dequantize + fp32 GEMM, ms for all matrices of one step "
+          "(ratio > 1: the integer kernels are faster)")
+    print("| rows | integer | dequant + GEMM | ratio |\n|---|---|---|---|")
+    for m in rows:
+        print(f"| {m} | {tot[m] * 1e3:.2f} | {dq[m] * 1e3:.2f} | {dq[m] / tot[m]:.2f} |")
+    for name in mats:
+        faster = {m: min(times[(kern, name, m)]) < min(times[(kern, name + " dq", m)]) for m in rows}
+        print(f"{kern} {name}: integer kernels faster up to {_last_faster(faster, rows)} rows")
+    print(f"{kern} whole step: integer kernels faster up to "
+          f"{_last_faster({m: tot[m] < dq[m] for m in rows}, rows)} rows")
 
 
 if __name__ == "__main__":
