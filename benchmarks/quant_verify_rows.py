@@ -11,7 +11,14 @@ shared machine load only adds time).
 Prints ms per step, the ratio to one row, and the cost of each extra row as a fraction of a
 one-row step: (T(M) - T(1)) / (M - 1) / T(1).
 
+``--paths int,dequant`` times each row count both ways on the whole model: "int" runs every step
+through the integer kernels (the fused decode path, the row limit lifted with
+``packed.set_gemv_max_rows``), "dequant" through dequantize + fp32 GEMM (limit 0); it then prints
+the ratio and the largest row count up to which the integer path is faster, per kernel set: the
+end-to-end check of ``packed.gemv_max_rows()``. ("auto", the default, keeps the served limit.)
+
     .venv/bin/python benchmarks/quant_verify_rows.py [--threads 1] [--rounds 5] [--kernels avx512vnni,avxvnni]
+        [--rows 1,8,16,24,32,48 --paths int,dequant]
 """
 from __future__ import annotations
 
@@ -40,11 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-so", default=None,
                     help="another build of the _quant extension (say, of an older commit) to time side by side in "
                          "this process, as the kernel set 'baseline:<its best set>'")
+    ap.add_argument("--paths", default="auto", help="comma-separated: auto (the served row limit), int, dequant")
     args = ap.parse_args(argv)
 
     from tokenmill._native import quant as native
     from tokenmill.contracts.batch import ForwardBatch
     from tokenmill.layers.attention import ForwardContext, select_attention_backend
+    from tokenmill.layers.quant import packed
     from tokenmill.loader import load_model
 
     torch.set_num_threads(args.threads)
@@ -81,8 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         exts[f"baseline:{base.best_isa()}"] = base
         kernels.append(f"baseline:{base.best_isa()}")
     fused = model.fused_decode_stack() is not None if hasattr(model, "fused_decode_stack") else False
+    paths = args.paths.split(",")
+    limits = {"auto": None, "int": 1 << 30, "dequant": 0}
+    if not set(paths) <= set(limits):
+        ap.error(f"--paths takes {', '.join(limits)}, got {args.paths}")
     print(f"load average at start {os.getloadavg()[0]:.2f}; {args.threads} thread(s); kernel sets {kernels}; "
-          f"fused decode path: {fused}; context {args.context}")
+          f"fused decode path: {fused}; context {args.context}; paths {paths}")
+    served = {k: packed.GEMV_MAX_ROWS_BY_KERNEL.get(k.split(":")[-1]) for k in kernels}
     steps: dict[tuple[str, int], list[float]] = {}
     before = native.kernel()
     try:
@@ -92,26 +106,44 @@ def main(argv: list[str] | None = None) -> int:
                 for kern in kernels:
                     native._ext = exts[kern]
                     native.set_kernel(kern.split(":")[-1])
-                    forward(args.context, ids)   # warm-up
-                    for _ in range(args.steps):
-                        t = time.perf_counter()
-                        forward(args.context, ids)
-                        steps.setdefault((kern, m), []).append(time.perf_counter() - t)
+                    for path in paths:
+                        packed.set_gemv_max_rows(limits[path])
+                        forward(args.context, ids)   # warm-up
+                        for _ in range(args.steps):
+                            t = time.perf_counter()
+                            forward(args.context, ids)
+                            steps.setdefault((_label(kern, path, paths), m), []).append(time.perf_counter() - t)
     finally:
         native._ext = exts[kernels[0]]
         native.set_kernel(before)
+        packed.set_gemv_max_rows(None)
     print("\nms per step: the fastest step (median in brackets); extra row = (T(M) - T(1)) / (M - 1) / T(1)"
           " on the fastest steps")
     print("| kernel set | rows | ms / step | vs 1 row | extra row / one-row step |\n|---|---|---|---|---|")
-    for kern in kernels:
-        t1 = min(steps[(kern, rows[0])])
+    for label in dict.fromkeys(k for k, _ in steps):
+        t1 = min(steps[(label, rows[0])])
         for m in rows:
-            t = min(steps[(kern, m)])
+            t = min(steps[(label, m)])
             extra = "" if m == 1 else f"{(t - t1) / (m - 1) / t1:.2f}"
-            print(f"| {kern} | {m} | {t * 1e3:.2f} ({statistics.median(steps[(kern, m)]) * 1e3:.2f}) | "
+            print(f"| {label} | {m} | {t * 1e3:.2f} ({statistics.median(steps[(label, m)]) * 1e3:.2f}) | "
                   f"{t / t1:.2f}x | {extra} |")
+    if "int" in paths and "dequant" in paths:
+        print("\nint vs dequant (fastest steps; ratio > 1: the integer path is faster)")
+        print("| kernel set | rows | int ms | dequant ms | ratio |\n|---|---|---|---|---|")
+        for kern in kernels:
+            last = None
+            for m in rows:
+                ti, td = min(steps[(f"{kern}/int", m)]), min(steps[(f"{kern}/dequant", m)])
+                print(f"| {kern} | {m} | {ti * 1e3:.2f} | {td * 1e3:.2f} | {td / ti:.2f} |")
+                if ti < td and last == (rows[rows.index(m) - 1] if m != rows[0] else None):
+                    last = m
+            print(f"{kern}: integer path faster up to {last} rows (served limit {served[kern]})")
     print(f"load average at end {os.getloadavg()[0]:.2f}")
     return 0
+
+
+def _label(kern: str, path: str, paths: list[str]) -> str:
+    return kern if paths == ["auto"] else f"{kern}/{path}"
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.step_cost import STEP_SECONDS_BUCKETS
-from tokenmill.layers.quant.packed import GEMV_MAX_ROWS
+from tokenmill.layers.quant.packed import gemv_max_rows
 from tokenmill.server.metrics import ServerMetrics
 
 
@@ -17,7 +17,7 @@ def _engine(path: str, **kw) -> Engine:
 def test_packed_weights_give_the_cost_model_two_kinds_of_step(tiny_dir):
     path = str(tiny_dir("LlamaForCausalLM"))
     assert _engine(path).step_cost.split_rows is None                        # fp32: one kind
-    assert _engine(path, quantization="int4").step_cost.split_rows == GEMV_MAX_ROWS
+    assert _engine(path, quantization="int4").step_cost.split_rows == gemv_max_rows()
     assert _engine(path, quantization="int4", decode_slowdown=None).step_cost is None
 
 

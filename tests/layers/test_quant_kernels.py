@@ -2,7 +2,7 @@
 
 Error bounds (documented in docs/quantization.md):
 - dequantization is exact up to one float rounding (fma vs. multiply-then-add): |err| <= 2^-22 |w|max;
-- the int16-activation kernel (<= GEMV_MAX_ROWS rows) equals dequant(W) @ dequant(q16(x))^T up to float
+- the int16-activation kernel (<= gemv_max_rows() rows) equals dequant(W) @ dequant(q16(x))^T up to float
   summation order: |err| <= 1e-5 * sum_k |w_nk * xhat_mk| + 1e-6;
 - the many-rows path keeps fp32 activations and equals x @ dequant(W)^T within the same bound.
 """
@@ -15,7 +15,7 @@ import torch
 
 from tokenmill._native import quant as native
 from tokenmill.layers.quant import packed
-from tokenmill.layers.quant.packed import GEMV_MAX_ROWS, Int4Linear, Int8Linear, pack_nibbles, unpack_nibbles
+from tokenmill.layers.quant.packed import Int4Linear, Int8Linear, gemv_max_rows, pack_nibbles, unpack_nibbles
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
 
@@ -75,19 +75,20 @@ def _check(y: torch.Tensor, x_used: torch.Tensor, wd: torch.Tensor, bias: torch.
 def test_kernels_match_dequantize_then_matmul(kernel, n, k, group):
     gen = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=gen) * 0.1
+    limit = gemv_max_rows()  # the kernel set's own crossover
     for name, method in _methods(w, group).items():
         wd = method.dequantize()
         torch.testing.assert_close(wd, method._dequantize_torch(), rtol=2 ** -22, atol=2 ** -22 * w.abs().max().item())
-        for m in (1, 2, 3, 5, GEMV_MAX_ROWS):  # the int16-activation kernel
+        for m in sorted({r for r in (1, 2, 3, 5, limit) if r <= limit}):  # the int16-activation kernel
             x = torch.randn(m, k, generator=gen) * 3
             _check(method(x), q16_reference(x), wd)
-        for m in (GEMV_MAX_ROWS + 1, 40):  # dequantize + fp32 GEMM
+        for m in (limit + 1, limit + 24):  # dequantize + fp32 GEMM
             x = torch.randn(m, k, generator=gen)
             _check(method(x), x, wd)
         bias = torch.randn(n, generator=gen)
         x = torch.randn(3, k, generator=gen)
         _check(method(x, bias), q16_reference(x), wd, bias)
-        x = torch.randn(GEMV_MAX_ROWS + 3, k, generator=gen)
+        x = torch.randn(limit + 3, k, generator=gen)
         _check(method(x, bias), x, wd, bias)
 
 
@@ -184,7 +185,7 @@ def test_prefill_gemm_reuses_one_scratch_buffer_without_stale_weights():
     """The prefill path dequantizes every matrix into the same scratch buffer before the fp32 GEMM
     (oneDNN's when available): each call must see its own weights."""
     gen = torch.Generator().manual_seed(21)
-    x = torch.randn(GEMV_MAX_ROWS + 9, 96, generator=gen)
+    x = torch.randn(gemv_max_rows() + 9, 96, generator=gen)
     mats = [Int4Linear.from_float(torch.randn(40, 96, generator=gen), 32) for _ in range(3)]
     for _ in range(2):
         for m in mats:
@@ -196,7 +197,7 @@ def test_prefill_gemm_reuses_one_scratch_buffer_without_stale_weights():
 @pytest.mark.parametrize("n,k,group", [(7, 100, 32), (33, 576, 64), (6, 544, 32), (2, 1000, 32), (64, 1536, 128),
                                        (9, 96, 64), (5, 45, 32)])
 def test_a_row_gives_the_same_result_alone_or_with_others(kernel, n, k, group):
-    """Up to GEMV_MAX_ROWS rows (a decode with speculative drafts, a small batch), every row's
+    """Up to gemv_max_rows() rows (a decode with speculative drafts, a small batch), every row's
     result equals that row computed alone up to float summation order: the one-row kernel
     reduces eight blocks at a time, the multi-row kernels share each decoded weight block
     between up to four rows (avx2, avxvnni) or six (avx512vnni, whose Q4 kernel reads two
@@ -205,8 +206,49 @@ def test_a_row_gives_the_same_result_alone_or_with_others(kernel, n, k, group):
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=gen) * 0.1
     for name, method in _methods(w, group).items():
-        for m in (2, 3, 4, 5, 8, 9, GEMV_MAX_ROWS):
+        for m in sorted({r for r in (2, 3, 4, 5, 8, 9, gemv_max_rows()) if r <= gemv_max_rows()}):
             x = torch.randn(m, k, generator=gen) * 2
             together = method(x)
             alone = torch.cat([method(x[i:i + 1]) for i in range(m)])
             torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-4, msg=lambda e: f"{name} rows={m}: {e}")
+
+
+def test_row_limit_follows_the_kernel_set_in_use():
+    """One place decides the integer kernels' row limit: the crossover measured for the kernel set
+    in use (chosen from the CPU at start-up, or by set_kernel), unless overridden."""
+    before = native.kernel()
+    try:
+        for k in KERNELS:
+            native.set_kernel(k)
+            assert gemv_max_rows() == packed.GEMV_MAX_ROWS_BY_KERNEL[k] >= 1
+    finally:
+        native.set_kernel(before)
+    assert set(packed.GEMV_MAX_ROWS_BY_KERNEL) == set(ORDER)
+
+
+def test_row_limit_override_moves_the_split(monkeypatch):
+    gen = torch.Generator().manual_seed(5)
+    method = Int4Linear.from_float(torch.randn(24, 64, generator=gen), 32)
+    x = torch.randn(4, 64, generator=gen) * 3
+    wd = method.dequantize()
+    try:
+        packed.set_gemv_max_rows(3)
+        assert gemv_max_rows() == 3
+        _check(method(x[:3]), q16_reference(x[:3]), wd)   # 3 rows: still the integer kernel
+        _check(method(x), x, wd)                          # 4 rows: dequantize + fp32 GEMM
+        packed.set_gemv_max_rows(0)
+        _check(method(x[:1]), x[:1], wd)                  # 0: every matmul dequantizes
+        for bad in (-1, 2.5, "8"):
+            with pytest.raises(ValueError, match="non-negative integer"):
+                packed.set_gemv_max_rows(bad)  # type: ignore[arg-type]
+    finally:
+        packed.set_gemv_max_rows(None)
+    assert gemv_max_rows() == packed.GEMV_MAX_ROWS_BY_KERNEL.get(native.kernel(), packed.GEMV_MAX_ROWS_DEFAULT)
+    monkeypatch.setenv(packed.GEMV_ROWS_ENV, " 24 ")
+    assert packed._rows_from_env() == 24
+    monkeypatch.setenv(packed.GEMV_ROWS_ENV, "")
+    assert packed._rows_from_env() is None
+    for bad in ("-2", "many", "1.5"):
+        monkeypatch.setenv(packed.GEMV_ROWS_ENV, bad)
+        with pytest.raises(ValueError, match=packed.GEMV_ROWS_ENV):
+            packed._rows_from_env()

@@ -13,6 +13,7 @@ from tokenmill._native import attention as attention_kernel
 from tokenmill._native import quant as native
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import select_attention_backend
+from tokenmill.layers.quant import packed as packed_mod
 from tokenmill.layers.quant.fused_decode import DecoderLayerWeights, FusedDecodeStack
 from tokenmill.loader import load_model
 
@@ -25,13 +26,14 @@ pytestmark = pytest.mark.skipif(not (native.available() and attention_kernel.ava
 # order differs, which can move an activation's int16 rounding by one step now and then.
 ATOL, RTOL = 2e-3, 1e-3
 
-# (sequence, token count) chunks per step: prefills of up to 16 rows run fused too (mixed
-# with decodes); the 20-token prefill takes the dequantize + GEMM path; decodes follow
+# (sequence, token count) chunks per step: small prefills run fused too (mixed with decodes);
+# the 40-token prefill is above every kernel set's row limit (packed.gemv_max_rows) and takes
+# the dequantize + GEMM path; decodes follow
 STEPS = [
     [("a", 7), ("b", 5)],
     [("a", 1), ("b", 1), ("c", 9)],
     [("a", 1), ("b", 1), ("c", 1)],
-    [("d", 20)],
+    [("d", 40)],
     [("a", 1), ("b", 1), ("c", 1), ("d", 1)],
     [("b", 1), ("d", 1)],
     [("a", 1)],
@@ -90,7 +92,9 @@ def test_fused_decode_matches_layer_by_layer(packed, name, kv_dtype):
     assert model.fused_decode_stack() is not None
     got, kv_got, _, ran = _run(model, True, kv_dtype)
     want, kv_want, _, ran_ref = _run(model, False, kv_dtype)
-    assert ran == [sum(n for _, n in s) <= 16 for s in STEPS]  # fused wherever a step has at most 16 rows
+    limit = packed_mod.gemv_max_rows()
+    assert ran == [sum(n for _, n in s) <= limit for s in STEPS]  # fused wherever a step fits the row limit
+    assert ran[:3] == [True] * 3 and not ran[3]
     assert not any(ran_ref)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=ATOL * float(w.abs().max()), rtol=RTOL)

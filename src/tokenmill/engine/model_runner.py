@@ -79,7 +79,7 @@ def step_kind_rows(model: torch.nn.Module) -> int | None:
     of step than the dequantize + GEMM path above it (the step-cost model fits the two apart);
     None when the model has no packed int4/int8 matrices."""
     if any(isinstance(m, (packed.Int4Linear, packed.Int8Linear)) for m in model.modules()):
-        return packed.GEMV_MAX_ROWS
+        return packed.gemv_max_rows()
     return None
 
 

@@ -13,7 +13,7 @@ It applies when (:meth:`FusedDecodeStack.build` says why not otherwise):
   :class:`~tokenmill.layers.quant.packed.Int8Linear`, any mix), the model is fp32 and has no
   per-head q/k norm;
 - the attention backend is the native paged one over fp32 or bf16 pages;
-- the step has at most :data:`~tokenmill.layers.quant.packed.GEMV_MAX_ROWS` token rows (decode
+- the step has at most :func:`~tokenmill.layers.quant.packed.gemv_max_rows` token rows (decode
   steps; larger steps keep the dequantize + GEMM path) and no forced activation mode.
 
 The results equal the layer-by-layer path up to float summation order (RMSNorm's sum, the
@@ -109,7 +109,7 @@ class FusedDecodeStack:
 
     def applies(self, rows: int, attn: Any, kv_caches: Sequence[Any]) -> bool:
         """Whether a step of ``rows`` token rows on this backend and pool can run fused."""
-        if rows > packed.GEMV_MAX_ROWS or packed._activation_mode() == "fp32":
+        if rows > packed.gemv_max_rows() or packed._activation_mode() == "fp32":
             return False
         if type(attn) is not NativePagedAttention:
             return False

@@ -13,7 +13,7 @@ be shorter (a "group remainder"). Scales are fp16 (GGUF's own, exact) or fp32.
 
 How a matmul runs:
 
-- up to :data:`GEMV_MAX_ROWS` rows of ``x`` (decode steps): the kernel quantizes ``x`` to int16 in
+- up to :func:`gemv_max_rows` rows of ``x`` (decode steps): the kernel quantizes ``x`` to int16 in
   blocks of 32 (scale absmax/32767) and does integer dot products; the result equals
   ``dequant(W) @ dequant(xq)^T`` up to float summation order. (int8 activations, llama.cpp's
   choice, were measured first: 3% of teacher-forced top-1 tokens flipped on the default model;
@@ -22,11 +22,21 @@ How a matmul runs:
 - more rows (prefill): ``W`` is dequantized into a reused fp32 buffer, a slab of rows at a time,
   and multiplied with an fp32 GEMM (:func:`fp32_gemm`: oneDNN's, else ``F.linear``), so prefill
   keeps fp32 activations.
+
+Where the two paths meet is decided in one place, :func:`gemv_max_rows`: the largest row count at
+which the integer kernels of the kernel set in use (``tokenmill._native.quant.kernel()``, chosen
+from the CPU at start-up) still beat dequantize + fp32 GEMM on the default model's matrices, from
+:data:`GEMV_MAX_ROWS_BY_KERNEL` (measured with ``benchmarks/quant_kernel_rows.py --dequant``;
+numbers in docs/results/quant.md). The environment variable ``TOKENMILL_GEMV_MAX_ROWS`` (read at
+import) or :func:`set_gemv_max_rows` overrides it. The fused decode path
+(:mod:`~tokenmill.layers.quant.fused_decode`) and the engine's step-cost kinds
+(``engine.model_runner.step_kind_rows``) ask the same function.
 """
 from __future__ import annotations
 
 import abc
 import contextlib
+import os
 import threading
 from typing import Iterator, Sequence
 
@@ -37,10 +47,49 @@ from tokenmill._native import quant as native
 from tokenmill.layers.linear import LinearMethod, onednn_linear
 
 QK = 32
-GEMV_MAX_ROWS = 16          # x rows up to which the integer kernel beats dequantize + GEMM here
 SLAB_BYTES = 16 << 20       # fp32 scratch for one slab of dequantized weight rows
 
+# x rows up to which the integer kernels beat dequantize + fp32 GEMM, per kernel set
+GEMV_MAX_ROWS_BY_KERNEL = {"avx512vnni": 16, "avxvnni": 16, "avx2": 16, "scalar": 16}
+GEMV_MAX_ROWS_DEFAULT = 16  # a kernel set without its own entry
+GEMV_ROWS_ENV = "TOKENMILL_GEMV_MAX_ROWS"
+
 _state = threading.local()
+
+
+def _rows_from_env() -> int | None:
+    raw = os.environ.get(GEMV_ROWS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise ValueError(f"{GEMV_ROWS_ENV} must be a non-negative integer (x rows up to which the packed "
+                         f"integer kernels run), got {raw!r}")
+    return rows
+
+
+_rows_override: int | None = _rows_from_env()
+
+
+def gemv_max_rows() -> int:
+    """x rows up to which a packed matmul (and a fused decode step) runs the integer kernels;
+    more rows dequantize into an fp32 GEMM. The override (``TOKENMILL_GEMV_MAX_ROWS``,
+    :func:`set_gemv_max_rows`) if set, else the measured crossover of the kernel set in use."""
+    if _rows_override is not None:
+        return _rows_override
+    return GEMV_MAX_ROWS_BY_KERNEL.get(native.kernel(), GEMV_MAX_ROWS_DEFAULT)
+
+
+def set_gemv_max_rows(rows: int | None) -> None:
+    """Override :func:`gemv_max_rows` for this process (``None``: back to the per-kernel value).
+    Set it before an engine starts: the step-cost model reads it once."""
+    global _rows_override
+    if rows is not None and (not isinstance(rows, int) or rows < 0):
+        raise ValueError(f"gemv max rows must be a non-negative integer or None, got {rows!r}")
+    _rows_override = rows
 
 
 def _activation_mode() -> str:
@@ -148,7 +197,7 @@ class _Packed(LinearMethod):
         m, n = x2.shape[0], self.out_features
         threads = torch.get_num_threads()
         mode = _activation_mode()
-        if mode == "int16" or (mode == "auto" and m <= GEMV_MAX_ROWS):
+        if mode == "int16" or (mode == "auto" and m <= gemv_max_rows()):
             y = torch.empty(m, n, dtype=torch.float32)
             b = None if bias is None else bias.float().contiguous()
             self._gemm(x2, y, 0 if b is None else b.data_ptr(), threads)
