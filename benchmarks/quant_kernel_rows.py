@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {name} | {m} | {t * 1e6:.1f} | {t / blocks / m * 1e9:.2f} | {wbytes / t / 1e9:.1f} | {extra} |")
         tot = {m: sum(min(times[(kern, n, m)]) * (args.layers if n in SHAPES_U4 else 1) for n in mats)
                for m in rows}
-        print("all matrices of one decode step (30 layers + head), ms: "
+        print(f"all matrices of one decode step ({args.layers} layers + head), ms: "
               + ", ".join(f"{m} rows {tot[m] * 1e3:.2f}" for m in rows))
         if args.dequant:
             _crossover(kern, mats, rows, times, tot, args.layers)

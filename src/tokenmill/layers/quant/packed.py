@@ -26,8 +26,11 @@ How a matmul runs:
 Where the two paths meet is decided in one place, :func:`gemv_max_rows`: the largest row count at
 which the integer kernels of the kernel set in use (``tokenmill._native.quant.kernel()``, chosen
 from the CPU at start-up) still beat dequantize + fp32 GEMM on the default model's matrices, from
-:data:`GEMV_MAX_ROWS_BY_KERNEL` (measured with ``benchmarks/quant_kernel_rows.py --dequant``;
-numbers in docs/results/quant.md). The environment variable ``TOKENMILL_GEMV_MAX_ROWS`` (read at
+:data:`GEMV_MAX_ROWS_BY_KERNEL` (measured on the whole decode step with
+``benchmarks/quant_verify_rows.py --paths int,dequant`` and per matrix with
+``benchmarks/quant_kernel_rows.py --dequant``; numbers in docs/results/quant.md): 24 rows for
+``avx512vnni``, 28 for ``avx2`` and ``avxvnni`` (whose CPUs' fp32 GEMM is 256-bit too; 16 where
+it is AVX-512), 4 for ``scalar``. The environment variable ``TOKENMILL_GEMV_MAX_ROWS`` (read at
 import) or :func:`set_gemv_max_rows` overrides it. The fused decode path
 (:mod:`~tokenmill.layers.quant.fused_decode`) and the engine's step-cost kinds
 (``engine.model_runner.step_kind_rows``) ask the same function.
@@ -49,8 +52,13 @@ from tokenmill.layers.linear import LinearMethod, onednn_linear
 QK = 32
 SLAB_BYTES = 16 << 20       # fp32 scratch for one slab of dequantized weight rows
 
-# x rows up to which the integer kernels beat dequantize + fp32 GEMM, per kernel set
-GEMV_MAX_ROWS_BY_KERNEL = {"avx512vnni": 16, "avxvnni": 16, "avx2": 16, "scalar": 16}
+# x rows up to which the integer kernels beat dequantize + fp32 GEMM on the whole decode step of
+# the default model, per kernel set, on the CPUs that pick that set (avx2 / avxvnni: no AVX-512,
+# so the fp32 GEMM is AVX2 too; scalar: no AVX2). Measured in docs/results/quant.md.
+GEMV_MAX_ROWS_BY_KERNEL = {"avx512vnni": 24, "avxvnni": 28, "avx2": 28, "scalar": 4}
+# avx2 / avxvnni on a CPU whose fp32 GEMM runs AVX-512 (AVX-512 without VNNI, or a lower set
+# picked with set_kernel): the GEMM is twice as wide and wins from fewer rows
+GEMV_MAX_ROWS_WIDE_GEMM = 16
 GEMV_MAX_ROWS_DEFAULT = 16  # a kernel set without its own entry
 GEMV_ROWS_ENV = "TOKENMILL_GEMV_MAX_ROWS"
 
@@ -74,13 +82,32 @@ def _rows_from_env() -> int | None:
 _rows_override: int | None = _rows_from_env()
 
 
+_WIDE_GEMM: bool | None = None
+
+
+def _wide_gemm() -> bool:
+    """Whether the fp32 GEMM runs AVX-512 here: torch's CPU capability, capped by oneDNN's own
+    ``ONEDNN_MAX_CPU_ISA`` (``DNNL_MAX_CPU_ISA``) when set. Decided once."""
+    global _WIDE_GEMM
+    if _WIDE_GEMM is None:
+        cap = torch.backends.cpu.get_cpu_capability().upper()
+        cap_env = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+        _WIDE_GEMM = cap.startswith("AVX512") and (cap_env == "ALL" or cap_env.startswith(("AVX512", "AVX10")))
+    return _WIDE_GEMM
+
+
 def gemv_max_rows() -> int:
     """x rows up to which a packed matmul (and a fused decode step) runs the integer kernels;
     more rows dequantize into an fp32 GEMM. The override (``TOKENMILL_GEMV_MAX_ROWS``,
-    :func:`set_gemv_max_rows`) if set, else the measured crossover of the kernel set in use."""
+    :func:`set_gemv_max_rows`) if set, else the measured crossover of the kernel set in use
+    (:data:`GEMV_MAX_ROWS_BY_KERNEL`; :data:`GEMV_MAX_ROWS_WIDE_GEMM` for the 256-bit sets where
+    the GEMM is AVX-512)."""
     if _rows_override is not None:
         return _rows_override
-    return GEMV_MAX_ROWS_BY_KERNEL.get(native.kernel(), GEMV_MAX_ROWS_DEFAULT)
+    kern = native.kernel()
+    if kern in ("avx2", "avxvnni") and _wide_gemm():
+        return GEMV_MAX_ROWS_WIDE_GEMM
+    return GEMV_MAX_ROWS_BY_KERNEL.get(kern, GEMV_MAX_ROWS_DEFAULT)
 
 
 def set_gemv_max_rows(rows: int | None) -> None:
