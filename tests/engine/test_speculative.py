@@ -323,6 +323,29 @@ def test_dflash_greedy_identical_alone_chunked_preempted(tiny_llama, prompts, ex
     assert llm.engine.num_preemptions > 0
 
 
+def test_dflash_adaptive_skipping_capture_greedy_identical_batched_chunked_preempted(tiny_llama, prompts, expected,
+                                                                                      tiny_drafter) -> None:
+    """Adaptive k on: requests turn the drafter off and on, so capture comes and goes per
+    request (contexts restart after gaps, and after preemption); outputs stay identical."""
+    lm, _ = tiny_llama
+    for kw in ({"max_batch_tokens": 7}, {"kv_cache_tokens": 320, "page_size": 8}):
+        llm = _llm(lm, speculative_method="dflash", speculative_model=str(tiny_drafter), num_speculative_tokens=4, **kw)
+        llm.engine.spec.proposer.first_rate_prior = 0.3   # start on: drafts, then off after rejections
+        skipped = 0
+        plan = llm.engine.spec.plan_capture
+
+        def counting_plan(out):
+            nonlocal skipped
+            layers = plan(out)
+            skipped += not layers
+            return layers
+
+        llm.engine.spec.plan_capture = counting_plan
+        assert [list(o.token_ids) for o in llm.generate(prompts, GREEDY)] == expected, kw
+        assert llm.engine.stats().spec.proposed > 0 and skipped > 0, kw
+    assert llm.engine.num_preemptions > 0
+
+
 def _broken_copy(src, dst, *, config=None, drop=None, reshape=None):
     import json
     import shutil
