@@ -13,7 +13,8 @@
 #   SYSTEMS="tokenmill" benchmarks/agentic_vs_peers.sh
 #
 # Environment knobs: OUT (results root, default out/agentic_vs_peers), CONCURRENCY (1,2,4),
-# SESSIONS (sessions per level), BENCH_ARGS (extra workload flags), SYSTEMS, THREADS (2),
+# SESSIONS (sessions per level; auto = the bench default of 2 x concurrency, at least 4, so that
+# a level's throughput is not set by one session's think time at its end), BENCH_ARGS (extra workload flags), SYSTEMS, THREADS (2),
 # LLAMA_THREADS (1), LLAMA_SLOTS (4: llama-server's parallel slots of 8192 tokens each).
 # Peers live in the git-ignored folder peers/. A peer that is not installed or fails to start
 # is skipped with the reason printed; the compare table then covers the systems that ran.
@@ -25,7 +26,7 @@ PY="$ROOT/.venv/bin/python"
 PEERS="$ROOT/peers"
 OUT="${OUT:-$ROOT/out/agentic_vs_peers}"
 CONCURRENCY="${CONCURRENCY:-1,2,4}"
-SESSIONS="${SESSIONS:-6}"
+SESSIONS="${SESSIONS:-auto}"
 THREADS="${THREADS:-2}"
 # llama.cpp's OpenMP threads spin at barriers: with 2 threads on 2 busy cores decode fell to
 # 0.2 tokens/s here, so it gets 1 thread unless told otherwise.
@@ -155,9 +156,11 @@ free_port() { "$PY" -c 'from tokenmill.utils.proc import free_port; print(free_p
 
 run_bench() {  # run_bench NAME URL [extra flags...]
   local name="$1" url="$2"; shift 2
+  local sessions=()
+  [ "$SESSIONS" = auto ] || sessions=(--sessions "$SESSIONS")
   # shellcheck disable=SC2086
   "$PY" -m tokenmill.cli bench --base-url "$url" --label "$name" --prompt-format text \
-    --concurrency "$CONCURRENCY" --sessions "$SESSIONS" --flush-cache --seed 0 $BENCH_ARGS "$@" \
+    --concurrency "$CONCURRENCY" "${sessions[@]}" --flush-cache --seed 0 $BENCH_ARGS "$@" \
     --out "$OUT/$name" && RAN+=("$OUT/$name")
 }
 

@@ -323,6 +323,29 @@ def test_dflash_greedy_identical_alone_chunked_preempted(tiny_llama, prompts, ex
     assert llm.engine.num_preemptions > 0
 
 
+def test_dflash_adaptive_skipping_capture_greedy_identical_batched_chunked_preempted(tiny_llama, prompts, expected,
+                                                                                      tiny_drafter) -> None:
+    """Adaptive k on: requests turn the drafter off and on, so capture comes and goes per
+    request (contexts restart after gaps, and after preemption); outputs stay identical."""
+    lm, _ = tiny_llama
+    for kw in ({"max_batch_tokens": 7}, {"kv_cache_tokens": 320, "page_size": 8}):
+        llm = _llm(lm, speculative_method="dflash", speculative_model=str(tiny_drafter), num_speculative_tokens=4, **kw)
+        llm.engine.spec.proposer.first_rate_prior = 0.3   # start on: drafts, then off after rejections
+        skipped = 0
+        plan = llm.engine.spec.plan_capture
+
+        def counting_plan(out):
+            nonlocal skipped
+            layers = plan(out)
+            skipped += not layers
+            return layers
+
+        llm.engine.spec.plan_capture = counting_plan
+        assert [list(o.token_ids) for o in llm.generate(prompts, GREEDY)] == expected, kw
+        assert llm.engine.stats().spec.proposed > 0 and skipped > 0, kw
+    assert llm.engine.num_preemptions > 0
+
+
 def _broken_copy(src, dst, *, config=None, drop=None, reshape=None):
     import json
     import shutil
@@ -357,3 +380,70 @@ def test_bad_drafter_checkpoint_refused_naming_the_problem(tiny_llama, tiny_draf
     with pytest.raises(ValueError) as e:
         _llm(lm, speculative_method="dflash", speculative_model=str(bad))
     assert message in str(e.value)
+
+
+def test_dflash_captures_only_near_a_draft_and_resumes_from_a_whole_context(tiny_llama, prompts, tiny_drafter) -> None:
+    """While adaptive k keeps the drafter off, the target forward captures no hidden states
+    except on the few steps before a probe; when drafting turns back on it drafts only from a
+    contiguous context of ``resume_context`` positions, then every step; greedy output stays
+    identical to no speculation."""
+    from tokenmill.engine.spec import MIN_GAIN, StepTable
+
+    lm, _ = tiny_llama
+    params = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)
+    prompt = prompts[3]
+    want = list(_llm(lm, enable_prefix_cache=False).generate([prompt], params)[0].token_ids)
+    llm = _llm(lm, speculative_method="dflash", speculative_model=str(tiny_drafter), num_speculative_tokens=4)
+    eng = llm.engine
+    spec, prop = eng.spec, eng.spec.proposer
+    lead = prop.resume_context
+    assert lead > 0 and prop.capture_layers
+    # every step takes 1 s whatever its rows (and the machine's load does not move it), so the
+    # proposer's time is negligible and stage 2 sends what stage 1 asks for: the test is deterministic
+    spec.table = StepTable()
+    spec.table.LOAD_WEIGHT = 0.0
+    for n in range(1, 6):
+        spec.table.calibrate(n, 1.0)
+    drafts: list[tuple[int, int]] = []   # (step, draft length) of each non-empty draft
+    propose = prop.propose
+    step = 0
+
+    def checked_propose(reqs, ks):
+        out = propose(reqs, ks)
+        for req, d in zip(reqs, out):
+            if d.token_ids:
+                st = prop._ctx[req.request_id]
+                have = st.feats.shape[0] + st.raw_rows
+                # the context is contiguous by construction; it ends right before the drafted-from token
+                assert st.end == req.num_tokens - 1 and have >= min(lead, st.end), (step, have, st.end)
+                drafts.append((step, len(d.token_ids)))
+        return out
+
+    prop.propose = checked_propose
+    eng.add_request("r", prompt, params)
+    req = eng.scheduler.requests["r"]
+    tokens: list[int] = []
+    captured: list[bool] = []
+    flip = None
+    while eng.has_unfinished_requests():
+        decoding = req.num_computed_tokens >= len(prompt)
+        # phase 1: the drafter's first-draft rate held below MIN_GAIN (off, probing now and then);
+        # phase 2, from a step that did not capture: held high, as after an accepted probe
+        if flip is None and step >= 40 and captured and not captured[-1]:
+            flip = step
+        req.spec_first_rate = 0.9 if flip is not None else 0.05
+        for o in eng.step():
+            tokens.extend(o.new_token_ids)
+        step += 1
+        captured.append(bool(eng.runner.capture_layers) and decoding)
+    assert tokens == want
+    assert flip is not None, "every decode step captured while the drafter was off"
+    off = captured[:flip]
+    probes = [s for s, _ in drafts if s < flip]
+    assert probes and off.count(False) > len(off) // 3, (probes, off)
+    # back on: no draft before the restarted context holds `lead` positions, then one every step
+    on = [s for s, _ in drafts if s >= flip]
+    assert on and on[0] == flip + lead - 1, (flip, on[:3])
+    assert on == list(range(on[0], on[0] + len(on))) and on[-1] >= step - 3, on
+    assert all(captured[flip:])
+    assert 0.05 < MIN_GAIN < 0.9

@@ -293,7 +293,6 @@ class Engine:
                                        # with tensor parallelism rank 0 gets one grammar-mask row per
                                        # request (engine/parallel.py), so constrained requests do not draft
                                        constrained=cfg.tensor_parallel_size == 1)
-        self.runner.capture_layers = frozenset(proposer.capture_layers)
         if cfg.speculative_adaptive and isinstance(self.runner, ModelRunner) and self.runner.states is None:
             # adaptive k weighs rows by measured step times: measure verify steps once now, so
             # the first requests do not pay for learning them
@@ -386,6 +385,8 @@ class Engine:
                 self._compiling.wait(0.05)
             self._maybe_check_idle()
             return expired + failed
+        if self.spec is not None:   # a learned drafter's hidden states, for the requests that may draft soon
+            self.runner.capture_layers = self.spec.plan_capture(out)
         t0 = time.perf_counter()
         result = self.runner.execute(out)
         seconds = time.perf_counter() - t0

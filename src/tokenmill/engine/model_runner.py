@@ -18,8 +18,9 @@ runs the model, and samples one token for each request whose step reaches the en
 tokens. Logits are computed only for those rows, except that a request carrying speculative
 drafts gets logits for its last token and every draft (``k + 1`` rows), which
 :func:`~tokenmill.layers.speculative.verify` checks; it then emits 1 to ``k + 1`` tokens.
-When the engine sets ``capture_layers`` (a learned drafter), the target's hidden states after
-those layers come back with the step (:class:`StepResult`), at no extra pass. Requests that
+When the engine sets ``capture_layers`` (a learned drafter's, on the steps where some request
+may draft soon: ``SpeculativeDecoder.plan_capture``), the target's hidden states after those
+layers come back with the step (:class:`StepResult`), at no extra pass. Requests that
 ask for prompt logprobs also get their prompt rows (engine/prompt_logprobs.py). Rows of
 constrained requests are masked by their grammar before sampling or verification; a draft row
 with the grammar advanced through the drafts before it (engine/structured.py).

@@ -7,7 +7,8 @@
    rejected reaches the radix cache);
 2. records acceptance (:class:`~tokenmill.engine.spec.base.SpecStats`) and updates each
    request's acceptance rate;
-3. hands a learned drafter the target's hidden states of the newly accepted tokens;
+3. hands a learned drafter the target's hidden states of the newly accepted tokens (of the
+   requests the step captured for: see *Hidden-state capture* below);
 4. asks the proposer for the next drafts of every decoding request, with a per-request draft
    length from the adaptive rule below, and stores them on the request
    (``spec_token_ids`` / ``spec_probs``) for the scheduler to pick up.
@@ -40,6 +41,18 @@ Adaptive ``k`` (``speculative_adaptive``), in two stages:
    probe every ``COST_PROBE_EVERY`` (``CUT_PROBE_EVERY`` for draft-then-cut proposers) steps,
    or rarer, so that probes take at most ``PROBE_BUDGET`` of the decode time.
    On top, one step's drafts are capped at ``speculative_max_draft_tokens`` in total.
+
+Hidden-state capture (learned drafters, ``Proposer.capture_layers``): capturing costs the
+target forward something (the fused decode stack is split at the captured layers) and so does
+handing the drafter the new rows, so a step captures only for the requests that may draft soon
+(:meth:`SpeculativeDecoder.plan_capture`): a request whose drafts are verified in the step (an
+accepted probe turns drafting back on at once, with its context unbroken), and one whose next
+possible draft, as the adaptive rule above will decide it, is at most
+``Proposer.resume_context`` steps away (its next one-token probe, or the next cost probe while
+no row pays). Those steps give the drafter the ``resume_context`` most recent positions before
+it drafts; the proposer itself refuses to draft from a context broken by a gap until it holds
+that many (so a wrong guess costs a probe or a few steps, never a draft from a stale context).
+Without adaptive ``k``, every step captures.
 """
 from __future__ import annotations
 
@@ -113,6 +126,10 @@ class SpeculativeDecoder:
         self._steps = 0
         self.steps_off = 0     # steps on which drafting did not pay and was skipped (not probes)
         self.kinds: dict[int, KindStats] = {}   # acceptance per draft kind (drafts_then_cuts proposers)
+        # stage 2's last verdict: 0 while rows pay (or it has not decided yet), else the
+        # period of its cost probes while none pays
+        self._cost_every = 0
+        self._capturing: set[str] = set()   # requests handed the hidden states of the step being run
 
     def calibrate(self, time_rows: Callable[[int], float]) -> None:
         """Seed the step-time table with ``time_rows(n)``, the measured forward time of a
@@ -136,6 +153,50 @@ class SpeculativeDecoder:
                 seconds = min(seconds, 1.5 * expected)
             self.cost.observe(out.num_tokens, seconds)
             self.table.observe(out.num_tokens, seconds)
+
+    def plan_capture(self, out: SchedulerOutput) -> frozenset[int]:
+        """The target layers the step ``out`` is about to run captures (module doc): the
+        proposer's when some scheduled request may draft soon, else none. The requests chosen
+        are the ones :meth:`after_step` hands the hidden states to."""
+        layers = self.proposer.capture_layers
+        self._capturing.clear()
+        if not layers:
+            return layers
+        for s in out.scheduled:
+            if s.num_draft or self._wants_context(s.request):
+                self._capturing.add(s.request.request_id)
+        return layers if self._capturing else frozenset()
+
+    def _wants_context(self, req: Request) -> bool:
+        if not req.params.speculative or (req.grammar is not None and not self.constrained):
+            return False
+        lead = self.proposer.resume_context
+        if not self.adaptive or lead <= 0 or self.proposer.drafts_then_cuts:
+            return True
+        self._seed_estimates(req)
+        return self._steps_to_draft(req) <= lead
+
+    def _steps_to_draft(self, req: Request) -> int:
+        """In how many steps the adaptive rule may next draft for ``req`` (1: at the end of the
+        coming step), as its counters stand now; a large number when its next probe will be
+        dropped (stage 2 pays for no row and the probe does not fall on a cost probe)."""
+        if req.spec_first_rate >= MIN_GAIN:
+            m = 1
+        else:
+            m = max(1, req.spec_probe_every - req.spec_steps_off)
+        if self._cost_every:
+            to_probe = -(self._steps + m) % self._cost_every
+            if req.spec_first_rate >= MIN_GAIN:
+                return m + to_probe
+            if to_probe:
+                return 1 << 30
+        return m
+
+    def _seed_estimates(self, req: Request) -> None:
+        if not req.spec_seen:
+            req.spec_seen = True
+            if self.proposer.first_rate_prior is not None:
+                req.spec_first_rate = self.proposer.first_rate_prior
 
     def after_step(self, out: SchedulerOutput, result: StepResult) -> None:
         """Roll back, record, feed the drafter, and propose the next drafts (see module doc)."""
@@ -173,7 +234,7 @@ class SpeculativeDecoder:
         feats = torch.cat([result.captured[i] for i in layers], dim=-1)
         for s, row in zip(out.scheduled, result.query_start):
             req = s.request
-            if req.is_finished or req.num_computed_tokens <= s.start:
+            if req.is_finished or req.num_computed_tokens <= s.start or req.request_id not in self._capturing:
                 continue
             n = req.num_computed_tokens - s.start   # the step's real tokens + accepted drafts
             self.proposer.observe(req, s.start, feats[row:row + n])
@@ -193,10 +254,7 @@ class SpeculativeDecoder:
             num_decode += 1
             if not req.params.speculative or (req.grammar is not None and not self.constrained):
                 continue
-            if not req.spec_seen:
-                req.spec_seen = True
-                if self.proposer.first_rate_prior is not None:
-                    req.spec_first_rate = self.proposer.first_rate_prior
+            self._seed_estimates(req)
             k = self.k if cuts else self._draft_len(req)
             # never draft past max_tokens or the context limit (the step emits up to k + 1)
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1,
@@ -277,6 +335,7 @@ class SpeculativeDecoder:
         n = max(num_decode, 1)
         base_time = self.step_time(n)
         if base_time is None:
+            self._cost_every = 0
             return None
         base_time = max(base_time, 1e-6)
         rows = sorted(((g, i) for i, gs in enumerate(gains) for g in gs), reverse=True)
@@ -292,11 +351,12 @@ class SpeculativeDecoder:
             # keep the estimates fresh: a short draft now and then, rarer when a probe is dear
             # (its extra row and the proposer's pass), so probing costs at most PROBE_BUDGET
             probe_time = max((self.step_time(n + 1) or base_time) - base_time, 0.0) + propose_seconds
-            every = max(probe_every, int(probe_time / (PROBE_BUDGET * base_time)))
+            every = self._cost_every = max(probe_every, int(probe_time / (PROBE_BUDGET * base_time)))
             if self._steps % every == 0:
                 return [min(1, len(g)) for g in gains]
             self.steps_off += 1
             return [0] * len(gains)
+        self._cost_every = 0
         chosen = [0] * len(gains)
         for _, i in rows[:best_r]:
             chosen[i] += 1

@@ -7,7 +7,9 @@ what a request outputs, only how many tokens a step yields.
 Contract (all calls come from the engine thread, in this order each step):
 
 * :meth:`Proposer.observe` (learned drafters only, ``capture_layers`` non-empty): the target's
-  hidden states for the tokens each request computed in the step just run;
+  hidden states for the tokens each request computed in the step just run, for the requests
+  the step captured for (all of them unless ``resume_context`` is set: then only those that
+  may draft soon, so a request's observed positions can have gaps);
 * :meth:`Proposer.propose`: for each request, at most ``num_tokens[i]`` drafts (fewer, or none,
   is fine), with their draft distribution where the proposer has one;
 * :meth:`Proposer.request_finished` once per request leaving the engine (free per-request state).
@@ -45,6 +47,11 @@ class Proposer(abc.ABC):
     kind_first_prior: dict[int, float] = {}
     # target layers whose hidden states the proposer reads (-1: the embedding output)
     capture_layers: frozenset[int] = frozenset()
+    # learned drafters: how many recent positions a draft needs after capture was off (the
+    # engine captures for a request only while its next possible draft is at most this many
+    # steps away, and the proposer drafts from a context broken by a gap only once it holds
+    # this many); 0: capture every step
+    resume_context: int = 0
     # what adaptive k assumes at first about how often a request's first draft is accepted
     # (None: the engine's default); a drafter with a measured acceptance length sets it
     first_rate_prior: float | None = None
