@@ -94,7 +94,7 @@ def test_fused_decode_matches_layer_by_layer(packed, name, kv_dtype):
     want, kv_want, _, ran_ref = _run(model, False, kv_dtype)
     limit = packed_mod.gemv_max_rows()
     assert ran == [sum(n for _, n in s) <= limit for s in STEPS]  # fused wherever a step fits the row limit
-    assert ran[:3] == [True] * 3 and not ran[3]
+    assert any(ran) and not ran[3]  # the 40-row step is above every kernel set's limit
     assert not any(ran_ref)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=ATOL * float(w.abs().max()), rtol=RTOL)
