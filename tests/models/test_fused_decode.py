@@ -1,6 +1,7 @@
 """The fused native decode path (``layers/quant/fused_decode.py``, ``_native/decoder.c``) against
-the layer-by-layer path on the same packed weights: logits, KV pages and captured hidden states,
-over mixed steps of several sequences, fp32 and bf16 KV pages, every kernel set."""
+the layer-by-layer path on the same weights (packed int4 / int8, and unquantized fp32, plain or
+oneDNN-packed): logits, KV pages and captured hidden states, over mixed steps of several
+sequences, fp32 and bf16 KV pages, every kernel set."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +15,8 @@ from tokenmill._native import quant as native
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import select_attention_backend
 from tokenmill.layers.quant import packed as packed_mod
-from tokenmill.layers.quant.fused_decode import DecoderLayerWeights, FusedDecodeStack
+from tokenmill.layers.linear import OneDNNLinear, onednn_available, use_linear_backend
+from tokenmill.layers.quant.fused_decode import FUSED_FP32_MAX_ROWS, DecoderLayerWeights, FusedDecodeStack
 from tokenmill.loader import load_model
 
 from paged_driver import PagedDriver
@@ -50,7 +52,7 @@ def _driver(model: Any, kv_dtype: str) -> PagedDriver:
     return d
 
 
-def _run(model: Any, fused: bool, kv_dtype: str, capture: frozenset[int] = frozenset()):
+def _run(model: Any, fused: bool, kv_dtype: str, capture: frozenset[int] = frozenset(), steps=STEPS):
     """STEPS through a fresh pool with the fused path on or off: per-step logits, the KV pages,
     captured hidden states, and whether each step ran the native call."""
     gen = torch.Generator().manual_seed(5)
@@ -65,7 +67,7 @@ def _run(model: Any, fused: bool, kv_dtype: str, capture: frozenset[int] = froze
 
     FusedDecodeStack.run = counting_run  # type: ignore[method-assign]
     try:
-        for chunks in STEPS:
+        for chunks in steps:
             model.set_fused_decode(fused)
             toks = [(s, torch.randint(3, 2000, (n,), generator=gen).tolist()) for s, n in chunks]
             before = calls[0]
@@ -79,25 +81,38 @@ def _run(model: Any, fused: bool, kv_dtype: str, capture: frozenset[int] = froze
 
 @pytest.fixture(scope="module")
 def packed(tiny_dirs: dict[str, Path]) -> dict[str, Any]:
-    """Tiny Llama and Qwen2 (q/k/v bias) in int4 groups; Llama also in int8 per channel."""
-    return {"llama-int4": load_model(str(tiny_dirs["LlamaForCausalLM"]), quantization="int4"),
-            "qwen2-int4": load_model(str(tiny_dirs["Qwen2ForCausalLM"]), quantization="int4"),
-            "llama-int8": load_model(str(tiny_dirs["LlamaForCausalLM"]), quantization="int8")}
+    """Tiny Llama and Qwen2 (q/k/v bias) in int4 groups; Llama also in int8 per channel; Llama and
+    Qwen2 unquantized (fp32 rows as loaded, and Qwen2's also oneDNN-packed as the runner does)."""
+    out = {"llama-int4": load_model(str(tiny_dirs["LlamaForCausalLM"]), quantization="int4"),
+           "qwen2-int4": load_model(str(tiny_dirs["Qwen2ForCausalLM"]), quantization="int4"),
+           "llama-int8": load_model(str(tiny_dirs["LlamaForCausalLM"]), quantization="int8"),
+           "llama-fp32": load_model(str(tiny_dirs["LlamaForCausalLM"]), quantization="none"),
+           "qwen2-fp32-onednn": load_model(str(tiny_dirs["Qwen2ForCausalLM"]), quantization="none")}
+    if onednn_available():
+        assert use_linear_backend(out["qwen2-fp32-onednn"].model, "onednn") > 0
+        assert isinstance(out["qwen2-fp32-onednn"].model.layers[0].qkv_proj, OneDNNLinear)
+    return out
+
+
+def _row_limit(name: str) -> int:
+    return FUSED_FP32_MAX_ROWS if "fp32" in name else packed_mod.gemv_max_rows()
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", "llama-int8"])
+@pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", "llama-int8", "llama-fp32", "qwen2-fp32-onednn"])
 def test_fused_decode_matches_layer_by_layer(packed, name, kv_dtype):
     model = packed[name].model
     assert model.fused_decode_stack() is not None
     got, kv_got, _, ran = _run(model, True, kv_dtype)
     want, kv_want, _, ran_ref = _run(model, False, kv_dtype)
-    limit = packed_mod.gemv_max_rows()
+    limit = _row_limit(name)
     assert ran == [sum(n for _, n in s) <= limit for s in STEPS]  # fused wherever a step fits the row limit
-    assert any(ran) and not ran[3]  # the 40-row step is above every kernel set's limit
+    assert any(ran) and not ran[3]  # the 40-row step is above every row limit
     assert not any(ran_ref)
+    # fp32 weights: the same products in another summation order, so far closer than int16 rounding
+    atol, rtol = (2e-5, 1e-4) if "fp32" in name else (ATOL, RTOL)
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=ATOL * float(w.abs().max()), rtol=RTOL)
+        torch.testing.assert_close(g, w, atol=atol * float(w.abs().max()), rtol=rtol)
     for g, w in zip(kv_got, kv_want):  # every K/V entry the steps wrote, in every layer
         scale = float(w.abs().max())
         torch.testing.assert_close(g, w, atol=(1e-3 if kv_dtype == "float32" else 1e-2) * scale, rtol=1e-2)
@@ -134,10 +149,15 @@ def test_fused_decode_captures_hidden_states(packed):
 
 def test_fused_decode_applies_only_where_it_can(tiny_dirs):
     dense = load_model(str(tiny_dirs["LlamaForCausalLM"]), quantization="none").model
-    assert dense.fused_decode_stack() is None
+    assert dense.fused_decode_stack() is not None   # fp32 rows take the fp32 kernel
     layers = [DecoderLayerWeights(l.input_layernorm.weight, l.post_attention_layernorm.weight, l.qkv_proj,
                                   l.qkv_bias, l.o_proj, l.gate_up_proj, l.down_proj) for l in dense.layers]
-    assert "not a packed" in FusedDecodeStack.unsupported_reason(layers, torch.float32)
+    assert FusedDecodeStack.unsupported_reason(layers, torch.float32) is None
+    half = [DecoderLayerWeights(l.input_norm, l.post_norm, type(l.qkv)(l.qkv.dequantize().to(torch.bfloat16)),
+                                l.qkv_bias, l.o, l.gate_up, l.down) for l in layers]
+    assert "layer 0 qkv is dense, not a packed int4/int8 or fp32 matrix" in FusedDecodeStack.unsupported_reason(
+        half, torch.float32)
+    assert "fp32 models only" in FusedDecodeStack.unsupported_reason(layers, torch.bfloat16)
     qwen3 = load_model(str(tiny_dirs["Qwen3ForCausalLM"]), quantization="int4").model
     assert qwen3.fused_decode_stack() is None   # per-head q/k norms stay layer by layer
 
@@ -166,19 +186,22 @@ def test_fused_decode_refuses_a_wrong_shape(packed):
         bad.run(h, cs, cs, drv.kv, ctx.meta)
 
 
+@pytest.mark.parametrize("name", ["llama-int4", "llama-fp32"])
 @pytest.mark.parametrize("kernel", native.supported_kernels())
-def test_fused_decode_is_the_same_bits_on_any_thread_count(packed, kernel):
+def test_fused_decode_is_the_same_bits_on_any_thread_count(packed, kernel, name):
     """The step runs in one parallel region whose threads split matmul rows and attention tasks;
-    no row's sum depends on the split, so 1, 2 and 3 threads give identical logits and KV."""
+    no row's sum depends on the split, so 1, 2 and 3 threads give identical logits and KV. (For
+    fp32 only the steps that run fused: torch's GEMM on the larger ones may split by threads.)"""
     best = native.best_kernel()
-    model = packed["llama-int4"].model
+    model = packed[name].model
+    steps = STEPS if "fp32" not in name else [s for s in STEPS if sum(n for _, n in s) <= _row_limit(name)]
     before = torch.get_num_threads()
     native.set_kernel(kernel)
     try:
         runs = []
         for nt in (1, 2, 3):
             torch.set_num_threads(nt)
-            logits, kv, _, ran = _run(model, True, "float32")
+            logits, kv, _, ran = _run(model, True, "float32", steps=steps)
             assert any(ran)
             runs.append((logits, kv))
     finally:

@@ -334,8 +334,8 @@ static int check_layers(const int64_t *table, int64_t L, const Step *S) {
         }
         for (int w = 0; w < W_COUNT; w++) {
             TmqMat m = layer_mat(row, w);
-            if (!tmq_check_mat(&m) || m.N != want[w][0] || m.K != want[w][1] || !m.qs || !m.sc ||
-                (m.kind == TMQ_U4 && !m.mn)) {
+            if (!tmq_check_mat(&m) || m.N != want[w][0] || m.K != want[w][1] || !m.qs ||
+                (m.kind != TMQ_F32 && !m.sc) || (m.kind == TMQ_U4 && !m.mn)) {
                 PyErr_Format(PyExc_ValueError, "decode_layers: layer %lld %s is not a packed [%lld, %lld] matrix "
                              "(kind %lld, [%lld, %lld], group %lld)", (long long)l, names[w], (long long)want[w][0],
                              (long long)want[w][1], (long long)m.kind, (long long)m.N, (long long)m.K,

@@ -570,6 +570,7 @@ typedef struct {
     int64_t qstride, bstride;
     int pairs;
     void *mem;
+    const float *xf;   /* TMQ_F32: the fp32 activations themselves, [M, K] */
 } ActBuf;
 
 /* natural block order -> pair order (see the AVX-512 section), in place */
@@ -614,6 +615,124 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int pairs, ActBuf 
 static int check_group(int64_t K, int64_t group) {
     int64_t Kp = (K + QK - 1) / QK * QK;
     return group > 0 && group % QK == 0 && group <= (Kp > QK ? Kp : QK);
+}
+
+/* ---- fp32 weights (TMQ_F32): the fused decode path of an unquantized model -------------------
+ * y[m, n] = x[m] . W[n] over W [N, K] row-major, for a few x rows. A weight row is read once for
+ * up to F32_TILE x rows. Each row's dot product runs over chunks of 2 x VL floats split between
+ * two accumulators (then a VL chunk, then a scalar tail), so a row's sum order is the same for
+ * any number of x rows, any tile and any thread split. */
+#define F32_TILE 4
+
+static void f32_rows_scalar(const float *w, const float *x, int64_t K, int64_t M, float *out, int64_t os) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        float a0 = 0.f, a1 = 0.f;
+        int64_t k = 0;
+        for (; k + 1 < K; k += 2) { a0 += w[k] * xm[k]; a1 += w[k + 1] * xm[k + 1]; }
+        if (k < K) a0 += w[k] * xm[k];
+        out[m * os] = a0 + a1;
+    }
+}
+
+#if TM_X86 && defined(__GNUC__)
+TGT_AVX2 static inline __attribute__((always_inline)) void f32_tile_avx2(const float *w, const float *x, int64_t K,
+                                                                         float *out, int64_t os, const int MR) {
+    __m256 a0[F32_TILE], a1[F32_TILE];
+    for (int j = 0; j < MR; j++) a0[j] = a1[j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+        for (int j = 0; j < MR; j++) {
+            a0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + j * K + k), a0[j]);
+            a1[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + j * K + k + 8), a1[j]);
+        }
+    }
+    if (k + 8 <= K) {
+        const __m256 w0 = _mm256_loadu_ps(w + k);
+        for (int j = 0; j < MR; j++) a0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + j * K + k), a0[j]);
+        k += 8;
+    }
+    for (int j = 0; j < MR; j++) {
+        float s = hsum8(_mm256_add_ps(a0[j], a1[j]));
+        for (int64_t t = k; t < K; t++) s += w[t] * x[j * K + t];
+        out[j * os] = s;
+    }
+}
+
+TGT_AVX2 static void f32_rows_avx2(const float *w, const float *x, int64_t K, int64_t M, float *out, int64_t os) {
+    for (int64_t m0 = 0; m0 < M; m0 += F32_TILE) {
+        const int64_t mr = M - m0 < F32_TILE ? M - m0 : F32_TILE;
+        const float *xm = x + m0 * K;
+        float *om = out + m0 * os;
+        switch (mr) {
+            case 1: f32_tile_avx2(w, xm, K, om, os, 1); break;
+            case 2: f32_tile_avx2(w, xm, K, om, os, 2); break;
+            case 3: f32_tile_avx2(w, xm, K, om, os, 3); break;
+            default: f32_tile_avx2(w, xm, K, om, os, 4); break;
+        }
+    }
+}
+
+#if __GNUC__ >= 9
+#define TGT_512F __attribute__((target("avx512f,avx2,fma")))
+TGT_512F static inline __attribute__((always_inline)) void f32_tile_512(const float *w, const float *x, int64_t K,
+                                                                        float *out, int64_t os, const int MR) {
+    __m512 a0[F32_TILE], a1[F32_TILE];
+    for (int j = 0; j < MR; j++) a0[j] = a1[j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + k + 16);
+        for (int j = 0; j < MR; j++) {
+            a0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + j * K + k), a0[j]);
+            a1[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + j * K + k + 16), a1[j]);
+        }
+    }
+    if (k + 16 <= K) {
+        const __m512 w0 = _mm512_loadu_ps(w + k);
+        for (int j = 0; j < MR; j++) a0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + j * K + k), a0[j]);
+        k += 16;
+    }
+    for (int j = 0; j < MR; j++) {
+        float s = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+        for (int64_t t = k; t < K; t++) s += w[t] * x[j * K + t];
+        out[j * os] = s;
+    }
+}
+
+TGT_512F static void f32_rows_512(const float *w, const float *x, int64_t K, int64_t M, float *out, int64_t os) {
+    for (int64_t m0 = 0; m0 < M; m0 += F32_TILE) {
+        const int64_t mr = M - m0 < F32_TILE ? M - m0 : F32_TILE;
+        const float *xm = x + m0 * K;
+        float *om = out + m0 * os;
+        switch (mr) {
+            case 1: f32_tile_512(w, xm, K, om, os, 1); break;
+            case 2: f32_tile_512(w, xm, K, om, os, 2); break;
+            case 3: f32_tile_512(w, xm, K, om, os, 3); break;
+            default: f32_tile_512(w, xm, K, om, os, 4); break;
+        }
+    }
+}
+#endif
+#endif
+
+static void gemm_f32_rows(int64_t M, int64_t K, const float *w, int64_t N, const float *bias, float *y,
+                          const float *x, int64_t n0, int64_t n1) {
+    const int use = isa();
+    (void)use;
+    for (int64_t n = n0; n < n1; n++) {
+        const float *row = w + n * K;
+#if TM_X86 && defined(__GNUC__)
+#if __GNUC__ >= 9
+        if (use == ISA_AVX512) f32_rows_512(row, x, K, M, y + n, N);
+        else
+#endif
+        if (use >= ISA_AVX2) f32_rows_avx2(row, x, K, M, y + n, N);
+        else
+#endif
+        f32_rows_scalar(row, x, K, M, y + n, N);
+        if (bias) for (int64_t m = 0; m < M; m++) y[m * N + n] += bias[n];
+    }
 }
 
 /* The row loops below compute output rows [n0, n1); the callers split the rows over threads in
@@ -710,8 +829,9 @@ static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int 
 /* The entry points other C files use (decoder.c): y[M, N] = x[M, K] @ W^T (+ bias) with the
  * integer kernels, as a quantize step (one thread) and a row loop (the whole team). */
 void *tmq_act_quantize(const TmqMat *w, const float *x, int64_t M) {
-    ActBuf *a = malloc(sizeof *a);
+    ActBuf *a = calloc(1, sizeof *a);
     if (!a) return NULL;
+    if (w->kind == TMQ_F32) { a->xf = x; return a; }
     if (act_quantize(x, M, w->K, w->kind == TMQ_U4 && M > 1 && isa() == ISA_AVX512, a)) { free(a); return NULL; }
     return a;
 }
@@ -726,7 +846,9 @@ void tmq_matmul_rows(const TmqMat *w, const void *act, int64_t M, const float *b
     const ActBuf *a = act;
     int64_t n0, n1;
     tmq_row_range(w->N, t, T, &n0, &n1);
-    if (w->kind == TMQ_U4)
+    if (w->kind == TMQ_F32)
+        gemm_f32_rows(M, w->K, (const float *)w->qs, w->N, bias, y, a->xf, n0, n1);
+    else if (w->kind == TMQ_U4)
         gemm_u4_rows(M, w->K, (const uint8_t *)w->qs, w->sc, w->mn, w->f16, w->N, w->group, bias, y, a, n0, n1);
     else
         gemm_s8_rows(M, w->K, (const int8_t *)w->qs, w->sc, w->f16, w->N, w->group, bias, y, a, n0, n1);
@@ -735,7 +857,10 @@ void tmq_matmul_rows(const TmqMat *w, const void *act, int64_t M, const float *b
 int tmq_matmul(const TmqMat *w, const float *x, int64_t M, const float *bias, float *y, int nt) {
     void *a = tmq_act_quantize(w, x, M);
     if (!a) return -1;
-    if (w->kind == TMQ_U4)
+    if (w->kind == TMQ_F32) {
+        #pragma omp parallel num_threads(nt < 1 ? 1 : nt)
+        tmq_matmul_rows(w, a, M, bias, y, omp_get_thread_num(), omp_get_num_threads());
+    } else if (w->kind == TMQ_U4)
         gemm_u4(M, w->K, (const uint8_t *)w->qs, w->sc, w->mn, w->f16, w->N, w->group, bias, y, nt < 1 ? 1 : nt, a);
     else
         gemm_s8(M, w->K, (const int8_t *)w->qs, w->sc, w->f16, w->N, w->group, bias, y, nt < 1 ? 1 : nt, a);
@@ -744,6 +869,7 @@ int tmq_matmul(const TmqMat *w, const float *x, int64_t M, const float *bias, fl
 }
 
 int tmq_check_mat(const TmqMat *w) {
+    if (w->kind == TMQ_F32) return w->N > 0 && w->K > 0 && w->qs != NULL;
     return (w->kind == TMQ_U4 || w->kind == TMQ_S8) && w->N > 0 && w->K > 0 && check_group(w->K, w->group);
 }
 

@@ -5,10 +5,11 @@
 
 #include <stdint.h>
 
-enum { TMQ_U4 = 0, TMQ_S8 = 1 };
+enum { TMQ_U4 = 0, TMQ_S8 = 1, TMQ_F32 = 2 };
 
 typedef struct {
-    int64_t kind;        /* TMQ_U4: qs uint8 [N, Kp/2], scale + min; TMQ_S8: qs int8 [N, Kp], scale */
+    int64_t kind;        /* TMQ_U4: qs uint8 [N, Kp/2], scale + min; TMQ_S8: qs int8 [N, Kp], scale;
+                          * TMQ_F32: qs float [N, K] row-major (no scales, group unused) */
     const void *qs;
     const void *sc, *mn; /* [N, G] fp16 (f16 = 1) or fp32; mn unused for TMQ_S8 */
     int64_t f16;
@@ -18,7 +19,8 @@ typedef struct {
 /* y[M, N] = x[M, K] @ W^T (+ bias): int16 activations, as the gemm_u4/gemm_s8 bindings. 0 or -1 (no memory). */
 int tmq_matmul(const TmqMat *w, const float *x, int64_t M, const float *bias, float *y, int nt);
 /* The same in pieces, for a caller that runs its own threads (decoder.c): one thread quantizes
- * x for w (NULL: out of memory) and shares the result; then thread t of T computes its part of
+ * x for w (NULL: out of memory; for TMQ_F32 it only records x, which must stay put until the
+ * rows are done) and shares the result; then thread t of T computes its part of
  * the output rows (tmq_row_range: contiguous, the first N % T threads one row more); after all
  * have finished, one thread frees the activations. Results are those of tmq_matmul, row for row. */
 void *tmq_act_quantize(const TmqMat *w, const float *x, int64_t M);

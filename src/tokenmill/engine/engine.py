@@ -125,8 +125,9 @@ class Engine:
             if self.runner.states is not None:   # snapshots are taken by copying a request's slot
                 self.kv.copy_state = self.runner.states.copy
             self._init_tiers()
-        if self.step_cost is not None:   # packed weights: small steps are a cheaper kind
-            self.step_cost.split_rows = step_kind_rows(self.loaded.model)
+        if self.step_cost is not None:   # fused / packed steps: small steps are a cheaper kind
+            self.step_cost.split_rows = step_kind_rows(self.loaded.model,
+                                                       fused=config.tensor_parallel_size == 1)
         self.generation_tokens_total = 0
         self._arrivals = 0
         self._num_timed = 0   # requests added with a deadline (expiry is skipped while there are none)

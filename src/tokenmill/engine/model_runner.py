@@ -75,10 +75,16 @@ def _token_logprob(tok: int, lp: Any) -> TokenLogprob:
     return TokenLogprob(tok, lp[0], [TopLogprob(t, v) for t, v in lp[1]])
 
 
-def step_kind_rows(model: torch.nn.Module) -> int | None:
-    """Rows up to which a step of ``model`` runs the packed-weight integer kernels, a cheaper kind
-    of step than the dequantize + GEMM path above it (the step-cost model fits the two apart);
-    None when the model has no packed int4/int8 matrices."""
+def step_kind_rows(model: torch.nn.Module, fused: bool = True) -> int | None:
+    """Rows up to which a step of ``model`` is a cheaper kind of step than the GEMM path above it
+    (the step-cost model fits the two apart): the fused decode stack's row limit where the model
+    has one, else the packed-weight integer kernels' (dequantize + GEMM above); None when
+    neither applies. ``fused=False``: the model's forward never takes the fused stack (tensor
+    parallel ranks run their own layer loop)."""
+    stack_of = getattr(model, "fused_decode_stack", None) if fused else None
+    stack = stack_of() if callable(stack_of) else None
+    if stack is not None:
+        return stack.max_rows()
     if any(isinstance(m, (packed.Int4Linear, packed.Int8Linear)) for m in model.modules()):
         return packed.gemv_max_rows()
     return None

@@ -1,23 +1,30 @@
-"""Fused decode through packed Llama-style layers: one native call for a run of whole layers.
+"""Fused decode through Llama-style layers: one native call for a run of whole layers.
 
 At batch 1 the weight matmuls of the default model take about half of a decode step when each
 small op between them (RMSNorm, rotary, the KV write, SiLU*up, residual adds) is its own torch
 call issued from Python. :class:`FusedDecodeStack` hands a step's hidden states to
 ``decode_layers`` in ``tokenmill/_native/decoder.c``, which runs norm, QKV, rotary, the KV write,
-paged attention, the output projection and the MLP of every layer in C, with the same integer
-kernels as the per-matrix path and the native paged-attention kernel.
+paged attention, the output projection and the MLP of every layer in C, in one OpenMP region,
+with the same integer kernels as the per-matrix path (packed weights) or its own fp32 GEMV
+kernel (unquantized weights), and the native paged-attention kernel.
 
-It applies when (:meth:`FusedDecodeStack.build` says why not otherwise):
+It applies when (:meth:`FusedDecodeStack.unsupported_reason` says why not otherwise):
 
 - every matrix of every layer is packed (:class:`~tokenmill.layers.quant.packed.Int4Linear` or
-  :class:`~tokenmill.layers.quant.packed.Int8Linear`, any mix), the model is fp32 and has no
-  per-head q/k norm;
+  :class:`~tokenmill.layers.quant.packed.Int8Linear`, any mix) or unquantized fp32 on the CPU
+  (:class:`~tokenmill.layers.linear.DenseLinear` or
+  :class:`~tokenmill.layers.linear.OneDNNLinear`), the model is fp32 and has no per-head q/k norm;
 - the attention backend is the native paged one over fp32 or bf16 pages;
-- the step has at most :func:`~tokenmill.layers.quant.packed.gemv_max_rows` token rows (decode
-  steps; larger steps keep the dequantize + GEMM path) and no forced activation mode.
+- the step has at most :func:`~tokenmill.layers.quant.packed.gemv_max_rows` token rows for
+  packed matrices (larger steps keep the dequantize + GEMM path) and no forced activation mode,
+  and at most :data:`FUSED_FP32_MAX_ROWS` for fp32 ones (larger steps keep oneDNN's GEMM).
 
 The results equal the layer-by-layer path up to float summation order (RMSNorm's sum, the
-residual adds): the same int16-quantized activations feed the same kernels.
+residual adds, the fp32 dot products): packed matrices see the same int16-quantized activations
+and kernels. Memory: the fp32 kernel reads plain ``[N, K]`` rows, while oneDNN keeps its weights
+in a blocked layout for prefill, so an fp32 model on the fused path holds its layer weights
+twice (the default model: +425 MB); ``set_fused_decode(False)`` on the model gives that back
+only together with the speed.
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ import torch
 from tokenmill._native import attention as attention_kernel
 from tokenmill._native import quant as native
 from tokenmill.layers.attention.native import NativeMetadata, NativePagedAttention
-from tokenmill.layers.linear import LinearMethod
+from tokenmill.layers.linear import DenseLinear, LinearMethod, OneDNNLinear
 from tokenmill.layers.quant import packed
 from tokenmill.layers.quant.packed import Int4Linear, Int8Linear
 
@@ -37,7 +44,8 @@ from tokenmill.layers.quant.packed import Int4Linear, Int8Linear
 _NORM1, _NORM2, _QKV_BIAS, _K_CACHE, _V_CACHE, _MATS = range(6)
 _MAT_FIELDS = 8  # kind, qs, scales, mins, f16, N, K, group
 _LAYER_FIELDS = _MATS + 4 * _MAT_FIELDS
-_U4, _S8 = 0, 1
+_U4, _S8, _F32 = 0, 1, 2
+FUSED_FP32_MAX_ROWS = 8   # fp32 stacks: token rows up to which a step runs fused (more go layer by layer)
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,18 @@ class DecoderLayerWeights:
     down: LinearMethod            # [H, I]
 
 
-def _mat_fields(m: LinearMethod) -> list[int]:
+def _dense_fp32(m: LinearMethod) -> bool:
+    """An unquantized fp32 CPU matrix (plain, or oneDNN-packed with its plain rows recoverable)."""
+    return isinstance(m, (DenseLinear, OneDNNLinear)) and m.dtype == torch.float32 and m.dequantize().device.type == "cpu"
+
+
+def _mat_fields(m: LinearMethod, keep: list[torch.Tensor]) -> list[int]:
+    if _dense_fp32(m):
+        # the kernel reads plain [N, K] rows; a oneDNN-packed weight keeps its packed copy for
+        # prefill and this plain copy for decode (see the module docstring on memory)
+        w = m.dequantize().detach().contiguous()
+        keep.append(w)
+        return [_F32, w.data_ptr(), 0, 0, 0, m.out_features, m.in_features, m.in_features]
     if isinstance(m, Int4Linear):
         return [_U4, m.qs.data_ptr(), m.scales.data_ptr(), m.mins.data_ptr(), int(m.scales.dtype == torch.float16),
                 m.out_features, m.in_features, m.group_size]
@@ -71,6 +90,9 @@ class FusedDecodeStack:
         self.hidden, self.hq, self.hkv, self.d = hidden, num_heads, num_kv_heads, head_dim
         self.inter, self.eps, self.scale = intermediate, float(eps), float(scale)
         self._keep: list[torch.Tensor] = []   # contiguous fp32 copies the table points into
+        mats = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.dense = any(_dense_fp32(m) for m in mats)      # fp32 matrices (an unquantized model)
+        self.packed = any(not _dense_fp32(m) for m in mats)  # int4 / int8 matrices
         rows = []
         for layer in self.layers:
             row = [0] * _LAYER_FIELDS
@@ -78,7 +100,7 @@ class FusedDecodeStack:
             row[_NORM2] = self._ptr(layer.post_norm)
             row[_QKV_BIAS] = 0 if layer.qkv_bias is None else self._ptr(layer.qkv_bias)
             for i, m in enumerate((layer.qkv, layer.o, layer.gate_up, layer.down)):
-                row[_MATS + i * _MAT_FIELDS:_MATS + (i + 1) * _MAT_FIELDS] = _mat_fields(m)
+                row[_MATS + i * _MAT_FIELDS:_MATS + (i + 1) * _MAT_FIELDS] = _mat_fields(m, self._keep)
             rows.append(row)
         self._table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), _LAYER_FIELDS)
         self._kv: Sequence[Any] | None = None
@@ -103,13 +125,20 @@ class FusedDecodeStack:
         for i, layer in enumerate(layers):
             for name in ("qkv", "o", "gate_up", "down"):
                 m = getattr(layer, name)
-                if not isinstance(m, (Int4Linear, Int8Linear)):
-                    return f"layer {i} {name} is {m.format}, not a packed int4/int8 matrix"
+                if not isinstance(m, (Int4Linear, Int8Linear)) and not _dense_fp32(m):
+                    return f"layer {i} {name} is {m.format}, not a packed int4/int8 or fp32 matrix"
         return None
+
+    def max_rows(self) -> int:
+        """Token rows up to which a step can run fused: the packed kernels' limit
+        (:func:`~tokenmill.layers.quant.packed.gemv_max_rows`) and, with fp32 matrices,
+        :data:`FUSED_FP32_MAX_ROWS`."""
+        limits = ([packed.gemv_max_rows()] if self.packed else []) + ([FUSED_FP32_MAX_ROWS] if self.dense else [])
+        return min(limits)
 
     def applies(self, rows: int, attn: Any, kv_caches: Sequence[Any]) -> bool:
         """Whether a step of ``rows`` token rows on this backend and pool can run fused."""
-        if rows > packed.gemv_max_rows() or packed._activation_mode() == "fp32":
+        if rows > self.max_rows() or (self.packed and packed._activation_mode() == "fp32"):
             return False
         if type(attn) is not NativePagedAttention:
             return False
