@@ -164,7 +164,7 @@ def test_a_compiling_grammar_does_not_hold_up_the_batch(tiny_llama) -> None:
 
 def test_constrained_requests_survive_preemption(tiny_llama) -> None:
     lm, _ = tiny_llama
-    llm = LLM(loaded=lm, kv_cache_tokens=256, max_batch_tokens=64, debug_checks=True)
+    llm = LLM(loaded=lm, kv_cache_tokens=192, max_batch_tokens=64, debug_checks=True)
     spec = StructuredOutputs.json(SCHEMA)
     outs = llm.generate(random_prompts([40, 44, 48, 52], seed=10),
                         [_params(spec, seed=i, max_tokens=60) for i in range(4)])
