@@ -5,6 +5,7 @@ from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.step_cost import STEP_SECONDS_BUCKETS
+from tokenmill.layers.quant.fused_decode import FUSED_FP32_MAX_ROWS
 from tokenmill.layers.quant.packed import gemv_max_rows
 from tokenmill.server.metrics import ServerMetrics
 
@@ -16,8 +17,11 @@ def _engine(path: str, **kw) -> Engine:
 
 def test_packed_weights_give_the_cost_model_two_kinds_of_step(tiny_dir):
     path = str(tiny_dir("LlamaForCausalLM"))
-    assert _engine(path).step_cost.split_rows is None                        # fp32: one kind
+    # fp32: fused decode steps up to the stack's limit, oneDNN GEMM steps above it
+    assert _engine(path).step_cost.split_rows == FUSED_FP32_MAX_ROWS
     assert _engine(path, quantization="int4").step_cost.split_rows == gemv_max_rows()
+    # no fused stack (per-head q/k norms), fp32: one kind
+    assert _engine(str(tiny_dir("Qwen3ForCausalLM"))).step_cost.split_rows is None
     assert _engine(path, quantization="int4", decode_slowdown=None).step_cost is None
 
 
