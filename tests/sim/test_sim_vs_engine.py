@@ -96,10 +96,13 @@ def _run_engine(checkpoint: str, budget: int, slowdown: float | None):
         step += 1
         assert step < 1000
     engine.check_pages()
-    return steps, arrived_at, prompts, finished, engine.num_preemptions, times
+    split_rows = engine.step_cost.split_rows if engine.step_cost is not None else None
+    return steps, arrived_at, prompts, finished, engine.num_preemptions, (times, split_rows)
 
 
-def _run_sim(arrived_at, prompts, finished, budget: int, slowdown: float | None, times: list[tuple[int, int, float]]):
+def _run_sim(arrived_at, prompts, finished, budget: int, slowdown: float | None,
+             timing: tuple[list[tuple[int, int, float]], int | None]):
+    times, split_rows = timing
     prof = ReplicaProfile(name="tiny-test", kv_capacity_tokens=POOL_PAGES * PAGE, max_running_requests=MAX_RUNNING,
                           page_size=PAGE, max_prefill_tokens=budget, decode_slowdown=slowdown,
                           prefill=PrefillModel(fixed_s=0.003, per_token_s=2e-5),
@@ -108,6 +111,7 @@ def _run_sim(arrived_at, prompts, finished, budget: int, slowdown: float | None,
     rep = SimReplica("r0", prof, PAGE, lambda: now[0], session_retention_s=0.0, fast_forward=False)
     sc = rep.scheduler.step_cost
     if sc is not None:
+        sc.split_rows = split_rows   # the engine's kinds of step (its fused decode stack's row limit)
         measured = iter(times)
         observe = sc.observe
 
