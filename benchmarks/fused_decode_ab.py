@@ -30,18 +30,32 @@ def _decode_ms(engine, prompt: list[int], tokens: int, fused: bool, batch: int) 
     for b, rid in enumerate(ids):   # distinct last tokens: every request decodes its own row
         engine.add_request(rid, prompt[:-1] + [prompt[-1] + b],
                            SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    rows: list[int] = []   # rows of each forward, -1 where a request prefilled
+    execute = engine.runner.execute
+
+    def counting(so, _execute=execute):
+        rows.append(so.num_tokens if all(s.num_tokens == 1 for s in so.scheduled) else -1)
+        return _execute(so)
+
+    engine.runner.execute = counting
     steps, out = [], None
-    while engine.has_unfinished_requests():
-        t = time.perf_counter()
-        outs = engine.step()
-        dt = time.perf_counter() - t
-        for o in outs:
-            if o.finished and o.request_id == ids[0]:
-                out = list(o.token_ids)
-        if all(engine.scheduler.get(r) is None or engine.scheduler.get(r).num_uncomputed_tokens <= 1 for r in ids):
-            steps.append(dt)
+    try:
+        while engine.has_unfinished_requests():
+            n = len(rows)
+            t = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t
+            for o in outs:
+                if o.finished and o.request_id == ids[0]:
+                    out = list(o.token_ids)
+            if len(rows) == n + 1 and rows[-1] == batch:
+                steps.append(dt)   # a decode step of every request, nothing else
+    finally:
+        engine.runner.execute = execute
     engine.flush_cache()
-    return statistics.median(steps[2:]) * 1e3, out or []
+    if len(steps) < 3:
+        raise SystemExit(f"only {len(steps)} decode steps of {batch} rows were seen (raise --tokens)")
+    return statistics.median(steps[1:]) * 1e3, out or []
 
 
 def main() -> int:

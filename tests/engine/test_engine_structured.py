@@ -162,9 +162,10 @@ def test_a_compiling_grammar_does_not_hold_up_the_batch(tiny_llama) -> None:
     assert final["bound"].finish_reason == "stop" and re.fullmatch(r"q{2,4}", final["bound"].text)
 
 
-def test_constrained_requests_survive_preemption(tiny_llama) -> None:
+@pytest.mark.parametrize("fused_decode", [True, False])
+def test_constrained_requests_survive_preemption(tiny_llama, fused_decode: bool) -> None:
     lm, _ = tiny_llama
-    llm = LLM(loaded=lm, kv_cache_tokens=192, max_batch_tokens=64, debug_checks=True)
+    llm = LLM(loaded=lm, kv_cache_tokens=128, max_batch_tokens=64, debug_checks=True, fused_decode=fused_decode)
     spec = StructuredOutputs.json(SCHEMA)
     outs = llm.generate(random_prompts([40, 44, 48, 52], seed=10),
                         [_params(spec, seed=i, max_tokens=60) for i in range(4)])

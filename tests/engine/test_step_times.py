@@ -20,8 +20,10 @@ def test_packed_weights_give_the_cost_model_two_kinds_of_step(tiny_dir):
     # fp32: fused decode steps up to the stack's limit, oneDNN GEMM steps above it
     assert _engine(path).step_cost.split_rows == FUSED_FP32_MAX_ROWS
     assert _engine(path, quantization="int4").step_cost.split_rows == gemv_max_rows()
-    # no fused stack (per-head q/k norms), fp32: one kind
+    # no fused stack (per-head q/k norms), or fused decode turned off, fp32: one kind
     assert _engine(str(tiny_dir("Qwen3ForCausalLM"))).step_cost.split_rows is None
+    off = _engine(path, fused_decode=False)
+    assert off.step_cost.split_rows is None and off.runner.model._fused is False   # the stack never built
     assert _engine(path, quantization="int4", decode_slowdown=None).step_cost is None
 
 

@@ -67,6 +67,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--linear-backend", default=d.linear_backend, choices=LINEAR_BACKENDS,
                    help="fp32 weight matmuls: auto = oneDNN on weights prepacked at start-up when on CPU, "
                         "torch = F.linear, onednn = oneDNN or refuse")
+    g.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=d.fused_decode,
+                   help="run decode steps of a few rows as one native call through every layer (Llama-family "
+                        "models with packed int4/int8 or fp32 weights; fp32 keeps a plain copy of the layer "
+                        "weights beside oneDNN's, e.g. +425 MB for the default model; default: %(default)s)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d.compile,
                    help="fuse the elementwise work around the matmuls with torch.compile for steps of 64+ "
                         "tokens (compiled at start-up, cached in TORCHINDUCTOR_CACHE_DIR, default "

@@ -60,6 +60,9 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
                                           # start-up, 4x fp32's tokens) or token (per token and head)
     attention_backend: str = "auto"  # see tokenmill.layers.attention.select_attention_backend
     linear_backend: str = "auto"     # fp32 matmuls: auto (oneDNN prepacked on CPU), torch, onednn
+    fused_decode: bool = True        # small decode steps in one native call per step where the model
+                                     # has a fused stack (layers/quant/fused_decode.py; fp32 models
+                                     # then keep a plain copy of their layer weights beside oneDNN's)
     compile: bool = False            # fuse the elementwise ops around the matmuls (layers/fused.py;
                                      # process-wide, compiled at start-up, cached on disk)
     # Lower cache tiers (docs/kv-tiers.md): L2 host memory, L3 shared storage.

@@ -125,9 +125,9 @@ class Engine:
             if self.runner.states is not None:   # snapshots are taken by copying a request's slot
                 self.kv.copy_state = self.runner.states.copy
             self._init_tiers()
+        fused = config.fused_decode and config.tensor_parallel_size == 1
         if self.step_cost is not None:   # fused / packed steps: small steps are a cheaper kind
-            self.step_cost.split_rows = step_kind_rows(self.loaded.model,
-                                                       fused=config.tensor_parallel_size == 1)
+            self.step_cost.split_rows = step_kind_rows(self.loaded.model, fused=fused)
         self.generation_tokens_total = 0
         self._arrivals = 0
         self._num_timed = 0   # requests added with a deadline (expiry is skipped while there are none)
@@ -160,6 +160,8 @@ class Engine:
             loaded = load_model(cfg.model, dtype=dtype, quantization=QuantConfig(
                 cfg.quantization, cfg.quant_group_size, cfg.quant_symmetric))
         self.loaded = loaded
+        if hasattr(loaded.model, "set_fused_decode"):   # off: the stack is never built (no second
+            loaded.model.set_fused_decode(self.config.fused_decode)   # copy of fp32 weights)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.eos_token_ids = frozenset(loaded.eos_token_ids)

@@ -81,7 +81,7 @@ def step_kind_rows(model: torch.nn.Module, fused: bool = True) -> int | None:
     has one, else the packed-weight integer kernels' (dequantize + GEMM above); None when
     neither applies. ``fused=False``: the model's forward never takes the fused stack (tensor
     parallel ranks run their own layer loop)."""
-    stack_of = getattr(model, "fused_decode_stack", None) if fused else None
+    stack_of = getattr(model, "fused_decode_stack", None) if fused and getattr(model, "fused_decode_enabled", True) else None
     stack = stack_of() if callable(stack_of) else None
     if stack is not None:
         return stack.max_rows()

@@ -120,6 +120,10 @@ class LlamaForCausalLM(CausalLM):
             h = stack.run(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, start)
         return h
 
+    @property
+    def fused_decode_enabled(self) -> bool:
+        return self._fused_on
+
     def set_fused_decode(self, enabled: bool) -> None:
         """Turn the native fused decode path on (the default, where the weights fit it) or off
         (every step then runs layer by layer; for A/B measurements and tests)."""

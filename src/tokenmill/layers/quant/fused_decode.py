@@ -45,7 +45,8 @@ _NORM1, _NORM2, _QKV_BIAS, _K_CACHE, _V_CACHE, _MATS = range(6)
 _MAT_FIELDS = 8  # kind, qs, scales, mins, f16, N, K, group
 _LAYER_FIELDS = _MATS + 4 * _MAT_FIELDS
 _U4, _S8, _F32 = 0, 1, 2
-FUSED_FP32_MAX_ROWS = 8   # fp32 stacks: token rows up to which a step runs fused (more go layer by layer)
+FUSED_FP32_MAX_ROWS = 4   # fp32 stacks: token rows up to which a step runs fused (more go layer by layer;
+                          # benchmarks/fused_decode_ab.py: 1.41x / 1.06x / 0.79x oneDNN at 1 / 4 / 8 rows)
 
 
 @dataclass(frozen=True)
