@@ -170,8 +170,25 @@ def test_budget_keeps_the_bound_in_the_cheap_kind_and_shrinks_with_context():
 
 def test_warmup_with_kinds_stays_in_the_cheap_kind():
     cost = StepCost(slowdown=2.0, split_rows=16)
-    assert cost.prefill_budget(4, 500) == 12
-    assert cost.prefill_budget(20, 500) == cost.min_tokens       # already past the cheap kind
+    # all of the room left in the cheap kind, then half of it: the kind's fit needs rows that vary
+    assert [cost.prefill_budget(4, 500) for _ in range(4)] == [12, 6, 12, 6]
+    # the decodes already fill the cheap kind: the plain warm-up budget (not a 1-token chunk
+    # every step, which would keep the fits from ever seeing a spread of rows)
+    assert cost.prefill_budget(20, 500) == cost.warmup_tokens
+
+
+def test_a_kind_never_measured_is_entered_to_measure_it():
+    """Decodes always running: the GEMM kind was never seen, the cheap kind is known. A step with
+    the cheap kind full gets a warm-up's worth of chunk rather than the 1-token floor forever."""
+    cost = StepCost(slowdown=2.0, split_rows=4)
+    for rows, t in [(1, 0.010), (2, 0.011), (3, 0.012), (4, 0.013)] * 2:
+        cost.observe(rows, t)
+    assert cost.fit(4) is not None and cost.fit(5) is None
+    assert cost.prefill_budget(4, 500) == cost.warmup_tokens
+    assert cost.prefill_budget(2, 500) == 2 + cost.warmup_tokens   # the 2 rows left in the cheap kind, then 64 more
+    for rows, t in [(5, 0.020), (40, 0.035), (68, 0.046)] * 2:      # measured now: the bound takes over
+        cost.observe(rows, t)
+    assert cost.prefill_budget(4, 500) < cost.warmup_tokens
 
 
 def test_negative_slope_from_noise_is_dropped():

@@ -20,7 +20,7 @@ from tokenmill.sim.profiles import DecodeModel, PrefillModel, ReplicaProfile
 from tokenmill.sim.replica import SimReplica, SimRequest
 
 PAGE = 16
-POOL_PAGES = 18
+POOL_PAGES = 16
 MAX_RUNNING = 4
 
 

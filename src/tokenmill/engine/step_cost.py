@@ -25,7 +25,10 @@ and the bound picks the largest chunk that keeps the step within the bound in ei
 mixed step that fits in ``split_rows`` rows usually stays within it; one just past it does not).
 
 Until a kind's fit is trustworthy (``min_samples`` effective observations with some spread), the
-budget is ``warmup_tokens``, or with ``split_rows`` what keeps the step in the small kind.
+budget is ``warmup_tokens``, or with ``split_rows`` what keeps the step in the small kind (while
+the decodes leave room in it; else ``warmup_tokens``). A kind whose fit is not known while the
+other's is gets up to ``warmup_tokens`` of chunk into it, so that it is measured: with decodes
+always running, a kind seen only in prefill-only steps would otherwise never be entered again.
 
 Pure Python and no I/O: the engine feeds it wall time; the simulator can feed it modelled time.
 """
@@ -153,6 +156,7 @@ class StepCost:
     min_samples: float = 3.0       # effective observations needed before trusting a kind's fit
     split_rows: int | None = None  # steps of at most this many rows are a kind of their own
     _fits: list[_Fit] = field(init=False, repr=False)
+    _warm_half: bool = field(default=False, init=False, repr=False)   # alternates warm-up chunk sizes
 
     def __post_init__(self) -> None:
         if not self.slowdown > 1.0:
@@ -216,9 +220,18 @@ class PrefillBound:
         self.added = 0
         alone = cost.predict(num_decode_tokens, decode_pairs)
         self.target = None if alone is None else cost.slowdown * max(alone, 0.0)
-        # warm-up allowance: tokens the step may take while the fit is not known
-        if cost.split_rows is not None:
-            self.warmup = max(cost.split_rows - num_decode_tokens, 0)
+        # warm-up allowance: tokens the step may take while the fit is not known: what keeps the
+        # step in the small kind, or, when the decodes alone already fill it (nothing would be
+        # left, every step would carry a 1-token chunk and the fit would never see the spread it
+        # needs), the plain warm-up budget
+        if cost.split_rows is not None and cost.split_rows > num_decode_tokens:
+            # alternately all of the room and half of it: steps that always fill the small kind
+            # to exactly split_rows rows give its fit no spread in rows, and it would never be known
+            self.warmup = cost.split_rows - num_decode_tokens
+            if self.target is None:
+                if cost._warm_half and self.warmup > 1:
+                    self.warmup //= 2
+                cost._warm_half = not cost._warm_half
         else:
             self.warmup = cost.warmup_tokens
 
@@ -245,6 +258,9 @@ class PrefillBound:
             ranges = [(1, split - self.rows), (split - self.rows + 1, limit)]
         for lo, hi in ranges:
             if self.cost.fit(self.rows + lo) is None:
+                # a kind not measured yet (e.g. GEMM steps while decodes always run): a warm-up's
+                # worth of tokens into it, so that it gets measured, rather than never entering it
+                best = max(best, min(hi, lo - 1 + max(self.cost.warmup_tokens - self.added, 0)))
                 continue
             if self._fits(hi, context):
                 best = max(best, hi)
