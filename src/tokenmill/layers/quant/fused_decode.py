@@ -63,8 +63,11 @@ class DecoderLayerWeights:
 
 
 def _dense_fp32(m: LinearMethod) -> bool:
-    """An unquantized fp32 CPU matrix (plain, or oneDNN-packed with its plain rows recoverable)."""
-    return isinstance(m, (DenseLinear, OneDNNLinear)) and m.dtype == torch.float32 and m.dequantize().device.type == "cpu"
+    """An unquantized fp32 CPU matrix: plain, or oneDNN-packed (always fp32 on the CPU), whose
+    plain rows ``dequantize`` gives back."""
+    if isinstance(m, DenseLinear):
+        return m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+    return isinstance(m, OneDNNLinear)
 
 
 def _mat_fields(m: LinearMethod, keep: list[torch.Tensor]) -> list[int]:
