@@ -117,10 +117,10 @@ def test_greedy_constrained_identical_with_rejected_and_forbidden_drafts(tiny_ll
     prompts.append(random_prompts([14], seed=22)[0])
     params.append(SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     kw = {"max_batch_tokens": chunk} if chunk else {}
-    llm, ref = _with_drafter(lm, prompts, params, wrong=0.25, forbidden=0.15, **kw)
+    llm, ref = _with_drafter(lm, prompts, params, wrong=0.35, forbidden=0.15, **kw)
     got = llm.generate(prompts, params)
     assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in ref]
-    st = llm.engine.stats().spec
+    st = llm.engine.stats().spec   # (grammar compiles run on a thread: the steps, and so these counts, vary a little)
     assert st.accepted > 20 and st.proposed - st.accepted > 10, st
     for out, p in zip(got[:6], params):
         assert out.finish_reason == "stop", out
