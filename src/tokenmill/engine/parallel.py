@@ -138,7 +138,8 @@ class ParallelRunner:
                 try:
                     self._conns[rank].send(("weights", kind, full_args, part))
                 except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-                    self._fail(f"tensor-parallel rank failed to start: {self._dead_ranks_message() or 'pipe closed'}")
+                    self._fail(self._dead_ranks_message(starting=True)
+                               or f"tensor-parallel rank {rank} failed to start: its pipe closed")
             for rank in range(spec.tp):
                 msg = self._recv(rank, start_timeout_s, what="start")
                 if msg[0] != "ready":
@@ -300,20 +301,24 @@ class ParallelRunner:
                     return pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     pass  # the rank is gone; its sentinel tells which
-            dead = self._dead_ranks_message()
+            dead = self._dead_ranks_message(starting=what == "start")
             if dead:
-                self._fail(dead if what != "start" else f"tensor-parallel rank failed to start: {dead}")
+                self._fail(dead)
             if deadline is not None and time.monotonic() >= deadline:
                 self._fail(f"tensor-parallel rank {rank} did not answer ({what}) within {timeout:.0f} s")
 
-    def _dead_ranks_message(self, skip: int | None = None) -> str:
+    def _dead_ranks_message(self, skip: int | None = None, *, starting: bool = False) -> str:
+        """Every rank (but ``skip``) that has exited, with its code and last error; ``starting``
+        words each as "tensor-parallel rank N failed to start: ...", as a start error from the
+        rank's own message is."""
         dead = []
         for r, p in enumerate(self._procs):
             if r == skip:
                 continue
             p.join(timeout=0)
             if p.exitcode is not None:
-                dead.append(f"rank {r} exited with code {p.exitcode}{self._last_words(r)}")
+                what = f"exited with code {p.exitcode}{self._last_words(r)}"
+                dead.append(f"tensor-parallel rank {r} failed to start: {what}" if starting else f"rank {r} {what}")
         # a dead rank usually makes the others fail in their collective: report the first death
         return "; ".join(dead)
 
