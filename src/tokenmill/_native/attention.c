@@ -1,8 +1,9 @@
 /* Paged attention over tokenmill's KV pool, reading pages in place.
  *
  * KV layout of one layer (the torch reference backend's layout):
- *     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim], contiguous, float32 or
- *     bfloat16 (widened to float32 as it is read; all arithmetic is float32)
+ *     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim], contiguous, float32,
+ *     bfloat16 or float8_e4m3fn bytes with float32 scales (see "fp8 pages" below); narrow
+ *     elements are widened to float32 as they are read, all arithmetic is float32
  * Token at context position p of sequence i lives in page block_tables[i][p / page_size] at
  * offset p % page_size.
  *
@@ -41,6 +42,7 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #define TM_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #else
 #define TM_X86 0
@@ -65,13 +67,43 @@ typedef struct {
 typedef struct {
     const float *q;  int64_t q_stride;   /* q[t, h, d] = q[t*q_stride + h*D + d] */
     float *out;                          /* out[t, h*D + d] */
-    const void *kc, *vc;                 /* caches: float32, or bfloat16 when kv_bf16 */
-    int kv_bf16;
+    const void *kc, *vc;                 /* caches, of kind (TM_KV_*) */
+    int kind;
+    const float *ks, *vs;                /* fp8 scales (see attention.h) */
     const int64_t *bt; int64_t bt_stride;
     const int64_t *qsl, *seq_lens;
     int page_size, hq, hkv, d, group;
     float scale;
 } Problem;
+
+/* fp8 pages (TM_KV_FP8, TM_KV_FP8_TOKEN): a byte b holds a float8_e4m3fn value e (1 sign, 4
+ * exponent bits of bias 7, 3 mantissa bits; no infinities, 0x7F / 0xFF are NaN and never
+ * stored), and the element is e * scale. The vector paths widen 8 or 16 bytes at once without a
+ * table: ((b & 0x80) << 8) | ((b & 0x7F) << 7) is the float16 whose value is exactly e * 2^-8
+ * (float16 has the same 3 leading mantissa bits and an exponent bias of 15 = 7 + 8, normals and
+ * subnormals alike), and F16C's vcvtph2ps turns it into float32. The 2^8 is folded into the
+ * scales. The scales themselves stay out of the inner loops: K's goes into the query (a static
+ * scale: once per task) or onto each key's score (a scale per token), V's into the softmax
+ * weight of each key (per token) or onto the output (static). */
+static float g_e4m3[256];   /* e4m3 byte -> value, for the scalar paths (filled at module load) */
+
+static void init_e4m3_table(void) {
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 0xF, m = b & 7;
+        float v = (b & 0x7F) == 0x7F ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
+        g_e4m3[b] = (b & 0x80) ? -v : v;
+    }
+}
+
+static inline size_t kv_esz(int kind) { return kind == TM_KV_F32 ? 4 : kind == TM_KV_BF16 ? 2 : 1; }
+
+/* the fp8 scale of the K (which = 0) or V (1) row at element offset off (kv head kvh); else 1 */
+static inline float row_scale(const Problem *P, int which, int64_t off, int kvh) {
+    const float *sc = which ? P->vs : P->ks;
+    if (P->kind == TM_KV_FP8) return sc[kvh];
+    if (P->kind == TM_KV_FP8_TOKEN) return sc[off / P->d];
+    return 1.f;
+}
 
 /* Ask for the K and V rows of keys [j0, j1) of one kv head ahead of use. Pages are scattered
  * and one head's row is a short piece of each page row, so the hardware prefetchers miss them:
@@ -115,8 +147,9 @@ static inline void prefetch_keys(const Problem *P, const int64_t *table, int kvh
 /* ---------------------------------------------------------------------------------------- */
 /* scalar path                                                                              */
 
-static inline float kv_at(const void *base, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)base)[i];
+static inline float kv_at(const void *base, int64_t i, int kind) {
+    if (kind == TM_KV_F32) return ((const float *)base)[i];
+    if (kind != TM_KV_BF16) return g_e4m3[((const uint8_t *)base)[i]];
     uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
     float f;
     memcpy(&f, &u, sizeof f);
@@ -125,6 +158,7 @@ static inline float kv_at(const void *base, int64_t i, int bf16) {
 
 static void task_scalar(const Problem *P, const Task *T, float *part_m, float *part_l, float *part_acc) {
     const int D = P->d, G = P->group, ps = P->page_size;
+    const float vfac = 1.f;   /* the scalar path applies fp8 scales key by key */
     const int64_t q0 = P->qsl[T->seq], n = P->qsl[T->seq + 1] - q0, L = P->seq_lens[T->seq];
     const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
     const int nrow = T->r1 - T->r0, nq = nrow * G;
@@ -151,7 +185,8 @@ static void task_scalar(const Problem *P, const Task *T, float *part_m, float *p
                 for (int j = j0; j < jend; j++) {
                     int64_t ko = ((table[j / ps] * ps + j % ps) * P->hkv + T->kvh) * D;
                     float dot = 0.f;
-                    for (int x = 0; x < D; x++) dot += qq[x] * kv_at(P->kc, ko + x, P->kv_bf16);
+                    for (int x = 0; x < D; x++) dot += qq[x] * kv_at(P->kc, ko + x, P->kind);
+                    dot *= row_scale(P, 0, ko, T->kvh);
                     s[j - j0] = dot;
                     if (dot > bm) bm = dot;
                 }
@@ -164,7 +199,8 @@ static void task_scalar(const Problem *P, const Task *T, float *part_m, float *p
                     float p = expf(s[j - j0] - mn);
                     sum += p;
                     int64_t vo = ((table[j / ps] * ps + j % ps) * P->hkv + T->kvh) * D;
-                    for (int x = 0; x < D; x++) a[x] += p * kv_at(P->vc, vo + x, P->kv_bf16);
+                    const float pv = p * row_scale(P, 1, vo, T->kvh);
+                    for (int x = 0; x < D; x++) a[x] += pv * kv_at(P->vc, vo + x, P->kind);
                 }
                 l[v] = l[v] * alpha + sum;
                 m[v] = mn;
@@ -180,7 +216,7 @@ static void task_scalar(const Problem *P, const Task *T, float *part_m, float *p
                 for (int x = 0; x < D; x++) dst[x] = acc[v * D + x] * inv;
             } else {
                 part_m[v] = m[v]; part_l[v] = l[v];
-                memcpy(part_acc + (size_t)v * D, acc + (size_t)v * D, sizeof(float) * D);
+                for (int x = 0; x < D; x++) part_acc[(size_t)v * D + x] = acc[(size_t)v * D + x] * vfac;
             }
         }
     free(acc);
@@ -203,8 +239,9 @@ static void task_scalar(const Problem *P, const Task *T, float *part_m, float *p
  *     and sum, and the causal mask is a lane compare that only blocks crossing the diagonal pay;
  *   - the output stays transposed too, acc[x][i] += v_j[x] * p[j][i], one broadcast of v_j[x]
  *     per register of queries.
- * Blocks that lie wholly after a group's last query are skipped. bf16 pages are widened into
- * a float32 copy of the block (TILE_KEYS rows, reused by every group); float32 pages are read
+ * Blocks that lie wholly after a group's last query are skipped. bf16 and fp8 pages are
+ * widened into a float32 copy of the block (fp8: times its scale, so the copy holds exactly the
+ * dequantized values) (TILE_KEYS rows, reused by every group); float32 pages are read
  * where they are. A row's result depends only on its own sequence's rows and keys.
  */
 #define TILE_KEYS 32        /* keys of one block (a multiple of every kernel's key step) */
@@ -231,10 +268,12 @@ typedef struct {
 
 typedef void (*tile_fn)(const TileArgs *A);
 typedef void (*widen_fn)(float *dst, const uint16_t *src, int n);
+typedef void (*widen8_fn)(float *dst, const uint8_t *src, int n, float scale);  /* fp8 bytes * scale */
 
 typedef struct {
     tile_fn tile;
     widen_fn widen;
+    widen8_fn widen8;
     int qw;      /* query vectors per group */
     int kstep;   /* the kernel scores keys in steps of this many */
 } TileKernel;
@@ -244,6 +283,10 @@ static void widen_scalar(float *dst, const uint16_t *src, int n) {
         uint32_t u = (uint32_t)src[x] << 16;
         memcpy(dst + x, &u, sizeof u);
     }
+}
+
+static void widen8_scalar(float *dst, const uint8_t *src, int n, float scale) {
+    for (int x = 0; x < n; x++) dst[x] = g_e4m3[src[x]] * scale;
 }
 
 #define SCALAR_QW 8
@@ -294,12 +337,13 @@ static void task_tiled(const Problem *P, const Task *T, float *part_m, float *pa
     const int64_t q0 = P->qsl[T->seq], n = P->qsl[T->seq + 1] - q0, L = P->seq_lens[T->seq];
     const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
     const int nq = (T->r1 - T->r0) * G, ngrp = (nq + qw - 1) / qw, nqp = ngrp * qw;
-    const size_t esz = P->kv_bf16 ? 2 : 4;
+    const size_t esz = kv_esz(P->kind);
+    const int narrow = P->kind != TM_KV_F32;
     float *qt = alloc64((size_t)nqp * D), *acc = alloc64((size_t)nqp * D);
     float *m = alloc64(nqp), *l = alloc64(nqp), *qpos = alloc64(nqp);
     float *s = alloc64((size_t)TILE_KEYS * qw);
-    /* a zero row for padding keys, then (bf16) the widened K and V rows of the block */
-    float *kv = alloc64((size_t)D * (1 + (P->kv_bf16 ? 2 * TILE_KEYS : 0)));
+    /* a zero row for padding keys, then (bf16, fp8) the widened K and V rows of the block */
+    float *kv = alloc64((size_t)D * (1 + (narrow ? 2 * TILE_KEYS : 0)));
     const float *kp[TILE_KEYS], *vp[TILE_KEYS];
     memset(acc, 0, sizeof(float) * (size_t)nqp * D);
     memset(kv, 0, sizeof(float) * D);
@@ -320,10 +364,15 @@ static void task_tiled(const Problem *P, const Task *T, float *part_m, float *pa
         key_offsets(P, table, T->kvh, j0, j0 + nk, offs);
         for (int j = 0; j < nk; j++) {
             const int64_t off = offs[j];
-            if (P->kv_bf16) {
+            if (narrow) {
                 float *kr = kv + (size_t)(1 + j) * D, *vr = kv + (size_t)(1 + TILE_KEYS + j) * D;
-                K->widen(kr, (const uint16_t *)P->kc + off, D);
-                K->widen(vr, (const uint16_t *)P->vc + off, D);
+                if (P->kind == TM_KV_BF16) {
+                    K->widen(kr, (const uint16_t *)P->kc + off, D);
+                    K->widen(vr, (const uint16_t *)P->vc + off, D);
+                } else {
+                    K->widen8(kr, (const uint8_t *)P->kc + off, D, row_scale(P, 0, off, T->kvh));
+                    K->widen8(vr, (const uint8_t *)P->vc + off, D, row_scale(P, 1, off, T->kvh));
+                }
                 kp[j] = kr; vp[j] = vr;
             } else {
                 kp[j] = (const float *)P->kc + off;
@@ -363,13 +412,13 @@ static void task_tiled(const Problem *P, const Task *T, float *part_m, float *pa
     free(qt); free(acc); free(m); free(l); free(qpos); free(s); free(kv);
 }
 
-static const TileKernel tile_kernel_scalar = {tile_scalar, widen_scalar, SCALAR_QW, 1};
+static const TileKernel tile_kernel_scalar = {tile_scalar, widen_scalar, widen8_scalar, SCALAR_QW, 1};
 
 /* ---------------------------------------------------------------------------------------- */
 /* AVX2 + FMA path                                                                          */
 
 #if TM_X86
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 /* exp(x) for x <= 0 (and -inf -> 0): range reduction by ln 2 and a degree-6 polynomial. */
 AVX2 static inline __m256 exp256(__m256 x) {
@@ -408,18 +457,27 @@ AVX2 static inline __m128 hsum4x256(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-/* Eight cache elements at p (an element pointer of the cache's type) as float32. */
-AVX2 static inline __attribute__((always_inline)) __m256 ld8(const void *p, int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)p);
+/* Eight fp8 bytes as float32 values times 2^-8 (see "fp8 pages"). */
+AVX2 static inline __attribute__((always_inline)) __m256 fp8x8(const void *p) {
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16((short)0x8000)),
+                             _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_cvtph_ps(h);
+}
+
+/* Eight cache elements at p (an element pointer of the cache's kind) as float32 (fp8: times 2^-8). */
+AVX2 static inline __attribute__((always_inline)) __m256 ld8(const void *p, int kind) {
+    if (kind == TM_KV_F32) return _mm256_loadu_ps((const float *)p);
+    if (kind != TM_KV_BF16) return fp8x8(p);
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
-/* D is a multiple of 8 on this path. bf16 is a compile-time constant in each caller below, so
- * the compiler makes one specialised copy per cache dtype. */
+/* D is a multiple of 8 on this path. kind is a compile-time constant in each caller below, so
+ * the compiler makes one specialised copy per cache kind. */
 AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Problem *P, const Task *T, float *part_m,
-                                                                      float *part_l, float *part_acc, const int bf16) {
-    const size_t esz = bf16 ? 2 : 4;
+                                                                      float *part_l, float *part_acc, const int kind) {
+    const size_t esz = kv_esz(kind);
     const int D = P->d, G = P->group, D8 = D / 8;
     const int64_t q0 = P->qsl[T->seq], n = P->qsl[T->seq + 1] - q0, L = P->seq_lens[T->seq];
     const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
@@ -430,7 +488,10 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
     float m[MAX_QVEC], l[MAX_QVEC];
     float s[KEY_BLOCK] __attribute__((aligned(32)));
     const char *kp[KEY_BLOCK], *vp[KEY_BLOCK];   /* element pointers (byte addressed) */
-    const __m256 vscale = _mm256_set1_ps(P->scale);
+    const float qfac = P->scale * (kind == TM_KV_FP8 ? P->ks[T->kvh] * 256.f : kind == TM_KV_FP8_TOKEN ? 256.f : 1.f);
+    const float vfac = kind == TM_KV_FP8 ? P->vs[T->kvh] * 256.f : kind == TM_KV_FP8_TOKEN ? 256.f : 1.f;
+    float ksc[KEY_BLOCK], vsc[KEY_BLOCK];        /* per-token fp8: the block's key scales */
+    const __m256 vscale = _mm256_set1_ps(qfac);
     for (int r = 0; r < nrow; r++)
         for (int g = 0; g < G; g++) {
             const float *src = P->q + (q0 + T->r0 + r) * P->q_stride + (int64_t)(T->kvh * G + g) * D;
@@ -447,6 +508,8 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
                 kp[j - j0] = (const char *)P->kc + offs[j - j0] * esz;
                 vp[j - j0] = (const char *)P->vc + offs[j - j0] * esz;
             }
+            if (kind == TM_KV_FP8_TOKEN)   /* a vector's scale sits at slot * hkv + head = offset / D */
+                for (int j = 0; j < j1 - j0; j++) { ksc[j] = P->ks[offs[j] / D]; vsc[j] = P->vs[offs[j] / D]; }
         }
         if (j0 == T->k0)  /* the blocks PREFETCH_BLOCKS ahead are requested as each block starts */
             prefetch_keys(P, table, T->kvh, j1, j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK < T->k1 ? j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK : T->k1, esz);
@@ -467,19 +530,21 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
                     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                     for (int x = 0; x < D; x += 8) {
                         __m256 qx = _mm256_load_ps(qq + x);
-                        a0 = _mm256_fmadd_ps(qx, ld8(kp[j] + x * esz, bf16), a0);
-                        a1 = _mm256_fmadd_ps(qx, ld8(kp[j + 1] + x * esz, bf16), a1);
-                        a2 = _mm256_fmadd_ps(qx, ld8(kp[j + 2] + x * esz, bf16), a2);
-                        a3 = _mm256_fmadd_ps(qx, ld8(kp[j + 3] + x * esz, bf16), a3);
+                        a0 = _mm256_fmadd_ps(qx, ld8(kp[j] + x * esz, kind), a0);
+                        a1 = _mm256_fmadd_ps(qx, ld8(kp[j + 1] + x * esz, kind), a1);
+                        a2 = _mm256_fmadd_ps(qx, ld8(kp[j + 2] + x * esz, kind), a2);
+                        a3 = _mm256_fmadd_ps(qx, ld8(kp[j + 3] + x * esz, kind), a3);
                     }
                     _mm_storeu_ps(s + j, hsum4x256(a0, a1, a2, a3));
                 }
                 for (; j < nk; j++) {
                     __m256 a0 = _mm256_setzero_ps();
                     for (int x = 0; x < D; x += 8)
-                        a0 = _mm256_fmadd_ps(_mm256_load_ps(qq + x), ld8(kp[j] + x * esz, bf16), a0);
+                        a0 = _mm256_fmadd_ps(_mm256_load_ps(qq + x), ld8(kp[j] + x * esz, kind), a0);
                     s[j] = hsum256(a0);
                 }
+                if (kind == TM_KV_FP8_TOKEN)
+                    for (int t = 0; t < nk; t++) s[t] *= ksc[t];
                 float bm = -INFINITY;
                 for (int t = 0; t < nk; t++) bm = s[t] > bm ? s[t] : bm;
                 float mn = m[v] > bm ? m[v] : bm;
@@ -503,18 +568,18 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
                     __m256 va = _mm256_set1_ps(alpha);
                     for (int x = 0; x < D8; x++) o[x] = _mm256_mul_ps(_mm256_load_ps(a + 8 * x), va);
                     for (int u = 0; u < nk; u++) {
-                        __m256 pu = _mm256_set1_ps(s[u]);
+                        __m256 pu = _mm256_set1_ps(kind == TM_KV_FP8_TOKEN ? s[u] * vsc[u] : s[u]);
                         const char *vv = vp[u];
-                        for (int x = 0; x < D8; x++) o[x] = _mm256_fmadd_ps(pu, ld8(vv + 8 * x * esz, bf16), o[x]);
+                        for (int x = 0; x < D8; x++) o[x] = _mm256_fmadd_ps(pu, ld8(vv + 8 * x * esz, kind), o[x]);
                     }
                     for (int x = 0; x < D8; x++) _mm256_store_ps(a + 8 * x, o[x]);
                 } else {
                     __m256 va = _mm256_set1_ps(alpha);
                     for (int x = 0; x < D; x += 8) _mm256_store_ps(a + x, _mm256_mul_ps(_mm256_load_ps(a + x), va));
                     for (int u = 0; u < nk; u++) {
-                        __m256 pu = _mm256_set1_ps(s[u]);
+                        __m256 pu = _mm256_set1_ps(kind == TM_KV_FP8_TOKEN ? s[u] * vsc[u] : s[u]);
                         for (int x = 0; x < D; x += 8)
-                            _mm256_store_ps(a + x, _mm256_fmadd_ps(pu, ld8(vp[u] + x * esz, bf16), _mm256_load_ps(a + x)));
+                            _mm256_store_ps(a + x, _mm256_fmadd_ps(pu, ld8(vp[u] + x * esz, kind), _mm256_load_ps(a + x)));
                     }
                 }
             }
@@ -525,11 +590,11 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
             int v = r * G + g;
             if (T->part < 0) {
                 float *dst = P->out + (q0 + T->r0 + r) * (int64_t)P->hq * D + (int64_t)(T->kvh * G + g) * D;
-                __m256 inv = _mm256_set1_ps(l[v] > 0.f ? 1.f / l[v] : 0.f);
+                __m256 inv = _mm256_set1_ps(l[v] > 0.f ? vfac / l[v] : 0.f);
                 for (int x = 0; x < D; x += 8) _mm256_storeu_ps(dst + x, _mm256_mul_ps(_mm256_load_ps(acc + v * D + x), inv));
             } else {
                 part_m[v] = m[v]; part_l[v] = l[v];
-                memcpy(part_acc + (size_t)v * D, acc + (size_t)v * D, sizeof(float) * D);
+                for (int x = 0; x < D; x++) part_acc[(size_t)v * D + x] = acc[(size_t)v * D + x] * vfac;
             }
         }
     free(acc);
@@ -541,7 +606,15 @@ AVX2 static void task_avx2_f32(const Problem *P, const Task *T, float *m, float 
 }
 
 AVX2 static void task_avx2_bf16(const Problem *P, const Task *T, float *m, float *l, float *a) {
-    task_avx2_body(P, T, m, l, a, 1);
+    task_avx2_body(P, T, m, l, a, TM_KV_BF16);
+}
+
+AVX2 static void task_avx2_fp8(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    task_avx2_body(P, T, m, l, a, TM_KV_FP8);
+}
+
+AVX2 static void task_avx2_fp8_token(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    task_avx2_body(P, T, m, l, a, TM_KV_FP8_TOKEN);
 }
 
 /* The tile with 8-wide vectors: groups of 16 query vectors (two registers), keys scored four
@@ -620,12 +693,28 @@ AVX2 static void widen_avx2(float *dst, const uint16_t *src, int n) {
     widen_scalar(dst + x, src + x, n - x);
 }
 
-static const TileKernel tile_kernel_avx2 = {tile_avx2, widen_avx2, AVX2_QW, 4};
+AVX2 static void widen8_avx2(float *dst, const uint8_t *src, int n, float scale) {
+    const __m256 mul = _mm256_set1_ps(scale * 256.f);
+    int x = 0;
+    for (; x + 8 <= n; x += 8) _mm256_storeu_ps(dst + x, _mm256_mul_ps(fp8x8(src + x), mul));
+    widen8_scalar(dst + x, src + x, n - x, scale);
+}
 
-#define AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
+static const TileKernel tile_kernel_avx2 = {tile_avx2, widen_avx2, widen8_avx2, AVX2_QW, 4};
 
-AVX512 static inline __attribute__((always_inline)) __m512 ld16(const void *p, int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)p);
+#define AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c")))
+
+/* Sixteen fp8 bytes as float32 values times 2^-8 (see "fp8 pages"). */
+AVX512 static inline __attribute__((always_inline)) __m512 fp8x16(const void *p) {
+    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 8), _mm256_set1_epi16((short)0x8000)),
+                                _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_cvtph_ps(h);
+}
+
+AVX512 static inline __attribute__((always_inline)) __m512 ld16(const void *p, int kind) {
+    if (kind == TM_KV_F32) return _mm512_loadu_ps((const float *)p);
+    if (kind != TM_KV_BF16) return fp8x16(p);
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
@@ -637,8 +726,8 @@ AVX512 static inline __attribute__((always_inline)) __m256 half_sum(__m512 v) {
 
 /* The same task with 16-wide vectors (D a multiple of 16), for CPUs with AVX-512. */
 AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const Problem *P, const Task *T, float *part_m,
-                                                                      float *part_l, float *part_acc, const int bf16) {
-    const size_t esz = bf16 ? 2 : 4;
+                                                                      float *part_l, float *part_acc, const int kind) {
+    const size_t esz = kv_esz(kind);
     const int D = P->d, G = P->group, D16 = D / 16;
     const int64_t q0 = P->qsl[T->seq], n = P->qsl[T->seq + 1] - q0, L = P->seq_lens[T->seq];
     const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
@@ -649,7 +738,10 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
     float m[MAX_QVEC], l[MAX_QVEC];
     float s[KEY_BLOCK] __attribute__((aligned(64)));
     const char *kp[KEY_BLOCK], *vp[KEY_BLOCK];   /* element pointers (byte addressed) */
-    const __m512 vscale = _mm512_set1_ps(P->scale);
+    const float qfac = P->scale * (kind == TM_KV_FP8 ? P->ks[T->kvh] * 256.f : kind == TM_KV_FP8_TOKEN ? 256.f : 1.f);
+    const float vfac = kind == TM_KV_FP8 ? P->vs[T->kvh] * 256.f : kind == TM_KV_FP8_TOKEN ? 256.f : 1.f;
+    float ksc[KEY_BLOCK], vsc[KEY_BLOCK];        /* per-token fp8: the block's key scales */
+    const __m512 vscale = _mm512_set1_ps(qfac);
     for (int r = 0; r < nrow; r++)
         for (int g = 0; g < G; g++) {
             const float *src = P->q + (q0 + T->r0 + r) * P->q_stride + (int64_t)(T->kvh * G + g) * D;
@@ -666,6 +758,8 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
                 kp[j - j0] = (const char *)P->kc + offs[j - j0] * esz;
                 vp[j - j0] = (const char *)P->vc + offs[j - j0] * esz;
             }
+            if (kind == TM_KV_FP8_TOKEN)   /* a vector's scale sits at slot * hkv + head = offset / D */
+                for (int j = 0; j < j1 - j0; j++) { ksc[j] = P->ks[offs[j] / D]; vsc[j] = P->vs[offs[j] / D]; }
         }
         if (j0 == T->k0)  /* the blocks PREFETCH_BLOCKS ahead are requested as each block starts */
             prefetch_keys(P, table, T->kvh, j1, j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK < T->k1 ? j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK : T->k1, esz);
@@ -686,19 +780,21 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
                     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                     for (int x = 0; x < D; x += 16) {
                         __m512 qx = _mm512_load_ps(qq + x);
-                        a0 = _mm512_fmadd_ps(qx, ld16(kp[j] + x * esz, bf16), a0);
-                        a1 = _mm512_fmadd_ps(qx, ld16(kp[j + 1] + x * esz, bf16), a1);
-                        a2 = _mm512_fmadd_ps(qx, ld16(kp[j + 2] + x * esz, bf16), a2);
-                        a3 = _mm512_fmadd_ps(qx, ld16(kp[j + 3] + x * esz, bf16), a3);
+                        a0 = _mm512_fmadd_ps(qx, ld16(kp[j] + x * esz, kind), a0);
+                        a1 = _mm512_fmadd_ps(qx, ld16(kp[j + 1] + x * esz, kind), a1);
+                        a2 = _mm512_fmadd_ps(qx, ld16(kp[j + 2] + x * esz, kind), a2);
+                        a3 = _mm512_fmadd_ps(qx, ld16(kp[j + 3] + x * esz, kind), a3);
                     }
                     _mm_storeu_ps(s + j, hsum4x256(half_sum(a0), half_sum(a1), half_sum(a2), half_sum(a3)));
                 }
                 for (; j < nk; j++) {
                     __m512 a0 = _mm512_setzero_ps();
                     for (int x = 0; x < D; x += 16)
-                        a0 = _mm512_fmadd_ps(_mm512_load_ps(qq + x), ld16(kp[j] + x * esz, bf16), a0);
+                        a0 = _mm512_fmadd_ps(_mm512_load_ps(qq + x), ld16(kp[j] + x * esz, kind), a0);
                     s[j] = _mm512_reduce_add_ps(a0);
                 }
+                if (kind == TM_KV_FP8_TOKEN)
+                    for (int t = 0; t < nk; t++) s[t] *= ksc[t];
                 float bm = -INFINITY;
                 for (int t = 0; t < nk; t++) bm = s[t] > bm ? s[t] : bm;
                 float mn = m[v] > bm ? m[v] : bm;
@@ -722,18 +818,18 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
                     __m512 va = _mm512_set1_ps(alpha);
                     for (int x = 0; x < D16; x++) o[x] = _mm512_mul_ps(_mm512_load_ps(a + 16 * x), va);
                     for (int u = 0; u < nk; u++) {
-                        __m512 pu = _mm512_set1_ps(s[u]);
+                        __m512 pu = _mm512_set1_ps(kind == TM_KV_FP8_TOKEN ? s[u] * vsc[u] : s[u]);
                         const char *vv = vp[u];
-                        for (int x = 0; x < D16; x++) o[x] = _mm512_fmadd_ps(pu, ld16(vv + 16 * x * esz, bf16), o[x]);
+                        for (int x = 0; x < D16; x++) o[x] = _mm512_fmadd_ps(pu, ld16(vv + 16 * x * esz, kind), o[x]);
                     }
                     for (int x = 0; x < D16; x++) _mm512_store_ps(a + 16 * x, o[x]);
                 } else {
                     __m512 va = _mm512_set1_ps(alpha);
                     for (int x = 0; x < D; x += 16) _mm512_store_ps(a + x, _mm512_mul_ps(_mm512_load_ps(a + x), va));
                     for (int u = 0; u < nk; u++) {
-                        __m512 pu = _mm512_set1_ps(s[u]);
+                        __m512 pu = _mm512_set1_ps(kind == TM_KV_FP8_TOKEN ? s[u] * vsc[u] : s[u]);
                         for (int x = 0; x < D; x += 16)
-                            _mm512_store_ps(a + x, _mm512_fmadd_ps(pu, ld16(vp[u] + x * esz, bf16), _mm512_load_ps(a + x)));
+                            _mm512_store_ps(a + x, _mm512_fmadd_ps(pu, ld16(vp[u] + x * esz, kind), _mm512_load_ps(a + x)));
                     }
                 }
             }
@@ -744,11 +840,11 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
             int v = r * G + g;
             if (T->part < 0) {
                 float *dst = P->out + (q0 + T->r0 + r) * (int64_t)P->hq * D + (int64_t)(T->kvh * G + g) * D;
-                __m512 inv = _mm512_set1_ps(l[v] > 0.f ? 1.f / l[v] : 0.f);
+                __m512 inv = _mm512_set1_ps(l[v] > 0.f ? vfac / l[v] : 0.f);
                 for (int x = 0; x < D; x += 16) _mm512_storeu_ps(dst + x, _mm512_mul_ps(_mm512_load_ps(acc + v * D + x), inv));
             } else {
                 part_m[v] = m[v]; part_l[v] = l[v];
-                memcpy(part_acc + (size_t)v * D, acc + (size_t)v * D, sizeof(float) * D);
+                for (int x = 0; x < D; x++) part_acc[(size_t)v * D + x] = acc[(size_t)v * D + x] * vfac;
             }
         }
     free(acc);
@@ -760,7 +856,15 @@ AVX512 static void task_avx512_f32(const Problem *P, const Task *T, float *m, fl
 }
 
 AVX512 static void task_avx512_bf16(const Problem *P, const Task *T, float *m, float *l, float *a) {
-    task_avx512_body(P, T, m, l, a, 1);
+    task_avx512_body(P, T, m, l, a, TM_KV_BF16);
+}
+
+AVX512 static void task_avx512_fp8(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    task_avx512_body(P, T, m, l, a, TM_KV_FP8);
+}
+
+AVX512 static void task_avx512_fp8_token(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    task_avx512_body(P, T, m, l, a, TM_KV_FP8_TOKEN);
 }
 
 /* exp(x) for x <= 0 (and -inf -> 0), 16 lanes: exp256's range reduction and polynomial. */
@@ -866,13 +970,22 @@ AVX512 static void widen_avx512(float *dst, const uint16_t *src, int n) {
     widen_scalar(dst + x, src + x, n - x);
 }
 
-static const TileKernel tile_kernel_avx512 = {tile_avx512, widen_avx512, AVX512_QW, AVX512_KS};
+AVX512 static void widen8_avx512(float *dst, const uint8_t *src, int n, float scale) {
+    const __m512 mul = _mm512_set1_ps(scale * 256.f);
+    int x = 0;
+    for (; x + 16 <= n; x += 16) _mm512_storeu_ps(dst + x, _mm512_mul_ps(fp8x16(src + x), mul));
+    widen8_scalar(dst + x, src + x, n - x, scale);
+}
+
+static const TileKernel tile_kernel_avx512 = {tile_avx512, widen_avx512, widen8_avx512, AVX512_QW, AVX512_KS};
 
 static int have_avx2(void) {
     static int cached = -1;
     if (cached < 0) {
         __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        unsigned a = 0, b = 0, c = 0, d = 0;   /* F16C (CPUID.1:ECX bit 29) widens fp8 pages */
+        int f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
     }
     return cached;
 }
@@ -995,13 +1108,21 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
     }
 #if TM_X86
     if (k->vec512) {
-        if (P->kv_bf16) task_avx512_bf16(P, t, m, l, a);
-        else task_avx512_f32(P, t, m, l, a);
+        switch (P->kind) {
+        case TM_KV_BF16: task_avx512_bf16(P, t, m, l, a); break;
+        case TM_KV_FP8: task_avx512_fp8(P, t, m, l, a); break;
+        case TM_KV_FP8_TOKEN: task_avx512_fp8_token(P, t, m, l, a); break;
+        default: task_avx512_f32(P, t, m, l, a);
+        }
         return;
     }
     if (k->vec) {
-        if (P->kv_bf16) task_avx2_bf16(P, t, m, l, a);
-        else task_avx2_f32(P, t, m, l, a);
+        switch (P->kind) {
+        case TM_KV_BF16: task_avx2_bf16(P, t, m, l, a); break;
+        case TM_KV_FP8: task_avx2_fp8(P, t, m, l, a); break;
+        case TM_KV_FP8_TOKEN: task_avx2_fp8_token(P, t, m, l, a); break;
+        default: task_avx2_f32(P, t, m, l, a);
+        }
         return;
     }
 #endif
@@ -1060,13 +1181,21 @@ typedef struct {
     Plan pl;
 } TaskCall;
 
-static void *tasks_plan(const float *q, int64_t q_stride, float *out, const void *kc, const void *vc, int kv_bf16,
-                        const int64_t *bt, int64_t bt_stride, const int64_t *qsl, const int64_t *sl, int num_seqs,
-                        int ps, int hq, int hkv, int d, float scale, int nthreads) {
-    if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) return NULL;
+/* the arguments every entry point checks: 0 when the kernel takes them */
+static int bad_args(int hq, int hkv, int d, int ps, int kind, const float *ks, const float *vs) {
+    if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) return 1;
+    if (kind < TM_KV_F32 || kind > TM_KV_FP8_TOKEN) return 2;
+    if ((kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN) && (!ks || !vs)) return 3;
+    return 0;
+}
+
+static void *tasks_plan(const float *q, int64_t q_stride, float *out, const void *kc, const void *vc, int kind,
+                        const float *ks, const float *vs, const int64_t *bt, int64_t bt_stride, const int64_t *qsl,
+                        const int64_t *sl, int num_seqs, int ps, int hq, int hkv, int d, float scale, int nthreads) {
+    if (bad_args(hq, hkv, d, ps, kind, ks, vs)) return NULL;
     TaskCall *c = malloc(sizeof *c);
     if (!c) return NULL;
-    Problem P = {q, q_stride, out, kc, vc, kv_bf16 != 0, bt, bt_stride, qsl, sl, ps, hq, hkv, d, hq / hkv, scale};
+    Problem P = {q, q_stride, out, kc, vc, kind, ks, vs, bt, bt_stride, qsl, sl, ps, hq, hkv, d, hq / hkv, scale};
     c->P = P;
     c->k = pick_kernels(&c->P);
     make_plan(&c->P, num_seqs, nthreads < 1 ? 1 : nthreads, &c->k, &c->pl);
@@ -1088,41 +1217,71 @@ static void tasks_finish(void *call) {
 
 static const tm_attention_tasks g_tasks_api = {tasks_plan, tasks_count, tasks_run, tasks_finish};
 
-/* paged_attention(q_ptr, q_stride, out_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, qsl_ptr,
- *                 seq_lens_ptr, num_seqs, page_size, num_q_heads, num_kv_heads, head_dim,
- *                 scale, num_threads, kv_bf16) */
-/* The C entry point (exported in a capsule, see attention.h): 0, or -1 on an unsupported shape.
+/* The C entry point (exported in a capsule, see attention.h): 0, or -1 on unsupported arguments.
  * Called without the GIL. */
 static int c_paged_attention(const float *q, int64_t q_stride, float *out, const void *kc, const void *vc,
-                             int kv_bf16, const int64_t *bt, int64_t bt_stride, const int64_t *qsl,
-                             const int64_t *sl, int num_seqs, int ps, int hq, int hkv, int d, float scale,
-                             int nthreads) {
-    if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) return -1;
-    Problem P = {q, q_stride, out, kc, vc, kv_bf16 != 0, bt, bt_stride, qsl, sl, ps, hq, hkv, d, hq / hkv, scale};
+                             int kind, const float *ks, const float *vs, const int64_t *bt, int64_t bt_stride,
+                             const int64_t *qsl, const int64_t *sl, int num_seqs, int ps, int hq, int hkv, int d,
+                             float scale, int nthreads) {
+    if (bad_args(hq, hkv, d, ps, kind, ks, vs)) return -1;
+    Problem P = {q, q_stride, out, kc, vc, kind, ks, vs, bt, bt_stride, qsl, sl, ps, hq, hkv, d, hq / hkv, scale};
     run_problem(&P, num_seqs, nthreads < 1 ? 1 : nthreads);
     return 0;
 }
 
+/* paged_attention(q_ptr, q_stride, out_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, qsl_ptr,
+ *                 seq_lens_ptr, num_seqs, page_size, num_q_heads, num_kv_heads, head_dim,
+ *                 scale, num_threads, kv_kind[, k_scale_ptr, v_scale_ptr])
+ * kv_kind: TM_KV_* (0 float32, 1 bfloat16, 2 fp8 with static scales, 3 fp8 with a scale per
+ * vector); the scale pointers are needed for the fp8 kinds (see attention.h). */
 static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
-    unsigned long long q, out, kc, vc, bt, qsl, sl;
+    unsigned long long q, out, kc, vc, bt, qsl, sl, ks = 0, vs = 0;
     long long q_stride, bt_stride;
-    int num_seqs, ps, hq, hkv, d, nthreads, kv_bf16;
+    int num_seqs, ps, hq, hkv, d, nthreads, kind;
     float scale;
-    if (!PyArg_ParseTuple(args, "KLKKKKLKKiiiiifii", &q, &q_stride, &out, &kc, &vc, &bt, &bt_stride,
-                          &qsl, &sl, &num_seqs, &ps, &hq, &hkv, &d, &scale, &nthreads, &kv_bf16))
+    if (!PyArg_ParseTuple(args, "KLKKKKLKKiiiiifii|KK", &q, &q_stride, &out, &kc, &vc, &bt, &bt_stride,
+                          &qsl, &sl, &num_seqs, &ps, &hq, &hkv, &d, &scale, &nthreads, &kind, &ks, &vs))
         return NULL;
-    if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) {
+    switch (bad_args(hq, hkv, d, ps, kind, (const float *)ks, (const float *)vs)) {
+    case 0: break;
+    case 1:
         PyErr_Format(PyExc_ValueError, "paged_attention: unsupported shape (heads %d/%d, head_dim %d, page %d)",
                      hq, hkv, d, ps);
         return NULL;
+    case 2:
+        PyErr_Format(PyExc_ValueError, "paged_attention: unknown kv kind %d", kind);
+        return NULL;
+    default:
+        PyErr_SetString(PyExc_ValueError, "paged_attention: fp8 pages need K and V scale pointers");
+        return NULL;
     }
-    Problem P = {(const float *)q, q_stride, (float *)out, (const void *)kc, (const void *)vc, kv_bf16 != 0,
-                 (const int64_t *)bt, bt_stride, (const int64_t *)qsl, (const int64_t *)sl,
-                 ps, hq, hkv, d, hq / hkv, scale};
+    Problem P = {(const float *)q, q_stride, (float *)out, (const void *)kc, (const void *)vc, kind,
+                 (const float *)ks, (const float *)vs, (const int64_t *)bt, bt_stride, (const int64_t *)qsl,
+                 (const int64_t *)sl, ps, hq, hkv, d, hq / hkv, scale};
     if (nthreads < 1) nthreads = 1;
     Py_BEGIN_ALLOW_THREADS
     run_problem(&P, num_seqs, nthreads);
     Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* e4m3_to_float(src_ptr, dst_ptr, n, path): widen n fp8 bytes to float32 through one of the
+ * kernel's own widening routines (0 scalar table, 1 AVX2+F16C, 2 AVX-512), scale 1; for tests. */
+static PyObject *py_e4m3_to_float(PyObject *self, PyObject *args) {
+    unsigned long long src, dst;
+    int n, path;
+    if (!PyArg_ParseTuple(args, "KKii", &src, &dst, &n, &path)) return NULL;
+    widen8_fn f = widen8_scalar;
+#if TM_X86
+    if (path == 1 && have_avx2()) f = widen8_avx2;
+    else if (path == 2 && have_avx512()) f = widen8_avx512;
+    else
+#endif
+    if (path != 0) {
+        PyErr_Format(PyExc_ValueError, "e4m3_to_float: path %d is not available on this CPU", path);
+        return NULL;
+    }
+    f((float *)dst, (const uint8_t *)src, n, 1.f);
     Py_RETURN_NONE;
 }
 
@@ -1134,12 +1293,14 @@ static PyObject *py_simd(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS, "Paged attention over the KV pool, pages read in place."},
     {"simd", py_simd, METH_NOARGS, "The vector instruction set the kernels use on this CPU."},
+    {"e4m3_to_float", py_e4m3_to_float, METH_VARARGS, "Widen fp8 (e4m3) bytes with one of the kernel's paths."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_attention", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__attention(void) {
+    init_e4m3_table();
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     tm_paged_attention_fn fn = c_paged_attention;

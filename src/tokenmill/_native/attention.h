@@ -12,8 +12,15 @@
 #define TM_ATTENTION_MAX_HEAD_DIM 512   /* the kernel refuses larger heads ... */
 #define TM_ATTENTION_MAX_GROUP 256      /* ... and more query heads per kv head */
 
+/* kv_kind: the element type of the K/V pages. fp8 pages hold float8_e4m3fn bytes whose value is
+ * fp8(byte) * scale; k_scale / v_scale (ignored otherwise) point at one float32 per kv head
+ * (TM_KV_FP8: a static scale per layer and head) or one per stored vector, indexed
+ * slot * num_kv_heads + kv_head (TM_KV_FP8_TOKEN). */
+enum { TM_KV_F32 = 0, TM_KV_BF16 = 1, TM_KV_FP8 = 2, TM_KV_FP8_TOKEN = 3 };
+
 typedef int (*tm_paged_attention_fn)(const float *q, int64_t q_stride, float *out, const void *k_cache,
-                                     const void *v_cache, int kv_bf16, const int64_t *block_tables,
+                                     const void *v_cache, int kv_kind, const float *k_scale,
+                                     const float *v_scale, const int64_t *block_tables,
                                      int64_t bt_stride, const int64_t *qsl, const int64_t *seq_lens, int num_seqs,
                                      int page_size, int hq, int hkv, int head_dim, float scale, int nthreads);
 
@@ -23,7 +30,8 @@ typedef int (*tm_paged_attention_fn)(const float *q, int64_t q_stride, float *ou
  * merges split-K parts into the output and frees the call. */
 typedef struct {
     void *(*plan)(const float *q, int64_t q_stride, float *out, const void *k_cache, const void *v_cache,
-                  int kv_bf16, const int64_t *block_tables, int64_t bt_stride, const int64_t *qsl,
+                  int kv_kind, const float *k_scale, const float *v_scale, const int64_t *block_tables,
+                  int64_t bt_stride, const int64_t *qsl,
                   const int64_t *seq_lens, int num_seqs, int page_size, int hq, int hkv, int head_dim, float scale,
                   int nthreads);
     int (*tasks)(const void *call);

@@ -18,6 +18,14 @@ def unavailable_reason() -> str | None:
     return _ERROR
 
 
+def e4m3_to_float(src_ptr: int, dst_ptr: int, n: int, path: int) -> None:
+    """Widen ``n`` fp8 bytes to fp32 with the kernel's scalar (0), AVX2+F16C (1) or AVX-512 (2)
+    routine (for tests of the exact conversion)."""
+    if _ext is None:
+        raise RuntimeError(_ERROR)
+    _ext.e4m3_to_float(src_ptr, dst_ptr, n, path)
+
+
 def simd() -> str:
     """The instruction set the kernel uses on this CPU ("avx2+fma" or "scalar")."""
     return _ext.simd() if _ext is not None else "unavailable"
@@ -25,7 +33,9 @@ def simd() -> str:
 
 def paged_attention(*args) -> None:
     """See ``attention.c``: ``paged_attention(q_ptr, q_stride, out_ptr, k_ptr, v_ptr, bt_ptr,
-    bt_stride, qsl_ptr, seq_lens_ptr, num_seqs, page_size, hq, hkv, head_dim, scale, threads)``."""
+    bt_stride, qsl_ptr, seq_lens_ptr, num_seqs, page_size, hq, hkv, head_dim, scale, threads,
+    kv_kind[, k_scale_ptr, v_scale_ptr])`` (kv_kind: 0 fp32, 1 bf16, 2 fp8 static scales, 3 fp8
+    per-vector scales)."""
     if _ext is None:
         raise RuntimeError(_ERROR)
     _ext.paged_attention(*args)

@@ -34,7 +34,7 @@
 #include "quant.h"
 
 /* one layer row: these fields, then 4 matrices of MAT_FIELDS each (qkv, o, gate_up, down) */
-enum { F_NORM1 = 0, F_NORM2, F_QKV_BIAS, F_K_CACHE, F_V_CACHE, F_MATS };
+enum { F_NORM1 = 0, F_NORM2, F_QKV_BIAS, F_K_CACHE, F_V_CACHE, F_K_SCALE, F_V_SCALE, F_MATS };
 enum { MAT_KIND = 0, MAT_QS, MAT_SC, MAT_MN, MAT_F16, MAT_N, MAT_K, MAT_GROUP, MAT_FIELDS };
 enum { W_QKV = 0, W_O, W_GATE_UP, W_DOWN, W_COUNT };
 #define LAYER_FIELDS (F_MATS + W_COUNT * MAT_FIELDS)
@@ -100,13 +100,59 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
     return (uint16_t)(u >> 16);
 }
 
-static void kv_write(void *cache, const float *src, int64_t src_stride, const int64_t *slots, int64_t M,
-                     int64_t width, int bf16) {
+/* float32 -> float8_e4m3fn byte, rounding to nearest even as torch's .to(float8_e4m3fn) does,
+ * for |f| <= 448 (the callers saturate first) or NaN. Rounded on the float32 bits directly (one
+ * rounding, so no double-rounding case): a normal result (|f| >= 2^-6) keeps 3 of the 23
+ * mantissa bits, the carry of the rounding moving into the exponent; a subnormal one is
+ * m * 2^-9 with m = |f| * 2^9 rounded to an integer (exact scaling; m = 8 is 2^-6's code). */
+static inline uint8_t to_e4m3(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return sign | 0x7F;                        /* NaN */
+    if (a >= 0x3C800000u) {                                         /* 2^-6 and up */
+        a += 0x7FFFFu + ((a >> 20) & 1u);
+        return sign | (uint8_t)((a >> 20) - (120u << 3));           /* exponent bias 127 -> 7 */
+    }
+    float m = nearbyintf(fabsf(f) * 512.f);                          /* round half to even */
+    return sign | (uint8_t)m;
+}
+
+/* x / scale saturated at +-448 (NaN passes, as torch's clamp lets it) */
+static inline float fp8_sat(float x, float scale) {
+    float y = x / scale;
+    return y > 448.f ? 448.f : y < -448.f ? -448.f : y;
+}
+
+/* Store M token rows of hkv heads x d values at their slots. fp8 (kind TM_KV_FP8*): the same
+ * bytes (and per-vector scales) as tokenmill.layers.attention.fp8.write_fp8 writes: static,
+ * x / scale[head]; per token, scale = max(amax / 448, 1e-12) of each head's vector, stored at
+ * slot * hkv + head. */
+static void kv_write(void *cache, float *scales, const float *src, int64_t src_stride, const int64_t *slots,
+                     int64_t M, int64_t hkv, int64_t d, int kind) {
+    const int64_t width = hkv * d;
     for (int64_t t = 0; t < M; t++) {
         const float *s = src + t * src_stride;
-        if (bf16) {
-            uint16_t *d = (uint16_t *)cache + slots[t] * width;
-            for (int64_t i = 0; i < width; i++) d[i] = to_bf16(s[i]);
+        if (kind == TM_KV_BF16) {
+            uint16_t *o = (uint16_t *)cache + slots[t] * width;
+            for (int64_t i = 0; i < width; i++) o[i] = to_bf16(s[i]);
+        } else if (kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN) {
+            uint8_t *o = (uint8_t *)cache + slots[t] * width;
+            for (int64_t h = 0; h < hkv; h++) {
+                const float *x = s + h * d;
+                float sc;
+                if (kind == TM_KV_FP8) {
+                    sc = scales[h];
+                } else {
+                    float amax = 0.f;
+                    for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax || x[i] != x[i] ? fabsf(x[i]) : amax;
+                    sc = amax / 448.f;
+                    sc = sc < 1e-12f ? 1e-12f : sc;
+                    scales[slots[t] * hkv + h] = sc;
+                }
+                for (int64_t i = 0; i < d; i++) o[h * d + i] = to_e4m3(fp8_sat(x[i], sc));
+            }
         } else {
             memcpy((float *)cache + slots[t] * width, s, (size_t)width * sizeof(float));
         }
@@ -180,7 +226,7 @@ typedef struct {
     const float *cos, *sin;
     const int64_t *slots, *bt, *qsl, *seq_lens;
     int64_t bt_stride;
-    int num_seqs, page_size, kv_bf16, nt;
+    int num_seqs, page_size, kv_kind, nt;   /* kv_kind: TM_KV_* (attention.h) */
 } Step;
 
 /* scratch: x [M,H], qkv [M,qn], att [M,hq*d], tmp [M,H], gu [M,2I], act [M,I] */
@@ -251,12 +297,13 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
         TTICK(P_QKV);
         if (t == 0) {
             void *kc = (void *)(uintptr_t)row[F_K_CACHE], *vc = (void *)(uintptr_t)row[F_V_CACHE];
+            float *ks = (float *)(uintptr_t)row[F_K_SCALE], *vs = (float *)(uintptr_t)row[F_V_SCALE];
             tmq_act_free(*aq);
             *aq = NULL;
             rotary(B->qkv, M, qn, (int)(S->hq + S->hkv), (int)S->d, S->cos, S->sin);
-            kv_write(kc, B->qkv + qsz, qn, S->slots, M, kvsz, S->kv_bf16);
-            kv_write(vc, B->qkv + qsz + kvsz, qn, S->slots, M, kvsz, S->kv_bf16);
-            *call = g_attn->plan(B->qkv, qn, B->att, kc, vc, S->kv_bf16, S->bt, S->bt_stride, S->qsl, S->seq_lens,
+            kv_write(kc, ks, B->qkv + qsz, qn, S->slots, M, S->hkv, S->d, S->kv_kind);
+            kv_write(vc, vs, B->qkv + qsz + kvsz, qn, S->slots, M, S->hkv, S->d, S->kv_kind);
+            *call = g_attn->plan(B->qkv, qn, B->att, kc, vc, S->kv_kind, ks, vs, S->bt, S->bt_stride, S->qsl, S->seq_lens,
                                  S->num_seqs, S->page_size, (int)S->hq, (int)S->hkv, (int)S->d, S->scale, T);
             if (!*call) *err = -2;
             atomic_store_explicit(&bar->next, 0, memory_order_relaxed);
@@ -332,6 +379,10 @@ static int check_layers(const int64_t *table, int64_t L, const Step *S) {
             PyErr_Format(PyExc_ValueError, "decode_layers: layer %lld has a null norm or KV pointer", (long long)l);
             return -1;
         }
+        if ((S->kv_kind == TM_KV_FP8 || S->kv_kind == TM_KV_FP8_TOKEN) && (!row[F_K_SCALE] || !row[F_V_SCALE])) {
+            PyErr_Format(PyExc_ValueError, "decode_layers: layer %lld has fp8 KV pages without scales", (long long)l);
+            return -1;
+        }
         for (int w = 0; w < W_COUNT; w++) {
             TmqMat m = layer_mat(row, w);
             if (!tmq_check_mat(&m) || m.N != want[w][0] || m.K != want[w][1] || !m.qs ||
@@ -350,21 +401,23 @@ static int check_layers(const int64_t *table, int64_t L, const Step *S) {
 #define PTR(T, v) ((T)(uintptr_t)(v))
 
 /* decode_layers(h, M, table, L, H, hq, hkv, d, inter, eps, scale, cos, sin, slots, bt, bt_stride,
- *               qsl, seq_lens, num_seqs, page_size, kv_bf16, threads)
+ *               qsl, seq_lens, num_seqs, page_size, kv_kind, threads)
+ * kv_kind: TM_KV_* of the pool (attention.h); fp8 pools give each layer row its scale pointers
  * h [M, H] fp32 is updated in place through layers table[0..L). */
 PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     unsigned long long h, table, cos, sin, slots, bt, qsl, sl;
     long long M, L, H, hq, hkv, d, inter, bt_stride;
     float eps, scale;
-    int num_seqs, page_size, kv_bf16, nt;
+    int num_seqs, page_size, kv_kind, nt;
     if (!PyArg_ParseTuple(args, "KLKLLLLLLffKKKKLKKiiii", &h, &M, &table, &L, &H, &hq, &hkv, &d, &inter, &eps,
-                          &scale, &cos, &sin, &slots, &bt, &bt_stride, &qsl, &sl, &num_seqs, &page_size, &kv_bf16,
+                          &scale, &cos, &sin, &slots, &bt, &bt_stride, &qsl, &sl, &num_seqs, &page_size, &kv_kind,
                           &nt))
         return NULL;
     if (M <= 0 || L < 0 || H <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || inter <= 0 ||
-        num_seqs <= 0 || page_size <= 0 || d > TM_ATTENTION_MAX_HEAD_DIM || hq / hkv > TM_ATTENTION_MAX_GROUP) {
+        num_seqs <= 0 || page_size <= 0 || d > TM_ATTENTION_MAX_HEAD_DIM || hq / hkv > TM_ATTENTION_MAX_GROUP ||
+        kv_kind < TM_KV_F32 || kv_kind > TM_KV_FP8_TOKEN) {
         PyErr_Format(PyExc_ValueError, "decode_layers: bad sizes (M=%lld H=%lld heads %lld/%lld d=%lld inter=%lld "
-                     "seqs=%d page=%d)", M, H, hq, hkv, d, inter, num_seqs, page_size);
+                     "seqs=%d page=%d kv kind %d)", M, H, hq, hkv, d, inter, num_seqs, page_size, kv_kind);
         return NULL;
     }
     if (!g_attn) {
@@ -373,7 +426,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     }
     Step S = {M, H, hq, hkv, d, inter, eps, scale, PTR(const float *, cos), PTR(const float *, sin),
               PTR(const int64_t *, slots), PTR(const int64_t *, bt), PTR(const int64_t *, qsl),
-              PTR(const int64_t *, sl), bt_stride, num_seqs, page_size, kv_bf16 != 0, nt < 1 ? 1 : nt};
+              PTR(const int64_t *, sl), bt_stride, num_seqs, page_size, kv_kind, nt < 1 ? 1 : nt};
     const int64_t *tab = PTR(const int64_t *, table);
     if (check_layers(tab, L, &S)) return NULL;
     const int64_t qsz = hq * d, qn = qsz + 2 * hkv * d;

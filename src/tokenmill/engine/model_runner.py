@@ -135,7 +135,8 @@ class ModelRunner:
 
         batch = self.calibration_batch(tokens)
         scratch = self.attn.allocate(batch.block_tables.shape[1], self.page_size)
-        calibrate_static_scales(scratch, lambda: self.model(ForwardContext.prepare(self.attn, batch, scratch,
+        attn = self.attn.calibration_backend()   # the torch reference's rule for a fresh prefill
+        calibrate_static_scales(scratch, lambda: self.model(ForwardContext.prepare(attn, batch, scratch,
                                                                                    states=self.states)),
                                 self.attn.fp8_scale_segments)
         if self.states is not None:   # the calibration prefill ran in state slot 0

@@ -58,6 +58,12 @@ class AttentionBackend(abc.ABC):
         """One zeroed KV entry per layer of the spec, on the backend's device (``None`` for a
         hybrid model's LinearState layers, whose state lives in the state pool)."""
 
+    def calibration_backend(self) -> AttentionBackend:
+        """The backend the start-up calibration of static fp8 scales runs its prefill on (same
+        pool layout). It must attend a fresh prefill with the chunk's own full-precision K/V, as
+        the torch reference does, so that the scales are the same whichever backend serves."""
+        return self
+
     @abc.abstractmethod
     def build_metadata(self, batch: ForwardBatch) -> Any:
         """Everything the layers share in this step, computed once from ``batch``."""

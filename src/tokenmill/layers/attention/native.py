@@ -9,9 +9,19 @@ costs nothing. Writing the step's K/V into its slots stays a torch ``index_copy_
 take the kernel's per-row online softmax; prefill chunks its tiled path, where each K/V row read
 from a page serves a whole group of query rows and heads (see ``_native/attention.c``).
 
-Supported: fp32 activations with an fp32 or bf16 KV pool (bf16 pages are widened to fp32 as
-they are read, halving the bytes a long-context decode reads) on the CPU. Anything else falls back to the torch
-backend when ``auto`` chooses (:func:`unsupported_reason` says why).
+Supported: fp32 activations with an fp32, bf16 or fp8 (``float8_e4m3fn``) KV pool on the CPU,
+for standard attention layers (:class:`~tokenmill.contracts.kv.PagedKV`). bf16 pages are
+widened to fp32 as they are read (half the bytes a long-context decode reads); fp8 pages
+(:class:`~tokenmill.layers.attention.fp8.FP8Pages`, static or per-token scales) are read as bytes
+(a quarter) and widened exactly in the kernel, the scales folded into the query and the softmax
+weights. The step's K/V are quantized on write by the torch reference's own ``write_fp8``, so
+the two backends store the same bytes. One difference: the kernel reads every key back from the
+pool, so a fresh prefill attends its own chunk through fp8 (the reference uses the chunk's
+unrounded K/V); the start-up calibration of static scales therefore runs on the reference
+(:meth:`calibration_backend`). Not taken here: MLA latents (LatentKV specs keep
+:class:`~tokenmill.layers.attention.mla.MLAAttention`, fp8 included), fp16 pools and non-fp32
+activations; those fall back to the torch backend when ``auto`` chooses
+(:func:`unsupported_reason` says why).
 """
 from __future__ import annotations
 
@@ -22,9 +32,13 @@ from torch.profiler import record_function
 
 from tokenmill._native import attention as kernel
 from tokenmill.contracts.batch import ForwardBatch
-from tokenmill.contracts.kv import KVCacheSpec, PagedKV
-from tokenmill.layers.attention.base import attention_kinds
+from tokenmill.contracts.kv import FP8_DTYPES, KVCacheSpec, PagedKV
+from tokenmill.layers.attention.base import AttentionBackend, attention_kinds
+from tokenmill.layers.attention.fp8 import FP8Pages, write_fp8
 from tokenmill.layers.attention.torch_ref import TorchPagedAttention
+
+# the kernel's kv kinds (TM_KV_* in _native/attention.h)
+KV_F32, KV_BF16, KV_FP8, KV_FP8_TOKEN = 0, 1, 2, 3
 
 
 def unsupported_reason(spec: KVCacheSpec, device: torch.device, compute_dtype: torch.dtype) -> str | None:
@@ -34,9 +48,30 @@ def unsupported_reason(spec: KVCacheSpec, device: torch.device, compute_dtype: t
         return f"it runs on the CPU only, not {device}"
     if not all(isinstance(layer, PagedKV) for layer in attention_kinds(spec)):
         return "it handles standard attention layers (PagedKV) only"
-    if compute_dtype != torch.float32 or spec.dtype not in ("float32", "bfloat16"):
-        return f"it needs float32 activations and a float32 or bfloat16 KV pool (got {compute_dtype}, KV {spec.dtype})"
+    if compute_dtype != torch.float32 or spec.dtype not in ("float32", "bfloat16", *FP8_DTYPES):
+        return (f"it needs float32 activations and a float32, bfloat16 or {'/'.join(FP8_DTYPES)} KV pool "
+                f"(got {compute_dtype}, KV {spec.dtype})")
     return None
+
+
+def kv_kind(entry: torch.Tensor | FP8Pages) -> int:
+    """The kernel's kind code for one layer's KV entry."""
+    if isinstance(entry, FP8Pages):
+        return KV_FP8_TOKEN if entry.per_token else KV_FP8
+    return KV_BF16 if entry.dtype == torch.bfloat16 else KV_F32
+
+
+def kv_pointers(entry: torch.Tensor | FP8Pages) -> tuple[int, int, int, int]:
+    """``(k, v, k_scale, v_scale)`` addresses of one layer's entry (scales 0 unless fp8): the
+    kernel reads K and V pages ``[num_pages, page_size, kv_heads, head_dim]`` and, for fp8, the
+    static ``[kv_heads]`` scales of K and of V or the per-vector ``[num_pages, page_size,
+    kv_heads]`` ones."""
+    if isinstance(entry, FP8Pages):
+        data, scale = entry.data, entry.scale
+        if not (data.is_contiguous() and scale.is_contiguous()):
+            raise ValueError("fp8 KV pages and scales must be contiguous for the native kernel")
+        return data[0].data_ptr(), data[1].data_ptr(), scale[0].data_ptr(), scale[1].data_ptr()
+    return entry[0].data_ptr(), entry[1].data_ptr(), 0, 0
 
 
 class NativeMetadata(NamedTuple):
@@ -52,6 +87,12 @@ class NativeMetadata(NamedTuple):
 class NativePagedAttention(TorchPagedAttention):
     name = "native"
 
+    def calibration_backend(self) -> AttentionBackend:
+        """The torch reference over the same layout: a fresh prefill attends its chunk's own
+        unrounded K/V there, while this kernel reads them back from the (not yet calibrated)
+        fp8 pool."""
+        return TorchPagedAttention(self.spec, self.device, self.compute_dtype)
+
     def build_metadata(self, batch: ForwardBatch) -> NativeMetadata:
         ps = batch.page_size
         if batch.max_seq_len and batch.max_seq_len > batch.block_tables.shape[1] * ps:
@@ -65,15 +106,20 @@ class NativePagedAttention(TorchPagedAttention):
                 meta: NativeMetadata, scale: float) -> torch.Tensor:
         t, hq, d = q.shape
         hkv = k.shape[1]
-        kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-        kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+        if isinstance(kv_cache, FP8Pages):   # the reference's quantization: the same bytes
+            write_fp8(kv_cache.half(0), meta.slot_mapping, k)
+            write_fp8(kv_cache.half(1), meta.slot_mapping, v)
+        else:
+            kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+            kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+        kp, vp, ksp, vsp = kv_pointers(kv_cache)
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
         out = torch.empty(t, hq * d, dtype=q.dtype, device=q.device)
         with record_function("tokenmill::native_paged_attention"):   # visible in torch.profiler
             kernel.paged_attention(
-                q.data_ptr(), q.stride(0), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                q.data_ptr(), q.stride(0), out.data_ptr(), kp, vp,
                 meta.block_tables.data_ptr(), meta.block_tables.stride(0), meta.query_start_loc.data_ptr(),
                 meta.seq_lens.data_ptr(), meta.num_seqs, meta.page_size, hq, hkv, d, scale, meta.threads,
-                int(kv_cache.dtype == torch.bfloat16))
+                kv_kind(kv_cache), ksp, vsp)
         return out

@@ -14,7 +14,9 @@ It applies when (:meth:`FusedDecodeStack.unsupported_reason` says why not otherw
   :class:`~tokenmill.layers.quant.packed.Int8Linear`, any mix) or unquantized fp32 on the CPU
   (:class:`~tokenmill.layers.linear.DenseLinear` or
   :class:`~tokenmill.layers.linear.OneDNNLinear`), the model is fp32 and has no per-head q/k norm;
-- the attention backend is the native paged one over fp32 or bf16 pages;
+- the attention backend is the native paged one over fp32, bf16 or fp8 pages (fp8: static or
+  per-token scales; the step's K/V are quantized in C to the same bytes and scales the torch
+  path's ``write_fp8`` stores: x / scale saturated at +-448, rounded to nearest even);
 - the step has at most :func:`~tokenmill.layers.quant.packed.gemv_max_rows` token rows for
   packed matrices (larger steps keep the dequantize + GEMM path) and no forced activation mode,
   and at most :data:`FUSED_FP32_MAX_ROWS` for fp32 ones (larger steps keep oneDNN's GEMM).
@@ -35,13 +37,14 @@ import torch
 
 from tokenmill._native import attention as attention_kernel
 from tokenmill._native import quant as native
-from tokenmill.layers.attention.native import NativeMetadata, NativePagedAttention
+from tokenmill.layers.attention.fp8 import FP8Pages
+from tokenmill.layers.attention.native import NativeMetadata, NativePagedAttention, kv_kind, kv_pointers
 from tokenmill.layers.linear import DenseLinear, LinearMethod, OneDNNLinear
 from tokenmill.layers.quant import packed
 from tokenmill.layers.quant.packed import Int4Linear, Int8Linear
 
 # one layer row of int64 values, in decoder.c's order
-_NORM1, _NORM2, _QKV_BIAS, _K_CACHE, _V_CACHE, _MATS = range(6)
+_NORM1, _NORM2, _QKV_BIAS, _K_CACHE, _V_CACHE, _K_SCALE, _V_SCALE, _MATS = range(8)
 _MAT_FIELDS = 8  # kind, qs, scales, mins, f16, N, K, group
 _LAYER_FIELDS = _MATS + 4 * _MAT_FIELDS
 _U4, _S8, _F32 = 0, 1, 2
@@ -108,7 +111,7 @@ class FusedDecodeStack:
             rows.append(row)
         self._table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), _LAYER_FIELDS)
         self._kv: Sequence[Any] | None = None
-        self._kv_ptrs: tuple[int, int] = (0, 0)
+        self._kv_ptrs: tuple[Any, ...] = ()
 
     def _ptr(self, t: torch.Tensor) -> int:
         t = t.detach().float().contiguous()
@@ -147,22 +150,28 @@ class FusedDecodeStack:
         if type(attn) is not NativePagedAttention:
             return False
         c = kv_caches[0]
-        return isinstance(c, torch.Tensor) and c.dtype in (torch.float32, torch.bfloat16)
+        return isinstance(c, FP8Pages) or (isinstance(c, torch.Tensor) and c.dtype in (torch.float32, torch.bfloat16))
 
     def _bind_kv(self, kv_caches: Sequence[Any]) -> None:
         """Point the table's KV fields at this pool (once per pool)."""
-        if self._kv is kv_caches and self._kv_ptrs == (kv_caches[0].data_ptr(), kv_caches[-1].data_ptr()):
+        ptrs = (kv_pointers(kv_caches[0]), kv_pointers(kv_caches[-1]))
+        if self._kv is kv_caches and self._kv_ptrs == ptrs:
             return
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV cache entries, got {len(kv_caches)}")
         for i, c in enumerate(kv_caches):
-            if not c.is_contiguous() or c.dim() != 5 or tuple(c.shape[3:]) != (self.hkv, self.d):
-                raise ValueError(f"KV cache of layer {i} has shape {tuple(c.shape)}, not [2, pages, page, "
+            data = c.data if isinstance(c, FP8Pages) else c
+            if not data.is_contiguous() or data.dim() != 5 or tuple(data.shape[3:]) != (self.hkv, self.d):
+                raise ValueError(f"KV cache of layer {i} has shape {tuple(data.shape)}, not [2, pages, page, "
                                  f"{self.hkv}, {self.d}] contiguous")
-            self._table[i, _K_CACHE] = c[0].data_ptr()
-            self._table[i, _V_CACHE] = c[1].data_ptr()
+            if isinstance(c, FP8Pages) and not c.per_token and c.scale.numel() != 2 * self.hkv:
+                raise ValueError(f"KV cache of layer {i} has static fp8 scales of shape {tuple(c.scale.shape)}, "
+                                 f"not one per kv head for K and for V")
+            k, v, ks, vs = kv_pointers(c)
+            self._table[i, _K_CACHE], self._table[i, _V_CACHE] = k, v
+            self._table[i, _K_SCALE], self._table[i, _V_SCALE] = ks, vs
         self._kv = kv_caches
-        self._kv_ptrs = (kv_caches[0].data_ptr(), kv_caches[-1].data_ptr())
+        self._kv_ptrs = ptrs
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
             meta: NativeMetadata, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -181,5 +190,5 @@ class FusedDecodeStack:
             h.data_ptr(), t, table.data_ptr(), stop - start, self.hidden, self.hq, self.hkv, self.d, self.inter,
             self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), meta.block_tables.data_ptr(),
             meta.block_tables.stride(0), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(), meta.num_seqs,
-            meta.page_size, int(kv_caches[0].dtype == torch.bfloat16), meta.threads)
+            meta.page_size, kv_kind(kv_caches[0]), meta.threads)
         return h
