@@ -1,7 +1,7 @@
 """The fused native decode path (``layers/quant/fused_decode.py``, ``_native/decoder.c``) against
 the layer-by-layer path on the same weights (packed int4 / int8, and unquantized fp32, plain or
 oneDNN-packed): logits, KV pages and captured hidden states, over mixed steps of several
-sequences, fp32 and bf16 KV pages, every kernel set."""
+sequences, fp32, bf16 and fp8 KV pages (static and per-token scales), every kernel set."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +13,8 @@ import torch
 from tokenmill._native import attention as attention_kernel
 from tokenmill._native import quant as native
 from tokenmill.contracts.kv import KVCacheSpec
-from tokenmill.layers.attention import select_attention_backend
+from tokenmill.layers.attention import FP8Pages, select_attention_backend
+from tokenmill.layers.attention.fp8 import FP8, calibrate_static_scales, quantize, quantize_static
 from tokenmill.layers.quant import packed as packed_mod
 from tokenmill.layers.linear import OneDNNLinear, onednn_available, use_linear_backend
 from tokenmill.layers.quant.fused_decode import FUSED_FP32_MAX_ROWS, DecoderLayerWeights, FusedDecodeStack
@@ -43,13 +44,24 @@ STEPS = [
 
 
 def _driver(model: Any, kv_dtype: str) -> PagedDriver:
+    """kv_dtype: a pool dtype, or ``fp8-static`` / ``fp8-token`` (static scales calibrated by one
+    prefill of a sequence no step reads)."""
     d = PagedDriver(model, num_pages=64, page_size=4, seed=3)
     if kv_dtype != "float32":
-        spec = KVCacheSpec.dense(model.args.num_layers, model.args.num_kv_heads, model.args.head_dim, kv_dtype)
+        scheme = kv_dtype.removeprefix("fp8-") if kv_dtype.startswith("fp8-") else "static"
+        spec = KVCacheSpec.dense(model.args.num_layers, model.args.num_kv_heads, model.args.head_dim,
+                                 "float8_e4m3fn" if kv_dtype.startswith("fp8-") else kv_dtype).with_fp8_scales(scheme)
         d.attn = select_attention_backend(spec, "cpu", torch.float32, "native")
         d.kv = d.attn.allocate(64, 4)
+        if kv_dtype == "fp8-static":
+            model.set_fused_decode(False)
+            assert calibrate_static_scales(d.kv, lambda: d.step([("calibration", list(range(3, 23)))])) > 0
     assert d.attn.name == "native"
     return d
+
+
+def _kv_copy(c: Any) -> Any:
+    return FP8Pages(c.data.clone(), c.scale.clone(), c.per_token) if isinstance(c, FP8Pages) else c.float().clone()
 
 
 def _run(model: Any, fused: bool, kv_dtype: str, capture: frozenset[int] = frozenset(), steps=STEPS):
@@ -76,7 +88,7 @@ def _run(model: Any, fused: bool, kv_dtype: str, capture: frozenset[int] = froze
             ran_fused.append(calls[0] > before)
     finally:
         FusedDecodeStack.run = orig  # type: ignore[method-assign]
-    return logits, [c.float().clone() for c in drv.kv], captured, ran_fused
+    return logits, [_kv_copy(c) for c in drv.kv], captured, ran_fused
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +224,66 @@ def test_fused_decode_is_the_same_bits_on_any_thread_count(packed, kernel, name)
             assert torch.equal(g, w)
         for g, w in zip(kv, runs[0][1]):
             assert torch.equal(g, w)
+
+
+def _fp8_values(c: FP8Pages) -> torch.Tensor:
+    return c.data.view(FP8).float() * (c.scale.unsqueeze(-1) if c.per_token else c.scale)
+
+
+@pytest.mark.parametrize("isa", ["best", "no-avx512"])
+@pytest.mark.parametrize("scheme", ["static", "token"])
+@pytest.mark.parametrize("name", ["llama-int4", "llama-fp32"])
+def test_fused_decode_with_fp8_kv(packed, name, scheme, isa, monkeypatch):
+    """fp8 pages on the fused path: decoder.c quantizes the step's K/V itself and the kernel reads
+    the bytes. Against the layer path on the same pool (torch's write_fp8, then the kernel):
+    close logits, the same greedy tokens, and the same bytes (an entry may sit one e4m3 step away
+    where the two paths' K/V differ in the last float bits and straddle a rounding midpoint)."""
+    if isa == "no-avx512":   # the attention kernel's AVX2 path on a CPU that also has AVX-512
+        monkeypatch.setenv("TOKENMILL_NO_AVX512", "1")
+    model = packed[name].model
+    kv = f"fp8-{scheme}"
+    got, kv_got, _, ran = _run(model, True, kv)
+    want, kv_want, _, ran_ref = _run(model, False, kv)
+    assert ran == [sum(n for _, n in s) <= _row_limit(name) for s in STEPS] and any(ran) and not any(ran_ref)
+    atol, rtol = (2e-4, 1e-3) if "fp32" in name else (ATOL, RTOL)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=atol * float(w.abs().max()), rtol=rtol)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    same = total = 0
+    for g, w in zip(kv_got, kv_want):
+        assert isinstance(g, FP8Pages) and g.per_token == (scheme == "token")
+        written = (g.data != 0) | (w.data != 0)
+        same += int((g.data == w.data)[written].sum())
+        total += int(written.sum())
+        gv, wv = _fp8_values(g), _fp8_values(w)
+        torch.testing.assert_close(gv, wv, atol=1e-3 * float(wv.abs().max()), rtol=0.13)   # <= one e4m3 step
+        if scheme == "token":
+            torch.testing.assert_close(g.scale, w.scale, atol=0, rtol=1e-3)
+    assert total > 0 and same >= 0.99 * total
+
+
+def test_fused_fp8_kv_write_is_torchs_rounding():
+    """decoder.c's fp32 -> e4m3 write (saturation, round to nearest even on the float32 bits,
+    subnormals, -0) gives torch's bytes for every e4m3 value, every midpoint between two and the
+    floats either side of it, values beyond 448, and 100k random values over 24 binades; with
+    per-token scales, the scale too."""
+    vals = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    v = torch.sort(torch.unique(vals[~torch.isnan(vals)])).values
+    mid = (v[1:] + v[:-1]) / 2
+    inf = torch.tensor(float("inf"))
+    gen = torch.Generator().manual_seed(0)
+    rand = torch.randn(100_000, generator=gen) * torch.exp2(torch.randint(-14, 10, (100_000,), generator=gen).float())
+    x = torch.cat([v, -v, mid, -mid, torch.nextafter(mid, inf), torch.nextafter(mid, -inf), rand,
+                   torch.tensor([449.0, 463.0, 464.0, 465.0, 1e30, -1e30, float("inf"), -float("inf"), 1e-40, -1e-40,
+                                 0.0, -0.0])]).contiguous()
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    for s in (1.0, 0.0123, 3.7):
+        scale = torch.tensor([s])
+        native.fp8_quantize(x.data_ptr(), out.data_ptr(), x.numel(), scale.data_ptr(), False)
+        assert torch.equal(out, quantize_static(x, scale))
+    for i in range(50):
+        xv = (torch.randn(64, generator=gen) * 10.0 ** (i % 12 - 8)).contiguous() if i else torch.zeros(64)
+        scale = torch.zeros(1)
+        native.fp8_quantize(xv.data_ptr(), out.data_ptr(), 64, scale.data_ptr(), True)
+        q, s = quantize(xv[None])
+        assert torch.equal(out[:64], q[0]) and torch.equal(scale, s)

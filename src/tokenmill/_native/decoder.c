@@ -461,6 +461,24 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
 
 PyObject *tmq_py_layer_fields(PyObject *self, PyObject *args) { return PyLong_FromLong(LAYER_FIELDS); }
 
+/* fp8_quantize(src_ptr, dst_ptr, n, scale_ptr, per_token): decode_layers' fp8 KV write of one
+ * vector of n float32 values into n e4m3 bytes: with the static scale *scale_ptr, or
+ * (per_token) computing the vector's scale into *scale_ptr. For tests against torch. */
+PyObject *tmq_py_fp8_quantize(PyObject *self, PyObject *args) {
+    unsigned long long src, dst, sc;
+    long long n;
+    int per_token;
+    if (!PyArg_ParseTuple(args, "KKLKp", &src, &dst, &n, &sc, &per_token)) return NULL;
+    if (n <= 0 || !src || !dst || !sc) {
+        PyErr_SetString(PyExc_ValueError, "fp8_quantize: needs n > 0 and non-null pointers");
+        return NULL;
+    }
+    const int64_t slot = 0;
+    kv_write((void *)(uintptr_t)dst, (float *)(uintptr_t)sc, (const float *)(uintptr_t)src, n, &slot, 1, 1, n,
+             per_token ? TM_KV_FP8_TOKEN : TM_KV_FP8);
+    Py_RETURN_NONE;
+}
+
 /* decode_profile(on): turn the phase timers on or off (and zero them); returns the seconds spent
  * so far per phase as a dict. */
 PyObject *tmq_py_decode_profile(PyObject *self, PyObject *args) {

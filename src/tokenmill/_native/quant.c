@@ -1047,6 +1047,7 @@ static PyMethodDef methods[] = {
     {"quantize_act", py_quantize_act, METH_VARARGS, "int16 block quantization of activations"},
     {"decode_layers", tmq_py_decode_layers, METH_VARARGS, "fused decode through packed Llama layers (decoder.c)"},
     {"layer_fields", tmq_py_layer_fields, METH_NOARGS, "int64 fields per layer row of decode_layers"},
+    {"fp8_quantize", tmq_py_fp8_quantize, METH_VARARGS, "decode_layers' fp8 KV write of one vector (for tests)"},
     {"decode_profile", tmq_py_decode_profile, METH_VARARGS, "phase timers of decode_layers: (on) -> seconds so far"},
     {"isa", py_isa, METH_NOARGS, "kernel set in use"},
     {"best_isa", py_best_isa, METH_NOARGS, "best kernel set this CPU supports"},

@@ -89,6 +89,12 @@ def decode_layers(*args) -> None:
     _need().decode_layers(*args)
 
 
+def fp8_quantize(src_ptr: int, dst_ptr: int, n: int, scale_ptr: int, per_token: bool) -> None:
+    """``decode_layers``' fp8 KV write of one vector: ``n`` fp32 values to e4m3 bytes with the
+    static scale at ``scale_ptr`` or (``per_token``) computing the vector's scale into it."""
+    _need().fp8_quantize(src_ptr, dst_ptr, n, scale_ptr, per_token)
+
+
 def layer_fields() -> int:
     """int64 values per layer row of ``decode_layers``' table (-1: an older build without it)."""
     fn = getattr(_need(), "layer_fields", None)
