@@ -1,7 +1,8 @@
 """The two paged-attention backends side by side on one layer's pool: SmolLM2's attention shape
 (9 query heads, 3 KV heads, head_dim 64, pages of 16), one sequence, for decodes over growing
 contexts and for prefill chunks with and without cached context (up to 16k cached tokens).
-Milliseconds per call (write of the step's K/V included), and the ratio torch / native. For
+Milliseconds per call (write of the step's K/V included), and the ratio torch / native; the
+native kernel also over bf16 and fp8 (e4m3, static scales) pages. For
 prefill chunks it also times the kernel's per-row path (``TOKENMILL_NO_PREFILL_TILES=1``, the
 path every chunk took before the tiled one) against the tiled path, in the same process.
 
@@ -19,7 +20,8 @@ import torch
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill._native import attention as kernel
-from tokenmill.layers.attention import select_attention_backend
+from tokenmill.layers.attention import FP8Pages, select_attention_backend
+from tokenmill.layers.attention.fp8 import quantize_static
 
 HQ, HKV, D, PS = 9, 3, 64, 16
 
@@ -27,7 +29,12 @@ HQ, HKV, D, PS = 9, 3, 64, 16
 def time_call(ctx: int, n: int, backend: str, reps: int, kv_dtype: str = "float32") -> float:
     length = ctx + n
     num_pages = -(-length // PS)
-    pool = torch.randn(2, num_pages + 1, PS, HKV, D).to(getattr(torch, kv_dtype))
+    x = torch.randn(2, num_pages + 1, PS, HKV, D)
+    if kv_dtype == "float8_e4m3fn":   # static scales, as calibrated: one per layer and kv head
+        scale = x.abs().amax(dim=(1, 2, 4), keepdim=True) * 4 / 448
+        pool = FP8Pages(quantize_static(x, scale), scale.contiguous(), False)
+    else:
+        pool = x.to(getattr(torch, kv_dtype))
     table = torch.arange(1, num_pages + 1)[None]
     pos = torch.arange(ctx, length)
     batch = ForwardBatch(torch.zeros(n, dtype=torch.long), pos, table[0][pos // PS] * PS + pos % PS,
@@ -67,11 +74,12 @@ def main() -> None:
     print(f"threads {args.threads}, kernel ISA {kernel.simd()}, load average "
           f"{open('/proc/loadavg').read().split()[:3]}; best of {args.reps}")
     print("| context | query tokens | torch ms | native ms | torch / native | native, bf16 KV ms "
-          "| per-row path ms | per-row / tiled |\n|---|---|---|---|---|---|---|---|")
+          "| native, fp8 KV ms | fp32 / fp8 | per-row path ms | per-row / tiled |\n|---|---|---|---|---|---|---|---|---|---|")
     for ctx, n in cases:
         a, b = time_call(ctx, n, "torch", args.reps), time_call(ctx, n, "native", args.reps)
         c = time_call(ctx, n, "native", args.reps, "bfloat16")
-        row = f"| {ctx} | {n} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {c:.2f} |"
+        f8 = time_call(ctx, n, "native", args.reps, "float8_e4m3fn")
+        row = f"| {ctx} | {n} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {c:.2f} | {f8:.2f} | {b / f8:.2f}x |"
         if n > 1:
             r = per_row(ctx, n, args.reps)
             row += f" {r:.2f} | {r / b:.2f}x |"

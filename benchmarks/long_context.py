@@ -10,6 +10,11 @@ and only speed is measured here).
 
     .venv/bin/python benchmarks/long_context.py                       # 512, 4096, 16384
     .venv/bin/python benchmarks/long_context.py --contexts 512,4096,16384,32768 --systems tokenmill,vllm
+    .venv/bin/python benchmarks/long_context.py --systems tokenmill --kv-cache-dtypes fp32,fp8_e4m3 --threads 1
+
+``--kv-cache-dtypes`` runs tokenmill once per KV dtype (``--kv-cache-dtype`` of ``tokenmill
+serve``); the first is reported as ``tokenmill`` (compared with vLLM, which keeps its default
+KV), the others as ``tokenmill-<dtype>``.
 
 Prints a table, the ratios tokenmill / vLLM at each length, and each system's rate at every
 length relative to its own rate at the shortest one.
@@ -72,13 +77,13 @@ def measure(base_url: str, model: str, prompt: list[int], output_tokens: int) ->
             "chunks": len(stamps)}
 
 
-def run_system(name: str, model_dir: Path, contexts: list[int], args) -> dict[int, dict]:
+def run_system(name: str, model_dir: Path, contexts: list[int], args, kv_dtype: str = "fp32") -> dict[int, dict]:
     max_len = max(contexts) + args.output_tokens + 64
     rng = random.Random(args.seed)
     prompts = {L: [rng.randrange(100, 49000) for _ in range(L)] for L in contexts}
     if name == "tokenmill":
         argv = ["serve", "--model", str(model_dir), "--served-model-name", "m", "--max-model-len", str(max_len),
-                "--kv-cache-tokens", str(max_len + 256), "--threads", str(args.threads)]
+                "--kv-cache-tokens", str(max_len + 256), "--threads", str(args.threads), "--kv-cache-dtype", kv_dtype]
         srv = ServiceProcess(argv, start_timeout=600, log_path=ROOT / "out" / "long_context_tokenmill.log")
         srv.start()
         base, model, stop = srv.base_url, "m", srv.stop
@@ -91,7 +96,7 @@ def run_system(name: str, model_dir: Path, contexts: list[int], args) -> dict[in
         measure(base, model, [rng.randrange(100, 49000) for _ in range(64)], 8)   # warm-up
         for L in contexts:
             out[L] = measure(base, model, prompts[L], args.output_tokens)
-            print(f"[{name}] context {L}: decode {out[L]['decode_tok_s']:.2f} tok/s, "
+            print(f"[{name}, KV {kv_dtype}] context {L}: decode {out[L]['decode_tok_s']:.2f} tok/s, "
                   f"TTFT {out[L]['ttft_s']:.1f} s", flush=True)
     finally:
         stop()
@@ -104,6 +109,8 @@ def main() -> int:
     ap.add_argument("--systems", default="tokenmill,vllm")
     ap.add_argument("--output-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-cache-dtypes", default="fp32",
+                    help="comma-separated KV dtypes tokenmill runs with, one server each (fp32, bf16, fp8_e4m3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "out" / "long_context.json"))
     args = ap.parse_args()
@@ -112,11 +119,14 @@ def main() -> int:
     model_dir = long_hf_dir(max(contexts) + args.output_tokens + 64)
     print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
     results: dict[str, dict[int, dict]] = {}
-    for name in args.systems.split(","):
-        try:
-            results[name] = run_system(name, model_dir, contexts, args)
-        except (PeerNotInstalled, PeerStartError) as e:
-            print(f"[{name}] skipped: {e}", flush=True)
+    dtypes = args.kv_cache_dtypes.split(",")
+    for system in args.systems.split(","):
+        for i, dt in enumerate(dtypes if system == "tokenmill" else ["fp32"]):
+            name = system if i == 0 else f"{system}-{dt}"
+            try:
+                results[name] = run_system(system, model_dir, contexts, args, dt)
+            except (PeerNotInstalled, PeerStartError) as e:
+                print(f"[{name}] skipped: {e}", flush=True)
     print(f"load average at end: {open('/proc/loadavg').read().split()[:3]}")
     Path(args.out).write_text(json.dumps({k: {str(L): v for L, v in r.items()} for k, r in results.items()}, indent=2))
     names = list(results)
