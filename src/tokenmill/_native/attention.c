@@ -158,7 +158,6 @@ static inline float kv_at(const void *base, int64_t i, int kind) {
 
 static void task_scalar(const Problem *P, const Task *T, float *part_m, float *part_l, float *part_acc) {
     const int D = P->d, G = P->group, ps = P->page_size;
-    const float vfac = 1.f;   /* the scalar path applies fp8 scales key by key */
     const int64_t q0 = P->qsl[T->seq], n = P->qsl[T->seq + 1] - q0, L = P->seq_lens[T->seq];
     const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
     const int nrow = T->r1 - T->r0, nq = nrow * G;
@@ -216,7 +215,7 @@ static void task_scalar(const Problem *P, const Task *T, float *part_m, float *p
                 for (int x = 0; x < D; x++) dst[x] = acc[v * D + x] * inv;
             } else {
                 part_m[v] = m[v]; part_l[v] = l[v];
-                for (int x = 0; x < D; x++) part_acc[(size_t)v * D + x] = acc[(size_t)v * D + x] * vfac;
+                memcpy(part_acc + (size_t)v * D, acc + (size_t)v * D, sizeof(float) * D);
             }
         }
     free(acc);
@@ -488,10 +487,13 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
     float m[MAX_QVEC], l[MAX_QVEC];
     float s[KEY_BLOCK] __attribute__((aligned(32)));
     const char *kp[KEY_BLOCK], *vp[KEY_BLOCK];   /* element pointers (byte addressed) */
-    const float qfac = P->scale * (kind == TM_KV_FP8 ? P->ks[T->kvh] * 256.f : kind == TM_KV_FP8_TOKEN ? 256.f : 1.f);
-    const float vfac = kind == TM_KV_FP8 ? P->vs[T->kvh] * 256.f : kind == TM_KV_FP8_TOKEN ? 256.f : 1.f;
-    float ksc[KEY_BLOCK], vsc[KEY_BLOCK];        /* per-token fp8: the block's key scales */
-    const __m256 vscale = _mm256_set1_ps(qfac);
+    /* fp8 pages: each block's K and V rows are widened once (times their scales) into wbuf and
+     * read from there as float32 by every query vector of the task */
+    const int wide = kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN;
+    const int lk = wide ? TM_KV_F32 : kind;           /* the kind the inner loops read */
+    const size_t lesz = wide ? 4 : esz;
+    float *wbuf = wide ? aligned_alloc(64, sizeof(float) * 2 * KEY_BLOCK * (size_t)D) : NULL;
+    const __m256 vscale = _mm256_set1_ps(P->scale);
     for (int r = 0; r < nrow; r++)
         for (int g = 0; g < G; g++) {
             const float *src = P->q + (q0 + T->r0 + r) * P->q_stride + (int64_t)(T->kvh * G + g) * D;
@@ -508,8 +510,18 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
                 kp[j - j0] = (const char *)P->kc + offs[j - j0] * esz;
                 vp[j - j0] = (const char *)P->vc + offs[j - j0] * esz;
             }
-            if (kind == TM_KV_FP8_TOKEN)   /* a vector's scale sits at slot * hkv + head = offset / D */
-                for (int j = 0; j < j1 - j0; j++) { ksc[j] = P->ks[offs[j] / D]; vsc[j] = P->vs[offs[j] / D]; }
+            if (wide)   /* a per-token scale sits at slot * hkv + head = offset / D */
+                for (int j = 0; j < j1 - j0; j++) {
+                    float *kr = wbuf + (size_t)j * D, *vr = wbuf + (size_t)(KEY_BLOCK + j) * D;
+                    const int64_t si = kind == TM_KV_FP8 ? T->kvh : offs[j] / D;
+                    const __m256 mk = _mm256_set1_ps(256.f * P->ks[si]), mv = _mm256_set1_ps(256.f * P->vs[si]);
+                    for (int x = 0; x < D; x += 8) {
+                        _mm256_store_ps(kr + x, _mm256_mul_ps(fp8x8(kp[j] + x), mk));
+                        _mm256_store_ps(vr + x, _mm256_mul_ps(fp8x8(vp[j] + x), mv));
+                    }
+                    kp[j] = (const char *)kr;
+                    vp[j] = (const char *)vr;
+                }
         }
         if (j0 == T->k0)  /* the blocks PREFETCH_BLOCKS ahead are requested as each block starts */
             prefetch_keys(P, table, T->kvh, j1, j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK < T->k1 ? j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK : T->k1, esz);
@@ -530,21 +542,19 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
                     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                     for (int x = 0; x < D; x += 8) {
                         __m256 qx = _mm256_load_ps(qq + x);
-                        a0 = _mm256_fmadd_ps(qx, ld8(kp[j] + x * esz, kind), a0);
-                        a1 = _mm256_fmadd_ps(qx, ld8(kp[j + 1] + x * esz, kind), a1);
-                        a2 = _mm256_fmadd_ps(qx, ld8(kp[j + 2] + x * esz, kind), a2);
-                        a3 = _mm256_fmadd_ps(qx, ld8(kp[j + 3] + x * esz, kind), a3);
+                        a0 = _mm256_fmadd_ps(qx, ld8(kp[j] + x * lesz, lk), a0);
+                        a1 = _mm256_fmadd_ps(qx, ld8(kp[j + 1] + x * lesz, lk), a1);
+                        a2 = _mm256_fmadd_ps(qx, ld8(kp[j + 2] + x * lesz, lk), a2);
+                        a3 = _mm256_fmadd_ps(qx, ld8(kp[j + 3] + x * lesz, lk), a3);
                     }
                     _mm_storeu_ps(s + j, hsum4x256(a0, a1, a2, a3));
                 }
                 for (; j < nk; j++) {
                     __m256 a0 = _mm256_setzero_ps();
                     for (int x = 0; x < D; x += 8)
-                        a0 = _mm256_fmadd_ps(_mm256_load_ps(qq + x), ld8(kp[j] + x * esz, kind), a0);
+                        a0 = _mm256_fmadd_ps(_mm256_load_ps(qq + x), ld8(kp[j] + x * lesz, lk), a0);
                     s[j] = hsum256(a0);
                 }
-                if (kind == TM_KV_FP8_TOKEN)
-                    for (int t = 0; t < nk; t++) s[t] *= ksc[t];
                 float bm = -INFINITY;
                 for (int t = 0; t < nk; t++) bm = s[t] > bm ? s[t] : bm;
                 float mn = m[v] > bm ? m[v] : bm;
@@ -568,18 +578,18 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
                     __m256 va = _mm256_set1_ps(alpha);
                     for (int x = 0; x < D8; x++) o[x] = _mm256_mul_ps(_mm256_load_ps(a + 8 * x), va);
                     for (int u = 0; u < nk; u++) {
-                        __m256 pu = _mm256_set1_ps(kind == TM_KV_FP8_TOKEN ? s[u] * vsc[u] : s[u]);
+                        __m256 pu = _mm256_set1_ps(s[u]);
                         const char *vv = vp[u];
-                        for (int x = 0; x < D8; x++) o[x] = _mm256_fmadd_ps(pu, ld8(vv + 8 * x * esz, kind), o[x]);
+                        for (int x = 0; x < D8; x++) o[x] = _mm256_fmadd_ps(pu, ld8(vv + 8 * x * lesz, lk), o[x]);
                     }
                     for (int x = 0; x < D8; x++) _mm256_store_ps(a + 8 * x, o[x]);
                 } else {
                     __m256 va = _mm256_set1_ps(alpha);
                     for (int x = 0; x < D; x += 8) _mm256_store_ps(a + x, _mm256_mul_ps(_mm256_load_ps(a + x), va));
                     for (int u = 0; u < nk; u++) {
-                        __m256 pu = _mm256_set1_ps(kind == TM_KV_FP8_TOKEN ? s[u] * vsc[u] : s[u]);
+                        __m256 pu = _mm256_set1_ps(s[u]);
                         for (int x = 0; x < D; x += 8)
-                            _mm256_store_ps(a + x, _mm256_fmadd_ps(pu, ld8(vp[u] + x * esz, kind), _mm256_load_ps(a + x)));
+                            _mm256_store_ps(a + x, _mm256_fmadd_ps(pu, ld8(vp[u] + x * lesz, lk), _mm256_load_ps(a + x)));
                     }
                 }
             }
@@ -590,15 +600,16 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
             int v = r * G + g;
             if (T->part < 0) {
                 float *dst = P->out + (q0 + T->r0 + r) * (int64_t)P->hq * D + (int64_t)(T->kvh * G + g) * D;
-                __m256 inv = _mm256_set1_ps(l[v] > 0.f ? vfac / l[v] : 0.f);
+                __m256 inv = _mm256_set1_ps(l[v] > 0.f ? 1.f / l[v] : 0.f);
                 for (int x = 0; x < D; x += 8) _mm256_storeu_ps(dst + x, _mm256_mul_ps(_mm256_load_ps(acc + v * D + x), inv));
             } else {
                 part_m[v] = m[v]; part_l[v] = l[v];
-                for (int x = 0; x < D; x++) part_acc[(size_t)v * D + x] = acc[(size_t)v * D + x] * vfac;
+                memcpy(part_acc + (size_t)v * D, acc + (size_t)v * D, sizeof(float) * D);
             }
         }
     free(acc);
     free(qs);
+    free(wbuf);
 }
 
 AVX2 static void task_avx2_f32(const Problem *P, const Task *T, float *m, float *l, float *a) {
@@ -738,10 +749,13 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
     float m[MAX_QVEC], l[MAX_QVEC];
     float s[KEY_BLOCK] __attribute__((aligned(64)));
     const char *kp[KEY_BLOCK], *vp[KEY_BLOCK];   /* element pointers (byte addressed) */
-    const float qfac = P->scale * (kind == TM_KV_FP8 ? P->ks[T->kvh] * 256.f : kind == TM_KV_FP8_TOKEN ? 256.f : 1.f);
-    const float vfac = kind == TM_KV_FP8 ? P->vs[T->kvh] * 256.f : kind == TM_KV_FP8_TOKEN ? 256.f : 1.f;
-    float ksc[KEY_BLOCK], vsc[KEY_BLOCK];        /* per-token fp8: the block's key scales */
-    const __m512 vscale = _mm512_set1_ps(qfac);
+    /* fp8 pages: each block's K and V rows are widened once (times their scales) into wbuf and
+     * read from there as float32 by every query vector of the task */
+    const int wide = kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN;
+    const int lk = wide ? TM_KV_F32 : kind;           /* the kind the inner loops read */
+    const size_t lesz = wide ? 4 : esz;
+    float *wbuf = wide ? aligned_alloc(64, sizeof(float) * 2 * KEY_BLOCK * (size_t)D) : NULL;
+    const __m512 vscale = _mm512_set1_ps(P->scale);
     for (int r = 0; r < nrow; r++)
         for (int g = 0; g < G; g++) {
             const float *src = P->q + (q0 + T->r0 + r) * P->q_stride + (int64_t)(T->kvh * G + g) * D;
@@ -758,8 +772,18 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
                 kp[j - j0] = (const char *)P->kc + offs[j - j0] * esz;
                 vp[j - j0] = (const char *)P->vc + offs[j - j0] * esz;
             }
-            if (kind == TM_KV_FP8_TOKEN)   /* a vector's scale sits at slot * hkv + head = offset / D */
-                for (int j = 0; j < j1 - j0; j++) { ksc[j] = P->ks[offs[j] / D]; vsc[j] = P->vs[offs[j] / D]; }
+            if (wide)   /* a per-token scale sits at slot * hkv + head = offset / D */
+                for (int j = 0; j < j1 - j0; j++) {
+                    float *kr = wbuf + (size_t)j * D, *vr = wbuf + (size_t)(KEY_BLOCK + j) * D;
+                    const int64_t si = kind == TM_KV_FP8 ? T->kvh : offs[j] / D;
+                    const __m512 mk = _mm512_set1_ps(256.f * P->ks[si]), mv = _mm512_set1_ps(256.f * P->vs[si]);
+                    for (int x = 0; x < D; x += 16) {
+                        _mm512_store_ps(kr + x, _mm512_mul_ps(fp8x16(kp[j] + x), mk));
+                        _mm512_store_ps(vr + x, _mm512_mul_ps(fp8x16(vp[j] + x), mv));
+                    }
+                    kp[j] = (const char *)kr;
+                    vp[j] = (const char *)vr;
+                }
         }
         if (j0 == T->k0)  /* the blocks PREFETCH_BLOCKS ahead are requested as each block starts */
             prefetch_keys(P, table, T->kvh, j1, j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK < T->k1 ? j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK : T->k1, esz);
@@ -780,21 +804,19 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
                     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                     for (int x = 0; x < D; x += 16) {
                         __m512 qx = _mm512_load_ps(qq + x);
-                        a0 = _mm512_fmadd_ps(qx, ld16(kp[j] + x * esz, kind), a0);
-                        a1 = _mm512_fmadd_ps(qx, ld16(kp[j + 1] + x * esz, kind), a1);
-                        a2 = _mm512_fmadd_ps(qx, ld16(kp[j + 2] + x * esz, kind), a2);
-                        a3 = _mm512_fmadd_ps(qx, ld16(kp[j + 3] + x * esz, kind), a3);
+                        a0 = _mm512_fmadd_ps(qx, ld16(kp[j] + x * lesz, lk), a0);
+                        a1 = _mm512_fmadd_ps(qx, ld16(kp[j + 1] + x * lesz, lk), a1);
+                        a2 = _mm512_fmadd_ps(qx, ld16(kp[j + 2] + x * lesz, lk), a2);
+                        a3 = _mm512_fmadd_ps(qx, ld16(kp[j + 3] + x * lesz, lk), a3);
                     }
                     _mm_storeu_ps(s + j, hsum4x256(half_sum(a0), half_sum(a1), half_sum(a2), half_sum(a3)));
                 }
                 for (; j < nk; j++) {
                     __m512 a0 = _mm512_setzero_ps();
                     for (int x = 0; x < D; x += 16)
-                        a0 = _mm512_fmadd_ps(_mm512_load_ps(qq + x), ld16(kp[j] + x * esz, kind), a0);
+                        a0 = _mm512_fmadd_ps(_mm512_load_ps(qq + x), ld16(kp[j] + x * lesz, lk), a0);
                     s[j] = _mm512_reduce_add_ps(a0);
                 }
-                if (kind == TM_KV_FP8_TOKEN)
-                    for (int t = 0; t < nk; t++) s[t] *= ksc[t];
                 float bm = -INFINITY;
                 for (int t = 0; t < nk; t++) bm = s[t] > bm ? s[t] : bm;
                 float mn = m[v] > bm ? m[v] : bm;
@@ -818,18 +840,18 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
                     __m512 va = _mm512_set1_ps(alpha);
                     for (int x = 0; x < D16; x++) o[x] = _mm512_mul_ps(_mm512_load_ps(a + 16 * x), va);
                     for (int u = 0; u < nk; u++) {
-                        __m512 pu = _mm512_set1_ps(kind == TM_KV_FP8_TOKEN ? s[u] * vsc[u] : s[u]);
+                        __m512 pu = _mm512_set1_ps(s[u]);
                         const char *vv = vp[u];
-                        for (int x = 0; x < D16; x++) o[x] = _mm512_fmadd_ps(pu, ld16(vv + 16 * x * esz, kind), o[x]);
+                        for (int x = 0; x < D16; x++) o[x] = _mm512_fmadd_ps(pu, ld16(vv + 16 * x * lesz, lk), o[x]);
                     }
                     for (int x = 0; x < D16; x++) _mm512_store_ps(a + 16 * x, o[x]);
                 } else {
                     __m512 va = _mm512_set1_ps(alpha);
                     for (int x = 0; x < D; x += 16) _mm512_store_ps(a + x, _mm512_mul_ps(_mm512_load_ps(a + x), va));
                     for (int u = 0; u < nk; u++) {
-                        __m512 pu = _mm512_set1_ps(kind == TM_KV_FP8_TOKEN ? s[u] * vsc[u] : s[u]);
+                        __m512 pu = _mm512_set1_ps(s[u]);
                         for (int x = 0; x < D; x += 16)
-                            _mm512_store_ps(a + x, _mm512_fmadd_ps(pu, ld16(vp[u] + x * esz, kind), _mm512_load_ps(a + x)));
+                            _mm512_store_ps(a + x, _mm512_fmadd_ps(pu, ld16(vp[u] + x * lesz, lk), _mm512_load_ps(a + x)));
                     }
                 }
             }
@@ -840,15 +862,16 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
             int v = r * G + g;
             if (T->part < 0) {
                 float *dst = P->out + (q0 + T->r0 + r) * (int64_t)P->hq * D + (int64_t)(T->kvh * G + g) * D;
-                __m512 inv = _mm512_set1_ps(l[v] > 0.f ? vfac / l[v] : 0.f);
+                __m512 inv = _mm512_set1_ps(l[v] > 0.f ? 1.f / l[v] : 0.f);
                 for (int x = 0; x < D; x += 16) _mm512_storeu_ps(dst + x, _mm512_mul_ps(_mm512_load_ps(acc + v * D + x), inv));
             } else {
                 part_m[v] = m[v]; part_l[v] = l[v];
-                for (int x = 0; x < D; x++) part_acc[(size_t)v * D + x] = acc[(size_t)v * D + x] * vfac;
+                memcpy(part_acc + (size_t)v * D, acc + (size_t)v * D, sizeof(float) * D);
             }
         }
     free(acc);
     free(qs);
+    free(wbuf);
 }
 
 AVX512 static void task_avx512_f32(const Problem *P, const Task *T, float *m, float *l, float *a) {
