@@ -1288,6 +1288,35 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* fp8_write(src_ptr, row_stride, slots_ptr, n, hkv, d, dst_ptr, scale_ptr, per_token): store n
+ * token rows of hkv x d float32 values (head h of row t at src + t * row_stride + h * d) as
+ * e4m3 bytes at their slots of one K or V half [num_pages * page_size, hkv, d], exactly as
+ * tokenmill.layers.attention.fp8.write_fp8 does (tm_fp8_write_vec): with the static [hkv]
+ * scales at scale_ptr, or (per_token) computing each vector's scale into
+ * scale_ptr[slot * hkv + h]. */
+static PyObject *py_fp8_write(PyObject *self, PyObject *args) {
+    unsigned long long src, slots, dst, sc;
+    long long row_stride, n, hkv, d;
+    int per_token;
+    if (!PyArg_ParseTuple(args, "KLKLLLKKp", &src, &row_stride, &slots, &n, &hkv, &d, &dst, &sc, &per_token))
+        return NULL;
+    if (n < 0 || hkv <= 0 || d <= 0 || row_stride < hkv * d || !src || !slots || !dst || !sc) {
+        PyErr_SetString(PyExc_ValueError, "fp8_write: bad sizes or null pointers");
+        return NULL;
+    }
+    const float *x = (const float *)src;
+    const int64_t *sl = (const int64_t *)slots;
+    uint8_t *o = (uint8_t *)dst;
+    float *scales = (float *)sc;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t h = 0; h < hkv; h++)
+            tm_fp8_write_vec(o + (sl[t] * hkv + h) * d, per_token ? scales + sl[t] * hkv + h : scales + h,
+                             x + t * row_stride + h * d, d, per_token);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* e4m3_to_float(src_ptr, dst_ptr, n, path): widen n fp8 bytes to float32 through one of the
  * kernel's own widening routines (0 scalar table, 1 AVX2+F16C, 2 AVX-512), scale 1; for tests. */
 static PyObject *py_e4m3_to_float(PyObject *self, PyObject *args) {
@@ -1316,6 +1345,7 @@ static PyObject *py_simd(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS, "Paged attention over the KV pool, pages read in place."},
     {"simd", py_simd, METH_NOARGS, "The vector instruction set the kernels use on this CPU."},
+    {"fp8_write", py_fp8_write, METH_VARARGS, "Quantize K or V rows into fp8 pages at their slots."},
     {"e4m3_to_float", py_e4m3_to_float, METH_VARARGS, "Widen fp8 (e4m3) bytes with one of the kernel's paths."},
     {NULL, NULL, 0, NULL},
 };

@@ -4,7 +4,9 @@
 #ifndef TOKENMILL_ATTENTION_H
 #define TOKENMILL_ATTENTION_H
 
+#include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define TM_ATTENTION_CAPSULE "tokenmill._native._attention._C_API"
 /* the same kernel as a task list (a tm_attention_tasks), for a caller that runs its own threads */
@@ -17,6 +19,46 @@
  * (TM_KV_FP8: a static scale per layer and head) or one per stored vector, indexed
  * slot * num_kv_heads + kv_head (TM_KV_FP8_TOKEN). */
 enum { TM_KV_F32 = 0, TM_KV_BF16 = 1, TM_KV_FP8 = 2, TM_KV_FP8_TOKEN = 3 };
+
+/* float32 -> float8_e4m3fn byte, rounding to nearest even as torch's .to(float8_e4m3fn) does,
+ * for |f| <= 448 (the callers saturate first) or NaN. Rounded on the float32 bits directly (one
+ * rounding, so no double-rounding case): a normal result (|f| >= 2^-6) keeps 3 of the 23
+ * mantissa bits, the carry of the rounding moving into the exponent; a subnormal one is
+ * m * 2^-9 with m = |f| * 2^9 rounded to an integer (exact scaling; m = 8 is 2^-6's code). */
+static inline uint8_t tm_to_e4m3(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return sign | 0x7F;                        /* NaN */
+    if (a >= 0x3C800000u) {                                         /* 2^-6 and up */
+        a += 0x7FFFFu + ((a >> 20) & 1u);
+        return sign | (uint8_t)((a >> 20) - (120u << 3));           /* exponent bias 127 -> 7 */
+    }
+    float m = nearbyintf(fabsf(f) * 512.f);                          /* round half to even */
+    return sign | (uint8_t)m;
+}
+
+/* x / scale saturated at +-448 (NaN passes, as torch's clamp lets it) */
+static inline float tm_fp8_sat(float x, float scale) {
+    float y = x / scale;
+    return y > 448.f ? 448.f : y < -448.f ? -448.f : y;
+}
+
+/* One vector of d values into e4m3 bytes o, as tokenmill.layers.attention.fp8.write_fp8: with
+ * the static scale *sc (x / scale), or (per_token) with its own scale max(amax / 448, 1e-12),
+ * written to *sc. */
+static inline void tm_fp8_write_vec(uint8_t *o, float *sc, const float *x, int64_t d, int per_token) {
+    float s = *sc;
+    if (per_token) {
+        float amax = 0.f;
+        for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax || x[i] != x[i] ? fabsf(x[i]) : amax;
+        s = amax / 448.f;
+        s = s < 1e-12f ? 1e-12f : s;
+        *sc = s;
+    }
+    for (int64_t i = 0; i < d; i++) o[i] = tm_to_e4m3(tm_fp8_sat(x[i], s));
+}
 
 typedef int (*tm_paged_attention_fn)(const float *q, int64_t q_stride, float *out, const void *k_cache,
                                      const void *v_cache, int kv_kind, const float *k_scale,

@@ -18,6 +18,14 @@ def unavailable_reason() -> str | None:
     return _ERROR
 
 
+def fp8_write(*args) -> None:
+    """See ``attention.c``: ``fp8_write(src_ptr, row_stride, slots_ptr, n, hkv, head_dim, dst_ptr,
+    scale_ptr, per_token)``, the bytes and scales of ``fp8.write_fp8``."""
+    if _ext is None:
+        raise RuntimeError(_ERROR)
+    _ext.fp8_write(*args)
+
+
 def e4m3_to_float(src_ptr: int, dst_ptr: int, n: int, path: int) -> None:
     """Widen ``n`` fp8 bytes to fp32 with the kernel's scalar (0), AVX2+F16C (1) or AVX-512 (2)
     routine (for tests of the exact conversion)."""

@@ -100,35 +100,9 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
     return (uint16_t)(u >> 16);
 }
 
-/* float32 -> float8_e4m3fn byte, rounding to nearest even as torch's .to(float8_e4m3fn) does,
- * for |f| <= 448 (the callers saturate first) or NaN. Rounded on the float32 bits directly (one
- * rounding, so no double-rounding case): a normal result (|f| >= 2^-6) keeps 3 of the 23
- * mantissa bits, the carry of the rounding moving into the exponent; a subnormal one is
- * m * 2^-9 with m = |f| * 2^9 rounded to an integer (exact scaling; m = 8 is 2^-6's code). */
-static inline uint8_t to_e4m3(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
-    uint32_t a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return sign | 0x7F;                        /* NaN */
-    if (a >= 0x3C800000u) {                                         /* 2^-6 and up */
-        a += 0x7FFFFu + ((a >> 20) & 1u);
-        return sign | (uint8_t)((a >> 20) - (120u << 3));           /* exponent bias 127 -> 7 */
-    }
-    float m = nearbyintf(fabsf(f) * 512.f);                          /* round half to even */
-    return sign | (uint8_t)m;
-}
-
-/* x / scale saturated at +-448 (NaN passes, as torch's clamp lets it) */
-static inline float fp8_sat(float x, float scale) {
-    float y = x / scale;
-    return y > 448.f ? 448.f : y < -448.f ? -448.f : y;
-}
-
 /* Store M token rows of hkv heads x d values at their slots. fp8 (kind TM_KV_FP8*): the same
- * bytes (and per-vector scales) as tokenmill.layers.attention.fp8.write_fp8 writes: static,
- * x / scale[head]; per token, scale = max(amax / 448, 1e-12) of each head's vector, stored at
- * slot * hkv + head. */
+ * bytes (and per-vector scales) as tokenmill.layers.attention.fp8.write_fp8 writes
+ * (tm_fp8_write_vec in attention.h); a per-vector scale is stored at slot * hkv + head. */
 static void kv_write(void *cache, float *scales, const float *src, int64_t src_stride, const int64_t *slots,
                      int64_t M, int64_t hkv, int64_t d, int kind) {
     const int64_t width = hkv * d;
@@ -139,20 +113,9 @@ static void kv_write(void *cache, float *scales, const float *src, int64_t src_s
             for (int64_t i = 0; i < width; i++) o[i] = to_bf16(s[i]);
         } else if (kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN) {
             uint8_t *o = (uint8_t *)cache + slots[t] * width;
-            for (int64_t h = 0; h < hkv; h++) {
-                const float *x = s + h * d;
-                float sc;
-                if (kind == TM_KV_FP8) {
-                    sc = scales[h];
-                } else {
-                    float amax = 0.f;
-                    for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax || x[i] != x[i] ? fabsf(x[i]) : amax;
-                    sc = amax / 448.f;
-                    sc = sc < 1e-12f ? 1e-12f : sc;
-                    scales[slots[t] * hkv + h] = sc;
-                }
-                for (int64_t i = 0; i < d; i++) o[h * d + i] = to_e4m3(fp8_sat(x[i], sc));
-            }
+            for (int64_t h = 0; h < hkv; h++)
+                tm_fp8_write_vec(o + h * d, kind == TM_KV_FP8 ? scales + h : scales + slots[t] * hkv + h, s + h * d, d,
+                                 kind == TM_KV_FP8_TOKEN);
         } else {
             memcpy((float *)cache + slots[t] * width, s, (size_t)width * sizeof(float));
         }

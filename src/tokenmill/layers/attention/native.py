@@ -14,8 +14,8 @@ for standard attention layers (:class:`~tokenmill.contracts.kv.PagedKV`). bf16 p
 widened to fp32 as they are read (half the bytes a long-context decode reads); fp8 pages
 (:class:`~tokenmill.layers.attention.fp8.FP8Pages`, static or per-token scales) are read as bytes
 (a quarter) and widened exactly in the kernel, the scales folded into the query and the softmax
-weights. The step's K/V are quantized on write by the torch reference's own ``write_fp8``, so
-the two backends store the same bytes. One difference: the kernel reads every key back from the
+weights. The step's K/V are quantized on write in C to the same bytes (and per-vector scales) as the
+torch reference's ``write_fp8``. One difference: the kernel reads every key back from the
 pool, so a fresh prefill attends its own chunk through fp8 (the reference uses the chunk's
 unrounded K/V); the start-up calibration of static scales therefore runs on the reference
 (:meth:`calibration_backend`). Not taken here: MLA latents (LatentKV specs keep
@@ -34,6 +34,7 @@ from tokenmill._native import attention as kernel
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import FP8_DTYPES, KVCacheSpec, PagedKV
 from tokenmill.layers.attention.base import AttentionBackend, attention_kinds
+from tokenmill.layers.attention import fp8
 from tokenmill.layers.attention.fp8 import FP8Pages, write_fp8
 from tokenmill.layers.attention.torch_ref import TorchPagedAttention
 
@@ -93,6 +94,24 @@ class NativePagedAttention(TorchPagedAttention):
         fp8 pool."""
         return TorchPagedAttention(self.spec, self.device, self.compute_dtype)
 
+    @staticmethod
+    def _write_fp8(kv_cache: FP8Pages, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The step's K/V into fp8 pages: in C (``fp8_write``), the same bytes and scales as the
+        reference's :func:`~tokenmill.layers.attention.fp8.write_fp8` (its rounding is tested
+        against torch), which still takes a calibration pass (it records the amax there)."""
+        if fp8._CALIBRATING or k.dtype != torch.float32:
+            write_fp8(kv_cache.half(0), slots, k)
+            write_fp8(kv_cache.half(1), slots, v)
+            return
+        _, _, _, hkv, d = kv_cache.data.shape
+        slots = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
+        _, _, ksp, vsp = kv_pointers(kv_cache)
+        for i, (x, sp) in enumerate(((k, ksp), (v, vsp))):
+            if x.stride(2) != 1 or x.stride(1) != d:
+                x = x.contiguous()
+            kernel.fp8_write(x.data_ptr(), x.stride(0), slots.data_ptr(), x.shape[0], hkv, d,
+                             kv_cache.data[i].data_ptr(), sp, kv_cache.per_token)
+
     def build_metadata(self, batch: ForwardBatch) -> NativeMetadata:
         ps = batch.page_size
         if batch.max_seq_len and batch.max_seq_len > batch.block_tables.shape[1] * ps:
@@ -106,9 +125,8 @@ class NativePagedAttention(TorchPagedAttention):
                 meta: NativeMetadata, scale: float) -> torch.Tensor:
         t, hq, d = q.shape
         hkv = k.shape[1]
-        if isinstance(kv_cache, FP8Pages):   # the reference's quantization: the same bytes
-            write_fp8(kv_cache.half(0), meta.slot_mapping, k)
-            write_fp8(kv_cache.half(1), meta.slot_mapping, v)
+        if isinstance(kv_cache, FP8Pages):
+            self._write_fp8(kv_cache, meta.slot_mapping, k, v)
         else:
             kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
             kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
