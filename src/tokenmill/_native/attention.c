@@ -80,6 +80,7 @@ typedef struct {
  * exponent bits of bias 7, 3 mantissa bits; no infinities, 0x7F / 0xFF are NaN and never
  * stored), and the element is e * scale. The vector paths widen 8 or 16 bytes at once without a
  * table: ((b & 0x80) << 8) | ((b & 0x7F) << 7) is the float16 whose value is exactly e * 2^-8
+ * (computed as w + (w & 0x4000) with w = b << 7)
  * (float16 has the same 3 leading mantissa bits and an exponent bias of 15 = 7 + 8, normals and
  * subnormals alike), and F16C's vcvtph2ps turns it into float32. The 2^8 is folded into the
  * scales. The scales themselves stay out of the inner loops: K's goes into the query (a static
@@ -458,10 +459,9 @@ AVX2 static inline __m128 hsum4x256(__m256 a, __m256 b, __m256 c, __m256 d) {
 
 /* Eight fp8 bytes as float32 values times 2^-8 (see "fp8 pages"). */
 AVX2 static inline __attribute__((always_inline)) __m256 fp8x8(const void *p) {
-    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16((short)0x8000)),
-                             _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
-    return _mm256_cvtph_ps(h);
+    __m128i w = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7);
+    /* w = b << 7 has the sign in bit 14; adding that bit moves it to bit 15 and clears bit 14 */
+    return _mm256_cvtph_ps(_mm_add_epi16(w, _mm_and_si128(w, _mm_set1_epi16(0x4000))));
 }
 
 /* Eight cache elements at p (an element pointer of the cache's kind) as float32 (fp8: times 2^-8). */
@@ -717,10 +717,8 @@ static const TileKernel tile_kernel_avx2 = {tile_avx2, widen_avx2, widen8_avx2, 
 
 /* Sixteen fp8 bytes as float32 values times 2^-8 (see "fp8 pages"). */
 AVX512 static inline __attribute__((always_inline)) __m512 fp8x16(const void *p) {
-    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 8), _mm256_set1_epi16((short)0x8000)),
-                                _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
-    return _mm512_cvtph_ps(h);
+    __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    return _mm512_cvtph_ps(_mm256_add_epi16(w, _mm256_and_si256(w, _mm256_set1_epi16(0x4000))));  /* as fp8x8 */
 }
 
 AVX512 static inline __attribute__((always_inline)) __m512 ld16(const void *p, int kind) {
