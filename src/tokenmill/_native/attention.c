@@ -555,8 +555,18 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
                         a0 = _mm256_fmadd_ps(_mm256_load_ps(qq + x), ld8(kp[j] + x * lesz, lk), a0);
                     s[j] = hsum256(a0);
                 }
-                float bm = -INFINITY;
-                for (int t = 0; t < nk; t++) bm = s[t] > bm ? s[t] : bm;
+                float bm;
+                {   /* the block's max, a vector at a time (a scalar chain of dependent max ops
+                     * cost about 4 cycles per key and query vector) */
+                    __m256 mx = _mm256_set1_ps(-INFINITY);
+                    int t = 0;
+                    for (; t + 8 <= nk; t += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(s + t));
+                    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+                    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+                    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+                    bm = _mm_cvtss_f32(h);
+                    for (; t < nk; t++) bm = s[t] > bm ? s[t] : bm;
+                }
                 float mn = m[v] > bm ? m[v] : bm;
                 float alpha = expf(m[v] - mn);
                 /* p = exp(s - mn), eight at a time */
@@ -796,8 +806,18 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
             for (int g = 0; g < G; g++) {
                 int v = r * G + g;
                 const float *qq = qs + v * D;
-                /* scores, four keys at a time */
+                /* scores, eight keys at a time (eight independent FMA chains), then four */
                 int j = 0;
+                for (; j + 8 <= nk; j += 8) {
+                    __m512 a8[8];
+                    for (int k = 0; k < 8; k++) a8[k] = _mm512_setzero_ps();
+                    for (int x = 0; x < D; x += 16) {
+                        __m512 qx = _mm512_load_ps(qq + x);
+                        for (int k = 0; k < 8; k++) a8[k] = _mm512_fmadd_ps(qx, ld16(kp[j + k] + x * lesz, lk), a8[k]);
+                    }
+                    _mm_storeu_ps(s + j, hsum4x256(half_sum(a8[0]), half_sum(a8[1]), half_sum(a8[2]), half_sum(a8[3])));
+                    _mm_storeu_ps(s + j + 4, hsum4x256(half_sum(a8[4]), half_sum(a8[5]), half_sum(a8[6]), half_sum(a8[7])));
+                }
                 for (; j + 4 <= nk; j += 4) {
                     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                     for (int x = 0; x < D; x += 16) {
@@ -815,8 +835,16 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
                         a0 = _mm512_fmadd_ps(_mm512_load_ps(qq + x), ld16(kp[j] + x * lesz, lk), a0);
                     s[j] = _mm512_reduce_add_ps(a0);
                 }
-                float bm = -INFINITY;
-                for (int t = 0; t < nk; t++) bm = s[t] > bm ? s[t] : bm;
+                float bm;
+                {   /* the block's max, a vector at a time (as in the AVX2 body) */
+                    __m512 mx = _mm512_set1_ps(-INFINITY);
+                    int t = 0;
+                    for (; t + 16 <= nk; t += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(s + t));
+                    if (t < nk)
+                        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY),
+                                                                    (__mmask16)((1u << (nk - t)) - 1), s + t));
+                    bm = _mm512_reduce_max_ps(mx);
+                }
                 float mn = m[v] > bm ? m[v] : bm;
                 float alpha = expf(m[v] - mn);
                 /* p = exp(s - mn), eight at a time */
@@ -833,7 +861,28 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
                 m[v] = mn;
                 /* acc = acc * alpha + sum_j p_j v_j, D in registers when it fits */
                 float *a = acc + v * D;
-                if (D16 <= 8) {
+                if (D16 <= 4) {   /* two keys at a time into two sets of accumulators: 2 x D16 chains */
+                    __m512 o[4], o2[4];
+                    __m512 va = _mm512_set1_ps(alpha);
+                    for (int x = 0; x < D16; x++) {
+                        o[x] = _mm512_mul_ps(_mm512_load_ps(a + 16 * x), va);
+                        o2[x] = _mm512_setzero_ps();
+                    }
+                    int u = 0;
+                    for (; u + 2 <= nk; u += 2) {
+                        __m512 p0 = _mm512_set1_ps(s[u]), p1 = _mm512_set1_ps(s[u + 1]);
+                        const char *v0 = vp[u], *v1 = vp[u + 1];
+                        for (int x = 0; x < D16; x++) {
+                            o[x] = _mm512_fmadd_ps(p0, ld16(v0 + 16 * x * lesz, lk), o[x]);
+                            o2[x] = _mm512_fmadd_ps(p1, ld16(v1 + 16 * x * lesz, lk), o2[x]);
+                        }
+                    }
+                    for (; u < nk; u++) {
+                        __m512 pu = _mm512_set1_ps(s[u]);
+                        for (int x = 0; x < D16; x++) o[x] = _mm512_fmadd_ps(pu, ld16(vp[u] + 16 * x * lesz, lk), o[x]);
+                    }
+                    for (int x = 0; x < D16; x++) _mm512_store_ps(a + 16 * x, _mm512_add_ps(o[x], o2[x]));
+                } else if (D16 <= 8) {
                     __m512 o[8];
                     __m512 va = _mm512_set1_ps(alpha);
                     for (int x = 0; x < D16; x++) o[x] = _mm512_mul_ps(_mm512_load_ps(a + 16 * x), va);
