@@ -10,6 +10,7 @@ not timed (both settings run them through the same GEMM).
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fused_decode_ab.py --quantization none --threads 1
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/fused_decode_ab.py --quantization none --threads 2 --contexts 512,4096
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/fused_decode_ab.py --quantization none --threads 2 --batch 8
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fused_decode_ab.py --kv-cache-dtype fp8_e4m3 --contexts 512,4096
 """
 from __future__ import annotations
 
@@ -67,18 +68,21 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together (rows per step)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype (fp32, bf16, fp8_e4m3)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from tokenmill import LLM
 
     contexts = [int(c) for c in args.contexts.split(",")]
     print(f"load average at start: {open('/proc/loadavg').read().strip()}")
-    llm = LLM(model=args.model, quantization=args.quantization, kv_cache_tokens=args.batch * (max(contexts) + args.tokens + 64))
+    llm = LLM(model=args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_tokens=args.batch * (max(contexts) + args.tokens + 64))
     engine = llm.engine
     if engine.runner.model.fused_decode_stack() is None:
         print("this model has no fused decode stack: nothing to compare")
         return 1
-    print(f"weights: {args.quantization}, {torch.get_num_threads()} thread(s), {args.batch} request(s) of "
+    print(f"weights: {args.quantization}, KV {engine.kv_spec.dtype}, attention {engine.runner.attn.name}, "
+          f"{torch.get_num_threads()} thread(s), {args.batch} request(s) of "
           f"{args.tokens} tokens decoding together")
     print("| context | fused ms / step (rounds) | layer path ms / step (rounds) | layer / fused | same tokens |")
     print("|---|---|---|---|---|")
