@@ -78,7 +78,7 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     decode_slowdown: float | None = 1.75  # bound on a decode step's time while prefill shares it
                                           # (x the decodes-only step; None: prefill fills the step)
     prefill_finish_slowdown: float | None = 6.0   # ... or this many x, for a step that admits a
-                                          # prefill's remainder at once (None: always the bound)
+                                          # whole prefill at once (None: always the bound)
     quantization: str = "auto"       # weight format, see tokenmill.layers.quant.methods.QuantConfig
     quant_group_size: int = 128      # int4: inputs per scale group (a multiple of 32)
     quant_symmetric: bool = False    # int4: symmetric (scale only) instead of scale + min
