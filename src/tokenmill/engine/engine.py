@@ -292,6 +292,7 @@ class Engine:
                                        num_speculative_tokens=cfg.num_speculative_tokens,
                                        max_model_len=self.max_model_len,
                                        adaptive=cfg.speculative_adaptive,
+                                       gate=cfg.speculative_gate,
                                        max_draft_tokens=cfg.speculative_max_draft_tokens,
                                        # with tensor parallelism rank 0 gets one grammar-mask row per
                                        # request (engine/parallel.py), so constrained requests do not draft
