@@ -361,10 +361,13 @@ class SpeculativeDecoder:
         floor = n / base_time
         best_rate, best_r = floor * (1.0 + margin), 0
         tokens = float(n)
+        t_prev = base_time
         for r, (g, _) in enumerate(rows, start=1):
             tokens += g
             t = self.table.predict(n + r, line)
-            rate = tokens / (max(t if t is not None else base_time, base_time) + propose_seconds)
+            # a size with no estimate costs at least the largest smaller one (never less)
+            t = t_prev = max(t if t is not None else t_prev, t_prev)
+            rate = tokens / (t + propose_seconds)
             if rate > best_rate:
                 best_rate, best_r = rate, r
         if best_r == 0:
