@@ -259,3 +259,17 @@ def test_model_free_proposers_state_a_confidence_per_token() -> None:
     assert d.token_ids == [3, 4]
     m = d.kind
     assert d.confidence == pytest.approx([match_confidence(m) * 2 / 3, match_confidence(m + 1) * 1.0])
+
+
+def test_copied_control_tokens_get_a_low_confidence() -> None:
+    from tokenmill.engine.spec.base import CONTROL_CONFIDENCE, match_confidence
+    from tokenmill.engine.spec.ngram import NgramProposer
+
+    # the prompt restates "5 6" and then ends its turn (2): copying the end marker is unlikely
+    req = Request("r", [1, 5, 6, 7, 2, 1, 3, 5, 6], SamplingParams(max_tokens=16))
+    prop = NgramProposer(2, 2)
+    assert prop.propose([req], [3])[0].confidence == pytest.approx([match_confidence(k) for k in (2, 3, 4)])
+    prop.control_token_ids = frozenset({1, 2})
+    d = prop.propose([req], [3])[0]
+    assert d.token_ids == [7, 2, 1]
+    assert d.confidence == pytest.approx([match_confidence(2), CONTROL_CONFIDENCE, CONTROL_CONFIDENCE])

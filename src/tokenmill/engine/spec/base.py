@@ -48,13 +48,29 @@ class Draft(NamedTuple):
 # n-gram drafts at every position of the default model's greedy answers to held-out agent
 # turns and prose prompts (none of the benchmark's): agent 0.23 / 0.56 / 0.77 / 0.81 / 0.87 /
 # 0.91 / 0.87 / 0.94, prose 0.19 / 0.29 / 0.48 / 0.64 / 0.51 / 0.78 / 0.47 / 0.75; this is
-# about their mean, and the draft gate corrects it online for the workload at hand.
-MATCH_CONFIDENCE = (0.18, 0.45, 0.6, 0.7, 0.75, 0.8, 0.82, 0.9)
+# a smoothed mean of the two, on the low side (a miss costs a multi-row step), and the draft
+# gate corrects it online for the workload at hand.
+MATCH_CONFIDENCE = (0.18, 0.4, 0.55, 0.65, 0.7, 0.75, 0.8, 0.88)
 
 
 def match_confidence(length: int) -> float:
     """:data:`MATCH_CONFIDENCE` for a match of ``length`` tokens (>= 1)."""
     return MATCH_CONFIDENCE[min(max(length, 1), len(MATCH_CONFIDENCE)) - 1]
+
+
+# a control token (EOS, a chat template's turn markers) copied from the context: the copy runs
+# across a turn boundary of the context (a prompt restating the question ends where the
+# answer goes on), which the output seldom repeats
+CONTROL_CONFIDENCE = 0.05
+
+
+def copy_confidence(tokens: Sequence[int], confidence: list[float], control: frozenset[int]) -> list[float]:
+    """``confidence`` with each token of ``control`` capped at :data:`CONTROL_CONFIDENCE`."""
+    if control:
+        for j, t in enumerate(tokens):
+            if t in control:
+                confidence[j] = min(confidence[j], CONTROL_CONFIDENCE)
+    return confidence
 
 
 class Proposer(abc.ABC):
@@ -65,6 +81,9 @@ class Proposer(abc.ABC):
     # what adaptive k assumes before it has seen any draft of a kind: the chance the first
     # draft is accepted, per kind (a missing kind uses the largest kind below it)
     kind_first_prior: dict[int, float] = {}
+    # the model's control tokens (EOS, chat-template markers; the engine sets them): a
+    # model-free proposer states a low confidence for copying one (:func:`copy_confidence`)
+    control_token_ids: frozenset[int] = frozenset()
     # target layers whose hidden states the proposer reads (-1: the embedding output)
     capture_layers: frozenset[int] = frozenset()
     # learned drafters: how many recent positions a draft needs after capture was off (the

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tokenmill.engine.spec.base import Draft, Proposer, match_confidence
+from tokenmill.engine.spec.base import Draft, Proposer, copy_confidence, match_confidence
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request
@@ -112,7 +112,8 @@ class NgramProposer(Proposer):
             draft, length = index.lookup(req.all_token_ids, k)
             # a copied token is as likely as a match of the length behind it (the drafts
             # before it included) is to go on
-            conf = [match_confidence(length + j) for j in range(len(draft))] if draft else None
+            conf = (copy_confidence(draft, [match_confidence(length + j) for j in range(len(draft))],
+                                    self.control_token_ids) if draft else None)
             drafts.append(Draft(draft, kind=length if draft else None, confidence=conf))
         return drafts
 

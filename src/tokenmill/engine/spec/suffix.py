@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tokenmill.engine.spec.base import Draft, Proposer, match_confidence
+from tokenmill.engine.spec.base import Draft, Proposer, copy_confidence, match_confidence
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request
@@ -180,7 +180,8 @@ class SuffixProposer(Proposer):
             # a token's confidence: how often a match as long as the one behind it (the
             # context's plus the drafts before it) continues correctly, times how often this
             # path's most frequent continuation is the one taken
-            conf = [match_confidence(best_m + j) * r for j, r in enumerate(best_ratios)]
+            conf = copy_confidence(best, [match_confidence(best_m + j) * r for j, r in enumerate(best_ratios)],
+                                   self.control_token_ids)
             drafts.append(Draft(best, kind=min(best_m, 8) if best else None, confidence=conf if best else None))
         return drafts
 
