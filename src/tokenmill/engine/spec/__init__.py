@@ -16,10 +16,14 @@
 Adaptive ``k`` (``speculative_adaptive``), in two stages:
 
 1. *Expected gain per draft position.* A cheap model-free proposer (``drafts_then_cuts``:
-   ngram, suffix) drafts the longest allowed every step and tags each draft with a *kind* (the
-   length of the match it came from); acceptance per position is pooled per kind over all
-   requests (:class:`~tokenmill.engine.spec.base.KindStats`, with a prior by kind), so a long
-   match (a copy in progress) is trusted and a 2-token coincidence is not. Other proposers use
+   ngram, suffix) drafts the longest allowed every step, and its draft tokens state a
+   confidence each (:attr:`Draft.confidence`). The *draft gate* calibrates confidences online
+   (:class:`~tokenmill.engine.spec.base.ConfidenceCalibration`: a scale shared by all of them
+   and a bias per confidence bucket, from the acceptance observed, pooled over requests); a
+   row's gain is the product of the calibrated rates up to it. With ``gate=False`` (or a draft
+   without confidences) the draft's *kind* (the length of the match it came from) decides
+   instead: acceptance per position pooled per kind over all requests
+   (:class:`~tokenmill.engine.spec.base.KindStats`, with a prior by kind). Other proposers use
    two per-request moving averages: ``f``, how often the first draft of a step is accepted, and
    ``c``, how often a draft is accepted after an accepted one; position ``j`` (1-based) holds
    with probability about ``f * c**(j-1)`` and the request asks for drafts while that is
@@ -39,7 +43,8 @@ Adaptive ``k`` (``speculative_adaptive``), in two stages:
    Where rows are nearly free (a weight-bound step) every promising draft goes out; where they
    are dear only likely ones do; if no ``R > 0`` pays, the step drafts nothing, with a one-token
    probe every ``COST_PROBE_EVERY`` (``CUT_PROBE_EVERY`` for draft-then-cut proposers) steps,
-   or rarer, so that probes take at most ``PROBE_BUDGET`` of the decode time.
+   or rarer, so that probes take at most ``PROBE_BUDGET`` of the decode time. Gated drafts
+   must beat sending none by ``GATE_MARGIN`` (a miss costs a multi-row step).
    On top, one step's drafts are capped at ``speculative_max_draft_tokens`` in total.
 
 Hidden-state capture (learned drafters, ``Proposer.capture_layers``): capturing costs the
