@@ -64,6 +64,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--slowdown", type=float, default=1.75,
                     help="--decode-slowdown of the bounded server (serve's default)")
+    ap.add_argument("--finish", type=float, default=None,
+                    help="--prefill-finish-slowdown of the bounded server (default: serve's default)")
+    ap.add_argument("--no-finish-too", action="store_true",
+                    help="also run the bounded server with the finishing exception off "
+                         "(--prefill-finish-slowdown 0), as a third setting")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat both settings, alternating which goes first (the load here drifts)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "decode_stall")
@@ -72,14 +77,20 @@ def main() -> int:
         ap.error("--rounds must be >= 1")
     print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    settings = {f"bound on (--decode-slowdown {args.slowdown:g})": f"{args.slowdown:g}", "bound off": "0"}
+    finish = [] if args.finish is None else ["--prefill-finish-slowdown", f"{args.finish:g}"]
+    settings = {f"bound on (--decode-slowdown {args.slowdown:g}{' ' + ' '.join(finish) if finish else ''})":
+                ["--decode-slowdown", f"{args.slowdown:g}"] + finish}
+    if args.no_finish_too:
+        settings["bound on, no finishing (--prefill-finish-slowdown 0)"] = [
+            "--decode-slowdown", f"{args.slowdown:g}", "--prefill-finish-slowdown", "0"]
+    settings["bound off"] = ["--decode-slowdown", "0"]
     rows: dict[str, list[tuple[dict, dict]]] = {label: [] for label in settings}
     with contextlib.ExitStack() as stack:
         servers = {}
-        for label, slowdown in settings.items():
+        for i, (label, extra) in enumerate(settings.items()):
             argv = ["serve", "--model", args.model, "--served-model-name", "m", "--threads", str(args.threads),
-                    "--decode-slowdown", slowdown, "--kv-cache-tokens", "65536"]
-            log = args.out.parent / f"decode_stall_server_{label.split()[1]}.log"
+                    "--kv-cache-tokens", "65536"] + extra
+            log = args.out.parent / f"decode_stall_server_{i}.log"
             servers[label] = stack.enter_context(ServiceProcess(argv, start_timeout=600, log_path=log))
         for r in range(args.rounds):
             # both servers are up (one idles while the other runs); rounds alternate which goes
@@ -90,7 +101,7 @@ def main() -> int:
                 if r:   # every round starts from an empty prefix cache, as the first does
                     urllib.request.urlopen(urllib.request.Request(srv.base_url + "/flush_cache", method="POST"),
                                            timeout=60).read()
-                out = args.out / label.split()[1] / f"round{r}"
+                out = args.out / f"setting{list(settings).index(label)}" / f"round{r}"
                 alone = bench(srv.base_url, out / "alone", args, concurrency=1, num_requests=8)
                 before = step_seconds(srv.base_url)
                 loaded = bench(srv.base_url, out / "c4", args, concurrency=args.concurrency,
@@ -120,11 +131,14 @@ def main() -> int:
         print(f"| {label} | {alone_s * 1000:.0f} ms | {tpot * 1000:.0f} ms | {ratio:.2f}x | "
               f"{med(l['tpot_mean_s'] for _, l in runs) * 1000:.0f} ms | "
               f"{med(l['ttft_p50_s'] for _, l in runs):.2f} s | {med(l['total_tokens_per_s'] for _, l in runs):.0f} |")
-    on, off = rows.values()
-    tp = [a[1]["total_tokens_per_s"] / b[1]["total_tokens_per_s"] for a, b in zip(on, off)]
-    tpot = [a[1]["tpot_p50_s"] / b[1]["tpot_p50_s"] for a, b in zip(on, off)]
-    print(f"\nbound on / off, per round: TPOT p50 {', '.join(f'{x:.2f}x' for x in tpot)}; total throughput "
-          f"{', '.join(f'{x:.2f}x' for x in tp)}" + (f" (median {med(tp):.2f}x)" if args.rounds > 1 else ""))
+    labels = list(rows)
+    off = rows[labels[-1]]
+    for label in labels[:-1]:
+        on = rows[label]
+        tp = [a[1]["total_tokens_per_s"] / b[1]["total_tokens_per_s"] for a, b in zip(on, off)]
+        tpot = [a[1]["tpot_p50_s"] / b[1]["tpot_p50_s"] for a, b in zip(on, off)]
+        print(f"\n{label} / bound off, per round: TPOT p50 {', '.join(f'{x:.2f}x' for x in tpot)}; total "
+              f"throughput {', '.join(f'{x:.2f}x' for x in tp)}" + (f" (median {med(tp):.2f}x)" if args.rounds > 1 else ""))
     return 0
 
 

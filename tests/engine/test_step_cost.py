@@ -40,7 +40,8 @@ def test_old_observations_fade():
     assert a == pytest.approx(0.01, rel=1e-3) and b == pytest.approx(0.001, rel=1e-3)
 
 
-@pytest.mark.parametrize("bad", [dict(slowdown=1.0), dict(min_tokens=0), dict(decay=1.0), dict(split_rows=0)])
+@pytest.mark.parametrize("bad", [dict(slowdown=1.0), dict(min_tokens=0), dict(decay=1.0), dict(split_rows=0),
+                                 dict(slowdown=2.0, finish_slowdown=1.5)])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         StepCost(**bad)
@@ -63,6 +64,43 @@ def test_scheduler_bounds_prefill_only_while_decodes_run():
     out = sched.schedule()
     tokens = {s.request.request_id: s.num_tokens for s in out.scheduled}
     assert tokens == {"a": 1, "b": 11}
+
+
+@pytest.mark.parametrize("finish", [None, 4.0])
+def test_a_prefill_whose_remainder_fits_the_finishing_bound_goes_at_once(finish):
+    """With one decode running, the bound gives 11 tokens a step (2x the 55 ms decode step); the
+    finishing exception lets a prefill take its whole remainder when the step stays within 4x
+    (220 ms: at most 33 prefill tokens). A longer prefill is cut as before until its remainder
+    fits. Without the exception every chunk keeps the bound."""
+    def decoding() -> tuple[StepCost, Scheduler]:
+        cost = StepCost(slowdown=2.0, min_tokens=8, finish_slowdown=finish)
+        for n in (1, 10, 100, 400):
+            cost.observe(n, 0.05 + 0.005 * n)
+        sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=512, max_running_requests=8,
+                          step_cost=cost)
+        sched.add_request(Request("a", list(range(300)), SamplingParams(max_tokens=40)))
+        assert _step(sched) == {"a": 300}             # alone: the whole budget; a now decodes
+        return cost, sched
+
+    def chunks(n: int) -> list[int]:
+        cost, sched = decoding()
+        r = Request("p", list(range(1000, 1000 + n)), SamplingParams(max_tokens=4))
+        sched.add_request(r)
+        got = []
+        while r.num_computed_tokens < n:
+            step = _step(sched)
+            assert step["a"] == 1
+            got.append(step["p"])
+            assert cost.predict(1 + got[-1]) <= (finish or 2.0) * cost.predict(1) + 1e-12
+        return got
+
+    if finish is None:
+        assert chunks(30) == [11, 11, 8]
+        assert chunks(62) == [11, 11, 11, 11, 11, 7]
+    else:
+        assert chunks(30) == [30]                     # an agent turn's prefill: one step
+        assert chunks(33) == [33] and chunks(34) == [11, 23]
+        assert chunks(62) == [11, 11, 11, 29]         # cut until the remainder fits
 
 
 def _step(sched: Scheduler) -> dict[str, int]:

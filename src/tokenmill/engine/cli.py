@@ -37,6 +37,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-slowdown", type=float, default=d.decode_slowdown,
                    help="while decodes run, prefill chunks get only the tokens that keep a step within "
                         "this many times the decodes-only step time (learned online); 0 turns it off")
+    g.add_argument("--prefill-finish-slowdown", type=float, default=d.prefill_finish_slowdown,
+                   help="a prefill whose whole remainder keeps the step within this many times the "
+                        "decodes-only step time is done at once instead of in bounded chunks (an agent "
+                        "turn after a cache hit); 0: every chunk keeps --decode-slowdown")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    help="worker ranks sharing the model (torch.distributed: gloo on cpu, NCCL on cuda)")
     g.add_argument("--tp-pin-cores", action="store_true",
@@ -163,6 +167,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {k: v for k, v in vars(args).items() if k in names}
     if not values.get("decode_slowdown", 1):   # 0 on the command line: no bound
         values["decode_slowdown"] = None
+    if not values.get("prefill_finish_slowdown", 1):
+        values["prefill_finish_slowdown"] = None
     return EngineConfig(**values)
 
 

@@ -77,6 +77,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     cache_storage_timeout_s: float = 1.0  # socket timeout of one storage call
     decode_slowdown: float | None = 1.75  # bound on a decode step's time while prefill shares it
                                           # (x the decodes-only step; None: prefill fills the step)
+    prefill_finish_slowdown: float | None = 4.0   # ... or this many x, for a step that completes a
+                                          # prefill's remainder at once (None: always the bound)
     quantization: str = "auto"       # weight format, see tokenmill.layers.quant.methods.QuantConfig
     quant_group_size: int = 128      # int4: inputs per scale group (a multiple of 32)
     quant_symmetric: bool = False    # int4: symmetric (scale only) instead of scale + min
@@ -137,6 +139,10 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.decode_slowdown is not None and not self.decode_slowdown > 1.0:
             raise ValueError(f"decode_slowdown must be > 1 (or None to turn the bound off), got {self.decode_slowdown}")
+        if (self.prefill_finish_slowdown is not None and self.decode_slowdown is not None
+                and not self.prefill_finish_slowdown >= self.decode_slowdown):
+            raise ValueError(f"prefill_finish_slowdown must be >= decode_slowdown ({self.decode_slowdown}) "
+                             f"(or None to keep every chunk within the bound), got {self.prefill_finish_slowdown}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.linear_backend not in LINEAR_BACKENDS:

@@ -15,7 +15,9 @@ Order within a step:
    carries decodes, prefill (this and admission, chunk by chunk, one allowance per step) gets
    only what :class:`~tokenmill.engine.step_cost.PrefillBound` allows, so a decode's next token
    is not held up by seconds of prefill (step time is learned online from the engine's own
-   steps, over token rows and attention reads, so a chunk after a long context is smaller).
+   steps, over token rows and attention reads, so a chunk after a long context is smaller);
+   a prefill whose whole remainder fits a looser bound (``finish_slowdown``) is done at once,
+   since cutting it would only delay its first token, not the decodes;
    Under that bound the prefill with the fewest tokens left goes first, and a waiting request
    with fewer left (after its cached prefix) than every running prefill is admitted before
    them (``shortest_prefill_first``), so a new agent turn is not queued behind a long first
@@ -86,9 +88,15 @@ class _StepPlan:
         self.bound: PrefillBound | None = None   # the step-time bound on prefill (decodes run)
 
     def prefill_limit(self, req: Request, context: int) -> int:
-        """Tokens a prefill chunk of ``req`` after ``context`` computed tokens may take."""
+        """Tokens a prefill chunk of ``req`` after ``context`` computed tokens may take: what
+        the bound allows, or the whole remainder when the bound's finishing exception takes it."""
         n = min(req.num_uncomputed_tokens, self.budget)
-        return n if self.bound is None else self.bound.cap(context, n)
+        if self.bound is None:
+            return n
+        cap = self.bound.cap(context, n)
+        if cap < n and n == req.num_uncomputed_tokens and self.bound.finishes(context, n):
+            return n
+        return cap
 
     def add(self, req: Request, n: int, context: int | None = None) -> None:
         """``n`` tokens for ``req``; ``context``: a prefill chunk's start (counted by the bound)."""
@@ -234,8 +242,10 @@ class Scheduler:
                     return
             if max_remaining is not None and req.num_tokens - self.kv.cached_prefix_tokens(req) > max_remaining:
                 return
-            if plan.bound is not None and plan.bound.cap(self.kv.cached_prefix_tokens(req), 1) <= 0:
-                return                       # the step-time bound has no room for another chunk
+            if plan.bound is not None:
+                hit = self.kv.cached_prefix_tokens(req)
+                if plan.bound.cap(hit, 1) <= 0 and not plan.bound.finishes(hit, req.num_tokens - hit):
+                    return                   # the step-time bound has no room for another chunk
             if not self.kv.take_slot(req):   # hybrid models: every state slot is taken
                 return
             matched = self.kv.match(req)

@@ -150,6 +150,7 @@ class TokenLine:
 @dataclass
 class StepCost:
     slowdown: float = 2.0          # a mixed step may take this many times the decodes-only step
+    finish_slowdown: float | None = None   # ... or this many, when that completes a prefill
     min_tokens: int = 1            # the first prefill chunk of a step gets at least this many
     warmup_tokens: int = 64        # budget before the fit is trustworthy (no split_rows)
     decay: float = 0.95            # weight kept by each older observation (of the same kind)
@@ -161,6 +162,9 @@ class StepCost:
     def __post_init__(self) -> None:
         if not self.slowdown > 1.0:
             raise ValueError(f"slowdown must be > 1, got {self.slowdown}")
+        if self.finish_slowdown is not None and not self.finish_slowdown >= self.slowdown:
+            raise ValueError(f"finish_slowdown must be >= slowdown ({self.slowdown}) or None, "
+                             f"got {self.finish_slowdown}")
         if self.min_tokens < 1 or self.warmup_tokens < 1:
             raise ValueError("min_tokens and warmup_tokens must be >= 1")
         if not 0.0 < self.decay < 1.0:
@@ -211,6 +215,14 @@ class PrefillBound:
     The step's decodes take ``T(d)`` seconds alone; every chunk added must keep the predicted
     step time within ``slowdown * T(d)``. ``cap(context, limit)`` is the largest next chunk
     after ``context`` cached tokens; ``add(context, n)`` records the chunk that was scheduled.
+
+    The finishing exception (``StepCost.finish_slowdown``): a prefill whose whole remainder keeps
+    the step within ``finish_slowdown * T(d)`` may take it at once (:meth:`finishes`). Cutting
+    such a prefill into bounded chunks does not shorten the decodes' total wait (they wait for the
+    same prefill work, spread over more steps, each of which also pays the decode's own cost
+    again); it only multiplies the prefill's time to first token by the number of chunks. An
+    agent turn after a cache hit (tens of new tokens) is such a prefill; a long first prompt is
+    not, and keeps being cut.
     """
 
     def __init__(self, cost: StepCost, num_decode_tokens: int, decode_pairs: int) -> None:
@@ -220,6 +232,8 @@ class PrefillBound:
         self.added = 0
         alone = cost.predict(num_decode_tokens, decode_pairs)
         self.target = None if alone is None else cost.slowdown * max(alone, 0.0)
+        self.finish_target = (None if alone is None or cost.finish_slowdown is None
+                              else cost.finish_slowdown * max(alone, 0.0))
         # warm-up allowance: tokens the step may take while the fit is not known: what keeps the
         # step in the small kind, or, when the decodes alone already fill it (nothing would be
         # left, every step would carry a 1-token chunk and the fit would never see the spread it
@@ -235,12 +249,17 @@ class PrefillBound:
         else:
             self.warmup = cost.warmup_tokens
 
-    def _fits(self, k: int, context: int) -> bool:
+    def _fits(self, k: int, context: int, target: float | None = None) -> bool:
         rows = self.rows + k
         t = self.cost.predict(rows, self.pairs + chunk_pairs(context, k))
         if t is None:
             return False
-        return t <= self.target  # type: ignore[operator]
+        return t <= (self.target if target is None else target)  # type: ignore[operator]
+
+    def finishes(self, context: int, n: int) -> bool:
+        """Whether a prefill's whole remainder of ``n`` tokens after ``context`` may go in this
+        step under the finishing exception (known fits only: never during warm-up)."""
+        return self.finish_target is not None and n > 0 and self._fits(n, context, self.finish_target)
 
     def cap(self, context: int, limit: int, first: bool | None = None) -> int:
         """The largest chunk (<= ``limit``) after ``context`` cached tokens that keeps the bound;

@@ -212,13 +212,15 @@ async def measure(base_url: str, *, prefill_sizes: list[int], batch_sizes: list[
 
 
 def build_profile(m: Measurements, *, name: str, page_size: int, max_running: int, max_prefill_tokens: int,
-                  base_url: str, decode_slowdown: float | None = None) -> ReplicaProfile:
+                  base_url: str, decode_slowdown: float | None = None,
+                  prefill_finish_slowdown: float | None = None) -> ReplicaProfile:
     prefill = fit_prefill(m.prefill, max_prefill_tokens)
     decode = fit_decode(m.decode)
     profile = ReplicaProfile(
         name=name, prefill=prefill, decode=decode, kv_capacity_tokens=m.kv_pages_total * page_size,
         max_running_requests=max_running, page_size=page_size, max_prefill_tokens=max_prefill_tokens,
         decode_slowdown=decode_slowdown,
+        prefill_finish_slowdown=prefill_finish_slowdown if decode_slowdown is not None else None,
         description=f"calibrated against {base_url} (model {m.model})", source="calibrated",
         assumptions=(
             "Prefill times are client-side time to first token of one request alone (HTTP included).",
@@ -244,6 +246,9 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-slowdown", type=float, default=None,
                    help="the server's bound on prefill while decodes run (tokenmill serve's "
                         "--decode-slowdown, 1.75 by default there); unset: no bound")
+    p.add_argument("--prefill-finish-slowdown", type=float, default=None,
+                   help="the server's --prefill-finish-slowdown (4 by default there) when --decode-slowdown "
+                        "is set; unset: every chunk keeps the bound")
     p.add_argument("--prefill-sizes", default="32,128,256,512,1024,1536", help="comma-separated prompt lengths")
     p.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated decode batch sizes")
     p.add_argument("--decode-contexts", default="32,512", help="comma-separated prompt lengths for the decode sweep")
@@ -272,12 +277,15 @@ def run_calibrate(args: argparse.Namespace) -> int:
             raise ValueError("--repeats, --page-size, --max-running and --max-prefill-tokens must be >= 1")
         if args.decode_slowdown is not None and not args.decode_slowdown > 1.0:
             raise ValueError(f"--decode-slowdown must be > 1, got {args.decode_slowdown}")
+        if args.prefill_finish_slowdown is not None and not args.prefill_finish_slowdown >= (args.decode_slowdown or 1.0):
+            raise ValueError(f"--prefill-finish-slowdown must be >= --decode-slowdown, got {args.prefill_finish_slowdown}")
         m = asyncio.run(measure(args.base_url, prefill_sizes=sizes, batch_sizes=batches, decode_contexts=contexts,
                                 decode_tokens=args.decode_tokens, repeats=args.repeats, model=args.model,
                                 api_key=args.api_key, log=lambda s: print(s, file=sys.stderr)))
         profile = build_profile(m, name=args.name or f"calibrated-{m.model}", page_size=args.page_size,
                                 max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
-                                base_url=args.base_url, decode_slowdown=args.decode_slowdown)
+                                base_url=args.base_url, decode_slowdown=args.decode_slowdown,
+                                prefill_finish_slowdown=args.prefill_finish_slowdown)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"tokenmill sim calibrate: {e}", file=sys.stderr)
         return 2

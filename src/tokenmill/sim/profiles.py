@@ -28,6 +28,8 @@ A profile is a small JSON document. The simulator reads four things from it:
   admission) in the step that admits the request.
 - **decode_slowdown** (optional): the engine's bound on prefill in steps that carry decodes
   (``EngineConfig.decode_slowdown``, learned from the modelled step times); None leaves it off.
+  **prefill_finish_slowdown** (optional): its finishing exception
+  (``EngineConfig.prefill_finish_slowdown``); None keeps every chunk within the bound.
 
 The replica runs the engine's own scheduler (``sim/replica.py``), so what a step holds is the
 engine's choice; the profile only says how long it takes.
@@ -121,6 +123,7 @@ class ReplicaProfile:
     page_size: int = 16
     max_prefill_tokens: int = 8192
     decode_slowdown: float | None = None
+    prefill_finish_slowdown: float | None = None
     # Lower cache tiers (sim/tiers.py): L2 host memory per replica, L3 storage shared by the fleet.
     host_cache_tokens: int = 0
     storage_tokens: int = 0
@@ -145,6 +148,11 @@ class ReplicaProfile:
                 isinstance(self.decode_slowdown, (int, float)) and math.isfinite(self.decode_slowdown)
                 and self.decode_slowdown > 1.0):
             raise ValueError(f"profile.decode_slowdown must be > 1 (or null), got {self.decode_slowdown!r}")
+        if self.prefill_finish_slowdown is not None and not (
+                isinstance(self.prefill_finish_slowdown, (int, float)) and math.isfinite(self.prefill_finish_slowdown)
+                and self.prefill_finish_slowdown >= (self.decode_slowdown or 1.0)):
+            raise ValueError("profile.prefill_finish_slowdown must be >= decode_slowdown (or null), "
+                             f"got {self.prefill_finish_slowdown!r}")
         self.tier_profile()   # validates the tier fields
         if self.kv_capacity_tokens < self.page_size:
             raise ValueError(f"kv_capacity_tokens ({self.kv_capacity_tokens}) is below one page ({self.page_size})")
