@@ -69,9 +69,9 @@ def test_scheduler_bounds_prefill_only_while_decodes_run():
 @pytest.mark.parametrize("finish", [None, 4.0])
 def test_a_prefill_whose_remainder_fits_the_finishing_bound_goes_at_once(finish):
     """With one decode running, the bound gives 11 tokens a step (2x the 55 ms decode step); the
-    finishing exception lets a prefill take its whole remainder when the step stays within 4x
-    (220 ms: at most 33 prefill tokens). A longer prefill is cut as before until its remainder
-    fits. Without the exception every chunk keeps the bound."""
+    finishing exception lets a request being admitted take its whole prefill when the step stays
+    within 4x (220 ms: at most 33 prefill tokens). A longer prefill is cut as before, to its
+    end: its tail does not get the exception. Without it every chunk keeps the bound."""
     def decoding() -> tuple[StepCost, Scheduler]:
         cost = StepCost(slowdown=2.0, min_tokens=8, finish_slowdown=finish)
         for n in (1, 10, 100, 400):
@@ -99,8 +99,9 @@ def test_a_prefill_whose_remainder_fits_the_finishing_bound_goes_at_once(finish)
         assert chunks(62) == [11, 11, 11, 11, 11, 7]
     else:
         assert chunks(30) == [30]                     # an agent turn's prefill: one step
-        assert chunks(33) == [33] and chunks(34) == [11, 23]
-        assert chunks(62) == [11, 11, 11, 29]         # cut until the remainder fits
+        assert chunks(33) == [33]
+        assert chunks(34) == [11, 11, 11, 1]          # does not fit whole: bounded chunks to the end
+        assert chunks(62) == [11, 11, 11, 11, 11, 7]
 
 
 def _step(sched: Scheduler) -> dict[str, int]:

@@ -48,6 +48,7 @@ def _run(backend_name, spec, pool, shapes, page_size, q, k, v, tables):
     (6, 2, 12, 5, [(0, 1), (23, 1), (9, 33)]),                              # scalar path (12 % 8)
     (2, 1, 64, 16, [(3000, 1)]),                                            # one long decode: split-K
     (6, 3, 32, 16, [(1500, 1), (2100, 1), (0, 1)]),                         # several, some split
+    (10, 2, 128, 16, [(2500, 1), (5, 1), (30, 3)]),                         # group of 5, wide heads, split
 ])
 def test_native_matches_torch_reference(hq, hkv, d, page_size, shapes, kv_dtype, isa, monkeypatch):
     if isa == "no-avx512":   # the AVX2 path on a CPU that also has AVX-512

@@ -417,10 +417,54 @@ AVX2 static inline __attribute__((always_inline)) __m256 ld8(const void *p, int 
 
 /* D is a multiple of 8 on this path. bf16 is a compile-time constant in each caller below, so
  * the compiler makes one specialised copy per cache dtype. */
+/* o[g] = o[g] * alpha[g] + sum_u p[g][u] * v_u for GC query vectors, XC vectors of D at a time:
+ * each V row is loaded once for the group, and GC x XC independent accumulators hide the
+ * multiply-add latency (one vector's chain of nk dependent steps bound the decode path). Per
+ * vector and lane these are the operations of one vector alone, in the same order. */
+#define VACC_AVX2(GC, XC) do { \
+    for (int x0 = 0; x0 < DW; x0 += (XC)) { \
+        __m256 o[GC][XC]; \
+        for (int g = 0; g < (GC); g++) { \
+            __m256 va = _mm256_set1_ps(alpha[g]); \
+            for (int x = 0; x < (XC); x++) o[g][x] = _mm256_mul_ps(_mm256_load_ps(acc + g * D + (x0 + x) * 8), va); \
+        } \
+        for (int u = 0; u < nk; u++) { \
+            __m256 pu[GC]; \
+            for (int g = 0; g < (GC); g++) pu[g] = _mm256_set1_ps(p[g * KEY_BLOCK + u]); \
+            const char *vv = vp[u] + (size_t)x0 * 8 * esz; \
+            for (int x = 0; x < (XC); x++) { \
+                __m256 vx = ld8(vv + (size_t)x * 8 * esz, bf16); \
+                for (int g = 0; g < (GC); g++) o[g][x] = _mm256_fmadd_ps(pu[g], vx, o[g][x]); \
+            } \
+        } \
+        for (int g = 0; g < (GC); g++) \
+            for (int x = 0; x < (XC); x++) _mm256_store_ps(acc + g * D + (x0 + x) * 8, o[g][x]); \
+    } \
+} while (0)
+
+AVX2 static inline __attribute__((always_inline)) void vaccum_avx2(float *acc, const float *p, const float *alpha,
+                                                                const char *const *vp, int nk, int G, int D, const int bf16) {
+    const size_t esz = bf16 ? 2 : 4;
+    const int DW = D / 8;
+    const int xc = DW % 4 == 0 ? 4 : DW % 2 == 0 ? 2 : 1;
+    for (int g0 = 0; g0 < G; g0 += 2, acc += (size_t)2 * D, p += 2 * KEY_BLOCK, alpha += 2) {
+        const int gc = G - g0 < 2 ? G - g0 : 2;
+        switch (gc * 8 + xc) {
+        case 9: VACC_AVX2(1, 1); break;
+        case 10: VACC_AVX2(1, 2); break;
+        case 12: VACC_AVX2(1, 4); break;
+        case 17: VACC_AVX2(2, 1); break;
+        case 18: VACC_AVX2(2, 2); break;
+        case 20: VACC_AVX2(2, 4); break;
+        }
+    }
+}
+#undef VACC_AVX2
+
 AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Problem *P, const Task *T, float *part_m,
                                                                       float *part_l, float *part_acc, const int bf16) {
     const size_t esz = bf16 ? 2 : 4;
-    const int D = P->d, G = P->group, D8 = D / 8;
+    const int D = P->d, G = P->group;
     const int64_t q0 = P->qsl[T->seq], n = P->qsl[T->seq + 1] - q0, L = P->seq_lens[T->seq];
     const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
     const int nrow = T->r1 - T->r0, nq = nrow * G;
@@ -428,7 +472,9 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
     float *acc = aligned_alloc(32, sizeof(float) * ((size_t)nq * D + 8));
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
     float m[MAX_QVEC], l[MAX_QVEC];
-    float s[KEY_BLOCK] __attribute__((aligned(32)));
+    /* the block's scores, then weights: a row of KEY_BLOCK per query vector of the row */
+    float *sb = aligned_alloc(64, sizeof(float) * (size_t)G * KEY_BLOCK);
+    float alph[MAX_QVEC];
     const char *kp[KEY_BLOCK], *vp[KEY_BLOCK];   /* element pointers (byte addressed) */
     const __m256 vscale = _mm256_set1_ps(P->scale);
     for (int r = 0; r < nrow; r++)
@@ -460,6 +506,7 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
             if (nk <= 0) continue;
             for (int g = 0; g < G; g++) {
                 int v = r * G + g;
+                float *s = sb + g * KEY_BLOCK;
                 const float *qq = qs + v * D;
                 /* scores, four keys at a time */
                 int j = 0;
@@ -496,28 +543,9 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
                 for (; t < nk; t++) { s[t] = expf(s[t] - mn); sum += s[t]; }
                 l[v] = l[v] * alpha + sum;
                 m[v] = mn;
-                /* acc = acc * alpha + sum_j p_j v_j, D in registers when it fits */
-                float *a = acc + v * D;
-                if (D8 <= 8) {
-                    __m256 o[8];
-                    __m256 va = _mm256_set1_ps(alpha);
-                    for (int x = 0; x < D8; x++) o[x] = _mm256_mul_ps(_mm256_load_ps(a + 8 * x), va);
-                    for (int u = 0; u < nk; u++) {
-                        __m256 pu = _mm256_set1_ps(s[u]);
-                        const char *vv = vp[u];
-                        for (int x = 0; x < D8; x++) o[x] = _mm256_fmadd_ps(pu, ld8(vv + 8 * x * esz, bf16), o[x]);
-                    }
-                    for (int x = 0; x < D8; x++) _mm256_store_ps(a + 8 * x, o[x]);
-                } else {
-                    __m256 va = _mm256_set1_ps(alpha);
-                    for (int x = 0; x < D; x += 8) _mm256_store_ps(a + x, _mm256_mul_ps(_mm256_load_ps(a + x), va));
-                    for (int u = 0; u < nk; u++) {
-                        __m256 pu = _mm256_set1_ps(s[u]);
-                        for (int x = 0; x < D; x += 8)
-                            _mm256_store_ps(a + x, _mm256_fmadd_ps(pu, ld8(vp[u] + x * esz, bf16), _mm256_load_ps(a + x)));
-                    }
-                }
+                alph[g] = alpha;
             }
+            vaccum_avx2(acc + (size_t)r * G * D, sb, alph, vp, nk, G, D, bf16);
         }
     }
     for (int r = 0; r < nrow; r++)
@@ -532,6 +560,7 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
                 memcpy(part_acc + (size_t)v * D, acc + (size_t)v * D, sizeof(float) * D);
             }
         }
+    free(sb);
     free(acc);
     free(qs);
 }
@@ -636,10 +665,60 @@ AVX512 static inline __attribute__((always_inline)) __m256 half_sum(__m512 v) {
 }
 
 /* The same task with 16-wide vectors (D a multiple of 16), for CPUs with AVX-512. */
+/* o[g] = o[g] * alpha[g] + sum_u p[g][u] * v_u for GC query vectors, XC vectors of D at a time:
+ * each V row is loaded once for the group, and GC x XC independent accumulators hide the
+ * multiply-add latency (one vector's chain of nk dependent steps bound the decode path). Per
+ * vector and lane these are the operations of one vector alone, in the same order. */
+#define VACC_AVX512(GC, XC) do { \
+    for (int x0 = 0; x0 < DW; x0 += (XC)) { \
+        __m512 o[GC][XC]; \
+        for (int g = 0; g < (GC); g++) { \
+            __m512 va = _mm512_set1_ps(alpha[g]); \
+            for (int x = 0; x < (XC); x++) o[g][x] = _mm512_mul_ps(_mm512_load_ps(acc + g * D + (x0 + x) * 16), va); \
+        } \
+        for (int u = 0; u < nk; u++) { \
+            __m512 pu[GC]; \
+            for (int g = 0; g < (GC); g++) pu[g] = _mm512_set1_ps(p[g * KEY_BLOCK + u]); \
+            const char *vv = vp[u] + (size_t)x0 * 16 * esz; \
+            for (int x = 0; x < (XC); x++) { \
+                __m512 vx = ld16(vv + (size_t)x * 16 * esz, bf16); \
+                for (int g = 0; g < (GC); g++) o[g][x] = _mm512_fmadd_ps(pu[g], vx, o[g][x]); \
+            } \
+        } \
+        for (int g = 0; g < (GC); g++) \
+            for (int x = 0; x < (XC); x++) _mm512_store_ps(acc + g * D + (x0 + x) * 16, o[g][x]); \
+    } \
+} while (0)
+
+AVX512 static inline __attribute__((always_inline)) void vaccum_avx512(float *acc, const float *p, const float *alpha,
+                                                                const char *const *vp, int nk, int G, int D, const int bf16) {
+    const size_t esz = bf16 ? 2 : 4;
+    const int DW = D / 16;
+    const int xc = DW % 4 == 0 ? 4 : DW % 2 == 0 ? 2 : 1;
+    for (int g0 = 0; g0 < G; g0 += 4, acc += (size_t)4 * D, p += 4 * KEY_BLOCK, alpha += 4) {
+        const int gc = G - g0 < 4 ? G - g0 : 4;
+        switch (gc * 8 + xc) {
+        case 9: VACC_AVX512(1, 1); break;
+        case 10: VACC_AVX512(1, 2); break;
+        case 12: VACC_AVX512(1, 4); break;
+        case 17: VACC_AVX512(2, 1); break;
+        case 18: VACC_AVX512(2, 2); break;
+        case 20: VACC_AVX512(2, 4); break;
+        case 25: VACC_AVX512(3, 1); break;
+        case 26: VACC_AVX512(3, 2); break;
+        case 28: VACC_AVX512(3, 4); break;
+        case 33: VACC_AVX512(4, 1); break;
+        case 34: VACC_AVX512(4, 2); break;
+        case 36: VACC_AVX512(4, 4); break;
+        }
+    }
+}
+#undef VACC_AVX512
+
 AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const Problem *P, const Task *T, float *part_m,
                                                                       float *part_l, float *part_acc, const int bf16) {
     const size_t esz = bf16 ? 2 : 4;
-    const int D = P->d, G = P->group, D16 = D / 16;
+    const int D = P->d, G = P->group;
     const int64_t q0 = P->qsl[T->seq], n = P->qsl[T->seq + 1] - q0, L = P->seq_lens[T->seq];
     const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
     const int nrow = T->r1 - T->r0, nq = nrow * G;
@@ -647,7 +726,9 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
     float *acc = aligned_alloc(64, sizeof(float) * ((size_t)nq * D + 16));
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
     float m[MAX_QVEC], l[MAX_QVEC];
-    float s[KEY_BLOCK] __attribute__((aligned(64)));
+    /* the block's scores, then weights: a row of KEY_BLOCK per query vector of the row */
+    float *sb = aligned_alloc(64, sizeof(float) * (size_t)G * KEY_BLOCK);
+    float alph[MAX_QVEC];
     const char *kp[KEY_BLOCK], *vp[KEY_BLOCK];   /* element pointers (byte addressed) */
     const __m512 vscale = _mm512_set1_ps(P->scale);
     for (int r = 0; r < nrow; r++)
@@ -669,9 +750,16 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
         }
         if (j0 == T->k0)  /* the blocks PREFETCH_BLOCKS ahead are requested as each block starts */
             prefetch_keys(P, table, T->kvh, j1, j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK < T->k1 ? j1 + (PREFETCH_BLOCKS - 1) * KEY_BLOCK : T->k1, esz);
+        /* the block PREFETCH_BLOCKS ahead is requested key by key as the scores go (a burst of
+         * every line of a block at once overflowed the miss queue) */
+        int64_t pfo[KEY_BLOCK];
+        int pfn = 0;
         {
             int64_t pa = (int64_t)j0 + PREFETCH_BLOCKS * KEY_BLOCK, pb = pa + KEY_BLOCK;
-            if (pa < T->k1) prefetch_keys(P, table, T->kvh, (int)pa, (int)(pb < T->k1 ? pb : T->k1), esz);
+            if (pa < T->k1) {
+                pfn = (int)((pb < T->k1 ? pb : T->k1) - pa);
+                key_offsets(P, table, T->kvh, (int)pa, (int)pa + pfn, pfo);
+            }
         }
         for (int r = 0; r < nrow; r++) {
             int64_t pos = L - n + T->r0 + r;
@@ -679,10 +767,19 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
             if (nk <= 0) continue;
             for (int g = 0; g < G; g++) {
                 int v = r * G + g;
+                float *s = sb + g * KEY_BLOCK;
                 const float *qq = qs + v * D;
                 /* scores, four keys at a time */
                 int j = 0;
                 for (; j + 4 <= nk; j += 4) {
+                    if (g == 0)
+                        for (int e = j; e < j + 4 && e < pfn; e++) {
+                            const char *kk = (const char *)P->kc + pfo[e] * esz, *vv = (const char *)P->vc + pfo[e] * esz;
+                            for (size_t c = 0; c < (size_t)D * esz; c += 64) {
+                                _mm_prefetch(kk + c, _MM_HINT_T0);
+                                _mm_prefetch(vv + c, _MM_HINT_T0);
+                            }
+                        }
                     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                     for (int x = 0; x < D; x += 16) {
                         __m512 qx = _mm512_load_ps(qq + x);
@@ -715,28 +812,9 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
                 for (; t < nk; t++) { s[t] = expf(s[t] - mn); sum += s[t]; }
                 l[v] = l[v] * alpha + sum;
                 m[v] = mn;
-                /* acc = acc * alpha + sum_j p_j v_j, D in registers when it fits */
-                float *a = acc + v * D;
-                if (D16 <= 8) {
-                    __m512 o[8];
-                    __m512 va = _mm512_set1_ps(alpha);
-                    for (int x = 0; x < D16; x++) o[x] = _mm512_mul_ps(_mm512_load_ps(a + 16 * x), va);
-                    for (int u = 0; u < nk; u++) {
-                        __m512 pu = _mm512_set1_ps(s[u]);
-                        const char *vv = vp[u];
-                        for (int x = 0; x < D16; x++) o[x] = _mm512_fmadd_ps(pu, ld16(vv + 16 * x * esz, bf16), o[x]);
-                    }
-                    for (int x = 0; x < D16; x++) _mm512_store_ps(a + 16 * x, o[x]);
-                } else {
-                    __m512 va = _mm512_set1_ps(alpha);
-                    for (int x = 0; x < D; x += 16) _mm512_store_ps(a + x, _mm512_mul_ps(_mm512_load_ps(a + x), va));
-                    for (int u = 0; u < nk; u++) {
-                        __m512 pu = _mm512_set1_ps(s[u]);
-                        for (int x = 0; x < D; x += 16)
-                            _mm512_store_ps(a + x, _mm512_fmadd_ps(pu, ld16(vp[u] + x * esz, bf16), _mm512_load_ps(a + x)));
-                    }
-                }
+                alph[g] = alpha;
             }
+            vaccum_avx512(acc + (size_t)r * G * D, sb, alph, vp, nk, G, D, bf16);
         }
     }
     for (int r = 0; r < nrow; r++)
@@ -751,6 +829,7 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
                 memcpy(part_acc + (size_t)v * D, acc + (size_t)v * D, sizeof(float) * D);
             }
         }
+    free(sb);
     free(acc);
     free(qs);
 }
@@ -923,6 +1002,26 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, int tiled, T
                 if (rows > n) rows = (int)n;
             }
         }
+        if (n == 1 && L >= 2 * SPLIT_KEYS) {
+            /* A long decode row: its key chunks with the kv heads inside, so the heads of one
+             * chunk run back to back (on one thread). A head's K/V rows are pieces of each
+             * token's row, and the lines around them, which the hardware fetches anyway, are
+             * the next heads' rows: still in L2 when those run right after, but long gone when
+             * every head walked the whole context in turn (the decode read DRAM at about 12
+             * GB/s that way). The merge finds a row's parts by (sequence, kv head). */
+            int splits = (int)(L / SPLIT_KEYS);
+            int64_t chunk = (L + splits - 1) / splits;
+            for (int sidx = 0; sidx < splits; sidx++)
+                for (int h = 0; h < P->hkv; h++) {
+                    if (count == cap) { cap *= 2; tasks = realloc(tasks, sizeof(Task) * cap); }
+                    Task *t = &tasks[count++];
+                    t->seq = i; t->kvh = h; t->r0 = 0; t->r1 = 1;
+                    t->k0 = (int)(sidx * chunk);
+                    t->k1 = (int)((sidx + 1) * chunk < L ? (sidx + 1) * chunk : L);
+                    t->part = parts++;
+                }
+            continue;
+        }
         for (int h = 0; h < P->hkv; h++)
             for (int64_t r0 = 0; r0 < n; r0 += rows) {
                 int64_t r1 = r0 + rows < n ? r0 + rows : n;
@@ -1014,20 +1113,22 @@ static void finish_plan(const Problem *P, Plan *p) {
     const Task *tasks = p->tasks;
     const int count = p->count;
     const float *pm = p->pm, *pl = p->pl, *pa = p->pa;
-    for (int i = 0; i < count;) {
-        if (tasks[i].part < 0) { i++; continue; }
-        int j = i;
-        while (j < count && tasks[j].part >= 0 && tasks[j].seq == tasks[i].seq && tasks[j].kvh == tasks[i].kvh) j++;
+    int *mem = count ? malloc(sizeof(int) * count) : NULL;   /* the tasks holding one row's parts */
+    for (int i = 0; i < count; i++) {
+        if (tasks[i].part < 0 || tasks[i].k0 != 0) continue;   /* a row's merge starts at its first part */
+        int nm = 0;
+        for (int u = i; u < count && tasks[u].seq == tasks[i].seq; u++)
+            if (tasks[u].part >= 0 && tasks[u].kvh == tasks[i].kvh && tasks[u].r0 == tasks[i].r0) mem[nm++] = u;
         const Task *t0 = &tasks[i];
         int64_t row = P->qsl[t0->seq] + t0->r0;
         for (int g = 0; g < G; g++) {
             float mx = -INFINITY;
-            for (int u = i; u < j; u++) { float mu = pm[(size_t)tasks[u].part * G + g]; mx = mu > mx ? mu : mx; }
+            for (int e = 0; e < nm; e++) { float mu = pm[(size_t)tasks[mem[e]].part * G + g]; mx = mu > mx ? mu : mx; }
             float *dst = P->out + row * (int64_t)P->hq * D + (int64_t)(t0->kvh * G + g) * D;
             float den = 0.f;
             for (int x = 0; x < D; x++) dst[x] = 0.f;
-            for (int u = i; u < j; u++) {
-                size_t slot = (size_t)tasks[u].part * G + g;
+            for (int e = 0; e < nm; e++) {
+                size_t slot = (size_t)tasks[mem[e]].part * G + g;
                 if (pl[slot] == 0.f) continue;
                 float w = expf(pm[slot] - mx);
                 den += w * pl[slot];
@@ -1037,8 +1138,8 @@ static void finish_plan(const Problem *P, Plan *p) {
             float inv = den > 0.f ? 1.f / den : 0.f;
             for (int x = 0; x < D; x++) dst[x] *= inv;
         }
-        i = j;
     }
+    free(mem);
     free(p->pm); free(p->pl); free(p->pa); free(p->tasks);
 }
 

@@ -38,8 +38,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="while decodes run, prefill chunks get only the tokens that keep a step within "
                         "this many times the decodes-only step time (learned online); 0 turns it off")
     g.add_argument("--prefill-finish-slowdown", type=float, default=d.prefill_finish_slowdown,
-                   help="a prefill whose whole remainder keeps the step within this many times the "
-                        "decodes-only step time is done at once instead of in bounded chunks (an agent "
+                   help="a request admitted with a prefill that keeps the step within this many times the "
+                        "decodes-only step time whole is prefilled at once instead of in bounded chunks (an agent "
                         "turn after a cache hit); 0: every chunk keeps --decode-slowdown")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    help="worker ranks sharing the model (torch.distributed: gloo on cpu, NCCL on cuda)")
