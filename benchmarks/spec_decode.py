@@ -17,6 +17,7 @@ reverse order) so that the machine's changing load hits them alike. tokenmill ru
 threads), started by ``benchmarks/peers.py``.
 
     python benchmarks/spec_decode.py [--max-tokens 112] [--prompts 4] [--rounds 2] [--no-vllm]
+                                     [--spec-gate on|off|both]
 """
 from __future__ import annotations
 
@@ -209,6 +210,10 @@ def main() -> int:
     ap.add_argument("--quantization", default="auto", help="tokenmill weights: auto (the GGUF's Q4_1) or none (fp32)")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--configs", default=None, help="comma-separated subset of none,ngram,suffix,dflash-base,dflash-ft")
+    ap.add_argument("--spec-gate", choices=("on", "off", "both"), default="on",
+                    help="the draft gate for ngram/suffix (engine default: on); off: the match-length rule "
+                         "before it (speculative_gate=False); both: each ngram/suffix config also as "
+                         "'<method>-nogate', side by side in the same run")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     import torch
@@ -232,12 +237,17 @@ def main() -> int:
     if args.configs:
         keep = set(args.configs.split(",")) | {"none"}
         configs = {k: v for k, v in configs.items() if k in keep}
+    for label in [k for k in configs if k in ("ngram", "suffix")]:
+        if args.spec_gate == "off":
+            configs[label] = {**configs[label], "speculative_gate": False}
+        elif args.spec_gate == "both":
+            configs[f"{label}-nogate"] = {**configs[label], "speculative_gate": False}
     results: dict[str, dict] = {label: {} for label in configs}
     for wname, ps in prompts.items():
         per = run_tokenmill(loaded, configs, ps, args.max_tokens, args.single, args.rounds)
         for label, r in per.items():
             results[label][wname] = r
-            print(f"{label:12s} {wname:6s} decode {r['decode_tok_s']:6.1f} tok/s  acceptance "
+            print(f"{label:14s} {wname:6s} decode {r['decode_tok_s']:6.1f} tok/s  acceptance "
                   f"{r['acceptance_length'] or 1:5.2f}  c4 total {r['total_tok_s_c4']:6.1f} tok/s", flush=True)
         print(f"load average after {wname}: {open('/proc/loadavg').read().strip()}", flush=True)
     ref = {w: results["none"][w]["outputs"] for w in prompts}
@@ -256,20 +266,20 @@ def main() -> int:
     print(f"\nload average at end: {open('/proc/loadavg').read().strip()}")
     print("\naccept len: output tokens per decode step (all steps); per drafted: tokens per step that "
           "verified drafts (vLLM's spec_decode metrics; the only one it reports)")
-    print(f"\n{'config':12s} {'workload':8s} {'decode tok/s':>12s} {'x none':>7s} {'accept len':>10s} "
+    print(f"\n{'config':14s} {'workload':8s} {'decode tok/s':>12s} {'x none':>7s} {'accept len':>10s} "
           f"{'per drafted':>11s} {'c' + str(args.prompts) + ' tok/s':>9s} {'x none':>7s}")
     for label, per in results.items():
         for w in prompts:
             r = per.get(w)
             if not r:
-                print(f"{label:12s} {w:8s} {per.get('error', 'no result')[:80]}")
+                print(f"{label:14s} {w:8s} {per.get('error', 'no result')[:80]}")
                 continue
             base = results["none"][w]
             d, c4 = r.get("decode_tok_s"), r.get("total_tok_s_c4")
             al, pd = r.get("acceptance_length"), r.get("accept_per_drafted_step")
             al_s = f"{al:10.2f}" if al else f"{'-':>10s}"
             pd_s = f"{pd:11.2f}" if pd else f"{'-':>11s}"
-            print(f"{label:12s} {w:8s} {d or 0:12.1f} {(d or 0) / base['decode_tok_s']:7.2f} "
+            print(f"{label:14s} {w:8s} {d or 0:12.1f} {(d or 0) / base['decode_tok_s']:7.2f} "
                   f"{al_s} {pd_s} {c4 or 0:9.1f} {(c4 or 0) / base['total_tok_s_c4']:7.2f}")
     if args.json:
         for per in results.values():

@@ -156,3 +156,120 @@ def _decode_only(num_tokens: int):
 
     drafts = tuple(range(7, 6 + num_tokens))
     return SchedulerOutput([ScheduledRequest(_req(0.5, 0.5), 3, num_tokens, True, drafts)])
+
+
+# -- the draft gate: per-token confidences, calibrated, cut against the step times -------------
+# a step of 1..9 rows on the int4 kernels' shape (ms): the second row doubles a step, rows 3-4
+# add little, the fifth starts another block
+INT4_SHAPE = (10.0, 20.0, 21.0, 22.0, 30.0, 31.0, 32.0, 33.0, 40.0)
+
+
+def _gate(decoder):
+    from tokenmill.engine.spec.base import ConfidenceCalibration
+
+    for n, t in enumerate(INT4_SHAPE, start=1):
+        decoder.table.calibrate(n, t / 1000)
+        decoder.cost.observe(n, t / 1000)
+    decoder.calibration = ConfidenceCalibration()
+    assert decoder.gate
+    return decoder
+
+
+def _cut(decoder, *confidences: list[float]) -> list[int]:
+    from tokenmill.engine.spec.base import Draft
+
+    drafts = [Draft(list(range(10, 10 + len(c))), kind=2, confidence=c) for c in confidences]
+    return decoder._cut([_req(0.5, 0.5, f"r{i}") for i in range(len(drafts))], drafts, len(drafts))
+
+
+def test_gate_sends_the_prefix_with_the_most_tokens_per_second(decoder) -> None:
+    from tokenmill.engine.spec.base import ConfidenceCalibration
+
+    gate = _gate(decoder)
+    assert ConfidenceCalibration().gains([0.9, 0.5]) == pytest.approx([0.9, 0.45])   # nothing seen: as stated
+    # 0.9 each: cumulative gains .9 .81 .729 .656 .590 .531 .478 .430; tokens per ms of
+    # 1 + sum over R rows / T(R + 1): R=0 .100, 1 .095, 2 .129, 3 .156, 4 .137, 5 .151,
+    # 6 .163, 7 .173, 8 .153: seven rows
+    assert _cut(gate, [0.9] * 8) == [7]
+    # two likely tokens and a coin flip: the coin flip's row is cheap (22 ms against 21) and
+    # adds .45 (3.35 / 22 = .152 against 2.85 / 21 = .136); after a 0.05 token nothing pays
+    # for the next row (2.85 + .045 + .041 over 30 ms)
+    assert _cut(gate, [0.95, 0.95, 0.5]) == [3]
+    assert _cut(gate, [0.95, 0.95, 0.05, 0.9]) == [2]
+    # a lone draft never pays for the second row, however sure; weak drafts are dropped
+    assert _cut(gate, [0.95]) == [0]
+    assert _cut(gate, [0.3] * 8) == [0]
+    assert gate.steps_off == 2
+    # the margin: rows that raise the rate by 2% (1 + .68 + .4624 = 2.1424 / 21 ms = 1.02 x 1/10)
+    # go out without it and not with the gate's 3%
+    assert gate._choose_rows([[0.68, 0.4624]], 1, 0.0) == [2]
+    assert _cut(gate, [0.68, 0.68]) == [0]
+
+
+def test_gate_keeps_likely_drafts_and_drops_unlikely_ones_across_requests(decoder) -> None:
+    gate = _gate(decoder)
+    # two requests share the step: the likely draft's rows go out, the unlikely one's do not
+    # (2 decodes: 2 tokens / 20 ms; the sure rows bring 3.52 for 31 ms; the doubtful one's
+    # first row .25 for 1 ms more, the next .06 for 1 ms more: one of its rows goes out)
+    sure, doubtful = [0.95] * 4, [0.25] * 4
+    assert _cut(gate, sure, doubtful) == [4, 1]
+    assert _cut(gate, doubtful, sure) == [1, 4]
+    assert _cut(gate, sure, [0.05] * 4) == [4, 0]
+
+
+def test_calibration_moves_towards_observed_acceptance(decoder) -> None:
+    from tokenmill.engine.spec.base import ConfidenceCalibration
+
+    cal = ConfidenceCalibration()
+    for _ in range(30):            # a proposer too sure: its 0.9 tokens fail at once
+        cal.record([0.9, 0.9, 0.9], 3, 0)
+    assert cal.rate(0.9) < 0.3
+    assert cal.rate(0.5) < 0.5     # the shared scale lowers every confidence ...
+    low = ConfidenceCalibration()
+    for _ in range(30):            # ... and a shy one is raised: 0.3 tokens that always hold
+        low.record([0.3, 0.3], 2, 2)
+    assert low.rate(0.3) > 0.7
+    assert ConfidenceCalibration().rate(0.3) == pytest.approx(0.3)
+    # only reached tokens count: a draft rejected at its first token says nothing of the second
+    part = ConfidenceCalibration()
+    part.record([0.9, 0.2], 2, 0)
+    assert part.reached[2] == 0.0 and part.reached[9] == 1.0
+    # the gate follows: a draft it sent while trusted is dropped once such drafts fail
+    gate = _gate(decoder)
+    assert _cut(gate, [0.9] * 8) == [7]
+    for _ in range(20):
+        gate.calibration.record([0.9] * 7, 7, 0)
+    assert _cut(gate, [0.9] * 8) == [0]
+
+
+def test_model_free_proposers_state_a_confidence_per_token() -> None:
+    from tokenmill.engine.spec.base import match_confidence
+    from tokenmill.engine.spec.ngram import NgramProposer
+    from tokenmill.engine.spec.suffix import SuffixProposer
+
+    req = Request("r", [9, 1, 2, 3, 4, 5, 6, 8, 1, 2, 3, 4], SamplingParams(max_tokens=16))
+    d = NgramProposer(1, 2).propose([req], [3])[0]
+    # "1 2 3 4" matched (kind 4): each next token rides on a match one longer
+    assert d.token_ids == [5, 6, 8] and d.kind == 4
+    assert d.confidence == pytest.approx([match_confidence(4), match_confidence(5), match_confidence(6)])
+    assert match_confidence(1) < match_confidence(4) < match_confidence(8) == match_confidence(20)
+    # suffix: "1 2" was followed by 3 twice and by 7 once; after 3, by 4 both times
+    req = Request("s", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 7, 0, 1, 2], SamplingParams(max_tokens=16))
+    d = SuffixProposer(max_depth=8).propose([req], [2])[0]
+    assert d.token_ids == [3, 4]
+    m = d.kind
+    assert d.confidence == pytest.approx([match_confidence(m) * 2 / 3, match_confidence(m + 1) * 1.0])
+
+
+def test_copied_control_tokens_get_a_low_confidence() -> None:
+    from tokenmill.engine.spec.base import CONTROL_CONFIDENCE, match_confidence
+    from tokenmill.engine.spec.ngram import NgramProposer
+
+    # the prompt restates "5 6" and then ends its turn (2): copying the end marker is unlikely
+    req = Request("r", [1, 5, 6, 7, 2, 1, 3, 5, 6], SamplingParams(max_tokens=16))
+    prop = NgramProposer(2, 2)
+    assert prop.propose([req], [3])[0].confidence == pytest.approx([match_confidence(k) for k in (2, 3, 4)])
+    prop.control_token_ids = frozenset({1, 2})
+    d = prop.propose([req], [3])[0]
+    assert d.token_ids == [7, 2, 1]
+    assert d.confidence == pytest.approx([match_confidence(2), CONTROL_CONFIDENCE, CONTROL_CONFIDENCE])

@@ -109,13 +109,55 @@ def test_suffix_trie_counts_and_bounded_global_index() -> None:
 
 
 # -- greedy is token-identical -------------------------------------------------------------------
+@pytest.mark.parametrize("gate", [True, False])
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_model_free_proposers_greedy_identical(tiny_llama, prompts, expected, method: str) -> None:
+def test_model_free_proposers_greedy_identical(tiny_llama, prompts, expected, method: str, gate: bool) -> None:
     lm, _ = tiny_llama
-    llm = _llm(lm, speculative_method=method, prompt_lookup_min=1)
+    llm = _llm(lm, speculative_method=method, prompt_lookup_min=1, speculative_gate=gate)
     assert [list(o.token_ids) for o in llm.generate(prompts, GREEDY)] == expected
-    llm = _llm(lm, speculative_method=method, prompt_lookup_min=1, max_batch_tokens=7)   # chunked
+    llm = _llm(lm, speculative_method=method, prompt_lookup_min=1, max_batch_tokens=7,   # chunked
+               speculative_gate=gate)
     assert [list(o.token_ids) for o in llm.generate(prompts, GREEDY)] == expected
+
+
+class ConfidentScripted(ScriptedProposer):
+    """A scripted proposer whose drafts state a confidence per token (high where the token is
+    the right one, mostly): the draft gate cuts them, mid-draft too."""
+
+    drafts_then_cuts = True
+
+    def propose(self, requests, num_tokens):
+        out = []
+        for req, d in zip(requests, super().propose(requests, num_tokens)):
+            full = self.continuations[tuple(req.prompt_token_ids)][req.num_output_tokens:]
+            conf = [(0.95 if t == f else 0.3) if self.rng.random() < 0.8 else 0.6
+                    for t, f in zip(d.token_ids, full)]
+            out.append(Draft(d.token_ids, confidence=conf))
+        return out
+
+
+def test_gated_drafts_greedy_identical_batched_chunked_preempted(tiny_llama, prompts, expected) -> None:
+    from tokenmill.engine.spec import StepTable
+
+    lm, _ = tiny_llama
+    ref = _llm(lm, enable_prefix_cache=False).generate(prompts, GREEDY)
+    script = {tuple(p): list(o.token_ids) + [5] * 8 for p, o in zip(prompts, ref)}
+    for kw in ({}, {"max_batch_tokens": 7}, {"kv_cache_tokens": 320}):
+        llm = _llm(lm, speculative_method="ngram", num_speculative_tokens=6, **kw)
+        spec = llm.engine.spec
+        spec.proposer = ConfidentScripted(script, wrong=0.3, seed=3)
+        # the int4 kernels' shape (the second row doubles a step, rows 3-4 add little), scaled
+        # to this model by the load factor: the gate must weigh rows, not send them all
+        spec.table = StepTable()
+        for n, t in enumerate((1.0, 2.0, 2.1, 2.2, 3.0, 3.1, 3.2), start=1):
+            spec.table.calibrate(n, t * 1e-3)
+        assert [list(o.token_ids) for o in llm.generate(prompts, GREEDY)] == expected
+        st = llm.engine.stats().spec
+        assert 0 < st.accepted < st.proposed
+        # some drafts went out whole, others were cut or dropped
+        assert st.position_proposed[0] > st.position_proposed[2] > 0   # drafts of 6 cut, most to 1-2
+        assert (llm.engine.stats().num_preemptions > 0) == ("kv_cache_tokens" in kw)
+        llm.engine.check_pages()
 
 
 @pytest.mark.parametrize("wrong", [0.0, 0.3])
@@ -245,7 +287,6 @@ def test_seeded_sampling_repeats_and_equals_no_speculation(peaked, prompts) -> N
     ref = [list(o.token_ids) for o in _llm(peaked).generate(ps, params)]
     llm = _scripted(peaked, ps, params, 0.3)
     got = [list(o.token_ids) for o in llm.generate(ps, params)]
-    assert llm.engine.stats().spec.proposed > 0
     assert got == ref
     assert [list(o.token_ids) for o in llm.generate(ps, params)] == ref
 

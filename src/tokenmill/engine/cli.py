@@ -95,7 +95,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 SPECULATIVE_FIELDS = ("speculative_method", "num_speculative_tokens", "speculative_model",
-                      "speculative_adaptive", "speculative_max_draft_tokens", "prompt_lookup_min",
+                      "speculative_adaptive", "speculative_gate", "speculative_max_draft_tokens", "prompt_lookup_min",
                       "prompt_lookup_max", "suffix_max_depth", "suffix_cache_tokens", "suffix_min_prob")
 
 
@@ -117,6 +117,9 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
                     help="drafter directory for --speculative-method dflash (from tokenmill train-drafter)")
     sp.add_argument("--no-speculative-adaptive", dest="speculative_adaptive", action="store_false",
                     help="always draft the full number of tokens (no per-request adaptive k)")
+    sp.add_argument("--no-speculative-gate", dest="speculative_gate", action="store_false",
+                    help="ngram/suffix: cut drafts by the acceptance of their match length instead of the "
+                         "draft gate's calibrated per-token confidence")
     sp.add_argument("--speculative-max-draft-tokens", type=int, default=d.speculative_max_draft_tokens,
                     help="most draft tokens in one step over all requests (compute-bound cap)")
     sp.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min, help="ngram: shortest match")

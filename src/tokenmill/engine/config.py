@@ -87,6 +87,9 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     num_speculative_tokens: int = 8      # most draft tokens per request per step (k)
     speculative_model: str | None = None  # drafter checkpoint directory (dflash)
     speculative_adaptive: bool = True    # shrink k per request when acceptance is poor
+    # adaptive k cuts confidence-scored drafts (ngram, suffix) by their calibrated per-token
+    # confidence (the draft gate); False: by the pooled acceptance of their match length
+    speculative_gate: bool = True
     speculative_max_draft_tokens: int = 64  # most draft tokens in one step (compute-bound cap)
     prompt_lookup_min: int = 2           # ngram: shortest suffix to match
     prompt_lookup_max: int = 5           # ngram: longest suffix to match

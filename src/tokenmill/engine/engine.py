@@ -289,10 +289,13 @@ class Engine:
         from tokenmill.engine.spec import SpeculativeDecoder, make_proposer
 
         proposer = make_proposer(cfg, self.loaded.model)
+        special = getattr(self.tokenizer, "all_special_ids", None) or ()
+        proposer.control_token_ids = frozenset(self.eos_token_ids) | frozenset(int(t) for t in special)
         self.spec = SpeculativeDecoder(proposer, self.scheduler,
                                        num_speculative_tokens=cfg.num_speculative_tokens,
                                        max_model_len=self.max_model_len,
                                        adaptive=cfg.speculative_adaptive,
+                                       gate=cfg.speculative_gate,
                                        max_draft_tokens=cfg.speculative_max_draft_tokens,
                                        # with tensor parallelism rank 0 gets one grammar-mask row per
                                        # request (engine/parallel.py), so constrained requests do not draft

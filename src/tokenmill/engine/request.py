@@ -88,6 +88,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: Any = None
     spec_kind: int | None = None      # the pending drafts' kind (Draft.kind), for adaptive k
+    spec_confidence: list[float] | None = None   # the pending drafts' confidences (draft gate)
     spec_accept_rate: float = 0.5     # moving average of the share of drafts accepted
     spec_first_rate: float = 0.5      # moving average: the first draft of a step is accepted (adaptive k)
     spec_seen: bool = False           # the speculative decoder has set this request's starting estimates

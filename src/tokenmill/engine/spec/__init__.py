@@ -16,10 +16,14 @@
 Adaptive ``k`` (``speculative_adaptive``), in two stages:
 
 1. *Expected gain per draft position.* A cheap model-free proposer (``drafts_then_cuts``:
-   ngram, suffix) drafts the longest allowed every step and tags each draft with a *kind* (the
-   length of the match it came from); acceptance per position is pooled per kind over all
-   requests (:class:`~tokenmill.engine.spec.base.KindStats`, with a prior by kind), so a long
-   match (a copy in progress) is trusted and a 2-token coincidence is not. Other proposers use
+   ngram, suffix) drafts the longest allowed every step, and its draft tokens state a
+   confidence each (:attr:`Draft.confidence`). The *draft gate* calibrates confidences online
+   (:class:`~tokenmill.engine.spec.base.ConfidenceCalibration`: a scale shared by all of them
+   and a bias per confidence bucket, from the acceptance observed, pooled over requests); a
+   row's gain is the product of the calibrated rates up to it. With ``gate=False`` (or a draft
+   without confidences) the draft's *kind* (the length of the match it came from) decides
+   instead: acceptance per position pooled per kind over all requests
+   (:class:`~tokenmill.engine.spec.base.KindStats`, with a prior by kind). Other proposers use
    two per-request moving averages: ``f``, how often the first draft of a step is accepted, and
    ``c``, how often a draft is accepted after an accepted one; position ``j`` (1-based) holds
    with probability about ``f * c**(j-1)`` and the request asks for drafts while that is
@@ -39,7 +43,8 @@ Adaptive ``k`` (``speculative_adaptive``), in two stages:
    Where rows are nearly free (a weight-bound step) every promising draft goes out; where they
    are dear only likely ones do; if no ``R > 0`` pays, the step drafts nothing, with a one-token
    probe every ``COST_PROBE_EVERY`` (``CUT_PROBE_EVERY`` for draft-then-cut proposers) steps,
-   or rarer, so that probes take at most ``PROBE_BUDGET`` of the decode time.
+   or rarer, so that probes take at most ``PROBE_BUDGET`` of the decode time. Gated drafts
+   must beat sending none by ``GATE_MARGIN`` (a miss costs a multi-row step).
    On top, one step's drafts are capped at ``speculative_max_draft_tokens`` in total.
 
 Hidden-state capture (learned drafters, ``Proposer.capture_layers``): capturing costs the
@@ -62,7 +67,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from tokenmill.engine.spec.base import Draft, KindStats, Proposer, SpecStats
+from tokenmill.engine.spec.base import ConfidenceCalibration, Draft, KindStats, Proposer, SpecStats
 from tokenmill.engine.step_cost import TokenLine
 
 if TYPE_CHECKING:
@@ -79,6 +84,7 @@ MAX_PROBE_EVERY = 64  # ... doubling after each probe that fails, up to this
 COST_PROBE_EVERY = 32  # steps between short drafts while drafting does not pay for its cost
 PROBE_BUDGET = 0.02   # share of decode time that cost probes may take
 CUT_PROBE_EVERY = 128  # the same for draft-then-cut proposers (their kinds are pooled over requests)
+GATE_MARGIN = 0.03   # the draft gate sends rows only if they raise expected tokens/s by this share
 EMA_WEIGHT = 0.3     # weight of the newest step in the acceptance-rate average
 COST_WEIGHT = 0.2    # weight of the newest step in the proposer-time average
 
@@ -107,9 +113,12 @@ def make_proposer(config: EngineConfig, target: object = None) -> Proposer:
 class SpeculativeDecoder:
     def __init__(self, proposer: Proposer, scheduler: Scheduler, *, num_speculative_tokens: int,
                  max_model_len: int, adaptive: bool = True, max_draft_tokens: int = 64,
-                 constrained: bool = True) -> None:
+                 constrained: bool = True, gate: bool = True) -> None:
         """``constrained``: requests with a grammar draft too (their drafts cut by the grammar,
-        their rows masked per draft position); False leaves them to plain decoding."""
+        their rows masked per draft position); False leaves them to plain decoding.
+        ``gate``: drafts that carry a per-token confidence are cut by the draft gate (its
+        calibrated confidences give each row's gain); False: by the pooled acceptance of
+        their kind instead (the rule before the gate)."""
         self.proposer = proposer
         self.scheduler = scheduler
         self.k = num_speculative_tokens
@@ -117,6 +126,8 @@ class SpeculativeDecoder:
         self.adaptive = adaptive
         self.max_draft_tokens = max_draft_tokens
         self.constrained = constrained
+        self.gate = gate
+        self.calibration = ConfidenceCalibration()   # the draft gate's (confidence -> acceptance)
         self.stats = SpecStats(proposer.name, num_speculative_tokens)
         # decode-only step time as a line in its tokens (fed by the engine), and the proposer's
         # own time per step (observe + propose): the costs stage 2 of adaptive k weighs
@@ -205,6 +216,8 @@ class SpeculativeDecoder:
                 req = s.request
                 self.scheduler.rollback(req)
                 self.stats.record(s.num_draft, s.num_accepted)
+                if req.spec_confidence is not None:
+                    self.calibration.record(req.spec_confidence, s.num_draft, s.num_accepted)
                 if req.spec_kind is not None:
                     self._kind(req.spec_kind).record(s.num_draft, s.num_accepted)
                 req.num_draft_tokens += s.num_draft
@@ -223,6 +236,7 @@ class SpeculativeDecoder:
             s.request.spec_token_ids = []
             s.request.spec_probs = None
             s.request.spec_kind = None
+            s.request.spec_confidence = None
         if self._propose():
             dt = time.perf_counter() - t0
             self.propose_seconds += COST_WEIGHT * (dt - self.propose_seconds) if self.propose_seconds else dt
@@ -290,6 +304,8 @@ class SpeculativeDecoder:
             req.spec_token_ids = tokens
             req.spec_probs = draft.probs[: len(tokens)] if draft.probs is not None and tokens else None
             req.spec_kind = draft.kind if tokens else None
+            req.spec_confidence = (list(draft.confidence[:len(tokens)])
+                                   if self.gate and tokens and draft.confidence is not None else None)
         return True
 
     def _kind(self, kind: int) -> KindStats:
@@ -302,18 +318,23 @@ class SpeculativeDecoder:
         return st
 
     def _cut(self, reqs: list[Request], drafts: list[Draft], num_decode: int) -> list[int]:
-        """How many of each (already proposed) draft to send: stage 2 over the gains of each
-        draft's kind (the request's own averages for an untagged draft); before the cost line
-        is known, positions whose gain is at least ``MIN_GAIN``."""
+        """How many of each (already proposed) draft to send (the draft gate): stage 2 over
+        each row's gain, from the draft's calibrated per-token confidences (or, with the gate
+        off or without confidences, its kind's pooled acceptance; the request's own averages
+        for an untagged draft); before the cost line is known, positions whose gain is at
+        least ``MIN_GAIN``."""
         gains = []
         for req, d in zip(reqs, drafts):
             n = len(d.token_ids)
-            if d.kind is not None:
+            if self.gate and d.confidence is not None:
+                gains.append(self.calibration.gains(d.confidence[:n]))
+            elif d.kind is not None:
                 gains.append(self._kind(d.kind).gains(n))
             else:
                 gains.append([_row_gain(req, j) for j in range(n)])
         # the proposer's time is spent already
-        chosen = self._choose_rows(gains, num_decode, 0.0, CUT_PROBE_EVERY)
+        margin = GATE_MARGIN if self.gate and any(d.confidence is not None for d in drafts) else 0.0
+        chosen = self._choose_rows(gains, num_decode, 0.0, CUT_PROBE_EVERY, margin)
         if chosen is None:
             return [sum(1 for g in gs if g >= MIN_GAIN) for gs in gains]
         return chosen
@@ -325,26 +346,33 @@ class SpeculativeDecoder:
         return ks if chosen is None else chosen
 
     def _choose_rows(self, gains: list[list[float]], num_decode: int, propose_seconds: float,
-                     probe_every: int = COST_PROBE_EVERY) -> list[int] | None:
+                     probe_every: int = COST_PROBE_EVERY, margin: float = 0.0) -> list[int] | None:
         """Stage 2 of adaptive ``k`` (module doc): how many draft rows of each request give the
         step the most expected tokens per second, given each row's expected gain
         (non-increasing per request), the measured step times and the proposer's time. The
         rows are taken best first and every count is tried, because the time of a step is not
         a line in its rows (a multi-row kernel may cost as much for two rows as for four).
-        None: too little measured yet."""
+        ``margin``: rows must raise the rate by at least this share over sending none (a
+        guard against noise in the estimates: a miss costs a multi-row step). None: too
+        little measured yet."""
         n = max(num_decode, 1)
-        base_time = self.step_time(n)
+        line = self.cost.fit()
+        base_time = self.table.predict(n, line)
         if base_time is None:
             self._cost_every = 0
             return None
         base_time = max(base_time, 1e-6)
         rows = sorted(((g, i) for i, gs in enumerate(gains) for g in gs), reverse=True)
-        best_rate, best_r = n / base_time, 0
+        floor = n / base_time
+        best_rate, best_r = floor * (1.0 + margin), 0
         tokens = float(n)
+        t_prev = base_time
         for r, (g, _) in enumerate(rows, start=1):
             tokens += g
-            t = self.step_time(n + r)
-            rate = tokens / (max(t if t is not None else base_time, base_time) + propose_seconds)
+            t = self.table.predict(n + r, line)
+            # a size with no estimate costs at least the largest smaller one (never less)
+            t = t_prev = max(t if t is not None else t_prev, t_prev)
+            rate = tokens / (t + propose_seconds)
             if rate > best_rate:
                 best_rate, best_r = rate, r
         if best_r == 0:
@@ -420,12 +448,15 @@ class StepTable:
         self.count: dict[int, float] = {}
         self.calibrated: dict[int, float] = {}
         self.load = 1.0
+        self._cache: dict[int, float] | None = None   # _known() until the next change
 
     def calibrate(self, num_tokens: int, seconds: float) -> None:
         """The start-up time of a step of ``num_tokens`` (the shape the load factor scales)."""
         self.calibrated[num_tokens] = max(seconds, 1e-9)
+        self._cache = None
 
     def observe(self, num_tokens: int, seconds: float) -> None:
+        self._cache = None
         cal = self.calibrated.get(num_tokens)
         if cal is not None:
             self.load += self.LOAD_WEIGHT * (seconds / cal - self.load)
@@ -436,9 +467,11 @@ class StepTable:
         self.mean[num_tokens] = m + max(1.0 / c, self.WEIGHT) * (seconds - m)
 
     def _known(self) -> dict[int, float]:
-        known = {k: self.mean[k] for k, c in self.count.items() if c >= self.MIN_WEIGHT}
-        known.update((k, self.load * t) for k, t in self.calibrated.items())
-        return known
+        if self._cache is None:
+            known = {k: self.mean[k] for k, c in self.count.items() if c >= self.MIN_WEIGHT}
+            known.update((k, self.load * t) for k, t in self.calibrated.items())
+            self._cache = known
+        return self._cache
 
     def predict(self, n: int, line: tuple[float, float] | None) -> float | None:
         known = self._known()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tokenmill.engine.spec.base import Draft, Proposer
+from tokenmill.engine.spec.base import Draft, Proposer, copy_confidence, match_confidence
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request
@@ -110,7 +110,11 @@ class NgramProposer(Proposer):
             if index is None:
                 index = self._index[req.request_id] = _NgramIndex(self.min_n, self.max_n)
             draft, length = index.lookup(req.all_token_ids, k)
-            drafts.append(Draft(draft, kind=length if draft else None))
+            # a copied token is as likely as a match of the length behind it (the drafts
+            # before it included) is to go on
+            conf = (copy_confidence(draft, [match_confidence(length + j) for j in range(len(draft))],
+                                    self.control_token_ids) if draft else None)
+            drafts.append(Draft(draft, kind=length if draft else None, confidence=conf))
         return drafts
 
     def request_finished(self, request: Request) -> None:

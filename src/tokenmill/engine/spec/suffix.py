@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tokenmill.engine.spec.base import Draft, Proposer
+from tokenmill.engine.spec.base import Draft, Proposer, copy_confidence, match_confidence
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request
@@ -123,16 +123,21 @@ class SuffixTrie:
                 return None
         return node
 
-    def continuation(self, node: _Node, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
-        """Most frequent path below ``node``; returns (tokens, expected accepted tokens)."""
+    def continuation(self, node: _Node, max_tokens: int, min_prob: float,
+                     ratios: list[float] | None = None) -> tuple[list[int], float]:
+        """Most frequent path below ``node``; returns (tokens, expected accepted tokens).
+        ``ratios``, when given, receives each token's ``child.count / node.count``."""
         out: list[int] = []
         prob, score = 1.0, 0.0
         while len(out) < max_tokens and node.children:
             tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
-            p = prob * child.count / node.count
+            r = child.count / node.count
+            p = prob * r
             if p < min_prob:
                 break
             out.append(tok)
+            if ratios is not None:
+                ratios.append(r)
             prob, score, node = p, score + p, child
         return out, score
 
@@ -162,16 +167,22 @@ class SuffixProposer(Proposer):
             trie = self._local_trie(req)
             context = req.all_token_ids[-pattern_max:]
             best: list[int] = []
-            best_score, best_m = 0.0, 0
+            best_score, best_m, best_ratios = 0.0, 0, []
             for t in (trie, self.global_trie):
                 node, m = t.match(context, pattern_max)
                 if node is None:
                     continue
                 room = min(k, 2 * m, self.max_depth - m)
-                toks, score = t.continuation(node, room, self.min_prob)
+                ratios: list[float] = []
+                toks, score = t.continuation(node, room, self.min_prob, ratios)
                 if score > best_score:
-                    best, best_score, best_m = toks, score, m
-            drafts.append(Draft(best, kind=min(best_m, 8) if best else None))
+                    best, best_score, best_m, best_ratios = toks, score, m, ratios
+            # a token's confidence: how often a match as long as the one behind it (the
+            # context's plus the drafts before it) continues correctly, times how often this
+            # path's most frequent continuation is the one taken
+            conf = copy_confidence(best, [match_confidence(best_m + j) * r for j, r in enumerate(best_ratios)],
+                                   self.control_token_ids)
+            drafts.append(Draft(best, kind=min(best_m, 8) if best else None, confidence=conf if best else None))
         return drafts
 
     def _local_trie(self, req: Request) -> SuffixTrie:
