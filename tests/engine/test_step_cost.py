@@ -104,6 +104,24 @@ def test_a_prefill_whose_remainder_fits_the_finishing_bound_goes_at_once(finish)
         assert chunks(62) == [11, 11, 11, 11, 11, 7]
 
 
+def test_a_short_prefill_cut_once_still_finishes_in_the_next_step():
+    """A short turn admitted beside another one gets only the bound's leftover (1 token); it is
+    still short (30 tokens whole fit 4x beside the decodes), so the next step takes its remainder
+    at once instead of 12-token chunks."""
+    cost = StepCost(slowdown=2.0, min_tokens=8, finish_slowdown=4.0)
+    for n in (1, 10, 100, 400):
+        cost.observe(n, 0.05 + 0.005 * n)
+    sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=512, max_running_requests=8,
+                      step_cost=cost)
+    sched.add_request(Request("a", list(range(300)), SamplingParams(max_tokens=40)))
+    assert _step(sched) == {"a": 300}
+    sched.add_request(Request("s1", list(range(1000, 1010)), SamplingParams(max_tokens=40)))
+    sched.add_request(Request("s2", list(range(2000, 2030)), SamplingParams(max_tokens=40)))
+    first = _step(sched)
+    assert first["a"] == 1 and first["s1"] == 10 and 0 < first["s2"] < 30
+    assert _step(sched) == {"a": 1, "s1": 1, "s2": 30 - first["s2"]}
+
+
 def _step(sched: Scheduler) -> dict[str, int]:
     out = sched.schedule()
     sched.post_step(out)

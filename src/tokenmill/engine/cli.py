@@ -38,7 +38,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="while decodes run, prefill chunks get only the tokens that keep a step within "
                         "this many times the decodes-only step time (learned online); 0 turns it off")
     g.add_argument("--prefill-finish-slowdown", type=float, default=d.prefill_finish_slowdown,
-                   help="a request admitted with a prefill that keeps the step within this many times the "
+                   help="a prefill that keeps the step within this many times the "
                         "decodes-only step time whole is prefilled at once instead of in bounded chunks (an agent "
                         "turn after a cache hit); 0: every chunk keeps --decode-slowdown")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,

@@ -16,8 +16,8 @@ Order within a step:
    only what :class:`~tokenmill.engine.step_cost.PrefillBound` allows, so a decode's next token
    is not held up by seconds of prefill (step time is learned online from the engine's own
    steps, over token rows and attention reads, so a chunk after a long context is smaller);
-   a request admitted with a prefill that fits a looser bound (``finish_slowdown``) whole is
-   done at once, since cutting it would only delay its first token, not the decodes;
+   a short prefill (one that fits a looser bound, ``finish_slowdown``, whole) is done at once,
+   since cutting it would only delay its first token, not the decodes;
    Under that bound the prefill with the fewest tokens left goes first, and a waiting request
    with fewer left (after its cached prefix) than every running prefill is admitted before
    them (``shortest_prefill_first``), so a new agent turn is not queued behind a long first
@@ -87,18 +87,21 @@ class _StepPlan:
         self.preempted: list[Request] = []
         self.bound: PrefillBound | None = None   # the step-time bound on prefill (decodes run)
 
-    def prefill_limit(self, req: Request, context: int, admitting: bool = False) -> int:
+    def prefill_limit(self, req: Request, context: int) -> int:
         """Tokens a prefill chunk of ``req`` after ``context`` computed tokens may take: what
-        the bound allows, or, for a request being admitted, its whole prefill when the bound's
-        finishing exception takes it (a prefill that can be done in one step is; the tail of a
-        long one, already cut into chunks, is not: that would stall the decodes once per long
-        prompt for little gain in its time to first token)."""
+        the bound allows, or the whole remainder of a short prefill when the bound's finishing
+        exception takes it (a prefill that could be done in one step is; the tail of a long one
+        is not: that would stall the decodes once per long prompt for little gain in its time to
+        first token)."""
         n = min(req.num_uncomputed_tokens, self.budget)
         if self.bound is None:
             return n
         cap = self.bound.cap(context, n)
-        if admitting and cap < n and n == req.num_uncomputed_tokens and self.bound.finishes(context, n):
-            return n
+        if cap < n and n == req.num_uncomputed_tokens and self.bound.finishes(context, n):
+            start = req.num_cached_tokens if req.num_cached_tokens is not None else context
+            start = min(start, context)
+            if self.bound.short(start, req.num_tokens - start):
+                return n
         return cap
 
     def add(self, req: Request, n: int, context: int | None = None) -> None:
@@ -247,12 +250,13 @@ class Scheduler:
                 return
             if plan.bound is not None:
                 hit = self.kv.cached_prefix_tokens(req)
-                if plan.bound.cap(hit, 1) <= 0 and not plan.bound.finishes(hit, req.num_tokens - hit):
+                if plan.bound.cap(hit, 1) <= 0 and not (plan.bound.finishes(hit, req.num_tokens - hit)
+                                                        and plan.bound.short(hit, req.num_tokens - hit)):
                     return                   # the step-time bound has no room for another chunk
             if not self.kv.take_slot(req):   # hybrid models: every state slot is taken
                 return
             matched = self.kv.match(req)
-            n = self.kv.chunk_limit(req, plan.prefill_limit(req, req.num_computed_tokens, admitting=True))
+            n = self.kv.chunk_limit(req, plan.prefill_limit(req, req.num_computed_tokens))
             if n <= 0 or not self.kv.allocate(req, req.num_computed_tokens + n):
                 self.kv.release(req, keep_in_cache=False)
                 req.num_computed_tokens = 0

@@ -216,20 +216,23 @@ class PrefillBound:
     step time within ``slowdown * T(d)``. ``cap(context, limit)`` is the largest next chunk
     after ``context`` cached tokens; ``add(context, n)`` records the chunk that was scheduled.
 
-    The finishing exception (``StepCost.finish_slowdown``): a request being admitted whose whole
-    prefill keeps the step within ``finish_slowdown * T(d)`` may take it at once (:meth:`finishes`;
-    the scheduler asks only at admission). Cutting such a prefill into bounded chunks does not
+    The finishing exception (``StepCost.finish_slowdown``): a short prefill (:meth:`short`: its
+    whole uncached part, done beside the decodes alone, keeps the step within
+    ``finish_slowdown * T(d)``) whose remainder still fits this step (:meth:`finishes`) takes the
+    remainder at once. Cutting such a prefill into bounded chunks does not
     shorten the decodes' total wait (they wait for the same prefill work, spread over more steps,
     each of which also pays the decode's own cost again); it only multiplies the prefill's time to
     first token by the number of chunks. An agent turn after a cache hit (tens of new tokens) is
     such a prefill; a long prompt is not, and is cut to its end (giving the exception to its tail
-    too stalled the decodes once per long prompt: Mooncake replay, TPOT p50 +27% at 6x).
+    too stalled the decodes once per long prompt: Mooncake replay, TPOT p50 +27% at 6x). A short
+    one keeps the exception after a bounded first chunk (another prefill took the step's room).
     """
 
     def __init__(self, cost: StepCost, num_decode_tokens: int, decode_pairs: int) -> None:
         self.cost = cost
         self.rows = num_decode_tokens
         self.pairs = decode_pairs
+        self._decode_rows, self._decode_pairs = num_decode_tokens, decode_pairs
         self.added = 0
         alone = cost.predict(num_decode_tokens, decode_pairs)
         self.target = None if alone is None else cost.slowdown * max(alone, 0.0)
@@ -261,6 +264,14 @@ class PrefillBound:
         """Whether a prefill's whole remainder of ``n`` tokens after ``context`` may go in this
         step under the finishing exception (known fits only: never during warm-up)."""
         return self.finish_target is not None and n > 0 and self._fits(n, context, self.finish_target)
+
+    def short(self, context: int, n: int) -> bool:
+        """Whether a prefill of ``n`` tokens after ``context`` is short enough for the finishing
+        exception: done whole beside this step's decodes alone, it keeps the looser bound."""
+        if self.finish_target is None or n <= 0:
+            return False
+        t = self.cost.predict(self._decode_rows + n, self._decode_pairs + chunk_pairs(context, n))
+        return t is not None and t <= self.finish_target
 
     def cap(self, context: int, limit: int, first: bool | None = None) -> int:
         """The largest chunk (<= ``limit``) after ``context`` cached tokens that keeps the bound;
