@@ -12,6 +12,22 @@ from tokenmill.layers.state_pool import StatePool
 from tokenmill.models.base import CausalLM
 
 
+def chunks_batch(shapes: Sequence[tuple[int, int]], tables: Sequence[list[int]], page_size: int) -> ForwardBatch:
+    """One step's batch for sequences given as ``(cached, new)`` token counts over page tables."""
+    qsl, seq_lens, slots, pos = [0], [], [], []
+    for (cached, n), table in zip(shapes, tables):
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(cached + n)
+        for p in range(cached, cached + n):
+            slots.append(table[p // page_size] * page_size + p % page_size)
+            pos.append(p)
+    width = max(len(t) for t in tables)
+    return ForwardBatch(torch.zeros(qsl[-1], dtype=torch.long), torch.tensor(pos), torch.tensor(slots),
+                        torch.tensor(qsl), torch.tensor(seq_lens),
+                        torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                        torch.tensor([x - 1 for x in qsl[1:]]), page_size, max(seq_lens))
+
+
 class PagedDriver:
     """Keeps page tables for named sequences and runs steps of mixed chunks through a model.
 

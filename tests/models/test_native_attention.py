@@ -13,27 +13,17 @@ import pytest
 import torch
 
 from tokenmill._native import attention as kernel
-from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import select_attention_backend
+
+from tests.models.paged_driver import chunks_batch
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason=str(kernel.unavailable_reason()))
 
 
 def _run(backend_name, spec, pool, shapes, page_size, q, k, v, tables):
     backend = select_attention_backend(spec, "cpu", torch.float32, backend_name)
-    qsl, seq_lens, slots, pos = [0], [], [], []
-    for (cached, n), table in zip(shapes, tables):
-        qsl.append(qsl[-1] + n)
-        seq_lens.append(cached + n)
-        for p in range(cached, cached + n):
-            slots.append(table[p // page_size] * page_size + p % page_size)
-            pos.append(p)
-    width = max(len(t) for t in tables)
-    batch = ForwardBatch(torch.zeros(qsl[-1], dtype=torch.long), torch.tensor(pos), torch.tensor(slots),
-                         torch.tensor(qsl), torch.tensor(seq_lens),
-                         torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                         torch.tensor([x - 1 for x in qsl[1:]]), page_size, max(seq_lens))
+    batch = chunks_batch(shapes, tables, page_size)
     cache = pool.clone()
     out = backend.forward(q, k, v, cache, backend.build_metadata(batch), spec.layers[0].head_dim ** -0.5)
     return out, cache

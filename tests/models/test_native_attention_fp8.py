@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from tokenmill._native import attention as kernel
-from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import FP8Pages, select_attention_backend
 from tokenmill.layers.attention.fp8 import FP8, quantize, quantize_static
+
+from tests.models.paged_driver import chunks_batch
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason=str(kernel.unavailable_reason()))
 
@@ -45,19 +46,7 @@ def test_e4m3_widening_is_exact_for_every_byte(path):
         assert torch.equal(torch.signbit(out[keep]), torch.signbit(want[keep]))   # -0.0 stays -0.0
 
 
-def _batch(shapes, tables, page_size) -> ForwardBatch:
-    qsl, seq_lens, slots, pos = [0], [], [], []
-    for (cached, n), table in zip(shapes, tables):
-        qsl.append(qsl[-1] + n)
-        seq_lens.append(cached + n)
-        for p in range(cached, cached + n):
-            slots.append(table[p // page_size] * page_size + p % page_size)
-            pos.append(p)
-    width = max(len(t) for t in tables)
-    return ForwardBatch(torch.zeros(qsl[-1], dtype=torch.long), torch.tensor(pos), torch.tensor(slots),
-                        torch.tensor(qsl), torch.tensor(seq_lens),
-                        torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                        torch.tensor([x - 1 for x in qsl[1:]]), page_size, max(seq_lens))
+_batch = chunks_batch
 
 
 def _forward(backend_name, spec, cache, batch, q, k, v):
