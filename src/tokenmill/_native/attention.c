@@ -1191,6 +1191,55 @@ AVX512V static inline __attribute__((always_inline)) __m512 red16_512(__m512 d01
     return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
 }
 
+/* the blend tree: two vectors -> one whose lanes alternate (by the mask's bits) between the
+ * pairwise sums of a and of b; sw swaps the lanes that the mask tells apart */
+#define RED_STEP(a, b, mask, sw) _mm512_add_ps(_mm512_mask_blend_ps(mask, a, b), sw(_mm512_mask_blend_ps(mask, b, a)))
+#define SW1(x) _mm512_permute_ps(x, 0xB1)
+#define SW2(x) _mm512_permute_ps(x, 0x4E)
+#define SW4(x) _mm512_shuffle_f32x4(x, x, 0xB1)
+#define SW8(x) _mm512_shuffle_f32x4(x, x, 0x4E)
+
+#ifndef DEC_RED
+#define DEC_RED 1
+#endif
+#if DEC_RED == 2
+#define DEC_SCORE512(GC) do { \
+    __m512 o0[GC]; \
+    for (int g = 0; g < (GC); g++) o0[g] = _mm512_setzero_ps(); \
+    for (int kh = 0; kh < 2; kh++) { \
+        __m512 q0[GC]; \
+        for (int g = 0; g < (GC); g++) q0[g] = _mm512_setzero_ps(); \
+        for (int kq = 0; kq < 2; kq++) { \
+            __m512 a[GC][4]; \
+            for (int g = 0; g < (GC); g++) \
+                for (int k = 0; k < 4; k++) a[g][k] = _mm512_setzero_ps(); \
+            for (int k = 0; k < 4; k++) { \
+                const char *kk = kp[jb + 8 * kh + 4 * kq + k]; \
+                if (perm) { \
+                    for (int x = 0; x < D; x += 64) { \
+                        __m512 w[4]; \
+                        fp8x64(kk + x, &tab, w); \
+                        for (int t = 0; t < 4; t++) \
+                            for (int g = 0; g < (GC); g++) \
+                                a[g][k] = _mm512_fmadd_ps(w[t], _mm512_load_ps(qg + g * D + x + 16 * t), a[g][k]); \
+                    } \
+                } else { \
+                    for (int x = 0; x < D; x += 16) { \
+                        const __m512 w = ld16(kk + (size_t)x * esz, kind); \
+                        for (int g = 0; g < (GC); g++) a[g][k] = _mm512_fmadd_ps(w, _mm512_load_ps(qg + g * D + x), a[g][k]); \
+                    } \
+                } \
+            } \
+            for (int g = 0; g < (GC); g++) { \
+                const __m512 q = RED_STEP(RED_STEP(a[g][0], a[g][1], 0xAAAA, SW1), RED_STEP(a[g][2], a[g][3], 0xAAAA, SW1), 0xCCCC, SW2); \
+                if (kq == 0) q0[g] = q; \
+                else if (kh == 0) o0[g] = RED_STEP(q0[g], q, 0xF0F0, SW4); \
+                else _mm512_store_ps(s + g * DEC_BLOCK + jb, RED_STEP(o0[g], RED_STEP(q0[g], q, 0xF0F0, SW4), 0xFF00, SW8)); \
+            } \
+        } \
+    } \
+} while (0)
+#else
 /* scores of the 16 keys kp[jb .. jb+15] for GC query vectors at qg (rows of D floats) into
  * s[g * DEC_BLOCK + jb + k] */
 #define DEC_SCORE512(GC) do { \
@@ -1225,6 +1274,7 @@ AVX512V static inline __attribute__((always_inline)) __m512 red16_512(__m512 d01
         } \
     } \
 } while (0)
+#endif
 
 /* acc[g] = acc[g] * alpha[g] + sum_u p[g][u] v_u (as VACC_AVX512), fp8 rows widened 64 at a
  * time when perm (then XC is 4) */
@@ -1333,15 +1383,17 @@ AVX512V static inline __attribute__((always_inline)) void dec512_body(const Prob
     const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
     const DecScales sc = dec_scales(P, T, kind, perm);
     float *qs = alloc64((size_t)G * D), *acc = alloc64((size_t)G * D), *sb = alloc64((size_t)G * DEC_BLOCK);
-    float *zero = alloc64((size_t)D);   /* the row that padding keys read (zero in every kind) */
     float ksb[DEC_BLOCK] __attribute__((aligned(64))), vsb[DEC_BLOCK] __attribute__((aligned(64)));
     float m[MAX_QVEC], l[MAX_QVEC], alph[MAX_QVEC];
     const char *kp[DEC_BLOCK], *vp[DEC_BLOCK];
-    int64_t offs[DEC_BLOCK], pfo[DEC_BLOCK];
+    /* the element offsets of the task's keys, computed once (per block, and again for the
+     * prefetch, they cost as much as a fifth of the decode) */
+    const int nkeys = T->k1 - T->k0;
+    int64_t *offs = malloc(sizeof(int64_t) * ((size_t)nkeys + DEC_BLOCK));
+    key_offsets(P, table, T->kvh, T->k0, T->k1, offs);
     const E4m3Tab tab = e4m3_tab();
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     memset(acc, 0, sizeof(float) * (size_t)G * D);
-    memset(zero, 0, sizeof(float) * (size_t)D);
     for (int g = 0; g < G; g++) {
         const float *src = P->q + row * P->q_stride + (int64_t)(T->kvh * G + g) * D;
         for (int x = 0; x < D; x++) qs[(size_t)g * D + x] = src[perm ? dec_perm(x) : x] * sc.qmul;
@@ -1349,29 +1401,23 @@ AVX512V static inline __attribute__((always_inline)) void dec512_body(const Prob
         l[g] = 0.f;
     }
     {   /* the first PREFETCH_BLOCKS blocks (later ones are asked for a block at a time below) */
-        const int pe = T->k0 + DEC_PF < T->k1 ? T->k0 + DEC_PF : T->k1;
-        prefetch_keys(P, table, T->kvh, T->k0, pe, esz);
+        prefetch_rows(P, offs, nkeys < DEC_PF ? nkeys : DEC_PF, esz);
     }
-    for (int j0 = T->k0; j0 < T->k1; j0 += DEC_BLOCK) {
-        const int nk = T->k1 - j0 < DEC_BLOCK ? T->k1 - j0 : DEC_BLOCK, nks = (nk + 15) & ~15;
-        key_offsets(P, table, T->kvh, j0, j0 + nk, offs);
+    for (int j0 = 0; j0 < nkeys; j0 += DEC_BLOCK) {
+        const int64_t *o = offs + j0;
+        const int nk = nkeys - j0 < DEC_BLOCK ? nkeys - j0 : DEC_BLOCK, nks = (nk + 15) & ~15;
         for (int j = 0; j < nk; j++) {
-            kp[j] = (const char *)P->kc + offs[j] * esz;
-            vp[j] = (const char *)P->vc + offs[j] * esz;
+            kp[j] = (const char *)P->kc + o[j] * esz;
+            vp[j] = (const char *)P->vc + o[j] * esz;
         }
-        for (int j = nk; j < nks; j++) kp[j] = vp[j] = (const char *)zero;
+        for (int j = nk; j < nks; j++) kp[j] = kp[nk - 1];   /* padding: a real row, its score masked */
         if (kind == TM_KV_FP8_TOKEN) {   /* a per-token scale sits at slot * hkv + head = offset / D */
-            for (int j = 0; j < nk; j++) { ksb[j] = P->ks[offs[j] / D]; vsb[j] = P->vs[offs[j] / D]; }
+            for (int j = 0; j < nk; j++) { ksb[j] = P->ks[o[j] / D]; vsb[j] = P->vs[o[j] / D]; }
             for (int j = nk; j < nks; j++) ksb[j] = vsb[j] = 0.f;
         }
-        int pfn = 0;   /* the block PREFETCH_BLOCKS ahead, asked for 16 keys at a time as the scores go */
-        {
-            const int64_t pa = (int64_t)j0 + DEC_PF;
-            if (pa < T->k1) {
-                pfn = (int)(pa + DEC_BLOCK < T->k1 ? DEC_BLOCK : T->k1 - pa);
-                key_offsets(P, table, T->kvh, (int)pa, (int)pa + pfn, pfo);
-            }
-        }
+        /* the block DEC_PF keys ahead, asked for a group at a time as the scores go */
+        const int pfn = j0 + DEC_PF >= nkeys ? 0 : nkeys - j0 - DEC_PF < DEC_BLOCK ? nkeys - j0 - DEC_PF : DEC_BLOCK;
+        const int64_t *pfo = pfn ? o + DEC_PF : o;
         for (int jb = 0; jb < nks; jb += 16) {
             if (jb < pfn) prefetch_rows(P, pfo + jb, pfn - jb < 16 ? pfn - jb : 16, esz);
             for (int g0 = 0; g0 < G; g0 += 4) {
@@ -1413,7 +1459,7 @@ AVX512V static inline __attribute__((always_inline)) void dec512_body(const Prob
         dec_vacc512(acc, sb, alph, vp, nk, G, D, kind, perm, &tab);
     }
     dec_store(P, T, acc, m, l, sc.vmul, perm, part_m, part_l, part_acc);
-    free(qs); free(acc); free(sb); free(zero);
+    free(qs); free(acc); free(sb); free(offs);
 }
 
 AVX512V static void dec512_f32(const Problem *P, const Task *T, float *m, float *l, float *a) {
@@ -1444,6 +1490,62 @@ AVX512V static void widen8_avx512_table(float *dst, const uint8_t *src, int n, f
     widen8_scalar(dst + x, src + x, n - x, scale);
 }
 
+/* Sixteen cache elements at p as two vectors of float32 (fp8: times 2^-8): fp8 bytes widened 16
+ * at a time (one sign extension, shift and mask for both halves, as fp8x8) */
+AVX2 static inline __attribute__((always_inline)) void ld8x2(const void *p, int kind, __m256 *lo, __m256 *hi) {
+    if (kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN) {
+        const __m256i w = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7),
+                                           _mm256_set1_epi16((short)0xBFFF));
+        *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(w));
+        *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
+        return;
+    }
+    *lo = ld8(p, kind);
+    *hi = ld8((const char *)p + 8 * kv_esz(kind), kind);
+}
+
+/* acc[g] = acc[g] * alpha[g] + sum_u p[g][u] v_u for GC <= 3 query vectors and 16 dims at a time
+ * (each V row widened once for up to 3 query vectors) */
+#define DEC_VACC256(GC) do { \
+    for (int x0 = 0; x0 < D; x0 += 16) { \
+        __m256 o[GC][2]; \
+        for (int g = 0; g < (GC); g++) { \
+            const __m256 va = _mm256_set1_ps(alpha[g]); \
+            o[g][0] = _mm256_mul_ps(_mm256_load_ps(acc + g * D + x0), va); \
+            o[g][1] = _mm256_mul_ps(_mm256_load_ps(acc + g * D + x0 + 8), va); \
+        } \
+        for (int u = 0; u < nk; u++) { \
+            __m256 v0, v1; \
+            ld8x2(vp[u] + (size_t)x0 * esz, kind, &v0, &v1); \
+            for (int g = 0; g < (GC); g++) { \
+                const __m256 pu = _mm256_set1_ps(p[g * DEC_BLOCK + u]); \
+                o[g][0] = _mm256_fmadd_ps(pu, v0, o[g][0]); \
+                o[g][1] = _mm256_fmadd_ps(pu, v1, o[g][1]); \
+            } \
+        } \
+        for (int g = 0; g < (GC); g++) { \
+            _mm256_store_ps(acc + g * D + x0, o[g][0]); \
+            _mm256_store_ps(acc + g * D + x0 + 8, o[g][1]); \
+        } \
+    } \
+} while (0)
+
+AVX2 static inline __attribute__((always_inline)) void dec_vacc256(float *acc, const float *p, const float *alpha,
+                                                                 const char *const *vp, int nk, int G, int D, const int kind) {
+    const size_t esz = kv_esz(kind);
+    if (D % 16) {   /* head dims of 8 + 16k: the per-row bodies' accumulation */
+        vaccum_avx2(acc, p, alpha, vp, nk, G, D, kind, DEC_BLOCK);
+        return;
+    }
+    for (int g0 = 0; g0 < G; g0 += 3, acc += (size_t)3 * D, p += 3 * DEC_BLOCK, alpha += 3) {
+        switch (G - g0 < 3 ? G - g0 : 3) {
+        case 1: DEC_VACC256(1); break;
+        case 2: DEC_VACC256(2); break;
+        default: DEC_VACC256(3); break;
+        }
+    }
+}
+
 /* The AVX2 decode body: 8 keys' scores per vector (two red4 results, lanes 0-3 and 4-7). */
 AVX2 static inline __attribute__((always_inline)) __m256 red4_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     const __m256 b01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
@@ -1461,7 +1563,16 @@ AVX2 static inline __attribute__((always_inline)) __m256 red4_256(__m256 a0, __m
             for (int k = 0; k < 4; k++) a[g][k] = _mm256_setzero_ps(); \
         for (int k = 0; k < 4; k++) { \
             const char *kk = kp[jb + 4 * kq + k]; \
-            for (int x = 0; x < D; x += 8) { \
+            int x = 0; \
+            for (; x + 16 <= D; x += 16) { \
+                __m256 w0, w1; \
+                ld8x2(kk + (size_t)x * esz, kind, &w0, &w1); \
+                for (int g = 0; g < (GC); g++) { \
+                    a[g][k] = _mm256_fmadd_ps(w0, _mm256_load_ps(qg + g * D + x), a[g][k]); \
+                    a[g][k] = _mm256_fmadd_ps(w1, _mm256_load_ps(qg + g * D + x + 8), a[g][k]); \
+                } \
+            } \
+            if (x < D) { \
                 const __m256 w = ld8(kk + (size_t)x * esz, kind); \
                 for (int g = 0; g < (GC); g++) a[g][k] = _mm256_fmadd_ps(w, _mm256_load_ps(qg + g * D + x), a[g][k]); \
             } \
@@ -1483,14 +1594,16 @@ AVX2 static inline __attribute__((always_inline)) void dec256_body(const Problem
     const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
     const DecScales sc = dec_scales(P, T, kind, 0);
     float *qs = alloc64((size_t)G * D), *acc = alloc64((size_t)G * D), *sb = alloc64((size_t)G * DEC_BLOCK);
-    float *zero = alloc64((size_t)D);
     float ksb[DEC_BLOCK] __attribute__((aligned(64))), vsb[DEC_BLOCK] __attribute__((aligned(64)));
     float m[MAX_QVEC], l[MAX_QVEC], alph[MAX_QVEC];
     const char *kp[DEC_BLOCK], *vp[DEC_BLOCK];
-    int64_t offs[DEC_BLOCK], pfo[DEC_BLOCK];
+    /* the element offsets of the task's keys, computed once (per block, and again for the
+     * prefetch, they cost as much as a fifth of the decode) */
+    const int nkeys = T->k1 - T->k0;
+    int64_t *offs = malloc(sizeof(int64_t) * ((size_t)nkeys + DEC_BLOCK));
+    key_offsets(P, table, T->kvh, T->k0, T->k1, offs);
     const __m256 ninf = _mm256_set1_ps(-INFINITY), lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     memset(acc, 0, sizeof(float) * (size_t)G * D);
-    memset(zero, 0, sizeof(float) * (size_t)D);
     for (int g = 0; g < G; g++) {
         const float *src = P->q + row * P->q_stride + (int64_t)(T->kvh * G + g) * D;
         for (int x = 0; x < D; x++) qs[(size_t)g * D + x] = src[x] * sc.qmul;
@@ -1498,29 +1611,22 @@ AVX2 static inline __attribute__((always_inline)) void dec256_body(const Problem
         l[g] = 0.f;
     }
     {
-        const int pe = T->k0 + DEC_PF < T->k1 ? T->k0 + DEC_PF : T->k1;
-        prefetch_keys(P, table, T->kvh, T->k0, pe, esz);
+        prefetch_rows(P, offs, nkeys < DEC_PF ? nkeys : DEC_PF, esz);
     }
-    for (int j0 = T->k0; j0 < T->k1; j0 += DEC_BLOCK) {
-        const int nk = T->k1 - j0 < DEC_BLOCK ? T->k1 - j0 : DEC_BLOCK, nks = (nk + 7) & ~7;
-        key_offsets(P, table, T->kvh, j0, j0 + nk, offs);
+    for (int j0 = 0; j0 < nkeys; j0 += DEC_BLOCK) {
+        const int64_t *o = offs + j0;
+        const int nk = nkeys - j0 < DEC_BLOCK ? nkeys - j0 : DEC_BLOCK, nks = (nk + 7) & ~7;
         for (int j = 0; j < nk; j++) {
-            kp[j] = (const char *)P->kc + offs[j] * esz;
-            vp[j] = (const char *)P->vc + offs[j] * esz;
+            kp[j] = (const char *)P->kc + o[j] * esz;
+            vp[j] = (const char *)P->vc + o[j] * esz;
         }
-        for (int j = nk; j < nks; j++) kp[j] = vp[j] = (const char *)zero;
+        for (int j = nk; j < nks; j++) kp[j] = kp[nk - 1];   /* padding: a real row, its score masked */
         if (kind == TM_KV_FP8_TOKEN) {
-            for (int j = 0; j < nk; j++) { ksb[j] = P->ks[offs[j] / D]; vsb[j] = P->vs[offs[j] / D]; }
+            for (int j = 0; j < nk; j++) { ksb[j] = P->ks[o[j] / D]; vsb[j] = P->vs[o[j] / D]; }
             for (int j = nk; j < nks; j++) ksb[j] = vsb[j] = 0.f;
         }
-        int pfn = 0;
-        {
-            const int64_t pa = (int64_t)j0 + DEC_PF;
-            if (pa < T->k1) {
-                pfn = (int)(pa + DEC_BLOCK < T->k1 ? DEC_BLOCK : T->k1 - pa);
-                key_offsets(P, table, T->kvh, (int)pa, (int)pa + pfn, pfo);
-            }
-        }
+        const int pfn = j0 + DEC_PF >= nkeys ? 0 : nkeys - j0 - DEC_PF < DEC_BLOCK ? nkeys - j0 - DEC_PF : DEC_BLOCK;
+        const int64_t *pfo = pfn ? o + DEC_PF : o;
         for (int jb = 0; jb < nks; jb += 8) {
             if (jb < pfn) prefetch_rows(P, pfo + jb, pfn - jb < 8 ? pfn - jb : 8, esz);
             for (int g0 = 0; g0 < G; g0 += 3) {
@@ -1561,10 +1667,10 @@ AVX2 static inline __attribute__((always_inline)) void dec256_body(const Problem
             m[g] = mn;
             alph[g] = alpha;
         }
-        vaccum_avx2(acc, sb, alph, vp, nk, G, D, kind, DEC_BLOCK);
+        dec_vacc256(acc, sb, alph, vp, nk, G, D, kind);
     }
     dec_store(P, T, acc, m, l, sc.vmul, 0, part_m, part_l, part_acc);
-    free(qs); free(acc); free(sb); free(zero);
+    free(qs); free(acc); free(sb); free(offs);
 }
 
 AVX2 static void dec256_f32(const Problem *P, const Task *T, float *m, float *l, float *a) {
