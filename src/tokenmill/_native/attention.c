@@ -1191,55 +1191,6 @@ AVX512V static inline __attribute__((always_inline)) __m512 red16_512(__m512 d01
     return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
 }
 
-/* the blend tree: two vectors -> one whose lanes alternate (by the mask's bits) between the
- * pairwise sums of a and of b; sw swaps the lanes that the mask tells apart */
-#define RED_STEP(a, b, mask, sw) _mm512_add_ps(_mm512_mask_blend_ps(mask, a, b), sw(_mm512_mask_blend_ps(mask, b, a)))
-#define SW1(x) _mm512_permute_ps(x, 0xB1)
-#define SW2(x) _mm512_permute_ps(x, 0x4E)
-#define SW4(x) _mm512_shuffle_f32x4(x, x, 0xB1)
-#define SW8(x) _mm512_shuffle_f32x4(x, x, 0x4E)
-
-#ifndef DEC_RED
-#define DEC_RED 1
-#endif
-#if DEC_RED == 2
-#define DEC_SCORE512(GC) do { \
-    __m512 o0[GC]; \
-    for (int g = 0; g < (GC); g++) o0[g] = _mm512_setzero_ps(); \
-    for (int kh = 0; kh < 2; kh++) { \
-        __m512 q0[GC]; \
-        for (int g = 0; g < (GC); g++) q0[g] = _mm512_setzero_ps(); \
-        for (int kq = 0; kq < 2; kq++) { \
-            __m512 a[GC][4]; \
-            for (int g = 0; g < (GC); g++) \
-                for (int k = 0; k < 4; k++) a[g][k] = _mm512_setzero_ps(); \
-            for (int k = 0; k < 4; k++) { \
-                const char *kk = kp[jb + 8 * kh + 4 * kq + k]; \
-                if (perm) { \
-                    for (int x = 0; x < D; x += 64) { \
-                        __m512 w[4]; \
-                        fp8x64(kk + x, &tab, w); \
-                        for (int t = 0; t < 4; t++) \
-                            for (int g = 0; g < (GC); g++) \
-                                a[g][k] = _mm512_fmadd_ps(w[t], _mm512_load_ps(qg + g * D + x + 16 * t), a[g][k]); \
-                    } \
-                } else { \
-                    for (int x = 0; x < D; x += 16) { \
-                        const __m512 w = ld16(kk + (size_t)x * esz, kind); \
-                        for (int g = 0; g < (GC); g++) a[g][k] = _mm512_fmadd_ps(w, _mm512_load_ps(qg + g * D + x), a[g][k]); \
-                    } \
-                } \
-            } \
-            for (int g = 0; g < (GC); g++) { \
-                const __m512 q = RED_STEP(RED_STEP(a[g][0], a[g][1], 0xAAAA, SW1), RED_STEP(a[g][2], a[g][3], 0xAAAA, SW1), 0xCCCC, SW2); \
-                if (kq == 0) q0[g] = q; \
-                else if (kh == 0) o0[g] = RED_STEP(q0[g], q, 0xF0F0, SW4); \
-                else _mm512_store_ps(s + g * DEC_BLOCK + jb, RED_STEP(o0[g], RED_STEP(q0[g], q, 0xF0F0, SW4), 0xFF00, SW8)); \
-            } \
-        } \
-    } \
-} while (0)
-#else
 /* scores of the 16 keys kp[jb .. jb+15] for GC query vectors at qg (rows of D floats) into
  * s[g * DEC_BLOCK + jb + k] */
 #define DEC_SCORE512(GC) do { \
@@ -1274,7 +1225,6 @@ AVX512V static inline __attribute__((always_inline)) __m512 red16_512(__m512 d01
         } \
     } \
 } while (0)
-#endif
 
 /* acc[g] = acc[g] * alpha[g] + sum_u p[g][u] v_u (as VACC_AVX512), fp8 rows widened 64 at a
  * time when perm (then XC is 4) */
