@@ -16,9 +16,11 @@
  * (it covers all keys its rows can see) or a partial (running max, sum, unnormalised
  * accumulator) that a merge pass combines. Long single-sequence decodes are split over keys so
  * that every thread has work (split-K, as in flash-decoding). Decode rows (a sequence with one
- * query row) take the per-row path; prefill chunks take the tiled path ("tiled prefill path"
- * below), which scores groups of query vectors against blocks of keys as small matrix
- * products. Each query row's result depends only on its own sequence, so a request gives the
+ * query row) take the decode bodies ("decode rows" below: each K/V row read and widened once
+ * for the G query heads of its kv head); prefill chunks take the tiled path ("tiled prefill
+ * path"), which scores groups of query vectors against blocks of keys as small matrix
+ * products (the per-row bodies remain for CPUs without the vector paths and for A/B checks:
+ * TOKENMILL_NO_DECODE_BODY=1, TOKENMILL_NO_PREFILL_TILES=1). Each query row's result depends only on its own sequence, so a request gives the
  * same bits whatever else is in the batch.
  *
  * Vector code is compiled for AVX-512 and for AVX2+FMA through function target attributes and
@@ -80,12 +82,14 @@ typedef struct {
  * exponent bits of bias 7, 3 mantissa bits; no infinities, 0x7F / 0xFF are NaN and never
  * stored), and the element is e * scale. The vector paths widen 8 or 16 bytes at once without a
  * table: ((b & 0x80) << 8) | ((b & 0x7F) << 7) is the float16 whose value is exactly e * 2^-8
- * (computed as w + (w & 0x4000) with w = b << 7)
+ * (computed as (sign-extended b << 7) & 0xBFFF: the shift puts the sign in bits 15 and 14)
  * (float16 has the same 3 leading mantissa bits and an exponent bias of 15 = 7 + 8, normals and
  * subnormals alike), and F16C's vcvtph2ps turns it into float32. The 2^8 is folded into the
- * scales. The scales themselves stay out of the inner loops: K's goes into the query (a static
- * scale: once per task) or onto each key's score (a scale per token), V's into the softmax
- * weight of each key (per token) or onto the output (static). */
+ * scales. In the decode bodies the scales stay out of the inner loops: K's goes into the query
+ * (a static scale: once per task) or onto each key's score (a scale per token), V's into the
+ * softmax weight of each key (per token) or onto the output (static); the per-row bodies and the
+ * tiled path widen a block's rows times their scales into a float32 copy. The AVX-512 decode
+ * body widens 64 bytes at once by table instead (fp8x64). */
 static float g_e4m3[256];   /* e4m3 byte -> value, for the scalar paths (filled at module load) */
 /* bytes 3 and 2 of the float32 of the e4m3 value of (b & 0x7F) (bytes 1 and 0 are zero for every
  * e4m3 value): the tables the AVX-512 decode widening looks up (see "decode rows") */
