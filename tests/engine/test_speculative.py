@@ -146,11 +146,15 @@ def test_gated_drafts_greedy_identical_batched_chunked_preempted(tiny_llama, pro
         llm = _llm(lm, speculative_method="ngram", num_speculative_tokens=6, **kw)
         spec = llm.engine.spec
         spec.proposer = ConfidentScripted(script, wrong=0.3, seed=3)
-        # the int4 kernels' shape (the second row doubles a step, rows 3-4 add little), scaled
-        # to this model by the load factor: the gate must weigh rows, not send them all
+        # the int4 kernels' shape (the second row doubles a step, rows 3-4 add little): the gate
+        # must weigh rows, not send them all. Steps of seconds, every size a batch can reach
+        # calibrated and the load factor pinned, so neither the machine's load nor the
+        # proposer's own time moves the decisions (the test is deterministic)
         spec.table = StepTable()
-        for n, t in enumerate((1.0, 2.0, 2.1, 2.2, 3.0, 3.1, 3.2), start=1):
-            spec.table.calibrate(n, t * 1e-3)
+        spec.table.LOAD_WEIGHT = 0.0
+        shape = (1.0, 2.0, 2.1, 2.2, 3.0, 3.1, 3.2)
+        for n in range(1, 7 * len(prompts) + 2):
+            spec.table.calibrate(n, shape[n - 1] if n <= len(shape) else shape[-1] + 0.1 * (n - len(shape)))
         assert [list(o.token_ids) for o in llm.generate(prompts, GREEDY)] == expected
         st = llm.engine.stats().spec
         assert 0 < st.accepted < st.proposed

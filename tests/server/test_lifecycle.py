@@ -169,8 +169,8 @@ def _read_stream(base_url: str, body: dict, out: dict) -> None:
 
 
 def test_port_in_use_exits_1_with_a_message(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    """The HTTP server runs on its own thread, the engine loop on the main one: when the port
-    cannot be bound, the HTTP thread stops the engine loop and the process exits 1, not hangs."""
+    """The port is bound before the model loads: when it is taken, serve exits 1 with a message
+    at once, without loading the model (no engine log line) and without hanging."""
     import socket
     import subprocess
     import sys
@@ -184,6 +184,7 @@ def test_port_in_use_exits_1_with_a_message(tiny_checkpoint: Path, tmp_path: Pat
                               capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"could not start the HTTP server on 127.0.0.1:{port}" in proc.stderr
+    assert "Address already in use" in proc.stderr and "KV cache" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_sigterm_finishes_in_flight_work_and_exits_0(keyed_server: ServiceProcess) -> None:

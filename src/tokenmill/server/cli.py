@@ -1,6 +1,7 @@
 """``tokenmill serve``: load one model and serve it over the OpenAI API.
 
-The model is loaded before the port opens, so ``GET /health`` answers 200 only once the server can
+The port is bound first (a port in use fails in a second, before a model is loaded), but it is
+listened on only once the model is loaded, so ``GET /health`` answers 200 only once the server can
 serve. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up to
 ``--shutdown-grace-s`` seconds, aborts the rest, stops the engine and exits 0.
 """
@@ -11,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Generator
@@ -99,11 +101,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokenmill serve: {e}", file=sys.stderr)
         return 2
     try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"tokenmill serve: could not start the HTTP server on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    try:
         engine = Engine(engine_config)
     except (ModelNotFoundError, ValueError) as e:
+        sock.close()
         print(f"tokenmill serve: cannot start with model {args.model!r}: {e}", file=sys.stderr)
         return 2
     except ReplicaFailedError as e:
+        sock.close()
         print(f"tokenmill serve: {e}", file=sys.stderr)
         return 1
     server: _Server | None = None
@@ -120,17 +129,18 @@ def run(args: argparse.Namespace) -> int:
     # their parallel regions (see tokenmill.engine.async_engine).
     async_engine = AsyncEngine(engine, on_fatal=on_fatal, start_thread=False)
     state = ServerState.create(async_engine, server_config, prefix_cache_enabled=engine_config.enable_prefix_cache)
+    port = sock.getsockname()[1]   # the port given, or the one the system chose for --port 0
     logger.info("serving %s as %s on http://%s:%d (max_model_len=%d)", args.model,
-                ", ".join(server_config.served_model_names), args.host, args.port, state.max_model_len)
-    uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                ", ".join(server_config.served_model_names), args.host, port, state.max_model_len)
+    uv_config = uvicorn.Config(build_app(state), host=args.host, port=port, log_level=args.log_level,
                                timeout_graceful_shutdown=args.shutdown_grace_s, access_log=False,
                                timeout_keep_alive=30)
     server = _Server(uv_config)
 
     def serve_http() -> None:
         try:
-            server.run()
-        except SystemExit:   # uvicorn exits when it cannot bind; reported below (not started)
+            server.run(sockets=[sock])
+        except SystemExit:   # uvicorn exits when it cannot listen; reported below (not started)
             pass
         except BaseException:  # noqa: BLE001 - the engine loop must stop whatever happened here
             logger.exception("the HTTP server failed")
@@ -148,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         http.join()
         for sig, handler in originals.items():
             signal.signal(sig, handler)
+        sock.close()
     if async_engine.fatal_error is not None:
         print(f"tokenmill serve: the model replica failed, shutting down: {async_engine.fatal_error}",
               file=sys.stderr)
@@ -157,6 +168,21 @@ def run(args: argparse.Namespace) -> int:
         return 1
     logger.info("server stopped")
     return 0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (a name, an IPv4 or an IPv6 address), not yet listening:
+    the port is reserved while the model loads, and connections are refused until uvicorn listens
+    on it."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class _Server(uvicorn.Server):
