@@ -46,6 +46,21 @@ def test_e4m3_widening_is_exact_for_every_byte(path):
         assert torch.equal(torch.signbit(out[keep]), torch.signbit(want[keep]))   # -0.0 stays -0.0
 
 
+def test_e4m3_table_widening_is_exact_for_every_byte():
+    """The AVX-512 decode body's 64-byte table widening (vpermi2b; dims put back in order here)."""
+    b = torch.arange(256, dtype=torch.uint8)
+    src = torch.cat([b, b.flip(0), b[:37]]).contiguous()   # 64-byte blocks and a tail
+    out = torch.full((src.numel(),), float("nan"))
+    try:
+        kernel.e4m3_to_float(src.data_ptr(), out.data_ptr(), src.numel(), 3)
+    except ValueError:
+        pytest.skip("no AVX-512 VBMI on this CPU")
+    keep = (src != 0x7F) & (src != 0xFF)
+    want = src.view(FP8).float()
+    assert torch.equal(out[keep], want[keep])
+    assert torch.equal(torch.signbit(out[keep]), torch.signbit(want[keep]))
+
+
 _batch = chunks_batch
 
 

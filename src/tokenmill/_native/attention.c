@@ -16,9 +16,11 @@
  * (it covers all keys its rows can see) or a partial (running max, sum, unnormalised
  * accumulator) that a merge pass combines. Long single-sequence decodes are split over keys so
  * that every thread has work (split-K, as in flash-decoding). Decode rows (a sequence with one
- * query row) take the per-row path; prefill chunks take the tiled path ("tiled prefill path"
- * below), which scores groups of query vectors against blocks of keys as small matrix
- * products. Each query row's result depends only on its own sequence, so a request gives the
+ * query row) take the decode bodies ("decode rows" below: each K/V row read and widened once
+ * for the G query heads of its kv head); prefill chunks take the tiled path ("tiled prefill
+ * path"), which scores groups of query vectors against blocks of keys as small matrix
+ * products (the per-row bodies remain for CPUs without the vector paths and for A/B checks:
+ * TOKENMILL_NO_DECODE_BODY=1, TOKENMILL_NO_PREFILL_TILES=1). Each query row's result depends only on its own sequence, so a request gives the
  * same bits whatever else is in the batch.
  *
  * Vector code is compiled for AVX-512 and for AVX2+FMA through function target attributes and
@@ -80,19 +82,30 @@ typedef struct {
  * exponent bits of bias 7, 3 mantissa bits; no infinities, 0x7F / 0xFF are NaN and never
  * stored), and the element is e * scale. The vector paths widen 8 or 16 bytes at once without a
  * table: ((b & 0x80) << 8) | ((b & 0x7F) << 7) is the float16 whose value is exactly e * 2^-8
- * (computed as w + (w & 0x4000) with w = b << 7)
+ * (computed as (sign-extended b << 7) & 0xBFFF: the shift puts the sign in bits 15 and 14)
  * (float16 has the same 3 leading mantissa bits and an exponent bias of 15 = 7 + 8, normals and
  * subnormals alike), and F16C's vcvtph2ps turns it into float32. The 2^8 is folded into the
- * scales. The scales themselves stay out of the inner loops: K's goes into the query (a static
- * scale: once per task) or onto each key's score (a scale per token), V's into the softmax
- * weight of each key (per token) or onto the output (static). */
+ * scales. In the decode bodies the scales stay out of the inner loops: K's goes into the query
+ * (a static scale: once per task) or onto each key's score (a scale per token), V's into the
+ * softmax weight of each key (per token) or onto the output (static); the per-row bodies and the
+ * tiled path widen a block's rows times their scales into a float32 copy. The AVX-512 decode
+ * body widens 64 bytes at once by table instead (fp8x64). */
 static float g_e4m3[256];   /* e4m3 byte -> value, for the scalar paths (filled at module load) */
+/* bytes 3 and 2 of the float32 of the e4m3 value of (b & 0x7F) (bytes 1 and 0 are zero for every
+ * e4m3 value): the tables the AVX-512 decode widening looks up (see "decode rows") */
+static uint8_t g_e4m3_b3[128], g_e4m3_b2[128];
 
 static void init_e4m3_table(void) {
     for (int b = 0; b < 256; b++) {
         const int e = (b >> 3) & 0xF, m = b & 7;
         float v = (b & 0x7F) == 0x7F ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
         g_e4m3[b] = (b & 0x80) ? -v : v;
+    }
+    for (int b = 0; b < 128; b++) {
+        uint32_t u;
+        memcpy(&u, &g_e4m3[b], 4);
+        g_e4m3_b3[b] = (uint8_t)(u >> 24);
+        g_e4m3_b2[b] = (uint8_t)(u >> 16);
     }
 }
 
@@ -459,9 +472,10 @@ AVX2 static inline __m128 hsum4x256(__m256 a, __m256 b, __m256 c, __m256 d) {
 
 /* Eight fp8 bytes as float32 values times 2^-8 (see "fp8 pages"). */
 AVX2 static inline __attribute__((always_inline)) __m256 fp8x8(const void *p) {
-    __m128i w = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7);
-    /* w = b << 7 has the sign in bit 14; adding that bit moves it to bit 15 and clears bit 14 */
-    return _mm256_cvtph_ps(_mm_add_epi16(w, _mm_and_si128(w, _mm_set1_epi16(0x4000))));
+    /* b sign-extended to 16 bits and shifted left by 7 has the sign in bits 15 and 14 and the 7
+     * other bits in 13..7: clearing bit 14 leaves the float16 */
+    __m128i w = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7);
+    return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xBFFF)));
 }
 
 /* Eight cache elements at p (an element pointer of the cache's kind) as float32 (fp8: times 2^-8). */
@@ -485,7 +499,7 @@ AVX2 static inline __attribute__((always_inline)) __m256 ld8(const void *p, int 
         } \
         for (int u = 0; u < nk; u++) { \
             __m256 pu[GC]; \
-            for (int g = 0; g < (GC); g++) pu[g] = _mm256_set1_ps(p[g * KEY_BLOCK + u]); \
+            for (int g = 0; g < (GC); g++) pu[g] = _mm256_set1_ps(p[g * pst + u]); \
             const char *vv = vp[u] + (size_t)x0 * 8 * esz; \
             for (int x = 0; x < (XC); x++) { \
                 __m256 vx = ld8(vv + (size_t)x * 8 * esz, kind); \
@@ -498,11 +512,12 @@ AVX2 static inline __attribute__((always_inline)) __m256 ld8(const void *p, int 
 } while (0)
 
 AVX2 static inline __attribute__((always_inline)) void vaccum_avx2(float *acc, const float *p, const float *alpha,
-                                                                const char *const *vp, int nk, int G, int D, const int kind) {
-    const size_t esz = kv_esz(kind);
+                                                                const char *const *vp, int nk, int G, int D, const int kind,
+                                                                const int pst) {
+    const size_t esz = kv_esz(kind);   /* p: a row of pst weights per query vector */
     const int DW = D / 8;
     const int xc = DW % 4 == 0 ? 4 : DW % 2 == 0 ? 2 : 1;
-    for (int g0 = 0; g0 < G; g0 += 2, acc += (size_t)2 * D, p += 2 * KEY_BLOCK, alpha += 2) {
+    for (int g0 = 0; g0 < G; g0 += 2, acc += (size_t)2 * D, p += 2 * pst, alpha += 2) {
         const int gc = G - g0 < 2 ? G - g0 : 2;
         switch (gc * 8 + xc) {
         case 9: VACC_AVX2(1, 1); break;
@@ -630,7 +645,7 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
                 m[v] = mn;
                 alph[g] = alpha;
             }
-            vaccum_avx2(acc + (size_t)r * G * D, sb, alph, vp, nk, G, D, lk);
+            vaccum_avx2(acc + (size_t)r * G * D, sb, alph, vp, nk, G, D, lk, KEY_BLOCK);
         }
     }
     for (int r = 0; r < nrow; r++)
@@ -756,8 +771,8 @@ static const TileKernel tile_kernel_avx2 = {tile_avx2, widen_avx2, widen8_avx2, 
 
 /* Sixteen fp8 bytes as float32 values times 2^-8 (see "fp8 pages"). */
 AVX512 static inline __attribute__((always_inline)) __m512 fp8x16(const void *p) {
-    __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
-    return _mm512_cvtph_ps(_mm256_add_epi16(w, _mm256_and_si256(w, _mm256_set1_epi16(0x4000))));  /* as fp8x8 */
+    __m256i w = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    return _mm512_cvtph_ps(_mm256_and_si256(w, _mm256_set1_epi16((short)0xBFFF)));  /* as fp8x8 */
 }
 
 AVX512 static inline __attribute__((always_inline)) __m512 ld16(const void *p, int kind) {
@@ -1097,6 +1112,535 @@ AVX512 static void widen8_avx512(float *dst, const uint8_t *src, int n, float sc
 
 static const TileKernel tile_kernel_avx512 = {tile_avx512, widen_avx512, widen8_avx512, AVX512_QW, AVX512_KS};
 
+/* ---------------------------------------------------------------------------------------- */
+/* decode rows                                                                              */
+/*
+ * A decode row (a sequence's one query row: every key of its task is visible) has G query
+ * vectors per kv head, all reading the same K/V rows. The decode task bodies below read each
+ * K and V row once for all G (the per-row bodies above read a K row once per query vector and
+ * fp8 rows went through a float32 copy):
+ *   - scores: a key row is widened once, chunk by chunk, and multiplied into G accumulators
+ *     (the queries come from L1); 4 keys' accumulators are folded into one vector by an
+ *     in-register transpose-reduce, 16 keys (8 on AVX2) into one vector of scores per query;
+ *   - the softmax update runs on those vectors (padding keys of a short block masked out);
+ *   - V: each row is widened once per chunk of up to 4 query vectors (vaccum).
+ * fp8 scales never touch the elements: a static K scale sits in the query, a static V scale on
+ * the output, a per-token K scale multiplies that key's score, a per-token V scale its weight
+ * in the V sum (the softmax sum takes the unscaled weight).
+ * AVX-512 (with VBMI) widens 64 fp8 bytes at once by table: vpermi2b looks up bytes 3 and 2 of
+ * the float32 of the byte's low 7 bits (a 128-entry table in two registers each; bytes 1 and 0
+ * of every e4m3 float32 are zero), one ternary-logic op adds the sign bit, and byte/word
+ * unpacks interleave them with zeros into 64 float32 values, exactly, subnormals included. The
+ * unpacks work within 128-bit lanes, so the 64 values come out in a fixed order (dec_perm):
+ * the task stores its queries in that order and puts the output back in dim order at the end.
+ * Order of summation (documented, not bit-compatible with the per-row bodies): a score's
+ * products are summed per lane over the row's chunks, then the 16 lanes by the transpose tree.
+ */
+
+/* the dim order of fp8x64's output within each 64-dim chunk: position 16c + 4L + i holds dim
+ * 16L + 4c + i (and the map is its own inverse) */
+static inline int dec_perm(int x) {
+    return (x & ~63) | (((x >> 2) & 3) << 4) | (((x >> 4) & 3) << 2) | (x & 3);
+}
+
+#ifndef DEC_BLOCK
+#define DEC_BLOCK 64   /* keys of one softmax update in the decode bodies */
+#endif
+#ifndef DEC_PF
+#define DEC_PF 64      /* keys the decode bodies request ahead of use (64 read 30 layers from DRAM faster than 128 to 512) */
+#endif
+#define AVX512V __attribute__((target("avx512f,avx512dq,avx512bw,avx512vbmi,avx2,fma,f16c")))
+
+typedef struct {
+    __m512i b2a, b2b, b3a, b3b, sign;
+} E4m3Tab;
+
+AVX512V static inline __attribute__((always_inline)) E4m3Tab e4m3_tab(void) {
+    E4m3Tab t;
+    t.b2a = _mm512_loadu_si512(g_e4m3_b2);
+    t.b2b = _mm512_loadu_si512(g_e4m3_b2 + 64);
+    t.b3a = _mm512_loadu_si512(g_e4m3_b3);
+    t.b3b = _mm512_loadu_si512(g_e4m3_b3 + 64);
+    t.sign = _mm512_set1_epi8((char)0x80);
+    return t;
+}
+
+/* 64 fp8 bytes at p as their exact float32 values (no 2^-8 factor), in dec_perm order */
+AVX512V static inline __attribute__((always_inline)) void fp8x64(const void *p, const E4m3Tab *t, __m512 *o) {
+    const __m512i b = _mm512_loadu_si512(p);
+    const __m512i lo = _mm512_permutex2var_epi8(t->b2a, b, t->b2b);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->b3a, b, t->b3b), b, t->sign, 0xF8);
+    const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi), z = _mm512_setzero_si512();
+    o[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w0));
+    o[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w0));
+    o[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w1));
+    o[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w1));
+}
+
+/* four vectors -> one: in each 128-bit lane, element i = the sum of a_i's four elements there */
+AVX512V static inline __attribute__((always_inline)) __m512 red4_512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 b01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 b23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b01), _mm512_castps_pd(b23))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b01), _mm512_castps_pd(b23))));
+}
+
+/* two red4 results (keys 0-3, 4-7) -> lanes 0, 1 hold them half summed, lanes 2, 3 likewise */
+AVX512V static inline __attribute__((always_inline)) __m512 red8_512(__m512 c0, __m512 c1) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x44), _mm512_shuffle_f32x4(c0, c1, 0xEE));
+}
+
+/* two red8 results -> the 16 keys' sums in key order */
+AVX512V static inline __attribute__((always_inline)) __m512 red16_512(__m512 d01, __m512 d23) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+
+/* scores of the 16 keys kp[jb .. jb+15] for GC query vectors at qg (rows of D floats) into
+ * s[g * DEC_BLOCK + jb + k] */
+#define DEC_SCORE512(GC) do { \
+    __m512 d01[GC], c2[GC]; \
+    for (int g = 0; g < (GC); g++) d01[g] = c2[g] = _mm512_setzero_ps(); \
+    for (int kq = 0; kq < 4; kq++) { \
+        __m512 a[GC][4]; \
+        for (int g = 0; g < (GC); g++) \
+            for (int k = 0; k < 4; k++) a[g][k] = _mm512_setzero_ps(); \
+        for (int k = 0; k < 4; k++) { \
+            const char *kk = kp[jb + 4 * kq + k]; \
+            if (perm) { \
+                for (int x = 0; x < D; x += 64) { \
+                    __m512 w[4]; \
+                    fp8x64(kk + x, &tab, w); \
+                    for (int t = 0; t < 4; t++) \
+                        for (int g = 0; g < (GC); g++) \
+                            a[g][k] = _mm512_fmadd_ps(w[t], _mm512_load_ps(qg + g * D + x + 16 * t), a[g][k]); \
+                } \
+            } else { \
+                for (int x = 0; x < D; x += 16) { \
+                    const __m512 w = ld16(kk + (size_t)x * esz, kind); \
+                    for (int g = 0; g < (GC); g++) a[g][k] = _mm512_fmadd_ps(w, _mm512_load_ps(qg + g * D + x), a[g][k]); \
+                } \
+            } \
+        } \
+        for (int g = 0; g < (GC); g++) { \
+            const __m512 c = red4_512(a[g][0], a[g][1], a[g][2], a[g][3]); \
+            if (kq == 0 || kq == 2) c2[g] = c; \
+            else if (kq == 1) d01[g] = red8_512(c2[g], c); \
+            else _mm512_store_ps(s + g * DEC_BLOCK + jb, red16_512(d01[g], red8_512(c2[g], c))); \
+        } \
+    } \
+} while (0)
+
+/* acc[g] = acc[g] * alpha[g] + sum_u p[g][u] v_u (as VACC_AVX512), fp8 rows widened 64 at a
+ * time when perm (then XC is 4) */
+#define DEC_VACC512(GC, XC) do { \
+    for (int x0 = 0; x0 < DW; x0 += (XC)) { \
+        __m512 o[GC][XC]; \
+        for (int g = 0; g < (GC); g++) { \
+            const __m512 va = _mm512_set1_ps(alpha[g]); \
+            for (int x = 0; x < (XC); x++) o[g][x] = _mm512_mul_ps(_mm512_load_ps(acc + g * D + (x0 + x) * 16), va); \
+        } \
+        for (int u = 0; u < nk; u++) { \
+            __m512 vx[4]; \
+            const char *vv = vp[u] + (size_t)x0 * 16 * esz; \
+            if (perm) fp8x64(vv, tab, vx); \
+            else for (int x = 0; x < (XC); x++) vx[x] = ld16(vv + (size_t)x * 16 * esz, kind); \
+            for (int g = 0; g < (GC); g++) { \
+                const __m512 pu = _mm512_set1_ps(p[g * DEC_BLOCK + u]); \
+                for (int x = 0; x < (XC); x++) o[g][x] = _mm512_fmadd_ps(pu, vx[x], o[g][x]); \
+            } \
+        } \
+        for (int g = 0; g < (GC); g++) \
+            for (int x = 0; x < (XC); x++) _mm512_store_ps(acc + g * D + (x0 + x) * 16, o[g][x]); \
+    } \
+} while (0)
+
+AVX512V static inline __attribute__((always_inline)) void dec_vacc512(float *acc, const float *p, const float *alpha,
+                                                                   const char *const *vp, int nk, int G, int D,
+                                                                   const int kind, const int perm, const E4m3Tab *tab) {
+    const size_t esz = kv_esz(kind);
+    const int DW = D / 16;
+    const int xc = DW % 4 == 0 ? 4 : DW % 2 == 0 ? 2 : 1;   /* perm: D % 64 == 0, so 4 */
+    for (int g0 = 0; g0 < G; g0 += 4, acc += (size_t)4 * D, p += 4 * DEC_BLOCK, alpha += 4) {
+        const int gc = G - g0 < 4 ? G - g0 : 4;
+        switch (gc * 8 + xc) {
+        case 9: DEC_VACC512(1, 1); break;
+        case 10: DEC_VACC512(1, 2); break;
+        case 12: DEC_VACC512(1, 4); break;
+        case 17: DEC_VACC512(2, 1); break;
+        case 18: DEC_VACC512(2, 2); break;
+        case 20: DEC_VACC512(2, 4); break;
+        case 25: DEC_VACC512(3, 1); break;
+        case 26: DEC_VACC512(3, 2); break;
+        case 28: DEC_VACC512(3, 4); break;
+        case 33: DEC_VACC512(4, 1); break;
+        case 34: DEC_VACC512(4, 2); break;
+        case 36: DEC_VACC512(4, 4); break;
+        }
+    }
+}
+
+/* Request the K and V lines of the keys at element offsets off[0 .. n) */
+static inline void prefetch_rows(const Problem *P, const int64_t *off, int n, size_t esz) {
+    const size_t bytes = (size_t)P->d * esz;
+    for (int j = 0; j < n; j++) {
+        const char *k = (const char *)P->kc + off[j] * esz, *v = (const char *)P->vc + off[j] * esz;
+        for (size_t c = 0; c < bytes; c += 64) {
+            __builtin_prefetch(k + c, 0, 3);
+            __builtin_prefetch(v + c, 0, 3);
+        }
+    }
+}
+
+/* What both decode bodies set up: the scale of the queries and of the output, and the fp8
+ * factor of the widening used (fp8x8 / fp8x16 give e * 2^-8; fp8x64 gives e). */
+typedef struct {
+    float qmul, vmul;
+} DecScales;
+
+static inline DecScales dec_scales(const Problem *P, const Task *T, int kind, int exact) {
+    const float f8 = (kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN) && !exact ? 256.f : 1.f;
+    DecScales s = {P->scale * f8, f8};
+    if (kind == TM_KV_FP8) { s.qmul *= P->ks[T->kvh]; s.vmul *= P->vs[T->kvh]; }
+    return s;
+}
+
+/* the task's output (normalised) or its partial, from acc in the order the body kept it */
+static inline void dec_store(const Problem *P, const Task *T, const float *acc, const float *m, const float *l,
+                             float vmul, int perm, float *part_m, float *part_l, float *part_acc) {
+    const int D = P->d, G = P->group;
+    const int64_t row = P->qsl[T->seq] + T->r0;
+    for (int g = 0; g < G; g++) {
+        const float *a = acc + (size_t)g * D;
+        float *dst;
+        float mul = vmul;
+        if (T->part < 0) {
+            dst = P->out + row * (int64_t)P->hq * D + (int64_t)(T->kvh * G + g) * D;
+            mul = l[g] > 0.f ? vmul / l[g] : 0.f;
+        } else {
+            dst = part_acc + (size_t)g * D;
+            part_m[g] = m[g];
+            part_l[g] = l[g];
+        }
+        if (perm)
+            for (int x = 0; x < D; x++) dst[dec_perm(x)] = a[x] * mul;
+        else
+            for (int x = 0; x < D; x++) dst[x] = a[x] * mul;
+    }
+}
+
+AVX512V static inline __attribute__((always_inline)) void dec512_body(const Problem *P, const Task *T, float *part_m,
+                                                                   float *part_l, float *part_acc, const int kind) {
+    const int D = P->d, G = P->group;
+    const int perm = (kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN) && D % 64 == 0;
+    const size_t esz = kv_esz(kind);
+    const int64_t row = P->qsl[T->seq] + T->r0;
+    const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
+    const DecScales sc = dec_scales(P, T, kind, perm);
+    float *qs = alloc64((size_t)G * D), *acc = alloc64((size_t)G * D), *sb = alloc64((size_t)G * DEC_BLOCK);
+    float ksb[DEC_BLOCK] __attribute__((aligned(64))), vsb[DEC_BLOCK] __attribute__((aligned(64)));
+    float m[MAX_QVEC], l[MAX_QVEC], alph[MAX_QVEC];
+    const char *kp[DEC_BLOCK], *vp[DEC_BLOCK];
+    /* the element offsets of the task's keys, computed once (per block, and again for the
+     * prefetch, they cost as much as a fifth of the decode) */
+    const int nkeys = T->k1 - T->k0;
+    int64_t *offs = malloc(sizeof(int64_t) * ((size_t)nkeys + DEC_BLOCK));
+    key_offsets(P, table, T->kvh, T->k0, T->k1, offs);
+    const E4m3Tab tab = e4m3_tab();
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    memset(acc, 0, sizeof(float) * (size_t)G * D);
+    for (int g = 0; g < G; g++) {
+        const float *src = P->q + row * P->q_stride + (int64_t)(T->kvh * G + g) * D;
+        for (int x = 0; x < D; x++) qs[(size_t)g * D + x] = src[perm ? dec_perm(x) : x] * sc.qmul;
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+    }
+    {   /* the first PREFETCH_BLOCKS blocks (later ones are asked for a block at a time below) */
+        prefetch_rows(P, offs, nkeys < DEC_PF ? nkeys : DEC_PF, esz);
+    }
+    for (int j0 = 0; j0 < nkeys; j0 += DEC_BLOCK) {
+        const int64_t *o = offs + j0;
+        const int nk = nkeys - j0 < DEC_BLOCK ? nkeys - j0 : DEC_BLOCK, nks = (nk + 15) & ~15;
+        for (int j = 0; j < nk; j++) {
+            kp[j] = (const char *)P->kc + o[j] * esz;
+            vp[j] = (const char *)P->vc + o[j] * esz;
+        }
+        for (int j = nk; j < nks; j++) kp[j] = kp[nk - 1];   /* padding: a real row, its score masked */
+        if (kind == TM_KV_FP8_TOKEN) {   /* a per-token scale sits at slot * hkv + head = offset / D */
+            for (int j = 0; j < nk; j++) { ksb[j] = P->ks[o[j] / D]; vsb[j] = P->vs[o[j] / D]; }
+            for (int j = nk; j < nks; j++) ksb[j] = vsb[j] = 0.f;
+        }
+        /* the block DEC_PF keys ahead, asked for a group at a time as the scores go */
+        const int pfn = j0 + DEC_PF >= nkeys ? 0 : nkeys - j0 - DEC_PF < DEC_BLOCK ? nkeys - j0 - DEC_PF : DEC_BLOCK;
+        const int64_t *pfo = pfn ? o + DEC_PF : o;
+        for (int jb = 0; jb < nks; jb += 16) {
+            if (jb < pfn) prefetch_rows(P, pfo + jb, pfn - jb < 16 ? pfn - jb : 16, esz);
+            for (int g0 = 0; g0 < G; g0 += 4) {
+                const float *qg = qs + (size_t)g0 * D;
+                float *s = sb + (size_t)g0 * DEC_BLOCK;
+                switch (G - g0 < 4 ? G - g0 : 4) {
+                case 1: DEC_SCORE512(1); break;
+                case 2: DEC_SCORE512(2); break;
+                case 3: DEC_SCORE512(3); break;
+                default: DEC_SCORE512(4); break;
+                }
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float *s = sb + (size_t)g * DEC_BLOCK;
+            __m512 sv[DEC_BLOCK / 16], mx = ninf;
+            for (int h = 0; h < nks / 16; h++) {
+                __m512 v = _mm512_load_ps(s + 16 * h);
+                if (kind == TM_KV_FP8_TOKEN) v = _mm512_mul_ps(v, _mm512_load_ps(ksb + 16 * h));
+                const int cnt = nk - 16 * h;
+                if (cnt < 16) v = _mm512_mask_mov_ps(ninf, (__mmask16)((1u << cnt) - 1), v);
+                sv[h] = v;
+                mx = _mm512_max_ps(mx, v);
+            }
+            const float bm = _mm512_reduce_max_ps(mx);
+            const float mn = m[g] > bm ? m[g] : bm;
+            const float alpha = expf(m[g] - mn);
+            const __m512 vmn = _mm512_set1_ps(mn);
+            __m512 vsum = _mm512_setzero_ps();
+            for (int h = 0; h < nks / 16; h++) {
+                const __m512 p = exp512(_mm512_sub_ps(sv[h], vmn));
+                vsum = _mm512_add_ps(vsum, p);
+                _mm512_store_ps(s + 16 * h, kind == TM_KV_FP8_TOKEN ? _mm512_mul_ps(p, _mm512_load_ps(vsb + 16 * h)) : p);
+            }
+            l[g] = l[g] * alpha + _mm512_reduce_add_ps(vsum);
+            m[g] = mn;
+            alph[g] = alpha;
+        }
+        dec_vacc512(acc, sb, alph, vp, nk, G, D, kind, perm, &tab);
+    }
+    dec_store(P, T, acc, m, l, sc.vmul, perm, part_m, part_l, part_acc);
+    free(qs); free(acc); free(sb); free(offs);
+}
+
+AVX512V static void dec512_f32(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    dec512_body(P, T, m, l, a, TM_KV_F32);
+}
+AVX512V static void dec512_bf16(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    dec512_body(P, T, m, l, a, TM_KV_BF16);
+}
+AVX512V static void dec512_fp8(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    dec512_body(P, T, m, l, a, TM_KV_FP8);
+}
+AVX512V static void dec512_fp8_token(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    dec512_body(P, T, m, l, a, TM_KV_FP8_TOKEN);
+}
+
+/* e4m3_to_float's path 3: fp8x64 (64 bytes at a time, dims back in order; tail by the table) */
+AVX512V static void widen8_avx512_table(float *dst, const uint8_t *src, int n, float scale) {
+    const E4m3Tab tab = e4m3_tab();
+    const __m512 mul = _mm512_set1_ps(scale);
+    int x = 0;
+    for (; x + 64 <= n; x += 64) {
+        __m512 w[4];
+        float tmp[64];
+        fp8x64(src + x, &tab, w);
+        for (int t = 0; t < 4; t++) _mm512_storeu_ps(tmp + 16 * t, _mm512_mul_ps(w[t], mul));
+        for (int i = 0; i < 64; i++) dst[x + dec_perm(i)] = tmp[i];
+    }
+    widen8_scalar(dst + x, src + x, n - x, scale);
+}
+
+/* Sixteen cache elements at p as two vectors of float32 (fp8: times 2^-8): fp8 bytes widened 16
+ * at a time (one sign extension, shift and mask for both halves, as fp8x8) */
+AVX2 static inline __attribute__((always_inline)) void ld8x2(const void *p, int kind, __m256 *lo, __m256 *hi) {
+    if (kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN) {
+        const __m256i w = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7),
+                                           _mm256_set1_epi16((short)0xBFFF));
+        *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(w));
+        *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
+        return;
+    }
+    *lo = ld8(p, kind);
+    *hi = ld8((const char *)p + 8 * kv_esz(kind), kind);
+}
+
+/* acc[g] = acc[g] * alpha[g] + sum_u p[g][u] v_u for GC <= 3 query vectors and 16 dims at a time
+ * (each V row widened once for up to 3 query vectors) */
+#define DEC_VACC256(GC) do { \
+    for (int x0 = 0; x0 < D; x0 += 16) { \
+        __m256 o[GC][2]; \
+        for (int g = 0; g < (GC); g++) { \
+            const __m256 va = _mm256_set1_ps(alpha[g]); \
+            o[g][0] = _mm256_mul_ps(_mm256_load_ps(acc + g * D + x0), va); \
+            o[g][1] = _mm256_mul_ps(_mm256_load_ps(acc + g * D + x0 + 8), va); \
+        } \
+        for (int u = 0; u < nk; u++) { \
+            __m256 v0, v1; \
+            ld8x2(vp[u] + (size_t)x0 * esz, kind, &v0, &v1); \
+            for (int g = 0; g < (GC); g++) { \
+                const __m256 pu = _mm256_set1_ps(p[g * DEC_BLOCK + u]); \
+                o[g][0] = _mm256_fmadd_ps(pu, v0, o[g][0]); \
+                o[g][1] = _mm256_fmadd_ps(pu, v1, o[g][1]); \
+            } \
+        } \
+        for (int g = 0; g < (GC); g++) { \
+            _mm256_store_ps(acc + g * D + x0, o[g][0]); \
+            _mm256_store_ps(acc + g * D + x0 + 8, o[g][1]); \
+        } \
+    } \
+} while (0)
+
+AVX2 static inline __attribute__((always_inline)) void dec_vacc256(float *acc, const float *p, const float *alpha,
+                                                                 const char *const *vp, int nk, int G, int D, const int kind) {
+    const size_t esz = kv_esz(kind);
+    if (D % 16) {   /* head dims of 8 + 16k: the per-row bodies' accumulation */
+        vaccum_avx2(acc, p, alpha, vp, nk, G, D, kind, DEC_BLOCK);
+        return;
+    }
+    for (int g0 = 0; g0 < G; g0 += 3, acc += (size_t)3 * D, p += 3 * DEC_BLOCK, alpha += 3) {
+        switch (G - g0 < 3 ? G - g0 : 3) {
+        case 1: DEC_VACC256(1); break;
+        case 2: DEC_VACC256(2); break;
+        default: DEC_VACC256(3); break;
+        }
+    }
+}
+
+/* The AVX2 decode body: 8 keys' scores per vector (two red4 results, lanes 0-3 and 4-7). */
+AVX2 static inline __attribute__((always_inline)) __m256 red4_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 b01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+    const __m256 b23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+    return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(b01), _mm256_castps_pd(b23))),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(b01), _mm256_castps_pd(b23))));
+}
+
+#define DEC_SCORE256(GC) do { \
+    __m256 c0[GC]; \
+    for (int g = 0; g < (GC); g++) c0[g] = _mm256_setzero_ps(); \
+    for (int kq = 0; kq < 2; kq++) { \
+        __m256 a[GC][4]; \
+        for (int g = 0; g < (GC); g++) \
+            for (int k = 0; k < 4; k++) a[g][k] = _mm256_setzero_ps(); \
+        for (int k = 0; k < 4; k++) { \
+            const char *kk = kp[jb + 4 * kq + k]; \
+            int x = 0; \
+            for (; x + 16 <= D; x += 16) { \
+                __m256 w0, w1; \
+                ld8x2(kk + (size_t)x * esz, kind, &w0, &w1); \
+                for (int g = 0; g < (GC); g++) { \
+                    a[g][k] = _mm256_fmadd_ps(w0, _mm256_load_ps(qg + g * D + x), a[g][k]); \
+                    a[g][k] = _mm256_fmadd_ps(w1, _mm256_load_ps(qg + g * D + x + 8), a[g][k]); \
+                } \
+            } \
+            if (x < D) { \
+                const __m256 w = ld8(kk + (size_t)x * esz, kind); \
+                for (int g = 0; g < (GC); g++) a[g][k] = _mm256_fmadd_ps(w, _mm256_load_ps(qg + g * D + x), a[g][k]); \
+            } \
+        } \
+        for (int g = 0; g < (GC); g++) { \
+            const __m256 c = red4_256(a[g][0], a[g][1], a[g][2], a[g][3]); \
+            if (kq == 0) c0[g] = c; \
+            else _mm256_store_ps(s + g * DEC_BLOCK + jb, _mm256_add_ps(_mm256_permute2f128_ps(c0[g], c, 0x20), \
+                                                                       _mm256_permute2f128_ps(c0[g], c, 0x31))); \
+        } \
+    } \
+} while (0)
+
+AVX2 static inline __attribute__((always_inline)) void dec256_body(const Problem *P, const Task *T, float *part_m,
+                                                                 float *part_l, float *part_acc, const int kind) {
+    const int D = P->d, G = P->group;
+    const size_t esz = kv_esz(kind);
+    const int64_t row = P->qsl[T->seq] + T->r0;
+    const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
+    const DecScales sc = dec_scales(P, T, kind, 0);
+    float *qs = alloc64((size_t)G * D), *acc = alloc64((size_t)G * D), *sb = alloc64((size_t)G * DEC_BLOCK);
+    float ksb[DEC_BLOCK] __attribute__((aligned(64))), vsb[DEC_BLOCK] __attribute__((aligned(64)));
+    float m[MAX_QVEC], l[MAX_QVEC], alph[MAX_QVEC];
+    const char *kp[DEC_BLOCK], *vp[DEC_BLOCK];
+    /* the element offsets of the task's keys, computed once (per block, and again for the
+     * prefetch, they cost as much as a fifth of the decode) */
+    const int nkeys = T->k1 - T->k0;
+    int64_t *offs = malloc(sizeof(int64_t) * ((size_t)nkeys + DEC_BLOCK));
+    key_offsets(P, table, T->kvh, T->k0, T->k1, offs);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    memset(acc, 0, sizeof(float) * (size_t)G * D);
+    for (int g = 0; g < G; g++) {
+        const float *src = P->q + row * P->q_stride + (int64_t)(T->kvh * G + g) * D;
+        for (int x = 0; x < D; x++) qs[(size_t)g * D + x] = src[x] * sc.qmul;
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+    }
+    {
+        prefetch_rows(P, offs, nkeys < DEC_PF ? nkeys : DEC_PF, esz);
+    }
+    for (int j0 = 0; j0 < nkeys; j0 += DEC_BLOCK) {
+        const int64_t *o = offs + j0;
+        const int nk = nkeys - j0 < DEC_BLOCK ? nkeys - j0 : DEC_BLOCK, nks = (nk + 7) & ~7;
+        for (int j = 0; j < nk; j++) {
+            kp[j] = (const char *)P->kc + o[j] * esz;
+            vp[j] = (const char *)P->vc + o[j] * esz;
+        }
+        for (int j = nk; j < nks; j++) kp[j] = kp[nk - 1];   /* padding: a real row, its score masked */
+        if (kind == TM_KV_FP8_TOKEN) {
+            for (int j = 0; j < nk; j++) { ksb[j] = P->ks[o[j] / D]; vsb[j] = P->vs[o[j] / D]; }
+            for (int j = nk; j < nks; j++) ksb[j] = vsb[j] = 0.f;
+        }
+        const int pfn = j0 + DEC_PF >= nkeys ? 0 : nkeys - j0 - DEC_PF < DEC_BLOCK ? nkeys - j0 - DEC_PF : DEC_BLOCK;
+        const int64_t *pfo = pfn ? o + DEC_PF : o;
+        for (int jb = 0; jb < nks; jb += 8) {
+            if (jb < pfn) prefetch_rows(P, pfo + jb, pfn - jb < 8 ? pfn - jb : 8, esz);
+            for (int g0 = 0; g0 < G; g0 += 3) {
+                const float *qg = qs + (size_t)g0 * D;
+                float *s = sb + (size_t)g0 * DEC_BLOCK;
+                switch (G - g0 < 3 ? G - g0 : 3) {
+                case 1: DEC_SCORE256(1); break;
+                case 2: DEC_SCORE256(2); break;
+                default: DEC_SCORE256(3); break;
+                }
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float *s = sb + (size_t)g * DEC_BLOCK;
+            __m256 sv[DEC_BLOCK / 8], mx = ninf;
+            for (int h = 0; h < nks / 8; h++) {
+                __m256 v = _mm256_load_ps(s + 8 * h);
+                if (kind == TM_KV_FP8_TOKEN) v = _mm256_mul_ps(v, _mm256_load_ps(ksb + 8 * h));
+                const int cnt = nk - 8 * h;
+                if (cnt < 8) v = _mm256_blendv_ps(ninf, v, _mm256_cmp_ps(lane, _mm256_set1_ps((float)cnt), _CMP_LT_OQ));
+                sv[h] = v;
+                mx = _mm256_max_ps(mx, v);
+            }
+            __m128 hm = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            hm = _mm_max_ps(hm, _mm_movehl_ps(hm, hm));
+            hm = _mm_max_ss(hm, _mm_movehdup_ps(hm));
+            const float bm = _mm_cvtss_f32(hm);
+            const float mn = m[g] > bm ? m[g] : bm;
+            const float alpha = expf(m[g] - mn);
+            const __m256 vmn = _mm256_set1_ps(mn);
+            __m256 vsum = _mm256_setzero_ps();
+            for (int h = 0; h < nks / 8; h++) {
+                const __m256 p = exp256(_mm256_sub_ps(sv[h], vmn));
+                vsum = _mm256_add_ps(vsum, p);
+                _mm256_store_ps(s + 8 * h, kind == TM_KV_FP8_TOKEN ? _mm256_mul_ps(p, _mm256_load_ps(vsb + 8 * h)) : p);
+            }
+            l[g] = l[g] * alpha + hsum256(vsum);
+            m[g] = mn;
+            alph[g] = alpha;
+        }
+        dec_vacc256(acc, sb, alph, vp, nk, G, D, kind);
+    }
+    dec_store(P, T, acc, m, l, sc.vmul, 0, part_m, part_l, part_acc);
+    free(qs); free(acc); free(sb); free(offs);
+}
+
+AVX2 static void dec256_f32(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    dec256_body(P, T, m, l, a, TM_KV_F32);
+}
+AVX2 static void dec256_bf16(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    dec256_body(P, T, m, l, a, TM_KV_BF16);
+}
+AVX2 static void dec256_fp8(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    dec256_body(P, T, m, l, a, TM_KV_FP8);
+}
+AVX2 static void dec256_fp8_token(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    dec256_body(P, T, m, l, a, TM_KV_FP8_TOKEN);
+}
+
+
 static int have_avx2(void) {
     static int cached = -1;
     if (cached < 0) {
@@ -1116,9 +1660,19 @@ static int have_avx512(void) {
     }
     return cached;
 }
+
+static int have_vbmi(void) {   /* the AVX-512 decode body's byte tables (vpermi2b) */
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = have_avx512() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi");
+    }
+    return cached;
+}
 #else
 static int have_avx2(void) { return 0; }
 static int have_avx512(void) { return 0; }
+static int have_vbmi(void) { return 0; }
 #endif
 
 /* ---------------------------------------------------------------------------------------- */
@@ -1199,6 +1753,7 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, int tiled, T
 typedef struct {
     const TileKernel *tk;
     int vec, vec512;
+    int dec;   /* decode rows: 2 the AVX-512 (VBMI) decode body, 1 the AVX2 one, 0 the per-row bodies */
 } Kernels;
 
 static Kernels pick_kernels(const Problem *P) {
@@ -1207,6 +1762,8 @@ static Kernels pick_kernels(const Problem *P) {
     Kernels k;
     k.vec = have_avx2() && D % 8 == 0 && D <= MAX_HEAD_DIM;
     k.vec512 = k.vec && have_avx512() && D % 16 == 0 && !no512;
+    /* TOKENMILL_NO_DECODE_BODY=1 sends decode rows through the per-row bodies (for A/B checks) */
+    k.dec = getenv("TOKENMILL_NO_DECODE_BODY") ? 0 : k.vec512 && have_vbmi() ? 2 : k.vec ? 1 : 0;
     /* prefill chunks (sequences with more than one query row) take the tiled path;
      * TOKENMILL_NO_PREFILL_TILES=1 sends them through the per-row path (for A/B checks) */
     k.tk = getenv("TOKENMILL_NO_PREFILL_TILES") ? NULL : &tile_kernel_scalar;
@@ -1245,6 +1802,24 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
         return;
     }
 #if TM_X86
+    if (k->dec == 2 && P->qsl[t->seq + 1] - P->qsl[t->seq] == 1) {
+        switch (P->kind) {
+        case TM_KV_BF16: dec512_bf16(P, t, m, l, a); break;
+        case TM_KV_FP8: dec512_fp8(P, t, m, l, a); break;
+        case TM_KV_FP8_TOKEN: dec512_fp8_token(P, t, m, l, a); break;
+        default: dec512_f32(P, t, m, l, a);
+        }
+        return;
+    }
+    if (k->dec == 1 && P->qsl[t->seq + 1] - P->qsl[t->seq] == 1) {
+        switch (P->kind) {
+        case TM_KV_BF16: dec256_bf16(P, t, m, l, a); break;
+        case TM_KV_FP8: dec256_fp8(P, t, m, l, a); break;
+        case TM_KV_FP8_TOKEN: dec256_fp8_token(P, t, m, l, a); break;
+        default: dec256_f32(P, t, m, l, a);
+        }
+        return;
+    }
     if (k->vec512) {
         switch (P->kind) {
         case TM_KV_BF16: task_avx512_bf16(P, t, m, l, a); break;
@@ -1435,7 +2010,8 @@ static PyObject *py_fp8_write(PyObject *self, PyObject *args) {
 }
 
 /* e4m3_to_float(src_ptr, dst_ptr, n, path): widen n fp8 bytes to float32 through one of the
- * kernel's own widening routines (0 scalar table, 1 AVX2+F16C, 2 AVX-512), scale 1; for tests. */
+ * kernel's own widening routines (0 scalar table, 1 AVX2+F16C, 2 AVX-512, 3 the AVX-512 decode
+ * body's 64-byte table widening), scale 1; for tests. */
 static PyObject *py_e4m3_to_float(PyObject *self, PyObject *args) {
     unsigned long long src, dst;
     int n, path;
@@ -1444,6 +2020,7 @@ static PyObject *py_e4m3_to_float(PyObject *self, PyObject *args) {
 #if TM_X86
     if (path == 1 && have_avx2()) f = widen8_avx2;
     else if (path == 2 && have_avx512()) f = widen8_avx512;
+    else if (path == 3 && have_vbmi()) f = widen8_avx512_table;
     else
 #endif
     if (path != 0) {

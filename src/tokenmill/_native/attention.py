@@ -27,8 +27,8 @@ def fp8_write(*args) -> None:
 
 
 def e4m3_to_float(src_ptr: int, dst_ptr: int, n: int, path: int) -> None:
-    """Widen ``n`` fp8 bytes to fp32 with the kernel's scalar (0), AVX2+F16C (1) or AVX-512 (2)
-    routine (for tests of the exact conversion)."""
+    """Widen ``n`` fp8 bytes to fp32 with the kernel's scalar (0), AVX2+F16C (1), AVX-512 (2) or
+    AVX-512 VBMI table (3, the decode body's) routine (for tests of the exact conversion)."""
     if _ext is None:
         raise RuntimeError(_ERROR)
     _ext.e4m3_to_float(src_ptr, dst_ptr, n, path)
