@@ -161,7 +161,10 @@ def test_tp3_replicated_kv_head_and_padded_vocab(tiny_mqa: Path) -> None:
         info = three.engine.runner.rank_info
         assert [(i["num_heads"], i["num_kv_heads"]) for i in info] == [(2, 1)] * 3
         got = _run(three)
-    _assert_same(ref, got)
+    # the sharded matmuls and the all-reduce sum in another order than one rank: the largest
+    # top-20 logprob difference is 7.6e-6 with the per-row decode bodies and 1.1e-5 with the
+    # decode bodies (whose attention output is bit-identical for 2 and 6 heads per KV head)
+    _assert_same(ref, got, tol=2e-5)
 
 
 def test_default_model_tp3_greedy_matches_one_rank(smollm) -> None:
