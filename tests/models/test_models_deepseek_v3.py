@@ -94,12 +94,16 @@ def test_absorbed_decode_equals_expanded(pairs):
     expanded.attn = MLAAttention(expanded.attn.spec, expanded.attn.device, loaded.model.dtype, absorb_decode=False)
     for drv in (absorbed, expanded):
         drv.step([(s, t[:-3]) for s, t in seqs.items()])
-    worst = 0.0
+    worst = scale = 0.0
     for i in (3, 2, 1):  # three decode steps of all sequences
         chunks = [(s, t[-i:len(t) - i + 1]) for s, t in seqs.items()]
-        diff = (absorbed.step(chunks) - expanded.step(chunks)).abs().max().item()
-        worst = max(worst, diff)
-    assert worst < 1e-5
+        got, want = absorbed.step(chunks), expanded.step(chunks)
+        worst = max(worst, (got - want).abs().max().item())
+        scale = max(scale, want.abs().max().item())
+    # absorption re-associates the latent matmuls (q W_uk against W_uk c, W_uv after the
+    # weights): at fp32 that moves logits of magnitude ~8 by up to ~1.1e-5 (about 24 ulps,
+    # depending on the BLAS kernels the CPU gets); a wrong absorption moves them by O(1)
+    assert worst < 3e-6 * scale, (worst, scale)
 
 
 def test_router_matches_hf_including_ties(pairs):
