@@ -16,6 +16,9 @@ and only speed is measured here).
 serve``); the first is reported as ``tokenmill`` (compared with vLLM, which keeps its default
 KV), the others as ``tokenmill-<dtype>``.
 
+All servers are started first and each length is measured on each system in turn
+(``--sequential``: one server after another, the method of the runs before the seventh landing).
+
 Prints a table, the ratios tokenmill / vLLM at each length, and each system's rate at every
 length relative to its own rate at the shortest one.
 """
@@ -77,29 +80,49 @@ def measure(base_url: str, model: str, prompt: list[int], output_tokens: int) ->
             "chunks": len(stamps)}
 
 
-def run_system(name: str, model_dir: Path, contexts: list[int], args, kv_dtype: str = "fp32") -> dict[int, dict]:
-    max_len = max(contexts) + args.output_tokens + 64
-    rng = random.Random(args.seed)
-    prompts = {L: [rng.randrange(100, 49000) for _ in range(L)] for L in contexts}
+def start_system(name: str, model_dir: Path, max_len: int, args, kv_dtype: str = "fp32"):
+    """Start one server; returns (base_url, model name, stop)."""
     if name == "tokenmill":
         argv = ["serve", "--model", str(model_dir), "--served-model-name", "m", "--max-model-len", str(max_len),
                 "--kv-cache-tokens", str(max_len + 256), "--threads", str(args.threads), "--kv-cache-dtype", kv_dtype]
-        srv = ServiceProcess(argv, start_timeout=600, log_path=ROOT / "out" / "long_context_tokenmill.log")
+        srv = ServiceProcess(argv, start_timeout=600, log_path=ROOT / "out" / f"long_context_tokenmill_{kv_dtype}.log")
         srv.start()
-        base, model, stop = srv.base_url, "m", srv.stop
-    else:
-        srv = start_vllm(model_dir=model_dir, max_model_len=max_len, threads=args.threads, kv_cache_gb=4,
-                         served_name="m")
-        base, model, stop = srv.base_url, "m", srv.stop
-    out: dict[int, dict] = {}
-    try:
-        measure(base, model, [rng.randrange(100, 49000) for _ in range(64)], 8)   # warm-up
-        for L in contexts:
-            out[L] = measure(base, model, prompts[L], args.output_tokens)
-            print(f"[{name}, KV {kv_dtype}] context {L}: decode {out[L]['decode_tok_s']:.2f} tok/s, "
-                  f"TTFT {out[L]['ttft_s']:.1f} s", flush=True)
-    finally:
-        stop()
+        return srv.base_url, "m", srv.stop
+    srv = start_vllm(model_dir=model_dir, max_model_len=max_len, threads=args.threads, kv_cache_gb=4, served_name="m")
+    return srv.base_url, "m", srv.stop
+
+
+def run_all(systems: list[tuple[str, str, str]], model_dir: Path, contexts: list[int], args) -> dict[str, dict[int, dict]]:
+    """``systems``: (result name, system, KV dtype). Interleaved (the default): every server is
+    started first, then each context length is measured on each system in turn, so a drift of
+    this machine's speed over the minutes of a run (it moves by 1.5x and more) falls on all of
+    them alike; only the measured server is busy at any time. ``--sequential``: one server at a
+    time, all lengths, then the next (the method of the earlier runs)."""
+    max_len = max(contexts) + args.output_tokens + 64
+    rng = random.Random(args.seed)
+    prompts = {L: [rng.randrange(100, 49000) for _ in range(L)] for L in contexts}
+    warm = [rng.randrange(100, 49000) for _ in range(64)]
+    out: dict[str, dict[int, dict]] = {}
+    groups = [systems] if not args.sequential else [[s] for s in systems]
+    for group in groups:
+        live: dict[str, tuple] = {}
+        try:
+            for name, system, dt in group:
+                try:
+                    live[name] = start_system(system, model_dir, max_len, args, dt)
+                except (PeerNotInstalled, PeerStartError) as e:
+                    print(f"[{name}] skipped: {e}", flush=True)
+                    continue
+                measure(live[name][0], live[name][1], warm, 8)   # warm-up
+                out[name] = {}
+            for L in contexts:
+                for name, (base, model, _) in live.items():
+                    r = out[name][L] = measure(base, model, prompts[L], args.output_tokens)
+                    print(f"[{name}] context {L}: decode {r['decode_tok_s']:.2f} tok/s, TTFT {r['ttft_s']:.1f} s, "
+                          f"load {open('/proc/loadavg').read().split()[0]}", flush=True)
+        finally:
+            for _, _, stop in live.values():
+                stop()
     return out
 
 
@@ -112,21 +135,19 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtypes", default="fp32",
                     help="comma-separated KV dtypes tokenmill runs with, one server each (fp32, bf16, fp8_e4m3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sequential", action="store_true",
+                    help="one server at a time, every length, then the next (default: all servers up, lengths interleaved)")
     ap.add_argument("--out", default=str(ROOT / "out" / "long_context.json"))
     args = ap.parse_args()
     contexts = [int(x) for x in args.contexts.split(",")]
     (ROOT / "out").mkdir(exist_ok=True)
     model_dir = long_hf_dir(max(contexts) + args.output_tokens + 64)
     print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
-    results: dict[str, dict[int, dict]] = {}
     dtypes = args.kv_cache_dtypes.split(",")
-    for system in args.systems.split(","):
-        for i, dt in enumerate(dtypes if system == "tokenmill" else ["fp32"]):
-            name = system if i == 0 else f"{system}-{dt}"
-            try:
-                results[name] = run_system(system, model_dir, contexts, args, dt)
-            except (PeerNotInstalled, PeerStartError) as e:
-                print(f"[{name}] skipped: {e}", flush=True)
+    systems = [(system if i == 0 else f"{system}-{dt}", system, dt)
+               for system in args.systems.split(",")
+               for i, dt in enumerate(dtypes if system == "tokenmill" else ["fp32"])]
+    results = run_all(systems, model_dir, contexts, args)
     print(f"load average at end: {open('/proc/loadavg').read().split()[:3]}")
     Path(args.out).write_text(json.dumps({k: {str(L): v for L, v in r.items()} for k, r in results.items()}, indent=2))
     names = list(results)
