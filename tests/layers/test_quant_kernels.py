@@ -23,7 +23,7 @@ ORDER = ["scalar", "avx2", "avxvnni", "avx512vnni"]
 KERNELS = native.supported_kernels()   # every set this CPU runs (each is tested against the reference)
 # (N, K, group): odd row counts, K not a multiple of 32, and groups whose last one is short
 SHAPES = [(1, 32, 32), (7, 100, 32), (33, 576, 64), (5, 45, 32), (9, 96, 64), (64, 1536, 128), (3, 200, 128),
-          (17, 300, 96), (6, 544, 32), (2, 1000, 32)]
+          (17, 300, 96), (6, 544, 32), (2, 1000, 32), (4, 600, 608)]
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -50,6 +50,8 @@
 #endif
 
 #define QK 32
+/* the block whose sum lane q of dot_s8_word_one's reduced vector holds (of 16) */
+#define WORD_BLOCK(q) (8 * ((q) / 8) + 2 * ((q) % 4) + ((q) / 4) % 2)
 #define PREFETCH_ROWS 0
 
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512 = 3, ISA_COUNT = 4 };
@@ -297,14 +299,12 @@ DEFINE_ROW_DOT(dot_s8_vnni, TGT_VNNI, s8dot_vnni, int8_t, QK, 0)
 #if __GNUC__ >= 9
 /* ---- AVX-512 (F/BW/VL + VNNI) -------------------------------------------------------------- */
 #define TGT_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-/* One x row: the 8-block AVX2 structure with the EVEX 256-bit dpwssd. Streaming the weights from
- * DRAM it ran 1.3x faster here than the 512-bit kernels below (benchmarks/quant_kernel_rows.py);
- * those take 2 to 16 rows. */
+/* One x row of s8 weights: the 8-block AVX2 structure with the EVEX 256-bit dpwssd (one x row of
+ * u4 weights: dot_u4_quad_one below; 2 to 16 rows: the 512-bit tile kernels). */
 TGT_512 static inline __m256i madd2_512(__m256i a, __m256i x, __m256i b, __m256i y) {
     return _mm256_dpwssd_epi32(_mm256_madd_epi16(a, x), b, y);
 }
 DEFINE_BLOCK_DOTS(v512, TGT_512, madd2_512)
-DEFINE_ROW_DOT(dot_u4_v512_one, TGT_512, u4dot_v512, uint8_t, 16, 1)
 DEFINE_ROW_DOT(dot_s8_v512_one, TGT_512, s8dot_v512, int8_t, QK, 0)
 
 /* Activations for the u4 kernels are stored in "pair" order: blocks 2p and 2p+1 (64 values) as
@@ -327,7 +327,11 @@ TGT_512 static inline __m512 scales16_512(const void *p, int f16, int64_t row_g0
     }
     if (bpg >= nb) return _mm512_set1_ps(scale_avx2(p, row_g0, f16));
     float buf[16];
-    for (int i = 0; i < 16; i++) buf[i] = i < n ? scale_avx2(p, row_g0 + (b0 + i) / bpg, f16) : 0.f;
+    int64_t g = row_g0 + b0 / bpg, k = b0 % bpg;  /* the groups walked: no division per lane */
+    for (int i = 0; i < 16; i++) {
+        buf[i] = i < n ? scale_avx2(p, g, f16) : 0.f;
+        if (++k == bpg) { k = 0; g++; }
+    }
     return _mm512_loadu_ps(buf);
 }
 
@@ -475,6 +479,114 @@ TGT_512 static void dot_s8_512(const int8_t *qs, const void *sc, int f16, int64_
     TILE_SIZES(M, S8_CALL);
 #undef S8_CALL
 }
+
+/* One x row against u4 weights (avx512vnni): "quad order". A 64-byte load holds 4 blocks; its
+ * 16-bit word j (block j/8, bytes i = 2(j%8) and i+1 of that block) carries 4 nibbles: values i,
+ * i+16, i+1 and i+17 of the block, in bits 0-3, 4-7, 8-11 and 12-15. `and 15` and shifts by 4, 8
+ * and 12 split them into 4 vectors of 32 int16 lanes with no shuffle, and the activations are
+ * stored to match (to_quad_order: 128 values per 4 blocks, nibble k's lanes at 32k..32k+31). Each
+ * vector meets its activations in one vpmaddwd/vpdpwssd, and the int32 lanes 4i..4i+3 then hold
+ * block i's partial sums. Four such sums (16 blocks) are reduced by two unpack-and-add levels into
+ * one vector whose lane 4L+g is block 4g+L, so the activation block scales are stored in that
+ * order too and the weight scales take one permute. A row's last 1-15 blocks are read with byte
+ * masks (the activations are zero-padded to 16 blocks). Streaming the weights from DRAM, it
+ * prefetches QUAD_PREFETCH bytes ahead of the row it reads. */
+#define QUAD_PREFETCH 2048
+#define QUAD_GROUP(D, W, X)                                                                                \
+    do {                                                                                                  \
+        __m512i w_ = (W);                                                                                 \
+        __m512i t_ = _mm512_madd_epi16(_mm512_and_si512(w_, m4), _mm512_loadu_si512(X));                  \
+        t_ = _mm512_dpwssd_epi32(t_, _mm512_and_si512(_mm512_srli_epi16(w_, 4), m4), _mm512_loadu_si512((X) + 32)); \
+        t_ = _mm512_dpwssd_epi32(t_, _mm512_and_si512(_mm512_srli_epi16(w_, 8), m4), _mm512_loadu_si512((X) + 64)); \
+        D = _mm512_dpwssd_epi32(t_, _mm512_srli_epi16(w_, 12), _mm512_loadu_si512((X) + 96));             \
+    } while (0)
+
+TGT_512 static void dot_u4_quad_one(const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0,
+                                    int64_t nb, int64_t bpg, const int16_t *xq, const float *xdq, const float *xs,
+                                    float *out) {
+    __m512 acc = _mm512_setzero_ps(), am = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi16(0x000F);
+    const __m512i perm = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    for (int64_t o = 0; o < nb * 16; o += 64) _mm_prefetch((const char *)qs + QUAD_PREFETCH + o, _MM_HINT_T0);
+    for (int64_t c = 0; c < nb; c += 16) {
+        const int64_t n = nb - c < 16 ? nb - c : 16;
+        const uint8_t *w = qs + c * 16;
+        const int16_t *x = xq + c * QK;
+        __m512i d[4];
+        if (n == 16) {
+            QUAD_GROUP(d[0], _mm512_loadu_si512(w), x);
+            QUAD_GROUP(d[1], _mm512_loadu_si512(w + 64), x + 128);
+            QUAD_GROUP(d[2], _mm512_loadu_si512(w + 128), x + 256);
+            QUAD_GROUP(d[3], _mm512_loadu_si512(w + 192), x + 384);
+        } else {
+            for (int g = 0; g < 4; g++) {
+                const int64_t left = n - 4 * g;
+                if (left <= 0) { d[g] = _mm512_setzero_si512(); continue; }
+                const __mmask64 k = left >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (left * 16)) - 1);
+                QUAD_GROUP(d[g], _mm512_maskz_loadu_epi8(k, w + 64 * g), x + 128 * g);
+            }
+        }
+        __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
+        __m512i v = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
+        __m512i sums = _mm512_add_epi32(_mm512_unpacklo_epi64(u, v), _mm512_unpackhi_epi64(u, v));
+        __m512 sw = _mm512_permutexvar_ps(perm, scales16_512(sc, f16, row_g0, c, n, nb, bpg));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sw, _mm512_loadu_ps(xdq + c)), acc);
+        am = _mm512_fmadd_ps(scales16_512(mn, f16, row_g0, c, n, nb, bpg), _mm512_loadu_ps(xs + c), am);
+    }
+    *out = _mm512_reduce_add_ps(_mm512_add_ps(acc, am));
+}
+
+/* One x row against s8 weights (avx512vnni): "word order". A 64-byte load holds 2 blocks; its
+ * 16-bit word j (block j/16, bytes i = 2(j%16) and i+1) splits into value i (shift left 8, then
+ * arithmetic right 8) and value i+1 (arithmetic right 8), with no shuffle; the activations are
+ * stored to match (to_word_order: per 2 blocks, value i of block b at 32(i%2) + 16b + i/2), and
+ * the int32 lanes 0-7 / 8-15 of the product hold block 2p's / 2p+1's partial sums. Eight of them
+ * (16 blocks) reduce in three unpack/shuffle-and-add levels into one vector whose lane q is block
+ * WORD_BLOCK(q); the activation block scales are stored in that order. Tails and prefetch as
+ * dot_u4_quad_one. */
+#define WORD_PAIR(D, W, X)                                                                                 \
+    do {                                                                                                  \
+        __m512i w_ = (W);                                                                                 \
+        D = _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_srai_epi16(_mm512_slli_epi16(w_, 8), 8),         \
+                                                  _mm512_loadu_si512(X)),                                 \
+                                _mm512_srai_epi16(w_, 8), _mm512_loadu_si512((X) + 32));                  \
+    } while (0)
+#define SUM4_128(A, B) _mm512_add_epi32(_mm512_unpacklo_epi32(A, B), _mm512_unpackhi_epi32(A, B))
+
+TGT_512 static void dot_s8_word_one(const int8_t *qs, const void *sc, int f16, int64_t row_g0, int64_t nb,
+                                    int64_t bpg, const int16_t *xq, const float *xdw, float *out) {
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i perm = _mm512_set_epi32(WORD_BLOCK(15), WORD_BLOCK(14), WORD_BLOCK(13), WORD_BLOCK(12),
+                                          WORD_BLOCK(11), WORD_BLOCK(10), WORD_BLOCK(9), WORD_BLOCK(8),
+                                          WORD_BLOCK(7), WORD_BLOCK(6), WORD_BLOCK(5), WORD_BLOCK(4),
+                                          WORD_BLOCK(3), WORD_BLOCK(2), WORD_BLOCK(1), WORD_BLOCK(0));
+    for (int64_t o = 0; o < nb * QK; o += 64) _mm_prefetch((const char *)qs + QUAD_PREFETCH + o, _MM_HINT_T0);
+    for (int64_t c = 0; c < nb; c += 16) {
+        const int64_t n = nb - c < 16 ? nb - c : 16;
+        const int8_t *w = qs + c * QK;
+        const int16_t *x = xq + c * QK;
+        __m512i d[8];
+        if (n == 16) {
+            for (int p = 0; p < 8; p++) WORD_PAIR(d[p], _mm512_loadu_si512(w + 64 * p), x + 64 * p);
+        } else {
+            for (int p = 0; p < 8; p++) {
+                const int64_t left = n - 2 * p;
+                if (left <= 0) { d[p] = _mm512_setzero_si512(); continue; }
+                const __mmask64 k = left >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
+                WORD_PAIR(d[p], _mm512_maskz_loadu_epi8(k, w + 64 * p), x + 64 * p);
+            }
+        }
+        __m512i a01 = SUM4_128(d[0], d[1]), a23 = SUM4_128(d[2], d[3]), a45 = SUM4_128(d[4], d[5]),
+                a67 = SUM4_128(d[6], d[7]);
+        __m512i b0 = _mm512_add_epi32(_mm512_unpacklo_epi64(a01, a23), _mm512_unpackhi_epi64(a01, a23));
+        __m512i b1 = _mm512_add_epi32(_mm512_unpacklo_epi64(a45, a67), _mm512_unpackhi_epi64(a45, a67));
+        __m512i sums = _mm512_add_epi32(_mm512_shuffle_i32x4(b0, b1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_i32x4(b0, b1, _MM_SHUFFLE(3, 1, 3, 1)));
+        __m512 sw = _mm512_permutexvar_ps(perm, scales16_512(sc, f16, row_g0, c, n, nb, bpg));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sw, _mm512_loadu_ps(xdw + c)), acc);
+    }
+    *out = _mm512_reduce_add_ps(acc);
+}
 #endif /* __GNUC__ >= 9 */
 
 /* AVX2 activation quantization, same arithmetic as quantize_rows */
@@ -568,10 +680,58 @@ typedef struct {
     int16_t *xq;
     float *xd, *xs;
     int64_t qstride, bstride;
-    int pairs;
+    int order;         /* ACT_NATURAL, ACT_PAIRS or ACT_QUAD */
     void *mem;
     const float *xf;   /* TMQ_F32: the fp32 activations themselves, [M, K] */
 } ActBuf;
+
+enum { ACT_NATURAL = 0, ACT_PAIRS = 1, ACT_QUAD = 2, ACT_WORDS = 3 };
+
+/* the activation order the s8 kernels of the set in use read for M rows */
+static int s8_act_order(int64_t M) { return isa() == ISA_AVX512 && M == 1 ? ACT_WORDS : ACT_NATURAL; }
+
+/* natural block order -> word order (dot_s8_word_one), in place: within 2 blocks, value i of
+ * block b goes to 32(i%2) + 16b + i/2; within 16 blocks, the scale of block WORD_BLOCK(q) goes to
+ * lane q. nbp is a multiple of 16. */
+static void to_word_order(int16_t *q, float *xd, int64_t nbp) {
+    int16_t t[2 * QK];
+    float f[16];
+    for (int64_t p0 = 0; p0 < nbp; p0 += 2) {
+        int16_t *v = q + p0 * QK;
+        memcpy(t, v, sizeof t);
+        for (int b = 0; b < 2; b++)
+            for (int i = 0; i < QK; i++) v[32 * (i % 2) + 16 * b + i / 2] = t[b * QK + i];
+    }
+    for (int64_t c = 0; c < nbp; c += 16) {
+        memcpy(f, xd + c, sizeof f);
+        for (int j = 0; j < 16; j++) xd[c + j] = f[WORD_BLOCK(j)];
+    }
+}
+
+/* the activation order the u4 kernels of the set in use read for M rows */
+static int u4_act_order(int64_t M) {
+    if (isa() != ISA_AVX512) return ACT_NATURAL;
+    return M > 1 ? ACT_PAIRS : ACT_QUAD;
+}
+
+/* natural block order -> quad order (dot_u4_quad_one), in place: within 4 blocks, value i of
+ * block b goes to 32k + 8b + (i%16)/2 with k = 2(i%2) + i/16; within 16 blocks, the block scale of
+ * block 4g+L goes to lane 4L+g. nbp is a multiple of 16. */
+static void to_quad_order(int16_t *q, float *xd, int64_t nbp) {
+    int16_t t[4 * QK];
+    float f[16];
+    for (int64_t g0 = 0; g0 < nbp; g0 += 4) {
+        int16_t *v = q + g0 * QK;
+        memcpy(t, v, sizeof t);
+        for (int b = 0; b < 4; b++)
+            for (int i = 0; i < QK; i++) v[32 * (2 * (i % 2) + i / 16) + 8 * b + (i % 16) / 2] = t[b * QK + i];
+    }
+    for (int64_t c = 0; c < nbp; c += 16) {
+        memcpy(f, xd + c, sizeof f);
+        for (int L = 0; L < 4; L++)
+            for (int g = 0; g < 4; g++) xd[c + 4 * L + g] = f[4 * g + L];
+    }
+}
 
 /* natural block order -> pair order (see the AVX-512 section), in place */
 static void to_pair_order(int16_t *q, float *xd, float *xs, int64_t nb) {
@@ -588,10 +748,10 @@ static void to_pair_order(int16_t *q, float *xd, float *xs, int64_t nb) {
     }
 }
 
-static int act_quantize(const float *x, int64_t M, int64_t K, int pairs, ActBuf *a) {
+static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf *a) {
     int64_t nb = (K + QK - 1) / QK;
-    a->pairs = pairs;
-    a->bstride = pairs ? (nb + 1) / 2 * 2 : nb;
+    a->order = order;
+    a->bstride = order == ACT_PAIRS ? (nb + 1) / 2 * 2 : order >= ACT_QUAD ? (nb + 15) / 16 * 16 : nb;
     a->qstride = a->bstride * QK;
     size_t qbytes = ((size_t)(M * a->qstride) * sizeof(int16_t) + 63) & ~(size_t)63;
     a->mem = malloc(qbytes + 2 * (size_t)(M * a->bstride) * sizeof(float) + 64);
@@ -607,7 +767,14 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int pairs, ActBuf 
         else
 #endif
         quantize_rows(x + m * K, 1, K, q, d, s);
-        if (pairs) to_pair_order(q, d, s, nb);
+        if (order == ACT_PAIRS) to_pair_order(q, d, s, nb);
+        if (order >= ACT_QUAD) {  /* zero blocks up to 16: they meet the masked-off weights */
+            memset(q + nb * QK, 0, (size_t)(a->bstride - nb) * QK * sizeof(int16_t));
+            memset(d + nb, 0, (size_t)(a->bstride - nb) * sizeof(float));
+            memset(s + nb, 0, (size_t)(a->bstride - nb) * sizeof(float));
+            if (order == ACT_QUAD) to_quad_order(q, d, a->bstride);
+            else to_word_order(q, d, a->bstride);
+        }
     }
     return 0;
 }
@@ -741,8 +908,9 @@ static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc
                          int f16, int64_t N, int64_t group, const float *bias, float *y, const ActBuf *a,
                          int64_t n0, int64_t n1) {
     int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
-    /* the avx512vnni u4 kernel for 2+ rows reads pair-order activations (made with the set in use) */
-    int use = a->pairs ? ISA_AVX512 : isa() == ISA_AVX512 && M > 1 ? ISA_AVX2 : isa();
+    /* the avx512vnni u4 kernels read pair-order (2+ rows) or quad-order (1 row) activations, made
+     * with the set in use; natural order with the avx512 set in use runs the avx2 kernels */
+    int use = a->order != ACT_NATURAL ? ISA_AVX512 : isa() == ISA_AVX512 ? ISA_AVX2 : isa();
     (void)use;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = qs + n * (Kp / 2);
@@ -750,10 +918,10 @@ static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc
             for (int64_t o = 0; o < Kp / 2; o += 64) __builtin_prefetch(row + PREFETCH_ROWS * (Kp / 2) + o, 0, 0);
 #if TM_X86 && defined(__GNUC__)
 #if __GNUC__ >= 9
-        if (use == ISA_AVX512 && a->pairs)
+        if (use == ISA_AVX512 && a->order == ACT_PAIRS)
             dot_u4_512(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y + n, N);
         else if (use == ISA_AVX512)
-            dot_u4_v512_one(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, 1, a->qstride, a->bstride, y + n, N);
+            dot_u4_quad_one(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, y + n);
         else
 #endif
 #if __GNUC__ >= 11
@@ -781,7 +949,9 @@ static void gemm_s8_rows(int64_t M, int64_t K, const int8_t *qs, const void *sc,
             for (int64_t o = 0; o < Kp; o += 64) __builtin_prefetch(row + PREFETCH_ROWS * Kp + o, 0, 0);
 #if TM_X86 && defined(__GNUC__)
 #if __GNUC__ >= 9
-        if (use == ISA_AVX512 && M == 1)
+        if (use == ISA_AVX512 && a->order == ACT_WORDS)
+            dot_s8_word_one(row, sc, f16, n * G, nb, bpg, a->xq, a->xd, y + n);
+        else if (use == ISA_AVX512 && M == 1)
             dot_s8_v512_one(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, 1, a->qstride, a->bstride, y + n, N);
         else if (use == ISA_AVX512) dot_s8_512(row, sc, f16, n * G, nb, bpg, a->xq, a->xd, M, a->qstride, a->bstride, y + n, N);
         else
@@ -832,7 +1002,7 @@ void *tmq_act_quantize(const TmqMat *w, const float *x, int64_t M) {
     ActBuf *a = calloc(1, sizeof *a);
     if (!a) return NULL;
     if (w->kind == TMQ_F32) { a->xf = x; return a; }
-    if (act_quantize(x, M, w->K, w->kind == TMQ_U4 && M > 1 && isa() == ISA_AVX512, a)) { free(a); return NULL; }
+    if (act_quantize(x, M, w->K, w->kind == TMQ_U4 ? u4_act_order(M) : s8_act_order(M), a)) { free(a); return NULL; }
     return a;
 }
 
@@ -889,7 +1059,7 @@ static PyObject *py_gemm_u4(PyObject *self, PyObject *args) {
     ActBuf a;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
-    err = act_quantize(PTR(const float *, x), M, K, M > 1 && isa() == ISA_AVX512, &a);
+    err = act_quantize(PTR(const float *, x), M, K, u4_act_order(M), &a);
     if (!err) {
         gemm_u4(M, K, PTR(const uint8_t *, qs), PTR(const void *, sc), PTR(const void *, mn),
                 f16, N, group, PTR(const float *, bias), PTR(float *, y), nt < 1 ? 1 : nt, &a);
@@ -913,7 +1083,7 @@ static PyObject *py_gemm_s8(PyObject *self, PyObject *args) {
     ActBuf a;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
-    err = act_quantize(PTR(const float *, x), M, K, 0, &a);
+    err = act_quantize(PTR(const float *, x), M, K, s8_act_order(M), &a);
     if (!err) {
         gemm_s8(M, K, PTR(const int8_t *, qs), PTR(const void *, sc), f16, N, group, PTR(const float *, bias),
                 PTR(float *, y), nt < 1 ? 1 : nt, &a);
