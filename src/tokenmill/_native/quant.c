@@ -296,6 +296,71 @@ DEFINE_ROW_DOT(dot_u4_vnni, TGT_VNNI, u4dot_vnni, uint8_t, 16, 1)
 DEFINE_ROW_DOT(dot_s8_vnni, TGT_VNNI, s8dot_vnni, int8_t, QK, 0)
 #endif
 
+/* One x row against u4 weights on avx2 and avxvnni: the quad order of the avx512vnni kernel
+ * (dot_u4_quad_one) at 256 bits. One 32-byte load holds 2 blocks; its 16-bit word j carries
+ * values i, i+16, i+1 and i+17 of block j/8 (i = 2(j%8)), split by `and 15` and shifts into four
+ * vectors of 16 int16 lanes against activations stored to match (to_quad256_order); int32 lanes
+ * 0-3 / 4-7 of the sum hold block 2p's / 2p+1's partial sums. Four such sums (8 blocks) reduce in
+ * three hadds to one vector whose lane q is block 2(q%4) + q/4, the order the activation block
+ * scales are stored in. A row's last 1-7 blocks load with dword masks (a block is 4 dwords), the
+ * activations being zero-padded to 8 blocks. */
+TGT_AVX2 static inline __m256 scales8_tail(const void *p, int f16, int64_t row_g0, int64_t b, int64_t r,
+                                           int64_t bpg, int one) {
+    if (one) return _mm256_set1_ps(scale_avx2(p, row_g0, f16));
+    if (bpg == 1 && r >= 8) return scales8(p, row_g0 + b, f16);
+    /* the (at most 8) groups the lanes below r fall in, each converted once, then spread to the
+     * lanes with a permute: lane i takes group (k0 + i) / bpg of them. Built in registers (a
+     * vector load of stores just made would wait for them). */
+    const int64_t k0 = b % bpg, g0 = row_g0 + b / bpg, n = r < 8 ? r : 8, cnt = (k0 + n - 1) / bpg + 1;
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = i < cnt ? scale_avx2(p, g0 + i, f16) : 0.f;
+    const __m256 v = _mm256_setr_ps(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]);
+    if (bpg == 1) return v;  /* the tail of a row with a scale per block: lanes >= r are 0 */
+    const __m256 lane = _mm256_add_ps(_mm256_setr_ps(0.5f, 1.5f, 2.5f, 3.5f, 4.5f, 5.5f, 6.5f, 7.5f),
+                                      _mm256_set1_ps((float)k0));
+    const __m256i idx = _mm256_cvttps_epi32(_mm256_mul_ps(lane, _mm256_set1_ps(1.f / (float)bpg)));
+    return _mm256_permutevar8x32_ps(v, idx);
+}
+
+TGT_AVX2 static inline __m256i quad256_dot_avx2(__m256i w, const int16_t *x) {
+    const __m256i m4 = _mm256_set1_epi16(0x000F);
+    __m256i a = _mm256_madd_epi16(_mm256_and_si256(w, m4), _mm256_loadu_si256((const __m256i *)x));
+    __m256i b = _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), _mm256_loadu_si256((const __m256i *)(x + 16)));
+    __m256i c = _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 8), m4), _mm256_loadu_si256((const __m256i *)(x + 32)));
+    __m256i d = _mm256_madd_epi16(_mm256_srli_epi16(w, 12), _mm256_loadu_si256((const __m256i *)(x + 48)));
+    return _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d));
+}
+
+#define DEFINE_U4_QUAD256(NAME, TGT, DOT)                                                                  \
+TGT static void NAME(const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb, \
+                     int64_t bpg, const int16_t *xq, const float *xdq, const float *xs, float *out) {      \
+    __m256 acc = _mm256_setzero_ps(), am = _mm256_setzero_ps();                                          \
+    const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);                                       \
+    const __m256i half = _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0);                                   \
+    const int one = bpg >= nb;                                                                            \
+    for (int64_t o = 0; o < nb * 16; o += 64) _mm_prefetch((const char *)qs + QUAD_PREFETCH + o, _MM_HINT_T0); \
+    for (int64_t c = 0; c < nb; c += 8) {                                                                 \
+        const int64_t n = nb - c < 8 ? nb - c : 8;                                                        \
+        const uint8_t *w = qs + c * 16;                                                                   \
+        const int16_t *x = xq + c * QK;                                                                   \
+        __m256i d[4];                                                                                     \
+        for (int p = 0; p < 4; p++) {                                                                     \
+            const int64_t left = n - 2 * p;                                                               \
+            if (left <= 0) { d[p] = _mm256_setzero_si256(); continue; }                                   \
+            __m256i wv = left >= 2 ? _mm256_loadu_si256((const __m256i *)(w + 32 * p))                    \
+                                   : _mm256_maskload_epi32((const int *)(w + 32 * p), half);              \
+            d[p] = DOT(wv, x + 64 * p);                                                                   \
+        }                                                                                                 \
+        __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));      \
+        __m256 sv = _mm256_permutevar8x32_ps(scales8_tail(sc, f16, row_g0, c, n, bpg, one), perm);        \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_loadu_ps(xdq + c)), acc);   \
+        am = _mm256_fmadd_ps(scales8_tail(mn, f16, row_g0, c, n, bpg, one), _mm256_loadu_ps(xs + c), am); \
+    }                                                                                                     \
+    *out = hsum8(_mm256_add_ps(acc, am));                                                                 \
+}
+#define QUAD_PREFETCH 2048
+DEFINE_U4_QUAD256(dot_u4_quad256_avx2, TGT_AVX2, quad256_dot_avx2)
+
 #if __GNUC__ >= 9
 /* ---- AVX-512 (F/BW/VL + VNNI) -------------------------------------------------------------- */
 #define TGT_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -326,13 +391,18 @@ TGT_512 static inline __m512 scales16_512(const void *p, int f16, int64_t row_g0
                    : _mm512_maskz_loadu_ps(k, (const float *)p + row_g0 + b0);
     }
     if (bpg >= nb) return _mm512_set1_ps(scale_avx2(p, row_g0, f16));
-    float buf[16];
-    int64_t g = row_g0 + b0 / bpg, k = b0 % bpg;  /* the groups walked: no division per lane */
-    for (int i = 0; i < 16; i++) {
-        buf[i] = i < n ? scale_avx2(p, g, f16) : 0.f;
-        if (++k == bpg) { k = 0; g++; }
-    }
-    return _mm512_loadu_ps(buf);
+    /* the groups the lanes below n fall in (at most 16, all in this row), one masked load, then
+     * spread with a permute: lane i takes group (k0 + i) / bpg of them (exact in fp32 for these
+     * small integers). Lanes >= n take a neighbour's scale or 0: they meet zero weights. */
+    const int64_t k0 = b0 % bpg, cnt = (k0 + n - 1) / bpg + 1;
+    const __mmask16 k = (__mmask16)((1u << cnt) - 1);
+    const __m512 v = f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + row_g0 + b0 / bpg))
+                         : _mm512_maskz_loadu_ps(k, (const float *)p + row_g0 + b0 / bpg);
+    const __m512 lane = _mm512_add_ps(_mm512_setr_ps(0.5f, 1.5f, 2.5f, 3.5f, 4.5f, 5.5f, 6.5f, 7.5f, 8.5f, 9.5f,
+                                                     10.5f, 11.5f, 12.5f, 13.5f, 14.5f, 15.5f),
+                                      _mm512_set1_ps((float)k0));
+    const __m512i idx = _mm512_cvttps_epi32(_mm512_mul_ps(lane, _mm512_set1_ps(1.f / (float)bpg)));
+    return _mm512_permutexvar_ps(idx, v);
 }
 
 /* one pair of u4 blocks against MR activation rows, into accumulators A: RAW is the pair's 32
@@ -491,7 +561,6 @@ TGT_512 static void dot_s8_512(const int8_t *qs, const void *sc, int f16, int64_
  * order too and the weight scales take one permute. A row's last 1-15 blocks are read with byte
  * masks (the activations are zero-padded to 16 blocks). Streaming the weights from DRAM, it
  * prefetches QUAD_PREFETCH bytes ahead of the row it reads. */
-#define QUAD_PREFETCH 2048
 #define QUAD_GROUP(D, W, X)                                                                                \
     do {                                                                                                  \
         __m512i w_ = (W);                                                                                 \
@@ -685,7 +754,7 @@ typedef struct {
     const float *xf;   /* TMQ_F32: the fp32 activations themselves, [M, K] */
 } ActBuf;
 
-enum { ACT_NATURAL = 0, ACT_PAIRS = 1, ACT_QUAD = 2, ACT_WORDS = 3 };
+enum { ACT_NATURAL = 0, ACT_PAIRS = 1, ACT_QUAD = 2, ACT_WORDS = 3, ACT_QUAD256 = 4 };
 
 /* the activation order the s8 kernels of the set in use read for M rows */
 static int s8_act_order(int64_t M) { return isa() == ISA_AVX512 && M == 1 ? ACT_WORDS : ACT_NATURAL; }
@@ -710,8 +779,27 @@ static void to_word_order(int16_t *q, float *xd, int64_t nbp) {
 
 /* the activation order the u4 kernels of the set in use read for M rows */
 static int u4_act_order(int64_t M) {
-    if (isa() != ISA_AVX512) return ACT_NATURAL;
-    return M > 1 ? ACT_PAIRS : ACT_QUAD;
+    if (isa() == ISA_AVX512) return M > 1 ? ACT_PAIRS : ACT_QUAD;
+    return isa() >= ISA_AVX2 && M == 1 ? ACT_QUAD256 : ACT_NATURAL;
+}
+
+/* natural block order -> 256-bit quad order (dot_u4_quad256_*), in place: within 2 blocks, value
+ * i of block b goes to 16k + 8b + (i%16)/2 with k = 2(i%2) + i/16; within 8 blocks, the block
+ * scale of block 2p + L goes to lane 4L + p. nbp is a multiple of 8. */
+static void to_quad256_order(int16_t *q, float *xd, int64_t nbp) {
+    int16_t t[2 * QK];
+    float f[8];
+    for (int64_t p0 = 0; p0 < nbp; p0 += 2) {
+        int16_t *v = q + p0 * QK;
+        memcpy(t, v, sizeof t);
+        for (int b = 0; b < 2; b++)
+            for (int i = 0; i < QK; i++) v[16 * (2 * (i % 2) + i / 16) + 8 * b + (i % 16) / 2] = t[b * QK + i];
+    }
+    for (int64_t c = 0; c < nbp; c += 8) {
+        memcpy(f, xd + c, sizeof f);
+        for (int L = 0; L < 2; L++)
+            for (int p = 0; p < 4; p++) xd[c + 4 * L + p] = f[2 * p + L];
+    }
 }
 
 /* natural block order -> quad order (dot_u4_quad_one), in place: within 4 blocks, value i of
@@ -751,7 +839,8 @@ static void to_pair_order(int16_t *q, float *xd, float *xs, int64_t nb) {
 static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf *a) {
     int64_t nb = (K + QK - 1) / QK;
     a->order = order;
-    a->bstride = order == ACT_PAIRS ? (nb + 1) / 2 * 2 : order >= ACT_QUAD ? (nb + 15) / 16 * 16 : nb;
+    a->bstride = order == ACT_PAIRS ? (nb + 1) / 2 * 2 : order == ACT_QUAD256 ? (nb + 7) / 8 * 8
+               : order >= ACT_QUAD ? (nb + 15) / 16 * 16 : nb;
     a->qstride = a->bstride * QK;
     size_t qbytes = ((size_t)(M * a->qstride) * sizeof(int16_t) + 63) & ~(size_t)63;
     a->mem = malloc(qbytes + 2 * (size_t)(M * a->bstride) * sizeof(float) + 64);
@@ -768,11 +857,12 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf 
 #endif
         quantize_rows(x + m * K, 1, K, q, d, s);
         if (order == ACT_PAIRS) to_pair_order(q, d, s, nb);
-        if (order >= ACT_QUAD) {  /* zero blocks up to 16: they meet the masked-off weights */
+        if (order >= ACT_QUAD) {  /* zero blocks up to 16 (8): they meet the masked-off weights */
             memset(q + nb * QK, 0, (size_t)(a->bstride - nb) * QK * sizeof(int16_t));
             memset(d + nb, 0, (size_t)(a->bstride - nb) * sizeof(float));
             memset(s + nb, 0, (size_t)(a->bstride - nb) * sizeof(float));
             if (order == ACT_QUAD) to_quad_order(q, d, a->bstride);
+            else if (order == ACT_QUAD256) to_quad256_order(q, d, a->bstride);
             else to_word_order(q, d, a->bstride);
         }
     }
@@ -908,9 +998,10 @@ static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc
                          int f16, int64_t N, int64_t group, const float *bias, float *y, const ActBuf *a,
                          int64_t n0, int64_t n1) {
     int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
-    /* the avx512vnni u4 kernels read pair-order (2+ rows) or quad-order (1 row) activations, made
-     * with the set in use; natural order with the avx512 set in use runs the avx2 kernels */
-    int use = a->order != ACT_NATURAL ? ISA_AVX512 : isa() == ISA_AVX512 ? ISA_AVX2 : isa();
+    /* the avx512vnni u4 kernels read pair-order (2+ rows) or quad-order (1 row) activations, the
+     * avx2 / avxvnni one-row kernels 256-bit quad order, made with the set in use; natural order
+     * with the avx512 set in use runs the avx2 kernels */
+    int use = a->order == ACT_PAIRS || a->order == ACT_QUAD ? ISA_AVX512 : isa() == ISA_AVX512 ? ISA_AVX2 : isa();
     (void)use;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = qs + n * (Kp / 2);
@@ -924,6 +1015,9 @@ static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc
             dot_u4_quad_one(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, y + n);
         else
 #endif
+        if (a->order == ACT_QUAD256)  /* avx2 and avxvnni: the AVX2 body (4 madds, no dpwssd chain) */
+            dot_u4_quad256_avx2(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, y + n);
+        else
 #if __GNUC__ >= 11
         if (use == ISA_AVXVNNI) dot_u4_vnni(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y + n, N);
         else
