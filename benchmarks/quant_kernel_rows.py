@@ -17,7 +17,7 @@ ns per 32-weight block and row, the effective weight read rate, and each row cou
 to one row ("extra row": (t(M) - t(1)) / (M - 1) / t(1)).
 
     .venv/bin/python benchmarks/quant_kernel_rows.py [--threads 1] [--rounds 5] [--kernels avx512vnni,avxvnni]
-        [--rows 1,2,4,8,16,24,32,48] [--dequant]
+        [--rows 1,2,4,8,16,24,32,48] [--dequant] [--baseline-so <_quant .so of another commit>]
 """
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--kernels", default=None, help="comma-separated kernel sets (default: every supported one)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--baseline-so", default=None,
+                    help="another build of the _quant extension (say, of an older commit) to time side by side in "
+                         "this process, as the kernel sets 'baseline:<set>' (each set it supports of those timed)")
     ap.add_argument("--dequant", action="store_true",
                     help="also time dequantize + fp32 GEMM at every row count and print the crossover")
     args = ap.parse_args(argv)
@@ -48,6 +51,17 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     kernels = args.kernels.split(",") if args.kernels else native.supported_kernels()[1:] or ["scalar"]
+    exts = {k: native._ext for k in kernels}
+    if args.baseline_so:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("tokenmill_baseline._quant", args.baseline_so)
+        assert spec is not None and spec.loader is not None
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+        for k in [k for k in kernels if k in base.supported_isas()]:
+            exts[f"baseline:{k}"] = base
+            kernels.append(f"baseline:{k}")
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
     mats: dict[str, list] = {}
@@ -59,11 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     xs = {m: torch.randn(m, 1536, generator=gen) for m in rows}
     times: dict[tuple[str, str, int], list[float]] = {}
     print(f"load average at start {os.getloadavg()[0]:.2f}; {args.threads} thread(s); kernel sets {kernels}")
-    best = native.kernel()
+    best, ext0 = native.kernel(), native._ext
     try:
         for _ in range(args.rounds):
             for kern in kernels:
-                native.set_kernel(kern)
+                native._ext = exts[kern]
+                native.set_kernel(kern.split(":")[-1])
                 for m in rows:
                     for name, ms in mats.items():
                         k = ms[0].in_features
@@ -81,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                                 w._dequant_matmul(x, args.threads)
                             times.setdefault((kern, name + " dq", m), []).append((time.perf_counter() - t) / len(ms))
     finally:
+        native._ext = ext0
         native.set_kernel(best)
     for kern in kernels:
         print(f"\n## kernel set {kern}")

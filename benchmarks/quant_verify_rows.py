@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--baseline-so", default=None,
                     help="another build of the _quant extension (say, of an older commit) to time side by side in "
-                         "this process, as the kernel set 'baseline:<its best set>'")
+                         "this process, as the kernel sets 'baseline:<set>' (each set of --kernels it supports)")
     ap.add_argument("--paths", default="auto", help="comma-separated: auto (the served row limit), int, dequant")
     args = ap.parse_args(argv)
 
@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         assert spec is not None and spec.loader is not None
         base = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(base)
-        exts[f"baseline:{base.best_isa()}"] = base
-        kernels.append(f"baseline:{base.best_isa()}")
+        for k in [k for k in kernels if k in base.supported_isas()]:  # each set asked for, in the baseline too
+            exts[f"baseline:{k}"] = base
+            kernels.append(f"baseline:{k}")
     fused = model.fused_decode_stack() is not None if hasattr(model, "fused_decode_stack") else False
     paths = args.paths.split(",")
     limits = {"auto": None, "int": 1 << 30, "dequant": 0}

@@ -358,7 +358,9 @@ TGT static void NAME(const uint8_t *qs, const void *sc, const void *mn, int f16,
     }                                                                                                     \
     *out = hsum8(_mm256_add_ps(acc, am));                                                                 \
 }
+#ifndef QUAD_PREFETCH
 #define QUAD_PREFETCH 2048
+#endif
 DEFINE_U4_QUAD256(dot_u4_quad256_avx2, TGT_AVX2, quad256_dot_avx2)
 
 #if __GNUC__ >= 9
