@@ -84,6 +84,26 @@ def default_gguf() -> Path:
     return Path(resolve_model_path(DEFAULT_MODEL))
 
 
+def with_baseline_quant(so_path: str | Path | None, kernels: list[str], current) -> dict:
+    """Kernel-set label -> ``_quant`` extension module, for timing another build of the extension
+    (say, of an older commit) side by side with this one in one process: each set in ``kernels``
+    maps to ``current``, and, when ``so_path`` is given, each of them that the other build supports
+    also to that build as ``baseline:<set>`` (appended to ``kernels``). A benchmark swaps
+    ``tokenmill._native.quant._ext`` to the label's module and picks the set after ``:``."""
+    exts = {k: current for k in kernels}
+    if so_path:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("tokenmill_baseline._quant", str(so_path))
+        assert spec is not None and spec.loader is not None
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+        for k in [k for k in kernels if k in base.supported_isas()]:
+            exts[f"baseline:{k}"] = base
+            kernels.append(f"baseline:{k}")
+    return exts
+
+
 def default_hf_dir(root: Path | None = None) -> Path:
     """The plain HF directory vLLM serves; raises PeerNotInstalled if it was not exported."""
     d = (root or peers_dir()) / "smollm2-135m-instruct-hf"

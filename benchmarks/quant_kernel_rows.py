@@ -23,9 +23,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import with_baseline_quant  # noqa: E402
 
 SHAPES_U4 = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 SHAPE_HEAD = (49152, 576)
@@ -51,17 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     kernels = args.kernels.split(",") if args.kernels else native.supported_kernels()[1:] or ["scalar"]
-    exts = {k: native._ext for k in kernels}
-    if args.baseline_so:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("tokenmill_baseline._quant", args.baseline_so)
-        assert spec is not None and spec.loader is not None
-        base = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(base)
-        for k in [k for k in kernels if k in base.supported_isas()]:
-            exts[f"baseline:{k}"] = base
-            kernels.append(f"baseline:{k}")
+    exts = with_baseline_quant(args.baseline_so, kernels, native._ext)
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
     mats: dict[str, list] = {}

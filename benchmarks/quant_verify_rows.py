@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import default_gguf  # noqa: E402
+from peers import default_gguf, with_baseline_quant  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,17 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     forward(0, torch.randint(100, 40000, (args.context,), generator=gen).tolist())   # the context
     kernels = args.kernels.split(",") if args.kernels else native.supported_kernels()[-2:][::-1]
-    exts = {k: native._ext for k in kernels}
-    if args.baseline_so:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("tokenmill_baseline._quant", args.baseline_so)
-        assert spec is not None and spec.loader is not None
-        base = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(base)
-        for k in [k for k in kernels if k in base.supported_isas()]:  # each set asked for, in the baseline too
-            exts[f"baseline:{k}"] = base
-            kernels.append(f"baseline:{k}")
+    exts = with_baseline_quant(args.baseline_so, kernels, native._ext)
     fused = model.fused_decode_stack() is not None if hasattr(model, "fused_decode_stack") else False
     paths = args.paths.split(",")
     limits = {"auto": None, "int": 1 << 30, "dequant": 0}

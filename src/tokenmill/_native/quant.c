@@ -24,7 +24,10 @@
  * __builtin_cpu_supports (sets: avx2, avxvnni, avx512vnni; each checked on its own); a portable
  * scalar path does the same arithmetic everywhere else. With 2 to 16 x rows the avx512vnni set
  * runs 512-bit kernels over tiles of up to 6 rows that share each widened weight block (u4: two
- * blocks per 32-byte load against "pair order" activations; see the AVX-512 section).
+ * blocks per 32-byte load against "pair order" activations; see the AVX-512 section). With one x
+ * row the u4 kernels (every vector set) and the avx512vnni s8 kernel widen nothing: they split
+ * each 16-bit word of the weights with and/shift against activations reordered once per matmul
+ * to match ("quad" / "word" order, see dot_u4_quad_one and dot_s8_word_one).
  * Work is split over output rows with OpenMP, the thread count given by the caller (torch's).
  * tmq_matmul() is the entry point of decoder.c's fused decode path.
  */
@@ -299,7 +302,7 @@ DEFINE_ROW_DOT(dot_s8_vnni, TGT_VNNI, s8dot_vnni, int8_t, QK, 0)
 /* One x row against u4 weights on avx2 and avxvnni: the quad order of the avx512vnni kernel
  * (dot_u4_quad_one) at 256 bits. One 32-byte load holds 2 blocks; its 16-bit word j carries
  * values i, i+16, i+1 and i+17 of block j/8 (i = 2(j%8)), split by `and 15` and shifts into four
- * vectors of 16 int16 lanes against activations stored to match (to_quad256_order); int32 lanes
+ * vectors of 16 int16 lanes against activations stored to match (to_quad_order, G = 2); int32 lanes
  * 0-3 / 4-7 of the sum hold block 2p's / 2p+1's partial sums. Four such sums (8 blocks) reduce in
  * three hadds to one vector whose lane q is block 2(q%4) + q/4, the order the activation block
  * scales are stored in. A row's last 1-7 blocks load with dword masks (a block is 4 dwords), the
@@ -785,41 +788,24 @@ static int u4_act_order(int64_t M) {
     return isa() >= ISA_AVX2 && M == 1 ? ACT_QUAD256 : ACT_NATURAL;
 }
 
-/* natural block order -> 256-bit quad order (dot_u4_quad256_*), in place: within 2 blocks, value
- * i of block b goes to 16k + 8b + (i%16)/2 with k = 2(i%2) + i/16; within 8 blocks, the block
- * scale of block 2p + L goes to lane 4L + p. nbp is a multiple of 8. */
-static void to_quad256_order(int16_t *q, float *xd, int64_t nbp) {
-    int16_t t[2 * QK];
-    float f[8];
-    for (int64_t p0 = 0; p0 < nbp; p0 += 2) {
-        int16_t *v = q + p0 * QK;
-        memcpy(t, v, sizeof t);
-        for (int b = 0; b < 2; b++)
-            for (int i = 0; i < QK; i++) v[16 * (2 * (i % 2) + i / 16) + 8 * b + (i % 16) / 2] = t[b * QK + i];
-    }
-    for (int64_t c = 0; c < nbp; c += 8) {
-        memcpy(f, xd + c, sizeof f);
-        for (int L = 0; L < 2; L++)
-            for (int p = 0; p < 4; p++) xd[c + 4 * L + p] = f[2 * p + L];
-    }
-}
-
-/* natural block order -> quad order (dot_u4_quad_one), in place: within 4 blocks, value i of
- * block b goes to 32k + 8b + (i%16)/2 with k = 2(i%2) + i/16; within 16 blocks, the block scale of
- * block 4g+L goes to lane 4L+g. nbp is a multiple of 16. */
-static void to_quad_order(int16_t *q, float *xd, int64_t nbp) {
+/* natural block order -> quad order, in place, for kernels that load G blocks at a time (G = 4:
+ * dot_u4_quad_one, 64-byte loads; G = 2: dot_u4_quad256_avx2, 32-byte loads): within G blocks,
+ * value i of block b goes to 8G k + 8b + (i%16)/2 with k = 2(i%2) + i/16 (the nibble of a 16-bit
+ * word it sits in); within 4G blocks (four loads, one reduced vector), the block scale of block
+ * Gg + L goes to lane 4L + g. nbp is a multiple of 4G. */
+static void to_quad_order(int16_t *q, float *xd, int64_t nbp, int G) {
     int16_t t[4 * QK];
     float f[16];
-    for (int64_t g0 = 0; g0 < nbp; g0 += 4) {
+    for (int64_t g0 = 0; g0 < nbp; g0 += G) {
         int16_t *v = q + g0 * QK;
-        memcpy(t, v, sizeof t);
-        for (int b = 0; b < 4; b++)
-            for (int i = 0; i < QK; i++) v[32 * (2 * (i % 2) + i / 16) + 8 * b + (i % 16) / 2] = t[b * QK + i];
+        memcpy(t, v, (size_t)G * QK * sizeof(int16_t));
+        for (int b = 0; b < G; b++)
+            for (int i = 0; i < QK; i++) v[8 * G * (2 * (i % 2) + i / 16) + 8 * b + (i % 16) / 2] = t[b * QK + i];
     }
-    for (int64_t c = 0; c < nbp; c += 16) {
-        memcpy(f, xd + c, sizeof f);
-        for (int L = 0; L < 4; L++)
-            for (int g = 0; g < 4; g++) xd[c + 4 * L + g] = f[4 * g + L];
+    for (int64_t c = 0; c < nbp; c += 4 * G) {
+        memcpy(f, xd + c, (size_t)(4 * G) * sizeof(float));
+        for (int L = 0; L < G; L++)
+            for (int g = 0; g < 4; g++) xd[c + 4 * L + g] = f[G * g + L];
     }
 }
 
@@ -863,8 +849,8 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf 
             memset(q + nb * QK, 0, (size_t)(a->bstride - nb) * QK * sizeof(int16_t));
             memset(d + nb, 0, (size_t)(a->bstride - nb) * sizeof(float));
             memset(s + nb, 0, (size_t)(a->bstride - nb) * sizeof(float));
-            if (order == ACT_QUAD) to_quad_order(q, d, a->bstride);
-            else if (order == ACT_QUAD256) to_quad256_order(q, d, a->bstride);
+            if (order == ACT_QUAD) to_quad_order(q, d, a->bstride, 4);
+            else if (order == ACT_QUAD256) to_quad_order(q, d, a->bstride, 2);
             else to_word_order(q, d, a->bstride);
         }
     }
