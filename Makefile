@@ -37,7 +37,7 @@ redis:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
 test: $(STAMP) redis
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV)
