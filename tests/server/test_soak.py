@@ -1,4 +1,4 @@
-"""The soak benchmark, half a minute of it, as part of the suite (the one long test here).
+"""The soak benchmark, twenty seconds of it, as part of the suite (the one long test here).
 
 benchmarks/soak.py starts its own server on a tiny random model and drives the full mix
 (streams, n > 1, long prompts, disconnects, cancellations, bad requests, deadlines); it exits
@@ -14,10 +14,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_half_minute_soak_passes(tmp_path: Path) -> None:
+def test_twenty_second_soak_passes(tmp_path: Path) -> None:
     out = tmp_path / "soak"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "0.5",
-                           "--sample-s", "2.5", "--workers", "4", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "0.34",
+                           "--sample-s", "1.5", "--workers", "4", "--out", str(out)],
                           capture_output=True, text=True, timeout=420)
     print(proc.stdout[-4000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
