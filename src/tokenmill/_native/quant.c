@@ -289,6 +289,18 @@ TGT static void NAME(const WT *qs, const void *sc, const void *mn, int f16, int6
 DEFINE_ROW_DOT(dot_u4_avx2, TGT_AVX2, u4dot_avx2, uint8_t, 16, 1)
 DEFINE_ROW_DOT(dot_s8_avx2, TGT_AVX2, s8dot_avx2, int8_t, QK, 0)
 
+/* One s8 block against activations in 256-bit word order (the block's even values, then its odd
+ * ones: to_word256_order): each 16-bit word of the weights gives its low byte (shift left 8,
+ * arithmetic shift right 8) and its high byte (arithmetic shift right 8) with no shuffle. The
+ * one-row s8 kernel of avx2 and avxvnni runs the 8-block row dot on it (dot_s8_word_avx2). */
+TGT_AVX2 static inline __m256i s8dot_word_avx2(const int8_t *p, const int16_t *x) {
+    __m256i w = _mm256_loadu_si256((const __m256i *)p);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8),
+                                              _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(_mm256_srai_epi16(w, 8), _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+DEFINE_ROW_DOT(dot_s8_word_avx2, TGT_AVX2, s8dot_word_avx2, int8_t, QK, 0)
+
 #if __GNUC__ >= 11
 #define TGT_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 TGT_VNNI static inline __m256i madd2_vnni(__m256i a, __m256i x, __m256i b, __m256i y) {
@@ -759,10 +771,24 @@ typedef struct {
     const float *xf;   /* TMQ_F32: the fp32 activations themselves, [M, K] */
 } ActBuf;
 
-enum { ACT_NATURAL = 0, ACT_PAIRS = 1, ACT_QUAD = 2, ACT_WORDS = 3, ACT_QUAD256 = 4 };
+enum { ACT_NATURAL = 0, ACT_PAIRS = 1, ACT_QUAD = 2, ACT_WORDS = 3, ACT_QUAD256 = 4, ACT_WORDS256 = 5 };
 
 /* the activation order the s8 kernels of the set in use read for M rows */
-static int s8_act_order(int64_t M) { return isa() == ISA_AVX512 && M == 1 ? ACT_WORDS : ACT_NATURAL; }
+static int s8_act_order(int64_t M) {
+    if (M != 1 || isa() < ISA_AVX2) return ACT_NATURAL;
+    return isa() == ISA_AVX512 ? ACT_WORDS : ACT_WORDS256;
+}
+
+/* natural order -> 256-bit word order (s8dot_word_avx2), in place: within each block, value i
+ * goes to 16(i%2) + i/2; the block scales stay in block order */
+static void to_word256_order(int16_t *q, int64_t nb) {
+    int16_t t[QK];
+    for (int64_t b = 0; b < nb; b++) {
+        int16_t *v = q + b * QK;
+        memcpy(t, v, sizeof t);
+        for (int i = 0; i < QK; i++) v[16 * (i % 2) + i / 2] = t[i];
+    }
+}
 
 /* natural block order -> word order (dot_s8_word_one), in place: within 2 blocks, value i of
  * block b goes to 32(i%2) + 16b + i/2; within 16 blocks, the scale of block WORD_BLOCK(q) goes to
@@ -828,7 +854,7 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf 
     int64_t nb = (K + QK - 1) / QK;
     a->order = order;
     a->bstride = order == ACT_PAIRS ? (nb + 1) / 2 * 2 : order == ACT_QUAD256 ? (nb + 7) / 8 * 8
-               : order >= ACT_QUAD ? (nb + 15) / 16 * 16 : nb;
+               : order == ACT_QUAD || order == ACT_WORDS ? (nb + 15) / 16 * 16 : nb;
     a->qstride = a->bstride * QK;
     size_t qbytes = ((size_t)(M * a->qstride) * sizeof(int16_t) + 63) & ~(size_t)63;
     a->mem = malloc(qbytes + 2 * (size_t)(M * a->bstride) * sizeof(float) + 64);
@@ -845,7 +871,9 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf 
 #endif
         quantize_rows(x + m * K, 1, K, q, d, s);
         if (order == ACT_PAIRS) to_pair_order(q, d, s, nb);
-        if (order >= ACT_QUAD) {  /* zero blocks up to 16 (8): they meet the masked-off weights */
+        if (order == ACT_WORDS256) to_word256_order(q, nb);
+        if (order == ACT_QUAD || order == ACT_WORDS || order == ACT_QUAD256) {  /* zero blocks up to 16
+                                                                        * (8): they meet masked-off weights */
             memset(q + nb * QK, 0, (size_t)(a->bstride - nb) * QK * sizeof(int16_t));
             memset(d + nb, 0, (size_t)(a->bstride - nb) * sizeof(float));
             memset(s + nb, 0, (size_t)(a->bstride - nb) * sizeof(float));
@@ -1038,6 +1066,9 @@ static void gemm_s8_rows(int64_t M, int64_t K, const int8_t *qs, const void *sc,
         else if (use == ISA_AVX512) dot_s8_512(row, sc, f16, n * G, nb, bpg, a->xq, a->xd, M, a->qstride, a->bstride, y + n, N);
         else
 #endif
+        if (a->order == ACT_WORDS256)  /* avx2 and avxvnni, one x row */
+            dot_s8_word_avx2(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, 1, a->qstride, a->bstride, y + n, N);
+        else
 #if __GNUC__ >= 11
         if (use == ISA_AVXVNNI) dot_s8_vnni(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y + n, N);
         else
