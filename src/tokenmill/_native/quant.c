@@ -766,7 +766,7 @@ typedef struct {
     int16_t *xq;
     float *xd, *xs;
     int64_t qstride, bstride;
-    int order;         /* ACT_NATURAL, ACT_PAIRS or ACT_QUAD */
+    int order;         /* one of ACT_* below: the order the kernels for this matmul read */
     void *mem;
     const float *xf;   /* TMQ_F32: the fp32 activations themselves, [M, K] */
 } ActBuf;
