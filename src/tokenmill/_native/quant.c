@@ -381,13 +381,6 @@ DEFINE_U4_QUAD256(dot_u4_quad256_avx2, TGT_AVX2, quad256_dot_avx2)
 #if __GNUC__ >= 9
 /* ---- AVX-512 (F/BW/VL + VNNI) -------------------------------------------------------------- */
 #define TGT_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-/* One x row of s8 weights: the 8-block AVX2 structure with the EVEX 256-bit dpwssd (one x row of
- * u4 weights: dot_u4_quad_one below; 2 to 16 rows: the 512-bit tile kernels). */
-TGT_512 static inline __m256i madd2_512(__m256i a, __m256i x, __m256i b, __m256i y) {
-    return _mm256_dpwssd_epi32(_mm256_madd_epi16(a, x), b, y);
-}
-DEFINE_BLOCK_DOTS(v512, TGT_512, madd2_512)
-DEFINE_ROW_DOT(dot_s8_v512_one, TGT_512, s8dot_v512, int8_t, QK, 0)
 
 /* Activations for the u4 kernels are stored in "pair" order: blocks 2p and 2p+1 (64 values) as
  * [2p: 0..15 | 2p+1: 0..15 | 2p: 16..31 | 2p+1: 16..31], padded with a zero block to an even
@@ -1061,8 +1054,6 @@ static void gemm_s8_rows(int64_t M, int64_t K, const int8_t *qs, const void *sc,
 #if __GNUC__ >= 9
         if (use == ISA_AVX512 && a->order == ACT_WORDS)
             dot_s8_word_one(row, sc, f16, n * G, nb, bpg, a->xq, a->xd, y + n);
-        else if (use == ISA_AVX512 && M == 1)
-            dot_s8_v512_one(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, 1, a->qstride, a->bstride, y + n, N);
         else if (use == ISA_AVX512) dot_s8_512(row, sc, f16, n * G, nb, bpg, a->xq, a->xd, M, a->qstride, a->bstride, y + n, N);
         else
 #endif
