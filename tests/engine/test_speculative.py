@@ -299,8 +299,11 @@ def test_chi_square_bad_drafter_keeps_the_distribution(peaked, prompts) -> None:
     from scipy.stats import chi2_contingency
 
     prompt = prompts[1]
-    params = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.95, ignore_eos=True)
     n = 600
+    # one seed per request (another set for each run): the test reads the same samples every time
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_p=0.95, ignore_eos=True, seed=i) for i in range(n)]
+    spec_params = [SamplingParams(max_tokens=3, temperature=1.0, top_p=0.95, ignore_eos=True, seed=n + i)
+                   for i in range(n)]
     base = _llm(peaked, kv_cache_tokens=16384, max_running_requests=256)
     ref = [tuple(o.token_ids) for o in base.generate([prompt] * n, params)]
     candidates = sorted({t for seq in ref for t in seq})
@@ -308,7 +311,7 @@ def test_chi_square_bad_drafter_keeps_the_distribution(peaked, prompts) -> None:
     llm = _llm(peaked, kv_cache_tokens=16384, max_running_requests=256, speculative_method="ngram",
                speculative_adaptive=False, num_speculative_tokens=2)
     llm.engine.spec.proposer = BadSampledDrafter(candidates, vocab)
-    got = [tuple(o.token_ids) for o in llm.generate([prompt] * n, params)]
+    got = [tuple(o.token_ids) for o in llm.generate([prompt] * n, spec_params)]
     st = llm.engine.stats().spec
     assert st.proposed > n and 0 < st.accepted < st.proposed   # q != p: some drafts rejected
     for pos in (1, 2):     # positions the drafts cover
@@ -321,6 +324,7 @@ def test_chi_square_bad_drafter_keeps_the_distribution(peaked, prompts) -> None:
             table = [r[:-1] for r in table]
         assert len(table[0]) >= 2, "the test needs a distribution with more than one token"
         p_value = chi2_contingency(table)[1]
+        print(f"position {pos}: chi-square p = {p_value:.3g}, {table}")
         assert p_value > 1e-3, (pos, table)
 
 

@@ -15,10 +15,12 @@ from tokenmill.utils.proc import ServiceProcess
 
 @pytest.fixture(scope="module")
 def spec_server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServiceProcess, Path]]:
+    # --no-speculative-adaptive: every step drafts K tokens, so whether the third request's drafts
+    # go out does not hang on the draft gate's reading of this machine's step times
     tmp = tmp_path_factory.mktemp("spec-server")
     argv = ["serve", "--model", str(tiny_checkpoint), "--served-model-name", "tiny", "--kv-cache-tokens", "4096",
             "--max-model-len", "512", "--debug-checks", "--speculative-method", "suffix",
-            "--num-speculative-tokens", "4", "--log-token-ids", str(tmp / "tokens")]
+            "--num-speculative-tokens", "4", "--no-speculative-adaptive", "--log-token-ids", str(tmp / "tokens")]
     with ServiceProcess(argv, log_path=tmp / "server.log") as proc:
         yield proc, tmp / "tokens"
 
