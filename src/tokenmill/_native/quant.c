@@ -846,8 +846,10 @@ static void to_pair_order(int16_t *q, float *xd, float *xs, int64_t nb) {
 static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf *a) {
     int64_t nb = (K + QK - 1) / QK;
     a->order = order;
-    a->bstride = order == ACT_PAIRS ? (nb + 1) / 2 * 2 : order == ACT_QUAD256 ? (nb + 7) / 8 * 8
-               : order == ACT_QUAD || order == ACT_WORDS ? (nb + 15) / 16 * 16 : nb;
+    /* blocks a row is padded to a multiple of, per order: the kernels' loads and reductions */
+    static const int64_t pad[] = {[ACT_NATURAL] = 1, [ACT_PAIRS] = 2, [ACT_QUAD] = 16, [ACT_WORDS] = 16,
+                                  [ACT_QUAD256] = 8, [ACT_WORDS256] = 1};
+    a->bstride = (nb + pad[order] - 1) / pad[order] * pad[order];
     a->qstride = a->bstride * QK;
     size_t qbytes = ((size_t)(M * a->qstride) * sizeof(int16_t) + 63) & ~(size_t)63;
     a->mem = malloc(qbytes + 2 * (size_t)(M * a->bstride) * sizeof(float) + 64);
@@ -863,17 +865,15 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf 
         else
 #endif
         quantize_rows(x + m * K, 1, K, q, d, s);
+        /* zero padding blocks: they meet zero or masked-off weights */
+        memset(q + nb * QK, 0, (size_t)(a->bstride - nb) * QK * sizeof(int16_t));
+        memset(d + nb, 0, (size_t)(a->bstride - nb) * sizeof(float));
+        memset(s + nb, 0, (size_t)(a->bstride - nb) * sizeof(float));
         if (order == ACT_PAIRS) to_pair_order(q, d, s, nb);
-        if (order == ACT_WORDS256) to_word256_order(q, nb);
-        if (order == ACT_QUAD || order == ACT_WORDS || order == ACT_QUAD256) {  /* zero blocks up to 16
-                                                                        * (8): they meet masked-off weights */
-            memset(q + nb * QK, 0, (size_t)(a->bstride - nb) * QK * sizeof(int16_t));
-            memset(d + nb, 0, (size_t)(a->bstride - nb) * sizeof(float));
-            memset(s + nb, 0, (size_t)(a->bstride - nb) * sizeof(float));
-            if (order == ACT_QUAD) to_quad_order(q, d, a->bstride, 4);
-            else if (order == ACT_QUAD256) to_quad_order(q, d, a->bstride, 2);
-            else to_word_order(q, d, a->bstride);
-        }
+        else if (order == ACT_QUAD) to_quad_order(q, d, a->bstride, 4);
+        else if (order == ACT_QUAD256) to_quad_order(q, d, a->bstride, 2);
+        else if (order == ACT_WORDS) to_word_order(q, d, a->bstride);
+        else if (order == ACT_WORDS256) to_word256_order(q, nb);
     }
     return 0;
 }
