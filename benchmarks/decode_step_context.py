@@ -1,0 +1,81 @@
+"""One single-stream decode step against context length, without the long prefill.
+
+``benchmarks/long_context.py`` measures the served rate, but every 16k point first costs a 16k
+prefill (one to three minutes per system on a 2-core machine). This script times the model
+forward of one decode row after ``L`` cached tokens on a scratch KV pool of the engine's own
+attention backend (``ModelRunner.time_rows``: the same forward the engine runs for a decode
+step, fused decode included, minus the scheduler and sampling), for each context length in
+turn and over several interleaved rounds, and prints each length's step time relative to the
+shortest one: the ratio the 16k >= 0.7x-of-512 aim of issue 18 is about. The pool holds zeros;
+the cost of a step does not depend on the values.
+
+    .venv/bin/python benchmarks/decode_step_context.py --contexts 512,16384 --kv-cache-dtype fp8_e4m3 --threads 1
+    .venv/bin/python benchmarks/decode_step_context.py --quantization auto      # the Q4_1 GGUF's weights
+
+Kernel switches that the native attention kernel reads at each call (``TOKENMILL_NO_AVX512``,
+``TOKENMILL_NO_DECODE_BODY``) can be compared in one process with ``--env-ab NAME``: every round
+then times each length without and with ``NAME=1``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+from tokenmill.engine.config import resolve_kv_dtype
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.loader import load_model
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--quantization", default="none", help="weight format (none = fp32, auto = as stored)")
+    ap.add_argument("--contexts", default="512,4096,16384")
+    ap.add_argument("--kv-cache-dtype", default="fp8_e4m3", help="as `tokenmill serve --kv-cache-dtype`")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="timed forwards per length and round (best is kept)")
+    ap.add_argument("--env-ab", default=None, help="a kernel switch to time off and on in every round")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    ctxs = [int(c) for c in args.contexts.split(",")]
+    lm = load_model(args.model, quantization=args.quantization)
+    model = lm.model
+    spec = model.kv_cache_spec()
+    spec = spec.with_dtype(resolve_kv_dtype(args.kv_cache_dtype, spec.dtype))
+    runner = ModelRunner(model, 8, 16, int(model.args.vocab_size), kv_spec=spec)
+    print(f"load average {os.getloadavg()[0]:.2f}; {args.model} weights {args.quantization}, KV {spec.dtype}, "
+          f"{args.threads} thread(s), attention backend {runner.attn.name}")
+    modes = [None] if not args.env_ab else [None, args.env_ab]
+    times: dict[tuple[str | None, int], list[float]] = {(m, c): [] for m in modes for c in ctxs}
+    for rnd in range(args.rounds):
+        line = []
+        for mode in modes:
+            if mode:
+                os.environ[mode] = "1"
+            try:
+                for c in ctxs:
+                    ms = runner.time_rows(1, context=c, repeats=args.repeats) * 1e3
+                    times[(mode, c)].append(ms)
+                    line.append(f"{(mode or 'default') + ' ' if args.env_ab else ''}{c}: {ms:.2f} ms")
+            finally:
+                if mode:
+                    os.environ.pop(mode, None)
+        print(f"round {rnd + 1}: " + ", ".join(line), flush=True)
+    print(f"\n| switch | context | step ms (median of rounds) | tok/s | rate / rate at {ctxs[0]} |")
+    print("|---|---|---|---|---|")
+    for mode in modes:
+        base = statistics.median(times[(mode, ctxs[0])])
+        for c in ctxs:
+            med = statistics.median(times[(mode, c)])
+            print(f"| {mode or 'default'} | {c} | {med:.2f} | {1e3 / med:.1f} | {base / med:.2f}x |")
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
