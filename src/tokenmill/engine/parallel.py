@@ -173,11 +173,10 @@ class ParallelRunner:
         if msg[0] != "ok":
             # a rank's error is often another rank's death seen in a collective: name the dead too.
             # The dead rank's exit can reach us a little after rank 0's error (a loaded machine), so
-            # wait for the other ranks' sentinels a while rather than a fixed pause.
-            others = [p.sentinel for p in self._procs[1:]]
-            if others:
-                wait(others, timeout=DEATH_GRACE_S)
-            dead = self._dead_ranks_message(skip=0)   # rank 0 exits right after sending its error
+            # poll the other ranks a while rather than pause for a fixed time. A sentinel alone is
+            # not enough: a dying process closes its files (the sentinel fires) before it can be
+            # reaped, so its exit code may still be unknown just after.
+            dead = self._await_dead_ranks(skip=0, grace_s=DEATH_GRACE_S)   # rank 0 exits right after its error
             self._fail(f"{msg[1]}" + (f" ({dead})" if dead else ""))
         results, prompt_lps, captured, q_start = msg[1], msg[2], msg[3], msg[4]
         if len(results) != len(samplers):
@@ -306,6 +305,19 @@ class ParallelRunner:
                 self._fail(dead)
             if deadline is not None and time.monotonic() >= deadline:
                 self._fail(f"tensor-parallel rank {rank} did not answer ({what}) within {timeout:.0f} s")
+
+    def _await_dead_ranks(self, skip: int, grace_s: float) -> str:
+        """:meth:`_dead_ranks_message` once some rank (but ``skip``) has exited, or after
+        ``grace_s`` seconds with none (then "")."""
+        others = [p.sentinel for r, p in enumerate(self._procs) if r != skip]
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = self._dead_ranks_message(skip=skip)
+            left = deadline - time.monotonic()
+            if dead or left <= 0 or not others:
+                return dead
+            if wait(others, timeout=min(left, 0.05)):   # exited but maybe not reapable yet
+                time.sleep(min(left, 0.005))
 
     def _dead_ranks_message(self, skip: int | None = None, *, starting: bool = False) -> str:
         """Every rank (but ``skip``) that has exited, with its code and last error; ``starting``
