@@ -187,9 +187,9 @@ def weight_bytes_of(quantization: str, gguf: Path) -> int:
 
 
 def gguf_weight_bytes(gguf: Path) -> int:
-    import gguf as g
+    from tokenmill.loader.gguf_file import GGUFFile
 
-    return sum(int(t.n_bytes) for t in g.GGUFReader(str(gguf)).tensors if len(t.shape) == 2)
+    return sum(int(t.n_bytes) for t in GGUFFile(gguf).tensors if len(t.shape) == 2)
 
 
 # ---- servers ---------------------------------------------------------------------------------------

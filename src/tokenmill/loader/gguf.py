@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tokenmill.contracts.errors import ModelLoadError
+from tokenmill.loader.gguf_file import GGUFFile
 
 # GGUF general.architecture -> (HF architecture, HF model_type)
 GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
@@ -62,26 +63,17 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _open(path: Path) -> Any:
-    import gguf as gguflib
+_SKIPPED_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                   "tokenizer.ggml.scores")   # read only for their length (the tokenizer is cached)
 
+
+def _open(path: Path) -> GGUFFile:
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
     try:
-        return gguflib.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError, struct/numpy errors on bad input
+        return GGUFFile(path, skip=_SKIPPED_ARRAYS)
+    except Exception as e:  # ValueError, struct or unicode errors on bad input
         raise ModelLoadError(f"corrupt GGUF file {path}: {type(e).__name__}: {e}") from e
-
-
-def _fields(reader: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                   "tokenizer.ggml.scores"):
-            out[key + ".len"] = len(field.data)
-            continue
-        out[key] = field.contents()
-    return out
 
 
 def _f32(v: float) -> float:
@@ -144,7 +136,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: Pat
 
 
 def dequantize_tensor(tensor: Any) -> np.ndarray:
-    """fp32 array of a GGUFReader tensor, in row-major ``[rows, cols]`` (GGUF shape reversed)."""
+    """fp32 array of a GGUF tensor (``GGUFFile`` or ``GGUFReader``), in row-major ``[rows, cols]`` (GGUF shape reversed)."""
     from gguf import quants
 
     shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
@@ -168,7 +160,7 @@ def unpermute_index(rows: int, n_heads: int) -> np.ndarray:
 
 
 def native_tensor(tensor: Any) -> Any:
-    """A GGUFReader tensor as served natively: a quantized LinearMethod for a block-quantized
+    """A GGUF tensor as served natively: a quantized LinearMethod for a block-quantized
     matrix, an fp32 tensor for float types (F32/F16/BF16) and 1-D tensors."""
     from gguf import GGMLQuantizationType as Q
 
@@ -188,10 +180,7 @@ def read_gguf(path: Path, native: bool = False) -> GGUFCheckpoint:
     """Config and HF-named weights of a GGUF file: fp32 tensors, or with ``native`` the weight
     matrices as linear methods in their own block formats."""
     reader = _open(path)
-    try:
-        meta = _fields(reader)
-    except Exception as e:
-        raise ModelLoadError(f"corrupt GGUF metadata in {path}: {type(e).__name__}: {e}") from e
+    meta = reader.fields
     names = {t.name for t in reader.tensors}
     config = config_from_metadata(meta, names, path)
     config._name_or_path = str(path)
