@@ -67,13 +67,36 @@ _SKIPPED_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.
                    "tokenizer.ggml.scores")   # read only for their length (the tokenizer is cached)
 
 
-def _open(path: Path) -> GGUFFile:
+def _open(path: Path) -> Any:
+    """The file's ``fields`` and ``tensors``: read by :class:`GGUFFile`, or with
+    ``TOKENMILL_GGUF_READER=gguf`` by the ``gguf`` package's ``GGUFReader`` (the reference, for
+    A/B checks such as ``benchmarks/startup.py``)."""
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
     try:
+        if os.environ.get("TOKENMILL_GGUF_READER") == "gguf":
+            return _ReferenceReader(path)
         return GGUFFile(path, skip=_SKIPPED_ARRAYS)
     except Exception as e:  # ValueError, struct or unicode errors on bad input
         raise ModelLoadError(f"corrupt GGUF file {path}: {type(e).__name__}: {e}") from e
+
+
+class _ReferenceReader:
+    """``gguf.GGUFReader``'s tensors, with its fields as :class:`GGUFFile` gives them."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf as gguflib
+
+        reader = gguflib.GGUFReader(str(path))
+        self.tensors = reader.tensors
+        self.fields: dict[str, Any] = {}
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF."):   # the reader's header pseudo-fields
+                continue
+            if key in _SKIPPED_ARRAYS:
+                self.fields[key + ".len"] = len(field.data)
+            else:
+                self.fields[key] = field.contents()
 
 
 def _f32(v: float) -> float:
