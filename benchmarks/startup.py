@@ -6,10 +6,11 @@ Two measurements in one run:
    (``tokenmill.loader.gguf_file.GGUFFile``, vocabulary arrays skipped) and the ``gguf``
    package's ``GGUFReader`` (what the loader used before), ``--rounds`` times each; prints the
    medians and their ratio.
-2. `tokenmill serve` from process start to a 200 on ``/health``, ``--runs`` times for the
-   default model (Q4_1 GGUF) with each reader (``TOKENMILL_GGUF_READER=gguf`` selects
-   ``GGUFReader``; the runs alternate) and for a tiny random Llama directory (what most server
-   tests start); prints each run and the median.
+2. `tokenmill serve` from process start to a 200 on ``/health``, ``--runs`` times, the cases
+   interleaved: the default model (Q4_1 GGUF) as shipped, with transformers' config class
+   (``TOKENMILL_CONFIG_CLASSES=1``) and with that and ``GGUFReader`` (``TOKENMILL_GGUF_READER=gguf``:
+   the loader before both changes); a tiny random Llama directory (what most server tests start)
+   with and without the config class. Prints each run, the medians and the differences.
 
     .venv/bin/python benchmarks/startup.py [--rounds 3] [--runs 3] [--threads 1]
 """
@@ -68,9 +69,12 @@ def main() -> None:
           f"GGUFReader {', '.join(f'{t:.2f}' for t in ref)} s (median {mr:.2f}); GGUFReader / GGUFFile {mr / mo:.0f}x")
     with tempfile.TemporaryDirectory() as tmp:
         tiny = str(build_tiny_checkpoint(Path(tmp) / "tiny", arch="LlamaForCausalLM", seed=0))
-        cases = {f"{DEFAULT_MODEL} (GGUFFile)": (DEFAULT_MODEL, None),
-                 f"{DEFAULT_MODEL} (GGUFReader)": (DEFAULT_MODEL, {"TOKENMILL_GGUF_READER": "gguf"}),
-                 "tiny random Llama": (tiny, None)}
+        old = {"TOKENMILL_CONFIG_CLASSES": "1"}
+        cases = {f"{DEFAULT_MODEL} (GGUFFile, light config)": (DEFAULT_MODEL, None),
+                 f"{DEFAULT_MODEL} (GGUFFile, config class)": (DEFAULT_MODEL, old),
+                 f"{DEFAULT_MODEL} (GGUFReader, config class)": (DEFAULT_MODEL, {**old, "TOKENMILL_GGUF_READER": "gguf"}),
+                 "tiny random Llama (light config)": (tiny, None),
+                 "tiny random Llama (config class)": (tiny, old)}
         times: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(args.runs):
             for name, (model, env) in cases.items():
@@ -78,8 +82,10 @@ def main() -> None:
         for name, ts in times.items():
             print(f"tokenmill serve --model {name}: healthy after {', '.join(f'{t:.2f}' for t in ts)} s "
                   f"(median {statistics.median(ts):.2f} s)")
-        a, b = (statistics.median(times[f"{DEFAULT_MODEL} ({r})"]) for r in ("GGUFReader", "GGUFFile"))
-        print(f"default model start-up, GGUFReader - GGUFFile: {a - b:.2f} s ({a / b:.2f}x)")
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        names = list(cases)
+        for before, after in ((names[2], names[1]), (names[1], names[0]), (names[2], names[0]), (names[4], names[3])):
+            print(f"{before} -> {after}: {med[before] - med[after]:.2f} s less ({med[before] / med[after]:.2f}x)")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

@@ -28,7 +28,7 @@ class LoadedModel:
     """A model ready to run, with what the engine needs around it."""
 
     model: CausalLM
-    hf_config: Any                 # transformers.PretrainedConfig
+    hf_config: Any                 # transformers.PretrainedConfig (loader/config.py: the base class for the Llama family)
     tokenizer: Any                 # HF fast tokenizer with the chat template
     eos_token_ids: list[int]
     max_model_len: int
@@ -109,9 +109,11 @@ def build_hf_reference(loaded: LoadedModel) -> Any:
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
+    from tokenmill.loader.config import hf_config
+
     dtype = loaded.model.dtype
     with no_init_weights():  # every weight is overwritten below; skip the random init
-        ref = AutoModelForCausalLM.from_config(loaded.hf_config, dtype=dtype)
+        ref = AutoModelForCausalLM.from_config(hf_config(loaded.hf_config), dtype=dtype)
     state = loaded.model.hf_state_dict()  # includes lm_head.weight even when tied: set it either way
     result = ref.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("rotary_emb.inv_freq")]

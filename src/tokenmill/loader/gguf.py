@@ -14,6 +14,7 @@ are cached on disk (building them takes seconds).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from tokenmill.contracts.errors import ModelLoadError
+from tokenmill.loader.config import config_dict
 from tokenmill.loader.gguf_file import GGUFFile
 
 # GGUF general.architecture -> (HF architecture, HF model_type)
@@ -41,7 +43,7 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
 class GGUFCheckpoint(NamedTuple):
-    config: Any                       # transformers PretrainedConfig built from the metadata
+    config: Any                       # PretrainedConfig built from the metadata (loader/config.py)
     weights: dict[str, Any]           # HF names -> fp32 tensor, or a LinearMethod when native
 
 
@@ -105,7 +107,8 @@ def _f32(v: float) -> float:
 
 
 def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: Path) -> Any:
-    """An HF config (``transformers.AutoConfig.for_model``) equivalent to the GGUF metadata."""
+    """The config (``loader/config.py``'s ``PretrainedConfig`` with the model type's defaults, as
+    ``transformers.AutoConfig.for_model`` would fill them) equivalent to the GGUF metadata."""
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHS:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
@@ -150,10 +153,15 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: Pat
         cfg["use_sliding_window"] = False
     if cfg["vocab_size"] <= 0:
         raise ModelLoadError(f"{path}: GGUF metadata gives no vocabulary (tokenizer.ggml.tokens)")
-    from transformers import AutoConfig
+    from tokenmill.loader.config import light_config
 
     try:
-        return AutoConfig.for_model(model_type, **cfg)
+        config = light_config({**cfg, "model_type": model_type})
+        if config is None:   # TOKENMILL_CONFIG_CLASSES=1
+            from transformers import AutoConfig
+
+            config = AutoConfig.for_model(model_type, **cfg)
+        return config
     except (ValueError, TypeError) as e:
         raise ModelLoadError(f"{path}: GGUF metadata makes an invalid {model_type} config: {e}") from e
 
@@ -244,10 +252,11 @@ def read_gguf_cached(path: Path) -> GGUFCheckpoint:
     entry = _cache_root() / f"gguf-{key}"
     if (entry / "model.safetensors").is_file():
         from safetensors.torch import load_file
-        from transformers import AutoConfig
+
+        from tokenmill.loader.hf import load_hf_config
 
         try:
-            config = AutoConfig.from_pretrained(str(entry), local_files_only=True)
+            config = load_hf_config(entry)
             config._name_or_path = str(path)
             return GGUFCheckpoint(config, load_file(str(entry / "model.safetensors")))
         except Exception:  # damaged entry (partial copy, disk error): rebuild it below
@@ -263,7 +272,7 @@ def _write_cache_entry(entry: Path, checkpoint: GGUFCheckpoint) -> None:
     tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        checkpoint.config.save_pretrained(str(tmp))
+        (tmp / "config.json").write_text(json.dumps(config_dict(checkpoint.config), indent=2, sort_keys=True))
         save_file(checkpoint.weights, str(tmp / "model.safetensors"))
         tmp.rename(entry)
     except OSError:  # read-only or full disk, or another process won the race: the cache is optional

@@ -30,6 +30,15 @@ def load_hf_config(model_dir: Path) -> Any:
     if archs and archs[0] not in ARCHITECTURES:  # say so before transformers trips on an unknown model_type
         raise ModelLoadError(f"unsupported architecture {archs[0]!r} in {cfg_path}; supported: "
                              f"{', '.join(supported_architectures())}")
+    from tokenmill.loader.config import light_config
+
+    try:
+        config = light_config(raw)   # the Llama family, without importing its transformers class
+    except (ValueError, TypeError) as e:
+        raise ModelLoadError(f"{cfg_path}: invalid config: {e}") from e
+    if config is not None:
+        config._name_or_path = str(model_dir)
+        return config
     from transformers import AutoConfig
 
     if archs and archs[0] == "DeepseekV3ForCausalLM" and raw["model_type"] != "deepseek_v3":
