@@ -1,0 +1,98 @@
+"""The native decode-attention kernel alone: time per key and KV head, with the KV in cache and
+from DRAM, against a plain read of the same bytes.
+
+One decode row of SmolLM2-135M's shape (9 query heads, 3 KV heads, head_dim 64) attends to L
+cached tokens in fp8 pages of 16 tokens, in random page order, through
+``tokenmill._native.attention.paged_attention`` on one thread. "cold" calls 30 layers' pools in
+turn (30 x 2 x L x 3 x 64 bytes, far beyond the caches, as in a real decode step); "hot" calls one
+layer's pool 30 times (it stays in L2 up to about 8k tokens). "read" sums the same 30 pools with
+torch, a floor for streaming those bytes. If cold is near hot, the kernel is bound by its
+arithmetic, not by memory; the #18 aim (16k decode >= 0.7x the 512 rate) needs the cold time per
+layer under (step_512 / 0.7 - step_512) / 30.
+
+    .venv/bin/python benchmarks/decode_attention_kernel.py [--contexts 512,4096,16384] [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from tokenmill._native import attention as native
+
+PAGE, HQ, HKV, D, LAYERS = 16, 9, 3, 64, 30
+FP8_STATIC = 2   # kv kind: fp8 pages with per-head scales
+
+
+class Pools:
+    def __init__(self, ctx: int) -> None:
+        self.ctx, self.pages = ctx, ctx // PAGE
+        g = torch.Generator().manual_seed(ctx)
+        self.layers = []
+        for _ in range(LAYERS):
+            k = torch.randint(0, 120, (self.pages + 8, PAGE, HKV, D), dtype=torch.uint8, generator=g)
+            v = torch.randint(0, 120, (self.pages + 8, PAGE, HKV, D), dtype=torch.uint8, generator=g)
+            table = torch.randperm(self.pages + 8, generator=g)[:self.pages].to(torch.int64).contiguous()
+            self.layers.append((k, v, table))
+        self.scales = torch.full((HKV,), 0.01)
+        self.q = torch.randn(1, HQ * D, generator=g)
+        self.out = torch.empty(1, HQ * D)
+        self.qsl = torch.tensor([0, 1], dtype=torch.int64)
+        self.lens = torch.tensor([ctx], dtype=torch.int64)
+
+    def call(self, layer: int) -> None:
+        k, v, table = self.layers[layer]
+        native.paged_attention(self.q.data_ptr(), HQ * D, self.out.data_ptr(), k.data_ptr(), v.data_ptr(),
+                               table.data_ptr(), self.pages, self.qsl.data_ptr(), self.lens.data_ptr(), 1, PAGE,
+                               HQ, HKV, D, D ** -0.5, 1, FP8_STATIC, self.scales.data_ptr(), self.scales.data_ptr())
+
+    def cold(self) -> float:
+        t0 = time.perf_counter()
+        for i in range(LAYERS):
+            self.call(i)
+        return time.perf_counter() - t0
+
+    def hot(self) -> float:
+        self.call(0)
+        t0 = time.perf_counter()
+        for _ in range(LAYERS):
+            self.call(0)
+        return time.perf_counter() - t0
+
+    def read(self) -> float:
+        t0 = time.perf_counter()
+        for k, v, _ in self.layers:
+            int(k.view(torch.int64).sum()) + int(v.view(torch.int64).sum())
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="512,4096,16384")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5, help="timed passes per measure (best is kept)")
+    args = ap.parse_args()
+    if not native.available():
+        raise SystemExit(native.unavailable_reason())
+    torch.set_num_threads(1)
+    print(f"load average {os.getloadavg()[0]:.2f}; kernel {native.simd()}; one thread; "
+          f"{HQ}/{HKV} heads x {D}, fp8 pages of {PAGE}, {LAYERS} layers")
+    print("| context | round | cold ms/layer | hot ms/layer | read ms/layer | cold ns per key-head | hot ns per key-head | cold GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for rnd in range(args.rounds):
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            p = Pools(ctx)
+            cold = min(p.cold() for _ in range(args.repeats)) / LAYERS
+            hot = min(p.hot() for _ in range(args.repeats)) / LAYERS
+            read = min(p.read() for _ in range(args.repeats)) / LAYERS
+            per = ctx * HKV
+            gbs = 2 * ctx * HKV * D / cold / 1e9
+            print(f"| {ctx} | {rnd + 1} | {cold * 1e3:.3f} | {hot * 1e3:.3f} | {read * 1e3:.3f} | "
+                  f"{cold * 1e9 / per:.1f} | {hot * 1e9 / per:.1f} | {gbs:.2f} |", flush=True)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
