@@ -114,3 +114,29 @@ def test_config_classes_switch_gives_the_same_arguments(tiny_llama_dir, monkeypa
     assert is_light(light) and type(ref).__name__ == "LlamaConfig"
     args_of = ARCHITECTURES["LlamaForCausalLM"].args_from_config
     assert args_of(light) == args_of(ref)
+
+
+@pytest.mark.parametrize("tokenizer_class", [None, "LlamaTokenizer", "GPT2Tokenizer", "Qwen2Tokenizer"])
+def test_tokenizer_loads_the_same_with_the_light_config(tiny_llama_dir, tmp_path, tokenizer_class):
+    """AutoTokenizer is given the loaded config (so it need not read config.json itself); the
+    plain PretrainedConfig must pick the same tokenizer as the model's class would, whatever
+    tokenizer_config.json names (or when it names nothing)."""
+    import shutil
+
+    from tokenmill.loader.hf import load_hf_config, load_hf_tokenizer
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, d)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc.pop("tokenizer_class", None)
+    if tokenizer_class:
+        tc["tokenizer_class"] = tokenizer_class
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    light = load_hf_config(d)
+    ours, ref = load_hf_tokenizer(d, light), load_hf_tokenizer(d, hf_config(light))
+    assert type(ours) is type(ref)
+    text = "def f(x):\n    return x + 1  # héllo"
+    assert ours.encode(text) == ref.encode(text) and ours.eos_token_id == ref.eos_token_id
+    chat = [{"role": "user", "content": text}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
