@@ -292,19 +292,22 @@ class ParallelRunner:
         conn = self._conns[rank]
         deadline = None if timeout is None else time.monotonic() + timeout
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        closed = False   # the rank's end of the pipe is gone: wait on the sentinels only
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait([conn, *sentinels], timeout=left)
+            ready = wait([*([] if closed else [conn]), *sentinels], timeout=left)
             if conn in ready:
                 try:
                     return pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
-                    pass  # the rank is gone; its sentinel tells which
+                    closed = True  # the rank is gone; its sentinel tells which
             dead = self._dead_ranks_message(starting=what == "start")
             if dead:
                 self._fail(dead)
             if deadline is not None and time.monotonic() >= deadline:
                 self._fail(f"tensor-parallel rank {rank} did not answer ({what}) within {timeout:.0f} s")
+            if ready:   # a pipe or sentinel closed before the exit code can be reaped: poll, do not spin
+                time.sleep(0.005)
 
     def _await_dead_ranks(self, skip: int, grace_s: float) -> str:
         """:meth:`_dead_ranks_message` once some rank (but ``skip``) has exited, or after
