@@ -10,7 +10,7 @@ from scipy import stats
 
 from engine_oracle import hf_logits, random_prompts
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.sampling import Sampler, SamplingInputs, apply_penalties, truncate
+from tokenmill.layers.sampling import Sampler, SamplingInputs, apply_penalties, exp1, race_keys, truncate
 
 ALPHA = 1e-3  # chi-square tests use fixed seeds, so they are deterministic; this is the bar
 
@@ -95,6 +95,20 @@ def test_min_p_draws_follow_the_renormalised_distribution() -> None:
     out = sampler(logits, SamplingInputs(params, [[]] * n, [[]] * n, [None] * n))
     expected = np.where(probs >= 0.1, probs, 0.0)
     assert chi_square_p(out.token_ids, expected / expected.sum()) > ALPHA
+
+
+def test_race_noise_is_exp1_and_keyed() -> None:
+    """exp1: Exp(1) by a Kolmogorov-Smirnov test, no two keys' streams alike, a key repeats, and
+    consecutive counters uncorrelated (the splitmix64 stream behind it)."""
+    keys = race_keys(torch.Generator().manual_seed(3), 8)
+    e = exp1(keys, 49152).numpy()
+    assert e.shape == (8, 49152) and np.isfinite(e).all() and (e > 0).all()
+    assert stats.kstest(e.ravel(), "expon").pvalue > ALPHA
+    assert np.array_equal(exp1(keys[:1], 49152).numpy()[0], e[0])
+    assert not any(np.array_equal(e[a], e[b]) for a in range(8) for b in range(a))
+    r = np.corrcoef(e[0, :-1], e[0, 1:])[0, 1]
+    assert abs(r) < 0.02
+    assert race_keys(torch.Generator().manual_seed(3), 8) == keys
 
 
 def test_seeded_draws_survive_last_bit_changes_in_the_logits() -> None:

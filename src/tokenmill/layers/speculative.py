@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from tokenmill.contracts.sampling import SamplingParams
-from tokenmill.layers.sampling import Sampler, apply_penalties, truncate
+from tokenmill.layers.sampling import Sampler, apply_penalties, exp1, race_keys, truncate
 
 
 class VerifyInputs(NamedTuple):
@@ -151,6 +151,6 @@ def verify(sampler: Sampler, logits: torch.Tensor, inputs: VerifyInputs) -> list
 
 
 def _race(p: torch.Tensor, gen: torch.Generator) -> int:
-    """Draw from ``p`` (float64) by the exponential race, one Exp(1) per vocabulary entry."""
-    e = torch.empty_like(p).exponential_(generator=gen)
-    return int((p / e).argmax())
+    """Draw from ``p`` (float64) by the exponential race, with one key from ``gen`` (as the plain
+    sampler draws a row)."""
+    return int((p / exp1(race_keys(gen, 1), p.shape[-1])[0].to(p.device)).argmax())
