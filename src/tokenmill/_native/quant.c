@@ -219,9 +219,98 @@ TGT_AVX2 static inline __m256i madd2_avx2(__m256i a, __m256i x, __m256i b, __m25
 }
 DEFINE_BLOCK_DOTS(avx2, TGT_AVX2, madd2_avx2)
 
+/* Several x rows against one weight row (u4 or s8), natural activation order, in tiles of up to 4
+ * rows. Each block's weights are widened once per tile (WIDEN: 32 int16 lanes, values 0-15 and
+ * 16-31) and met by every row of the tile (MADD2). With a scale per block or one per row, a row's
+ * 8 consecutive blocks reduce in hadds to one vector of 8 block sums (as the one-row path does),
+ * so the int32 -> float conversion and the scale multiply-add come once per 8 blocks and row, not
+ * once per block; a row's last 1-7 blocks and larger groups take them block by block. The
+ * previous form (the block dot recomputed, widening included, for every row, and a conversion per
+ * block) made a 2-row step cost 2.3 one-row steps (quant_kernel_rows.py, avx2 set). */
+TGT_AVX2 static inline __attribute__((always_inline)) void u4widen(const uint8_t *p, __m256i *lo, __m256i *hi) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);
+    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, m));
+    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), m));
+}
+TGT_AVX2 static inline __attribute__((always_inline)) void s8widen(const int8_t *p, __m256i *lo, __m256i *hi) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)p);
+    *lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+    *hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+}
+#define LD16(p) _mm256_loadu_si256((const __m256i *)(p))
+#define DEFINE_ROWS_DOT(NAME, TGT, WIDEN, MADD2, WT, WSTRIDE, HAS_MIN)                                      \
+TGT static inline __attribute__((always_inline)) void NAME##_tile(                                        \
+    const WT *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb, int64_t bpg,        \
+    const int16_t *xq, const float *xd, const float *xs, int64_t x_stride, int64_t xb_stride, float *out,  \
+    int64_t out_stride, const int MR) {                                                                   \
+    __m256 acc[4];                                                                                        \
+    float tail[4];                                                                                        \
+    for (int j = 0; j < MR; j++) { acc[j] = _mm256_setzero_ps(); tail[j] = 0.f; }                         \
+    int64_t b = 0;                                                                                        \
+    if (bpg == 1 || bpg >= nb) {  /* a scale per block, or one per row */                                 \
+        const int one = bpg >= nb;                                                                        \
+        const __m256 sc1 = _mm256_set1_ps(scale_avx2(sc, row_g0, f16));                                  \
+        const __m256 mn1 = HAS_MIN ? _mm256_set1_ps(scale_avx2(mn, row_g0, f16)) : _mm256_setzero_ps();   \
+        for (; b + 8 <= nb; b += 8) {                                                                     \
+            __m256i h[4], s0[4];                                                                          \
+            for (int j = 0; j < MR; j++) h[j] = s0[j] = _mm256_setzero_si256();                            \
+            const __m256 sv = one ? sc1 : scales8(sc, row_g0 + b, f16);                                    \
+            const __m256 mv = !HAS_MIN ? mn1 : one ? mn1 : scales8(mn, row_g0 + b, f16);                   \
+            for (int q = 0; q < 4; q++) {  /* blocks b + 2q and b + 2q + 1 */                             \
+                __m256i lo0, hi0, lo1, hi1;                                                               \
+                WIDEN(qs + (b + 2 * q) * WSTRIDE, &lo0, &hi0);                                            \
+                WIDEN(qs + (b + 2 * q + 1) * WSTRIDE, &lo1, &hi1);                                        \
+                for (int j = 0; j < MR; j++) {                                                            \
+                    const int16_t *x = xq + j * x_stride + (b + 2 * q) * QK;                              \
+                    const __m256i d = _mm256_hadd_epi32(MADD2(lo0, LD16(x), hi0, LD16(x + 16)),           \
+                                                        MADD2(lo1, LD16(x + 32), hi1, LD16(x + 48)));     \
+                    if (q == 0 || q == 2) { h[j] = d; continue; }                                         \
+                    if (q == 1) { s0[j] = _mm256_hadd_epi32(h[j], d); continue; }                         \
+                    const __m256i s1 = _mm256_hadd_epi32(h[j], d);                                        \
+                    const __m256i t = _mm256_add_epi32(_mm256_permute2x128_si256(s0[j], s1, 0x20),        \
+                                                       _mm256_permute2x128_si256(s0[j], s1, 0x31));      \
+                    acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(sv, _mm256_loadu_ps(xd + j * xb_stride + b)),   \
+                                             _mm256_cvtepi32_ps(t), acc[j]);                              \
+                    if (HAS_MIN) acc[j] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + j * xb_stride + b), acc[j]); \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+    for (; b < nb; b++) {  /* the row's last blocks, or groups of several blocks: block by block */      \
+        const int64_t g = row_g0 + b / bpg;                                                               \
+        const float s = scale_avx2(sc, g, f16), mm = HAS_MIN ? scale_avx2(mn, g, f16) : 0.f;              \
+        __m256i lo, hi;                                                                                   \
+        WIDEN(qs + b * WSTRIDE, &lo, &hi);                                                                \
+        for (int j = 0; j < MR; j++) {                                                                    \
+            const int16_t *x = xq + j * x_stride + b * QK;                                                \
+            const __m256 p = _mm256_cvtepi32_ps(MADD2(lo, LD16(x), hi, LD16(x + 16)));                    \
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(s * xd[j * xb_stride + b]), p, acc[j]);               \
+            if (HAS_MIN) tail[j] += mm * xs[j * xb_stride + b];                                           \
+        }                                                                                                 \
+    }                                                                                                     \
+    for (int j = 0; j < MR; j++) out[j * out_stride] = hsum8(acc[j]) + tail[j];                           \
+}                                                                                                         \
+TGT static void NAME(const WT *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb,   \
+                     int64_t bpg, const int16_t *xq, const float *xd, const float *xs, int64_t nrows_x,    \
+                     int64_t x_stride, int64_t xb_stride, float *out, int64_t out_stride) {                \
+    const int64_t tiles = (nrows_x + 3) / 4;  /* as even as possible: 5 = 3 + 2, 7 = 4 + 3 */            \
+    for (int64_t t = 0, m0 = 0, mr; t < tiles; t++, m0 += mr) {                                           \
+        mr = (nrows_x - m0) / (tiles - t) + ((nrows_x - m0) % (tiles - t) != 0);                          \
+        const int16_t *x = xq + m0 * x_stride;                                                            \
+        const float *d = xd + m0 * xb_stride, *m = xs ? xs + m0 * xb_stride : NULL;                        \
+        float *o = out + m0 * out_stride;                                                                 \
+        switch (mr) {                                                                                     \
+        case 1: NAME##_tile(qs, sc, mn, f16, row_g0, nb, bpg, x, d, m, x_stride, xb_stride, o, out_stride, 1); break; \
+        case 2: NAME##_tile(qs, sc, mn, f16, row_g0, nb, bpg, x, d, m, x_stride, xb_stride, o, out_stride, 2); break; \
+        case 3: NAME##_tile(qs, sc, mn, f16, row_g0, nb, bpg, x, d, m, x_stride, xb_stride, o, out_stride, 3); break; \
+        default: NAME##_tile(qs, sc, mn, f16, row_g0, nb, bpg, x, d, m, x_stride, xb_stride, o, out_stride, 4); \
+        }                                                                                                 \
+    }                                                                                                     \
+}
+
 /* One weight row (u4 or s8) against nrows_x activation rows. For one row, two accumulator chains
- * over even and odd blocks; for several, up to 4 rows share each decoded weight block. */
-#define DEFINE_ROW_DOT(NAME, TGT, BLOCKDOT, WT, WSTRIDE, HAS_MIN)                                          \
+ * over even and odd blocks; several go to ROWS (DEFINE_ROWS_DOT). */
+#define DEFINE_ROW_DOT(NAME, TGT, BLOCKDOT, WT, WSTRIDE, HAS_MIN, ROWS)                                    \
 TGT static void NAME(const WT *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb,   \
                      int64_t bpg, const int16_t *xq, const float *xd, const float *xs, int64_t nrows_x,    \
                      int64_t x_stride, int64_t xb_stride, float *out, int64_t out_stride) {                \
@@ -273,26 +362,13 @@ TGT static void NAME(const WT *qs, const void *sc, const void *mn, int f16, int6
         out[0] = hsum8(_mm256_add_ps(a0, a1)) + (m0s + m1s);                                              \
         return;                                                                                           \
     }                                                                                                     \
-    for (int64_t m0 = 0; m0 < nrows_x; m0 += 4) {                                                         \
-        int64_t mr = nrows_x - m0 < 4 ? nrows_x - m0 : 4;                                                 \
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
-        float accm[4] = {0.f, 0.f, 0.f, 0.f};                                                            \
-        for (int64_t b = 0; b < nb; b++) {                                                                \
-            int64_t g = row_g0 + b / bpg;                                                                 \
-            float s = scale_avx2(sc, g, f16), mm = HAS_MIN ? scale_avx2(mn, g, f16) : 0.f;                \
-            for (int64_t j = 0; j < mr; j++) {                                                            \
-                int64_t m = m0 + j;                                                                       \
-                __m256 p = _mm256_cvtepi32_ps(BLOCKDOT(qs + b * WSTRIDE, xq + m * x_stride + b * QK));    \
-                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(s * xd[m * xb_stride + b]), p, acc[j]);           \
-                if (HAS_MIN) accm[j] += mm * xs[m * xb_stride + b];                                       \
-            }                                                                                             \
-        }                                                                                                 \
-        for (int64_t j = 0; j < mr; j++) out[(m0 + j) * out_stride] = hsum8(acc[j]) + accm[j];            \
-    }                                                                                                     \
+    ROWS(qs, sc, mn, f16, row_g0, nb, bpg, xq, xd, xs, nrows_x, x_stride, xb_stride, out, out_stride);     \
 }
 
-DEFINE_ROW_DOT(dot_u4_avx2, TGT_AVX2, u4dot_avx2, uint8_t, 16, 1)
-DEFINE_ROW_DOT(dot_s8_avx2, TGT_AVX2, s8dot_avx2, int8_t, QK, 0)
+DEFINE_ROWS_DOT(rows_u4_avx2, TGT_AVX2, u4widen, madd2_avx2, uint8_t, 16, 1)
+DEFINE_ROWS_DOT(rows_s8_avx2, TGT_AVX2, s8widen, madd2_avx2, int8_t, QK, 0)
+DEFINE_ROW_DOT(dot_u4_avx2, TGT_AVX2, u4dot_avx2, uint8_t, 16, 1, rows_u4_avx2)
+DEFINE_ROW_DOT(dot_s8_avx2, TGT_AVX2, s8dot_avx2, int8_t, QK, 0, rows_s8_avx2)
 
 /* One s8 block against activations in 256-bit word order (the block's even values, then its odd
  * ones: to_word256_order): each 16-bit word of the weights gives its low byte (shift left 8,
@@ -304,7 +380,8 @@ TGT_AVX2 static inline __m256i s8dot_word_avx2(const int8_t *p, const int16_t *x
                                               _mm256_loadu_si256((const __m256i *)x)),
                             _mm256_madd_epi16(_mm256_srai_epi16(w, 8), _mm256_loadu_si256((const __m256i *)(x + 16))));
 }
-DEFINE_ROW_DOT(dot_s8_word_avx2, TGT_AVX2, s8dot_word_avx2, int8_t, QK, 0)
+/* word-order activations exist for one x row only (gemm_s8_rows), so ROWS is never reached here */
+DEFINE_ROW_DOT(dot_s8_word_avx2, TGT_AVX2, s8dot_word_avx2, int8_t, QK, 0, rows_s8_avx2)
 
 #if __GNUC__ >= 11
 #define TGT_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
@@ -312,8 +389,10 @@ TGT_VNNI static inline __m256i madd2_vnni(__m256i a, __m256i x, __m256i b, __m25
     return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(a, x), b, y);
 }
 DEFINE_BLOCK_DOTS(vnni, TGT_VNNI, madd2_vnni)
-DEFINE_ROW_DOT(dot_u4_vnni, TGT_VNNI, u4dot_vnni, uint8_t, 16, 1)
-DEFINE_ROW_DOT(dot_s8_vnni, TGT_VNNI, s8dot_vnni, int8_t, QK, 0)
+DEFINE_ROWS_DOT(rows_u4_vnni, TGT_VNNI, u4widen, madd2_vnni, uint8_t, 16, 1)
+DEFINE_ROWS_DOT(rows_s8_vnni, TGT_VNNI, s8widen, madd2_vnni, int8_t, QK, 0)
+DEFINE_ROW_DOT(dot_u4_vnni, TGT_VNNI, u4dot_vnni, uint8_t, 16, 1, rows_u4_vnni)
+DEFINE_ROW_DOT(dot_s8_vnni, TGT_VNNI, s8dot_vnni, int8_t, QK, 0, rows_s8_vnni)
 #endif
 
 /* One x row against u4 weights on avx2 and avxvnni: the quad order of the avx512vnni kernel
