@@ -1,6 +1,8 @@
 """What a sampled (temperature > 0) token costs in the sampler: tokenmill's ``Sampler`` on
 ``[B, 49152]`` logits (SmolLM2's vocabulary) against the same exponential race with torch's
-``exponential_`` noise (the sampler before ``layers.sampling.exp1``), in one process.
+``exponential_`` noise (the sampler before ``layers.sampling.exp1``), in one process; and what a
+greedy token costs: the ``Sampler`` at temperature 0 (``row_argmax``, numpy's argmax) against
+torch's ``argmax`` on the same logits (the greedy path before it).
 
     .venv/bin/python benchmarks/sampler_draw.py [--batches 1,4,16] [--repeats 30]
 """
@@ -53,6 +55,17 @@ def main() -> None:
         sampler = Sampler(seed=0)
         ours = best_ms(lambda: sampler(logits, inputs), args.repeats)
         ref = best_ms(lambda: torch_race(logits, gen), args.repeats)
+        print(f"| {b} | {ours:.3f} | {ref:.3f} | {ref / ours:.2f}x |")
+    print("\n| rows | greedy Sampler (row_argmax) ms | torch argmax ms | ratio |")
+    print("|---|---|---|---|")
+    for b in (int(x) for x in args.batches.split(",")):
+        logits = torch.randn(b, VOCAB, generator=gen) * 2
+        params = [SamplingParams(temperature=0.0)] * b
+        inputs = SamplingInputs(params, [[]] * b, [[]] * b, [None] * b)
+        sampler = Sampler(seed=0)
+        assert sampler(logits, inputs).token_ids == logits.argmax(dim=-1).tolist()
+        ours = best_ms(lambda: sampler(logits, inputs), args.repeats)
+        ref = best_ms(lambda: logits.argmax(dim=-1).tolist(), args.repeats)
         print(f"| {b} | {ours:.3f} | {ref:.3f} | {ref / ours:.2f}x |")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 

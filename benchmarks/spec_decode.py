@@ -12,12 +12,17 @@ Per configuration and workload: single-stream decode tok/s (each of the first ``
 prompts alone on a fresh engine; all decode tokens after the first / their time), acceptance
 length (output tokens per decode step), and total output tok/s with the prompts at concurrency
 4. The configurations run interleaved (prompt by prompt, ``--rounds`` rounds, every other one in
-reverse order) so that the machine's changing load hits them alike. tokenmill runs in-process
+reverse order) so that the machine's changing load hits them alike. The concurrent batch runs
+``--c4-reps`` times per round for every configuration, interleaved the same way; besides the
+total rate, each configuration's c4 ratio to no speculation is given as the median over those
+runs of the ratio to the adjacent run without it ("c4 paired"): one batch takes a few seconds, and
+this host's speed moves by up to 1.5x over that time, so a ratio of totals over two batches can
+read 0.6x or 1.2x for the same code. tokenmill runs in-process
 (offline engine, ``OMP_NUM_THREADS`` threads); vLLM through its OpenAI server (streaming, 2
 threads), started by ``benchmarks/peers.py``.
 
-    python benchmarks/spec_decode.py [--max-tokens 112] [--prompts 4] [--rounds 2] [--no-vllm]
-                                     [--spec-gate on|off|both]
+    python benchmarks/spec_decode.py [--max-tokens 112] [--prompts 4] [--rounds 2] [--c4-reps 3]
+                                     [--no-vllm] [--spec-gate on|off|both]
 """
 from __future__ import annotations
 
@@ -95,14 +100,15 @@ def _concurrent(loaded, prompts: list[list[int]], max_tokens: int, spec: dict) -
 
 
 def run_tokenmill(loaded, configs: dict[str, dict], prompts: list[list[int]], max_tokens: int, single: int,
-                  rounds: int) -> dict[str, dict]:
+                  rounds: int, c4_reps: int = 1) -> dict[str, dict]:
     """Every configuration on the same prompts, interleaved: each round runs prompt 1 under every
     configuration, then prompt 2, ... (odd rounds in reverse configuration order), so a change of
     the machine's load hits all configurations alike. Decode tok/s = all single-stream decode
-    tokens / their time; c4 = the prompts at once, once per round, tokens / wall time."""
+    tokens / their time; c4 = the prompts at once, ``c4_reps`` times per round, tokens / wall time,
+    and each run's rate over that of the run without speculation next to it (``c4_paired``)."""
     labels = list(configs)
     acc = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "c4_tokens": 0, "c4_seconds": 0.0, "outputs": [],
-               "verify_steps": 0, "verify_emitted": 0}
+               "verify_steps": 0, "verify_emitted": 0, "c4_runs": []}
            for k in labels}
     for r in range(rounds):
         order = labels if r % 2 == 0 else labels[::-1]
@@ -118,15 +124,20 @@ def run_tokenmill(loaded, configs: dict[str, dict], prompts: list[list[int]], ma
                 a["steps"] += steps
                 if r == 0:
                     a["outputs"].append(ids)
-        for label in order:
-            n, secs = _concurrent(loaded, prompts, max_tokens, configs[label])
-            acc[label]["c4_tokens"] += n
-            acc[label]["c4_seconds"] += secs
+        for rep in range(c4_reps):
+            for label in (order if rep % 2 == 0 else order[::-1]):
+                n, secs = _concurrent(loaded, prompts, max_tokens, configs[label])
+                acc[label]["c4_tokens"] += n
+                acc[label]["c4_seconds"] += secs
+                acc[label]["c4_runs"].append(n / secs)
+    base = acc["none"]["c4_runs"] if "none" in acc else None
     return {k: {"decode_tok_s": a["tokens"] / a["seconds"],
                 "acceptance_length": a["tokens"] / a["steps"] if a["steps"] else None,
                 # vLLM's metric: tokens per step that verified drafts (steps without one left out)
                 "accept_per_drafted_step": a["verify_emitted"] / a["verify_steps"] if a["verify_steps"] else None,
-                "total_tok_s_c4": a["c4_tokens"] / a["c4_seconds"], "outputs": a["outputs"]}
+                "total_tok_s_c4": a["c4_tokens"] / a["c4_seconds"], "c4_runs": a["c4_runs"],
+                "c4_paired": (statistics.median(x / y for x, y in zip(a["c4_runs"], base)) if base else None),
+                "outputs": a["outputs"]}
             for k, a in acc.items()}
 
 
@@ -205,6 +216,7 @@ def main() -> int:
     ap.add_argument("--base-drafter", default=str(ROOT / "drafters" / "smollm2-135m-dflash-base"))
     ap.add_argument("--drafter", default=str(ROOT / "drafters" / "smollm2-135m-dflash"))
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all configurations")
+    ap.add_argument("--c4-reps", type=int, default=3, help="concurrent batches per configuration and round")
     ap.add_argument("--workloads", default="agent,prose", help="comma-separated subset of agent,prose")
     ap.add_argument("--num-speculative-tokens", type=int, default=None, help="k for every method (default: engine's)")
     ap.add_argument("--quantization", default="auto", help="tokenmill weights: auto (the GGUF's Q4_1) or none (fp32)")
@@ -244,7 +256,7 @@ def main() -> int:
             configs[f"{label}-nogate"] = {**configs[label], "speculative_gate": False}
     results: dict[str, dict] = {label: {} for label in configs}
     for wname, ps in prompts.items():
-        per = run_tokenmill(loaded, configs, ps, args.max_tokens, args.single, args.rounds)
+        per = run_tokenmill(loaded, configs, ps, args.max_tokens, args.single, args.rounds, args.c4_reps)
         for label, r in per.items():
             results[label][wname] = r
             print(f"{label:14s} {wname:6s} decode {r['decode_tok_s']:6.1f} tok/s  acceptance "
@@ -265,9 +277,10 @@ def main() -> int:
             results["vllm-ngram"] = v
     print(f"\nload average at end: {open('/proc/loadavg').read().strip()}")
     print("\naccept len: output tokens per decode step (all steps); per drafted: tokens per step that "
-          "verified drafts (vLLM's spec_decode metrics; the only one it reports)")
+          "verified drafts (vLLM's spec_decode metrics; the only one it reports); paired: median over the "
+          "concurrent batches of the ratio to the adjacent batch without speculation")
     print(f"\n{'config':14s} {'workload':8s} {'decode tok/s':>12s} {'x none':>7s} {'accept len':>10s} "
-          f"{'per drafted':>11s} {'c' + str(args.prompts) + ' tok/s':>9s} {'x none':>7s}")
+          f"{'per drafted':>11s} {'c' + str(args.prompts) + ' tok/s':>9s} {'x none':>7s} {'paired':>7s}")
     for label, per in results.items():
         for w in prompts:
             r = per.get(w)
@@ -279,8 +292,10 @@ def main() -> int:
             al, pd = r.get("acceptance_length"), r.get("accept_per_drafted_step")
             al_s = f"{al:10.2f}" if al else f"{'-':>10s}"
             pd_s = f"{pd:11.2f}" if pd else f"{'-':>11s}"
+            paired = r.get("c4_paired")
+            paired_s = f"{paired:7.2f}" if paired else f"{'-':>7s}"
             print(f"{label:14s} {w:8s} {d or 0:12.1f} {(d or 0) / base['decode_tok_s']:7.2f} "
-                  f"{al_s} {pd_s} {c4 or 0:9.1f} {(c4 or 0) / base['total_tok_s_c4']:7.2f}")
+                  f"{al_s} {pd_s} {c4 or 0:9.1f} {(c4 or 0) / base['total_tok_s_c4']:7.2f} {paired_s}")
     if args.json:
         for per in results.values():
             for r in per.values():

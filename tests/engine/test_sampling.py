@@ -10,7 +10,8 @@ from scipy import stats
 
 from engine_oracle import hf_logits, random_prompts
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.sampling import Sampler, SamplingInputs, apply_penalties, exp1, race_keys, truncate
+from tokenmill.layers.sampling import (Sampler, SamplingInputs, apply_penalties, exp1, race_keys, row_argmax,
+                                      truncate)
 
 ALPHA = 1e-3  # chi-square tests use fixed seeds, so they are deterministic; this is the bar
 
@@ -95,6 +96,30 @@ def test_min_p_draws_follow_the_renormalised_distribution() -> None:
     out = sampler(logits, SamplingInputs(params, [[]] * n, [[]] * n, [None] * n))
     expected = np.where(probs >= 0.1, probs, 0.0)
     assert chi_square_p(out.token_ids, expected / expected.sum()) > ALPHA
+
+
+def test_row_argmax_is_torch_argmax() -> None:
+    """row_argmax (numpy's argmax for CPU float tensors) picks what torch's argmax picks: the first
+    of tied maxima, a NaN before any number, index 0 for a row of -inf, in float32 and float64, on
+    1-D, strided and inference tensors; other dtypes go through torch."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 49152, generator=gen)
+    x[1, 7] = x[1, 40000] = 100.0                        # a tie: the first index wins
+    x[2, 123] = float("nan")                             # NaN counts as the largest
+    x[2, 5] = float("nan")
+    x[3] = float("-inf")                                 # nothing but -inf: index 0
+    x[4, 17] = -0.0
+    x[4] = torch.where(x[4] > 0, -x[4], x[4]).clamp(max=0.0)  # zeros of both signs tie at the top
+    cases = [x, x.double(), x[0], x[:, ::3], x[1:5], torch.randn(3, 5, generator=gen).t()]
+    with torch.inference_mode():
+        cases.append(torch.randn(4, 1000, generator=gen))
+    for c in cases:
+        got = row_argmax(c)
+        assert got.dtype == torch.int64 and got.shape == c.shape[:-1]
+        assert torch.equal(got, c.argmax(dim=-1)), c.shape
+    assert row_argmax(x[:, :2]).tolist() == x[:, :2].argmax(-1).tolist()
+    assert torch.equal(row_argmax(x.to(torch.bfloat16)), x.to(torch.bfloat16).argmax(dim=-1))
+    assert row_argmax(x).tolist()[1:4] == [7, 5, 0]
 
 
 def test_race_noise_is_exp1_and_keyed() -> None:

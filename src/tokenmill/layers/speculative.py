@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from tokenmill.contracts.sampling import SamplingParams
-from tokenmill.layers.sampling import Sampler, apply_penalties, exp1, race_keys, truncate
+from tokenmill.layers.sampling import Sampler, apply_penalties, exp1, race_keys, row_argmax, truncate
 
 
 class VerifyInputs(NamedTuple):
@@ -78,7 +78,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, inputs: VerifyInputs) -> list
     greedy_rows = [r for r, p in enumerate(row_params) if p.greedy]
     argmax: dict[int, int] = {}
     if greedy_rows:
-        argmax = dict(zip(greedy_rows, logits[greedy_rows].argmax(dim=-1).tolist()))
+        argmax = dict(zip(greedy_rows, row_argmax(logits[greedy_rows]).tolist()))
     sample_rows = [r for r, p in enumerate(row_params) if not p.greedy]
     probs_of: dict[int, int] = {r: j for j, r in enumerate(sample_rows)}
     probs = None
@@ -153,4 +153,4 @@ def verify(sampler: Sampler, logits: torch.Tensor, inputs: VerifyInputs) -> list
 def _race(p: torch.Tensor, gen: torch.Generator) -> int:
     """Draw from ``p`` (float64) by the exponential race, with one key from ``gen`` (as the plain
     sampler draws a row)."""
-    return int((p / exp1(race_keys(gen, 1), p.shape[-1])[0].to(p.device)).argmax())
+    return int(row_argmax(p / exp1(race_keys(gen, 1), p.shape[-1])[0].to(p.device)))

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tokenmill.engine.spec.base import Draft, Proposer
+from tokenmill.layers.sampling import row_argmax
 from tokenmill.models.dflash import DFlashDrafter, load_drafter
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ class DFlashProposer(Proposer):
         else:   # the target's linear method (quantized or dense): its own matmul
             dt = getattr(head, "dtype", torch.float32)   # dense: its weight dtype; packed kernels: fp32 in
             logits = head(h.reshape(-1, h.shape[-1]).to(dt)).reshape(*h.shape[:-1], -1)
-        best = logits.argmax(dim=-1).tolist()
+        best = row_argmax(logits).tolist()
         for j, i in enumerate(rows):
             drafts[i] = Draft(best[j][: num_tokens[i]])
         return drafts
