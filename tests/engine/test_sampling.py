@@ -10,8 +10,9 @@ from scipy import stats
 
 from engine_oracle import hf_logits, random_prompts
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.sampling import (Sampler, SamplingInputs, apply_penalties, exp1, race_keys, row_argmax,
-                                      truncate)
+from tokenmill._native import sampling as native_sampling
+from tokenmill.layers.sampling import (Sampler, SamplingInputs, apply_penalties, exp1, race_keys, race_uniforms_numpy,
+                                      row_argmax, truncate)
 
 ALPHA = 1e-3  # chi-square tests use fixed seeds, so they are deterministic; this is the bar
 
@@ -120,6 +121,37 @@ def test_row_argmax_is_torch_argmax() -> None:
     assert row_argmax(x[:, :2]).tolist() == x[:, :2].argmax(-1).tolist()
     assert torch.equal(row_argmax(x.to(torch.bfloat16)), x.to(torch.bfloat16).argmax(dim=-1))
     assert row_argmax(x).tolist()[1:4] == [7, 5, 0]
+
+
+@pytest.mark.skipif(not native_sampling.available(), reason=str(native_sampling.unavailable_reason()))
+def test_native_race_uniforms_equal_the_numpy_stream_bit_for_bit() -> None:
+    """The native kernel's uniforms are numpy's (race_uniforms_numpy), bit for bit, on every path
+    this CPU runs (portable loop, AVX2, AVX-512), for vocabularies of odd sizes and keys at the
+    edges of their range; so exp1, and every seeded draw, is the same with or without it."""
+    keys = race_keys(torch.Generator().manual_seed(5), 4) + [0, 1, (1 << 62) - 1, 2 ** 53 + 12345]
+    k = np.asarray(keys, dtype=np.uint64)
+    paths = [p for p in (0, 1, 2, 3) if _runs(k, p)]
+    assert 0 in paths and 1 in paths
+    for vocab in (1, 7, 33, 49152, 151936):
+        want = np.empty((len(keys), vocab))
+        race_uniforms_numpy(keys, vocab, want)
+        assert (want > 0).all() and (want < 1).all()
+        for path in paths:
+            got = np.full((len(keys), vocab), np.nan)
+            native_sampling.race_uniforms(k.ctypes.data, len(keys), vocab, got.ctypes.data, path)
+            assert np.array_equal(got, want), (vocab, path)
+    e = exp1(keys, 49152).numpy()
+    race_uniforms_numpy(keys, 49152, want := np.empty((len(keys), 49152)))
+    assert np.array_equal(e, -np.log(want))
+
+
+def _runs(k: np.ndarray, path: int) -> bool:
+    out = np.empty(1)
+    try:
+        native_sampling.race_uniforms(k.ctypes.data, 1, 1, out.ctypes.data, path)
+    except ValueError:
+        return False
+    return True
 
 
 def test_race_noise_is_exp1_and_keyed() -> None:

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from tokenmill._native import sampling as native_sampling
 from tokenmill.contracts.sampling import SamplingParams
 
 
@@ -181,12 +182,29 @@ def exp1(keys: Sequence[int], vocab: int) -> torch.Tensor:
     unlike an inverse-CDF draw it keeps a seeded draw when logits change in their last bits (see
     tests/engine/test_sampling.py). torch's ``exponential_`` made the 49,152 values one at a time
     from its Mersenne twister, 1.8 ms per sampled token on the default model here (a decode step
-    is about 14 ms); this takes about a quarter of that. A key comes from the request's own
+    is about 14 ms); this takes about a quarter of that, and with the native kernel for the
+    uniforms (``tokenmill/_native/sampling.c``) about a tenth. A key comes from the request's own
     generator, so seeded requests repeat, and the speculative verifier draws the same way."""
+    out = np.empty((len(keys), vocab), dtype=np.float64)
+    if native_sampling.available() and len(keys):
+        # the uniforms in one native pass (the same bits as race_uniforms_numpy), -log in numpy
+        k = np.asarray(keys, dtype=np.uint64)
+        native_sampling.race_uniforms(k.ctypes.data, len(keys), vocab, out.ctypes.data)
+    else:
+        race_uniforms_numpy(keys, vocab, out)
+    np.log(out, out=out)
+    np.negative(out, out=out)
+    return torch.from_numpy(out)
+
+
+def race_uniforms_numpy(keys: Sequence[int], vocab: int, out: np.ndarray) -> None:
+    """The uniforms behind :func:`exp1` in numpy (the path without the native kernel, and its
+    reference): ``out[r, i]`` = the top 53 bits of splitmix64 of ``keys[r] + i * golden``, plus a
+    half, times 2^-53. numpy runs the mix in eleven passes over the row; the native kernel
+    (``tokenmill/_native/sampling.c``) in one."""
     counters = _COUNTERS.get(vocab)
     if counters is None:
         counters = _COUNTERS[vocab] = np.arange(vocab, dtype=np.uint64) * _GOLDEN
-    out = np.empty((len(keys), vocab), dtype=np.float64)
     x, t = np.empty(vocab, dtype=np.uint64), np.empty(vocab, dtype=np.uint64)
     for r, key in enumerate(keys):   # a row at a time, in place: the buffers stay in cache
         np.add(counters, np.uint64(key), out=x)
@@ -200,9 +218,6 @@ def exp1(keys: Sequence[int], vocab: int) -> torch.Tensor:
         u[:] = x
         u += 0.5
         u *= 2.0 ** -53
-        np.log(u, out=u)
-        np.negative(u, out=u)
-    return torch.from_numpy(out)
 
 
 class Sampler:
