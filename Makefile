@@ -36,8 +36,12 @@ redis:
 	  echo "installing redis-server (Debian package)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
+# Two pytest-xdist workers, one test file each at a time (--dist loadfile keeps a file's module
+# fixtures in one process): most tests run one torch thread or wait on a server, so two cores
+# overlap them. TEST_WORKERS=0 runs the suite in this process, one test after another.
+TEST_WORKERS ?= 2
 test: $(STAMP) redis
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 clean:
 	rm -rf $(VENV)

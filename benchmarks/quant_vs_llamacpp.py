@@ -291,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: skipped: {e}", flush=True)
                 continue
             servers[name] = stack.enter_context(srv)
-            print(f"{name}: started in {srv.startup_s:.0f} s", flush=True)
+            print(f"{name}: started in {srv.startup_s:.0f} s" + (f" ({srv.note})" if srv.note else ""), flush=True)
+            if srv.note:
+                results.setdefault("notes", {})[name] = srv.note
         measured = measure(servers, prompts, args.reps)
     for name, r in measured.items():
         r["weight_bytes"] = wbytes[name]
