@@ -36,11 +36,12 @@ redis:
 	  echo "installing redis-server (Debian package)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
-# The suite runs serially in one process. TEST_WORKERS=2 spreads it over pytest-xdist workers, a
-# whole file to a worker (--dist loadfile): 749 s instead of 1122 s on a 2-core host, but on the
-# AVX2 CI host a worker died mid-file and xdist's scheduler then waited forever (docs/architecture.md).
-TEST_WORKERS ?= 0
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+# The suite runs on two pytest-xdist workers, a whole file to a worker (--dist loadfile): about
+# 750 s instead of 1070-1400 s serially on a 2-core host. TEST_WORKERS=0 runs it serially in one
+# process. --max-worker-restart 0: a worker that dies fails the run at once, naming the test it
+# was running (xdist 3.8 with loadfile can hang after restarting a crashed worker).
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0)
 test: $(STAMP) redis
 	$(PY) -m pytest -q $(XDIST) --durations=25 tests
 

@@ -337,7 +337,10 @@ def test_default_model_agent_prompt_identical_and_accepting(smollm) -> None:
     ref = LLM(loaded=smollm, kv_cache_tokens=2048)
     want = list(ref.chat(msgs, params)[0].token_ids)
     for method in ("ngram", "suffix"):
-        llm = LLM(loaded=smollm, kv_cache_tokens=2048, debug_checks=True, speculative_method=method)
+        # adaptive k off: with it on, whether drafts go out depends on the step times measured
+        # (stage 2 weighs them), so on a loaded host the engine may rightly draft nothing
+        llm = LLM(loaded=smollm, kv_cache_tokens=2048, debug_checks=True, speculative_method=method,
+                  speculative_adaptive=False)
         out = llm.chat(msgs, params)[0]
         assert list(out.token_ids) == want, method
         st = llm.engine.stats().spec

@@ -217,7 +217,10 @@ def test_default_model_json_agent_turn_identical_valid_and_accepting(smollm) -> 
     ref = LLM(loaded=smollm, kv_cache_tokens=2048).chat(msgs, params)[0]
     jsonschema.validate(json.loads(ref.text), AGENT_SCHEMA)
     for method in ("ngram", "suffix"):
-        llm = LLM(loaded=smollm, kv_cache_tokens=2048, debug_checks=True, speculative_method=method)
+        # adaptive k off: with it on, whether drafts go out depends on the step times measured
+        # (stage 2 weighs them), so on a loaded host the engine may rightly draft nothing
+        llm = LLM(loaded=smollm, kv_cache_tokens=2048, debug_checks=True, speculative_method=method,
+                  speculative_adaptive=False)
         out = llm.chat(msgs, params)[0]
         assert list(out.token_ids) == list(ref.token_ids), (method, out.text, ref.text)
         jsonschema.validate(json.loads(out.text), AGENT_SCHEMA)

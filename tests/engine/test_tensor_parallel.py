@@ -172,9 +172,23 @@ def test_default_model_tp3_greedy_matches_one_rank(smollm) -> None:
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=20)
     kw = dict(kv_cache_tokens=512, num_threads=1)
     ref = LLM("smollm2-135m-instruct", loaded=smollm, **kw).generate(prompts, params)
+
+    def tensors() -> dict[str, tuple[int, bool]]:
+        return {k: (v.data_ptr(), v.is_shared()) for k, v in smollm.model.hf_state_dict().items()}
+
+    before = tensors()
+    views = [k for k in before if k.endswith("norm.weight")]   # the others may be per-call copies (oneDNN)
+    assert len(views) == 2 * 30 + 1
     with LLM("smollm2-135m-instruct", loaded=smollm, tensor_parallel_size=3, **kw) as three:
         got = three.generate(prompts, params)
     _assert_same(ref, got, tol=1e-4)   # 30 layers of fp32 all-reduce reordering
+    # the ranks got copies: the loaded model's own storages did not move into shared memory (the
+    # fused decode stack holds raw pointers into them), so a one-process engine still runs on it
+    after = tensors()
+    assert {k: after[k] for k in views} == {k: before[k] for k in views}
+    assert not any(shared for _, shared in after.values())
+    again = LLM("smollm2-135m-instruct", loaded=smollm, **kw).generate(prompts, params)
+    assert [list(o.token_ids) for o in again] == [list(o.token_ids) for o in ref]
 
 
 def test_kv_capacity_per_rank_matches_plan(tiny_gqa: Path) -> None:

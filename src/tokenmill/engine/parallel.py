@@ -133,7 +133,7 @@ class ParallelRunner:
             shards = []
             for rank in range(spec.tp):
                 kind, full_args, part = shard_weights(model, rank, spec.tp, spec.moe_parallel)
-                part = {k: v.contiguous().share_memory_() for k, v in part.items()}
+                part = {k: _shared_copy(v) for k, v in part.items()}
                 shards.append(part)
                 try:
                     self._conns[rank].send(("weights", kind, full_args, part))
@@ -353,6 +353,21 @@ class ParallelRunner:
         log.error("tensor-parallel replica failed: %s; stopping all %d ranks", why, self.tp)
         self.close()
         raise ReplicaFailedError(f"tensor-parallel replica failed: {why}")
+
+
+def _shared_copy(t: Any) -> Any:
+    """A copy of ``t`` in shared memory, for a rank to map. Never ``t.share_memory_()`` on the
+    model's own tensors: that moves the tensor's whole storage (a view's base too) into shared
+    memory in place and frees the old bytes, and raw pointers into them (the fused decode
+    stack's table of norm and weight addresses) would then read freed memory: the next
+    single-process engine on the same loaded model crashed in the native decoder. The price is
+    one copy of the weights held during start-up, until every rank has mapped its part."""
+    import torch
+
+    if t.device.type != "cpu":
+        return t.contiguous()   # device tensors travel by IPC handle; share_memory_ moves nothing
+    out = torch.empty(t.shape, dtype=t.dtype).share_memory_()   # a fresh storage moves, nothing else
+    return out.copy_(t)
 
 
 def _stop_workers(conns: list[Connection], procs: list[Any]) -> None:
