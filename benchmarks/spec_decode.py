@@ -17,7 +17,9 @@ reverse order) so that the machine's changing load hits them alike. The concurre
 total rate, each configuration's c4 ratio to no speculation is given as the median over those
 runs of the ratio to the adjacent run without it ("c4 paired"): one batch takes a few seconds, and
 this host's speed moves by up to 1.5x over that time, so a ratio of totals over two batches can
-read 0.6x or 1.2x for the same code. tokenmill runs in-process
+read 0.6x or 1.2x for the same code. Single stream gets the same paired ratio: the median over
+prompts and rounds of each run's rate over the run without speculation on the same prompt and
+round. tokenmill runs in-process
 (offline engine, ``OMP_NUM_THREADS`` threads); vLLM through its OpenAI server (streaming, 2
 threads), started by ``benchmarks/peers.py``.
 
@@ -108,7 +110,7 @@ def run_tokenmill(loaded, configs: dict[str, dict], prompts: list[list[int]], ma
     and each run's rate over that of the run without speculation next to it (``c4_paired``)."""
     labels = list(configs)
     acc = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "c4_tokens": 0, "c4_seconds": 0.0, "outputs": [],
-               "verify_steps": 0, "verify_emitted": 0, "c4_runs": []}
+               "verify_steps": 0, "verify_emitted": 0, "c4_runs": [], "single_runs": []}
            for k in labels}
     for r in range(rounds):
         order = labels if r % 2 == 0 else labels[::-1]
@@ -121,6 +123,7 @@ def run_tokenmill(loaded, configs: dict[str, dict], prompts: list[list[int]], ma
                 a["verify_emitted"] += vemitted
                 a["tokens"] += len(ids) - 1
                 a["seconds"] += secs
+                a["single_runs"].append((len(ids) - 1) / secs)
                 a["steps"] += steps
                 if r == 0:
                     a["outputs"].append(ids)
@@ -131,12 +134,16 @@ def run_tokenmill(loaded, configs: dict[str, dict], prompts: list[list[int]], ma
                 acc[label]["c4_seconds"] += secs
                 acc[label]["c4_runs"].append(n / secs)
     base = acc["none"]["c4_runs"] if "none" in acc else None
+    base1 = acc["none"]["single_runs"] if "none" in acc else None
     return {k: {"decode_tok_s": a["tokens"] / a["seconds"],
                 "acceptance_length": a["tokens"] / a["steps"] if a["steps"] else None,
                 # vLLM's metric: tokens per step that verified drafts (steps without one left out)
                 "accept_per_drafted_step": a["verify_emitted"] / a["verify_steps"] if a["verify_steps"] else None,
                 "total_tok_s_c4": a["c4_tokens"] / a["c4_seconds"], "c4_runs": a["c4_runs"],
                 "c4_paired": (statistics.median(x / y for x, y in zip(a["c4_runs"], base)) if base else None),
+                # each single-stream run over the run without speculation on the same prompt and round
+                "single_paired": (statistics.median(x / y for x, y in zip(a["single_runs"], base1))
+                                  if base1 else None),
                 "outputs": a["outputs"]}
             for k, a in acc.items()}
 
@@ -278,8 +285,9 @@ def main() -> int:
     print(f"\nload average at end: {open('/proc/loadavg').read().strip()}")
     print("\naccept len: output tokens per decode step (all steps); per drafted: tokens per step that "
           "verified drafts (vLLM's spec_decode metrics; the only one it reports); paired: median over the "
-          "concurrent batches of the ratio to the adjacent batch without speculation")
-    print(f"\n{'config':14s} {'workload':8s} {'decode tok/s':>12s} {'x none':>7s} {'accept len':>10s} "
+          "runs of the ratio to the run without speculation on the same prompt and round (single stream) "
+          "or to the adjacent batch without it (c4)")
+    print(f"\n{'config':14s} {'workload':8s} {'decode tok/s':>12s} {'x none':>7s} {'paired':>7s} {'accept len':>10s} "
           f"{'per drafted':>11s} {'c' + str(args.prompts) + ' tok/s':>9s} {'x none':>7s} {'paired':>7s}")
     for label, per in results.items():
         for w in prompts:
@@ -292,9 +300,10 @@ def main() -> int:
             al, pd = r.get("acceptance_length"), r.get("accept_per_drafted_step")
             al_s = f"{al:10.2f}" if al else f"{'-':>10s}"
             pd_s = f"{pd:11.2f}" if pd else f"{'-':>11s}"
-            paired = r.get("c4_paired")
+            paired, paired1 = r.get("c4_paired"), r.get("single_paired")
             paired_s = f"{paired:7.2f}" if paired else f"{'-':>7s}"
-            print(f"{label:14s} {w:8s} {d or 0:12.1f} {(d or 0) / base['decode_tok_s']:7.2f} "
+            paired1_s = f"{paired1:7.2f}" if paired1 else f"{'-':>7s}"
+            print(f"{label:14s} {w:8s} {d or 0:12.1f} {(d or 0) / base['decode_tok_s']:7.2f} {paired1_s} "
                   f"{al_s} {pd_s} {c4 or 0:9.1f} {(c4 or 0) / base['total_tok_s_c4']:7.2f} {paired_s}")
     if args.json:
         for per in results.values():
