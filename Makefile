@@ -36,8 +36,8 @@ redis:
 	  echo "installing redis-server (Debian package)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
-# The suite runs on two pytest-xdist workers, a whole file to a worker (--dist loadfile): about
-# 750 s instead of 1070-1400 s serially on a 2-core host. TEST_WORKERS=0 runs it serially in one
+# The suite runs on two pytest-xdist workers, a whole file to a worker (--dist loadfile): 640-710 s
+# instead of 1070-1400 s serially on a 2-core AVX2 host. TEST_WORKERS=0 runs it serially in one
 # process. --max-worker-restart 0: a worker that dies fails the run at once, naming the test it
 # was running (xdist 3.8 with loadfile can hang after restarting a crashed worker).
 TEST_WORKERS ?= 2
