@@ -1134,7 +1134,8 @@ static const TileKernel tile_kernel_avx512 = {tile_avx512, widen_avx512, widen8_
  * unpacks work within 128-bit lanes, so the 64 values come out in a fixed order (dec_perm):
  * the task stores its queries in that order and puts the output back in dim order at the end.
  * Order of summation (documented, not bit-compatible with the per-row bodies): a score's
- * products are summed per lane over the row's chunks, then the 16 lanes by the transpose tree.
+ * products are summed per lane over the row's chunks, then the 16 lanes by the transpose tree;
+ * the AVX2 body sums a block's V rows for even and odd keys apart and adds the two at the end.
  */
 
 /* the dim order of fp8x64's output within each 64-dim chunk: position 16c + 4L + i holds dim
@@ -1459,16 +1460,34 @@ AVX2 static inline __attribute__((always_inline)) void ld8x2(const void *p, int 
 }
 
 /* acc[g] = acc[g] * alpha[g] + sum_u p[g][u] v_u for GC <= 3 query vectors and 16 dims at a time
- * (each V row widened once for up to 3 query vectors) */
+ * (each V row widened once for up to 3 query vectors). Even and odd keys go to two sets of
+ * accumulators, added at the end: with one set, each key's FMAs waited on the previous key's. */
 #define DEC_VACC256(GC) do { \
     for (int x0 = 0; x0 < D; x0 += 16) { \
-        __m256 o[GC][2]; \
+        __m256 o[GC][2], e[GC][2]; \
         for (int g = 0; g < (GC); g++) { \
             const __m256 va = _mm256_set1_ps(alpha[g]); \
             o[g][0] = _mm256_mul_ps(_mm256_load_ps(acc + g * D + x0), va); \
             o[g][1] = _mm256_mul_ps(_mm256_load_ps(acc + g * D + x0 + 8), va); \
+            e[g][0] = e[g][1] = _mm256_setzero_ps(); \
         } \
-        for (int u = 0; u < nk; u++) { \
+        int u = 0; \
+        for (; u + 2 <= nk; u += 2) { \
+            __m256 v0, v1; \
+            ld8x2(vp[u] + (size_t)x0 * esz, kind, &v0, &v1); \
+            for (int g = 0; g < (GC); g++) { \
+                const __m256 pu = _mm256_set1_ps(p[g * DEC_BLOCK + u]); \
+                o[g][0] = _mm256_fmadd_ps(pu, v0, o[g][0]); \
+                o[g][1] = _mm256_fmadd_ps(pu, v1, o[g][1]); \
+            } \
+            ld8x2(vp[u + 1] + (size_t)x0 * esz, kind, &v0, &v1); \
+            for (int g = 0; g < (GC); g++) { \
+                const __m256 pu = _mm256_set1_ps(p[g * DEC_BLOCK + u + 1]); \
+                e[g][0] = _mm256_fmadd_ps(pu, v0, e[g][0]); \
+                e[g][1] = _mm256_fmadd_ps(pu, v1, e[g][1]); \
+            } \
+        } \
+        if (u < nk) { \
             __m256 v0, v1; \
             ld8x2(vp[u] + (size_t)x0 * esz, kind, &v0, &v1); \
             for (int g = 0; g < (GC); g++) { \
@@ -1478,8 +1497,8 @@ AVX2 static inline __attribute__((always_inline)) void ld8x2(const void *p, int 
             } \
         } \
         for (int g = 0; g < (GC); g++) { \
-            _mm256_store_ps(acc + g * D + x0, o[g][0]); \
-            _mm256_store_ps(acc + g * D + x0 + 8, o[g][1]); \
+            _mm256_store_ps(acc + g * D + x0, _mm256_add_ps(o[g][0], e[g][0])); \
+            _mm256_store_ps(acc + g * D + x0 + 8, _mm256_add_ps(o[g][1], e[g][1])); \
         } \
     } \
 } while (0)
@@ -1508,26 +1527,32 @@ AVX2 static inline __attribute__((always_inline)) __m256 red4_256(__m256 a0, __m
                          _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(b01), _mm256_castps_pd(b23))));
 }
 
+/* Scores of 8 keys for GC <= 3 query vectors. The 4 keys of a half are walked together, 16 dims
+ * at a time, so that the GC x 4 accumulators form independent chains of two FMAs per step: with
+ * the keys one after another, each step's FMAs waited on the one before (latency-bound). */
 #define DEC_SCORE256(GC) do { \
     __m256 c0[GC]; \
     for (int g = 0; g < (GC); g++) c0[g] = _mm256_setzero_ps(); \
     for (int kq = 0; kq < 2; kq++) { \
         __m256 a[GC][4]; \
+        const char *k4[4]; \
+        for (int k = 0; k < 4; k++) k4[k] = kp[jb + 4 * kq + k]; \
         for (int g = 0; g < (GC); g++) \
             for (int k = 0; k < 4; k++) a[g][k] = _mm256_setzero_ps(); \
-        for (int k = 0; k < 4; k++) { \
-            const char *kk = kp[jb + 4 * kq + k]; \
-            int x = 0; \
-            for (; x + 16 <= D; x += 16) { \
+        int x = 0; \
+        for (; x + 16 <= D; x += 16) { \
+            for (int k = 0; k < 4; k++) { \
                 __m256 w0, w1; \
-                ld8x2(kk + (size_t)x * esz, kind, &w0, &w1); \
+                ld8x2(k4[k] + (size_t)x * esz, kind, &w0, &w1); \
                 for (int g = 0; g < (GC); g++) { \
                     a[g][k] = _mm256_fmadd_ps(w0, _mm256_load_ps(qg + g * D + x), a[g][k]); \
                     a[g][k] = _mm256_fmadd_ps(w1, _mm256_load_ps(qg + g * D + x + 8), a[g][k]); \
                 } \
             } \
-            if (x < D) { \
-                const __m256 w = ld8(kk + (size_t)x * esz, kind); \
+        } \
+        if (x < D) { \
+            for (int k = 0; k < 4; k++) { \
+                const __m256 w = ld8(k4[k] + (size_t)x * esz, kind); \
                 for (int g = 0; g < (GC); g++) a[g][k] = _mm256_fmadd_ps(w, _mm256_load_ps(qg + g * D + x), a[g][k]); \
             } \
         } \

@@ -408,6 +408,20 @@ TGT_AVX2 static inline __m256 scales8_tail(const void *p, int f16, int64_t row_g
                                            int64_t bpg, int one) {
     if (one) return _mm256_set1_ps(scale_avx2(p, row_g0, f16));
     if (bpg == 1 && r >= 8) return scales8(p, row_g0 + b, f16);
+    if (bpg == 1) {
+        /* a row's last r < 8 blocks, a scale each: masked loads (nothing read past the r scales
+         * but the other half of the last f16's dword), lanes >= r zeroed */
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)r),
+                                                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        __m256 v;
+        if (f16) {
+            const __m128i dw = _mm_cmpgt_epi32(_mm_set1_epi32((int)((r + 1) / 2)), _mm_setr_epi32(0, 1, 2, 3));
+            v = _mm256_cvtph_ps(_mm_maskload_epi32((const int *)((const uint16_t *)p + row_g0 + b), dw));
+        } else {
+            v = _mm256_maskload_ps((const float *)p + row_g0 + b, _mm256_castps_si256(keep));
+        }
+        return _mm256_and_ps(v, keep);
+    }
     /* the (at most 8) groups the lanes below r fall in, each converted once, then spread to the
      * lanes with a permute: lane i takes group (k0 + i) / bpg of them. Built in registers (a
      * vector load of stores just made would wait for them). */
