@@ -255,3 +255,33 @@ def test_row_limit_override_moves_the_split(monkeypatch):
         monkeypatch.setenv(packed.GEMV_ROWS_ENV, bad)
         with pytest.raises(ValueError, match=packed.GEMV_ROWS_ENV):
             packed._rows_from_env()
+
+
+@pytest.mark.parametrize("n,k", [(37, 576), (29, 544), (11, 96), (13, 45), (40, 1024)])
+def test_one_row_q4_block_stream_is_exact_for_any_thread_split(kernel, n, k, monkeypatch):
+    """One x row against a Q4 matrix with a scale per block (GGUF Q4_0 / Q4_1) runs, on AVX2 and
+    AVX-VNNI, as one stream of blocks across row ends (u4_stream256_avx2: 576 = 18 blocks a row,
+    4 rows a group of 8-block loads; 544 = 17 blocks, 8 rows). Each row's bits must not depend on
+    how many threads split the rows (a group is cut where a thread's rows end), a bias
+    must land on its own row, and the result must equal the one-row kernel without the stream
+    (TOKENMILL_NO_U4_STREAM=1) up to float summation order."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    for method in (Int4Linear.from_float(w, 32), _fp16_scales(Int4Linear.from_float(w, 32))):
+        wd = method.dequantize()
+        x = torch.randn(1, k, generator=gen) * 3
+        bias = torch.randn(n, generator=gen)
+        runs = {}
+        for threads in (1, 2, 3, 5):
+            y = torch.empty(1, n)
+            method._gemm(x, y, bias.data_ptr(), threads)
+            runs[threads] = y
+        for threads, y in runs.items():
+            assert torch.equal(y, runs[1]), f"{threads} threads changed the bits"
+        _check(runs[1], q16_reference(x), wd, bias)
+        monkeypatch.setenv("TOKENMILL_NO_U4_STREAM", "1")
+        y = torch.empty(1, n)
+        method._gemm(x, y, bias.data_ptr(), 1)
+        monkeypatch.delenv("TOKENMILL_NO_U4_STREAM")
+        _check(y, q16_reference(x), wd, bias)
+        torch.testing.assert_close(y, runs[1], rtol=1e-5, atol=1e-5)

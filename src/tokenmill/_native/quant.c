@@ -173,6 +173,12 @@ static float dot_s8_scalar(const int8_t *qs, const void *sc, int f16, int64_t ro
     return acc;
 }
 
+/* rows of nb blocks that make a whole number of 8-block loads (u4_stream256_avx2) */
+static int64_t stream_rows(int64_t nb) {
+    const int64_t g = nb & -nb;   /* the largest power of two dividing nb */
+    return g >= 8 ? 1 : 8 / g;
+}
+
 #if TM_X86 && defined(__GNUC__)
 /* ---- AVX2 ----------------------------------------------------------------------------------- */
 #define TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -476,6 +482,67 @@ TGT static void NAME(const uint8_t *qs, const void *sc, const void *mn, int f16,
 #define QUAD_PREFETCH 2048
 #endif
 DEFINE_U4_QUAD256(dot_u4_quad256_avx2, TGT_AVX2, quad256_dot_avx2)
+
+/* One x row against rows [n0, n1) of a u4 matrix with a scale per block (GGUF Q4_0 / Q4_1), as
+ * one stream of blocks (the rows are contiguous, and so are their scales). A row of nb blocks
+ * need not fill 8-block loads (nb = 18 for K = 576): the one-row kernel above pays a masked tail
+ * load, its reduction and a row's setup for every row. Here R = 8 / gcd(nb, 8) rows make a whole
+ * number of 8-block loads, and the activations hold x repeated R times (stream_blocks; quad
+ * order, as above), so the loads run across row ends. Each 8-block load gives 8 block values
+ * (integer dot x activation scale x weight scale + min x activation sum) in block order, kept in
+ * buf; a row's output is the sum of its nb values in a fixed order. A group starts at a row's
+ * first block, so its activations start at x's first block. Every block's value is computed lane
+ * by lane the same way wherever a load starts (a short last group masks its last load), so a
+ * row's bits do not depend on which rows share its group or how threads split the rows. */
+#define STREAM_BUF 2048   /* floats on the stack; larger groups allocate */
+
+TGT_AVX2 static inline float stream_row_sum(const float *v, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= nb; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(v + i));
+    float t = hsum8(acc);
+    for (; i < nb; i++) t += v[i];
+    return t;
+}
+
+TGT_AVX2 static void u4_stream256_avx2(const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t nb,
+                                       const int16_t *xq, const float *xdq, const float *xs, float *y,
+                                       int64_t n0, int64_t n1) {
+    const int64_t R = stream_rows(nb), L = R * nb;
+    const __m256i inv = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   /* lane order -> block order */
+    const __m256i half = _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0);
+    float stack[STREAM_BUF + 8];
+    float *buf = L + 8 <= STREAM_BUF ? stack : malloc(sizeof(float) * (size_t)(L + 8));
+    if (!buf) {   /* out of memory: the one-row kernel, row by row */
+        for (int64_t n = n0; n < n1; n++)
+            dot_u4_quad256_avx2(qs + n * nb * 16, sc, mn, f16, n * nb, nb, 1, xq, xdq, xs, y + n);
+        return;
+    }
+    for (int64_t gs = n0; gs < n1; gs += R) {
+        const int64_t ge = gs + R < n1 ? gs + R : n1, nblk = (ge - gs) * nb, b0 = gs * nb;
+        const uint8_t *w0 = qs + b0 * 16;
+        for (int64_t c = 0; c < nblk; c += 8) {
+            const int64_t left = nblk - c;
+            const uint8_t *w = w0 + c * 16;
+            _mm_prefetch((const char *)w + QUAD_PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + QUAD_PREFETCH + 64, _MM_HINT_T0);
+            __m256i d[4];
+            for (int p = 0; p < 4; p++) {
+                const int64_t l = left - 2 * p;
+                if (l <= 0) { d[p] = _mm256_setzero_si256(); continue; }
+                const __m256i wv = l >= 2 ? _mm256_loadu_si256((const __m256i *)(w + 32 * p))
+                                          : _mm256_maskload_epi32((const int *)(w + 32 * p), half);
+                d[p] = quad256_dot_avx2(wv, xq + c * QK + 64 * p);
+            }
+            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+            const __m256 t = _mm256_permutevar8x32_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(h), _mm256_loadu_ps(xdq + c)), inv);
+            const __m256 sv = scales8_tail(sc, f16, 0, b0 + c, left, 1, 0), mv = scales8_tail(mn, f16, 0, b0 + c, left, 1, 0);
+            _mm256_storeu_ps(buf + c, _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + c), _mm256_mul_ps(t, sv)));
+        }
+        for (int64_t n = gs; n < ge; n++) y[n] = stream_row_sum(buf + (n - gs) * nb, nb);
+    }
+    if (buf != stack) free(buf);
+}
 
 #if __GNUC__ >= 9
 /* ---- AVX-512 (F/BW/VL + VNNI) -------------------------------------------------------------- */
@@ -871,7 +938,8 @@ typedef struct {
     const float *xf;   /* TMQ_F32: the fp32 activations themselves, [M, K] */
 } ActBuf;
 
-enum { ACT_NATURAL = 0, ACT_PAIRS = 1, ACT_QUAD = 2, ACT_WORDS = 3, ACT_QUAD256 = 4, ACT_WORDS256 = 5 };
+enum { ACT_NATURAL = 0, ACT_PAIRS = 1, ACT_QUAD = 2, ACT_WORDS = 3, ACT_QUAD256 = 4, ACT_WORDS256 = 5,
+       ACT_STREAM256 = 6 };
 
 /* the activation order the s8 kernels of the set in use read for M rows */
 static int s8_act_order(int64_t M) {
@@ -908,11 +976,19 @@ static void to_word_order(int16_t *q, float *xd, int64_t nbp) {
     }
 }
 
-/* the activation order the u4 kernels of the set in use read for M rows */
-static int u4_act_order(int64_t M) {
+/* the activation order the u4 kernels of the set in use read for M rows of a [N, K] matrix with
+ * the given group size. One row on AVX2 / AVX-VNNI with a scale per block and rows that do not
+ * fill whole 8-block loads: the block stream (u4_stream256_avx2); with rows of 8k blocks the
+ * one-row kernel is faster (no values kept per block). */
+static int u4_act_order(int64_t M, int64_t K, int64_t group) {
     if (isa() == ISA_AVX512) return M > 1 ? ACT_PAIRS : ACT_QUAD;
-    return isa() >= ISA_AVX2 && M == 1 ? ACT_QUAD256 : ACT_NATURAL;
+    if (isa() < ISA_AVX2 || M != 1) return ACT_NATURAL;
+    const int64_t nb = (K + QK - 1) / QK;
+    return group == QK && nb % 8 && !getenv("TOKENMILL_NO_U4_STREAM") ? ACT_STREAM256 : ACT_QUAD256;
 }
+
+/* the blocks of the activation stream for rows of nb blocks (u4_stream256_avx2) */
+static int64_t stream_blocks(int64_t nb) { return stream_rows(nb) * nb; }
 
 /* natural block order -> quad order, in place, for kernels that load G blocks at a time (G = 4:
  * dot_u4_quad_one, 64-byte loads; G = 2: dot_u4_quad256_avx2, 32-byte loads): within G blocks,
@@ -955,8 +1031,9 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf 
     a->order = order;
     /* blocks a row is padded to a multiple of, per order: the kernels' loads and reductions */
     static const int64_t pad[] = {[ACT_NATURAL] = 1, [ACT_PAIRS] = 2, [ACT_QUAD] = 16, [ACT_WORDS] = 16,
-                                  [ACT_QUAD256] = 8, [ACT_WORDS256] = 1};
+                                  [ACT_QUAD256] = 8, [ACT_WORDS256] = 1, [ACT_STREAM256] = 1};
     a->bstride = (nb + pad[order] - 1) / pad[order] * pad[order];
+    if (order == ACT_STREAM256) a->bstride = stream_blocks(nb);   /* x repeated: see u4_stream256_avx2 */
     a->qstride = a->bstride * QK;
     size_t qbytes = ((size_t)(M * a->qstride) * sizeof(int16_t) + 63) & ~(size_t)63;
     a->mem = malloc(qbytes + 2 * (size_t)(M * a->bstride) * sizeof(float) + 64);
@@ -972,6 +1049,15 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf 
         else
 #endif
         quantize_rows(x + m * K, 1, K, q, d, s);
+        if (order == ACT_STREAM256) {   /* x's blocks again up to the stream's period (a multiple of 8) */
+            for (int64_t b = nb; b < a->bstride; b += nb) {
+                memcpy(q + b * QK, q, (size_t)nb * QK * sizeof(int16_t));
+                memcpy(d + b, d, (size_t)nb * sizeof(float));
+                memcpy(s + b, s, (size_t)nb * sizeof(float));
+            }
+            to_quad_order(q, d, a->bstride, 2);
+            continue;
+        }
         /* zero padding blocks: they meet zero or masked-off weights */
         memset(q + nb * QK, 0, (size_t)(a->bstride - nb) * QK * sizeof(int16_t));
         memset(d + nb, 0, (size_t)(a->bstride - nb) * sizeof(float));
@@ -1119,6 +1205,13 @@ static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc
      * with the avx512 set in use runs the avx2 kernels */
     int use = a->order == ACT_PAIRS || a->order == ACT_QUAD ? ISA_AVX512 : isa() == ISA_AVX512 ? ISA_AVX2 : isa();
     (void)use;
+#if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
+    if (a->order == ACT_STREAM256) {   /* one x row, a scale per block (u4_act_order) */
+        u4_stream256_avx2(qs, sc, mn, f16, nb, a->xq, a->xd, a->xs, y, n0, n1);
+        if (bias) for (int64_t n = n0; n < n1; n++) y[n] += bias[n];
+        return;
+    }
+#endif
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = qs + n * (Kp / 2);
         if (PREFETCH_ROWS && n + PREFETCH_ROWS < N)  /* software prefetch a few rows ahead: decode streams W once */
@@ -1213,7 +1306,7 @@ void *tmq_act_quantize(const TmqMat *w, const float *x, int64_t M) {
     ActBuf *a = calloc(1, sizeof *a);
     if (!a) return NULL;
     if (w->kind == TMQ_F32) { a->xf = x; return a; }
-    if (act_quantize(x, M, w->K, w->kind == TMQ_U4 ? u4_act_order(M) : s8_act_order(M), a)) { free(a); return NULL; }
+    if (act_quantize(x, M, w->K, w->kind == TMQ_U4 ? u4_act_order(M, w->K, w->group) : s8_act_order(M), a)) { free(a); return NULL; }
     return a;
 }
 
@@ -1270,7 +1363,7 @@ static PyObject *py_gemm_u4(PyObject *self, PyObject *args) {
     ActBuf a;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
-    err = act_quantize(PTR(const float *, x), M, K, u4_act_order(M), &a);
+    err = act_quantize(PTR(const float *, x), M, K, u4_act_order(M, K, group), &a);
     if (!err) {
         gemm_u4(M, K, PTR(const uint8_t *, qs), PTR(const void *, sc), PTR(const void *, mn),
                 f16, N, group, PTR(const float *, bias), PTR(float *, y), nt < 1 ? 1 : nt, &a);
