@@ -285,3 +285,31 @@ def test_one_row_q4_block_stream_is_exact_for_any_thread_split(kernel, n, k, mon
         monkeypatch.delenv("TOKENMILL_NO_U4_STREAM")
         _check(y, q16_reference(x), wd, bias)
         torch.testing.assert_close(y, runs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,k,group", [(37, 576, 32), (29, 544, 32), (13, 45, 32), (40, 1024, 32), (21, 576, 64)])
+def test_a_q4_row_has_the_same_bits_alone_or_with_others_on_avx2(n, k, group):
+    """On the avx2 set, 2 to 64 x rows against a Q4 matrix run the one-row kernel's arithmetic per
+    row (u4_quad256_tile): the block stream's block values and row sum where one row runs the
+    stream (a scale per block, rows not a multiple of 8 blocks), the one-row accumulation
+    elsewhere. So a speculative verify row gets the bits of the same row decoded alone."""
+    if "avx2" not in KERNELS:
+        pytest.skip("no AVX2 on this CPU")
+    before = native.kernel()
+    native.set_kernel("avx2")
+    try:
+        gen = torch.Generator().manual_seed(n * 11 + k)
+        w = torch.randn(n, k, generator=gen) * 0.1
+        for method in (Int4Linear.from_float(w, group), _fp16_scales(Int4Linear.from_float(w, group))):
+            wd = method.dequantize()
+            for m in (2, 3, 5, 8, 9):
+                x = torch.randn(m, k, generator=gen) * 3
+                together = torch.empty(m, n)
+                method._gemm(x, together, 0, 2)
+                _check(together, q16_reference(x), wd)
+                for i in range(m):
+                    alone = torch.empty(1, n)
+                    method._gemm(x[i:i + 1].contiguous(), alone, 0, 1)
+                    assert torch.equal(together[i], alone[0]), f"rows={m}, row {i}"
+    finally:
+        native.set_kernel(before)

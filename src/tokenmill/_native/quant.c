@@ -173,6 +173,8 @@ static float dot_s8_scalar(const int8_t *qs, const void *sc, int f16, int64_t ro
     return acc;
 }
 
+#define STREAM_BUF 2048   /* block values on the stack (u4_stream256_avx2); more allocate */
+
 /* rows of nb blocks that make a whole number of 8-block loads (u4_stream256_avx2) */
 static int64_t stream_rows(int64_t nb) {
     const int64_t g = nb & -nb;   /* the largest power of two dividing nb */
@@ -483,18 +485,64 @@ TGT static void NAME(const uint8_t *qs, const void *sc, const void *mn, int f16,
 #endif
 DEFINE_U4_QUAD256(dot_u4_quad256_avx2, TGT_AVX2, quad256_dot_avx2)
 
-/* One x row against rows [n0, n1) of a u4 matrix with a scale per block (GGUF Q4_0 / Q4_1), as
- * one stream of blocks (the rows are contiguous, and so are their scales). A row of nb blocks
- * need not fill 8-block loads (nb = 18 for K = 576): the one-row kernel above pays a masked tail
+/* x rows against rows [n0, n1) of a u4 matrix with a scale per block (GGUF Q4_0 / Q4_1), as one
+ * stream of blocks (the rows are contiguous, and so are their scales). A row of nb blocks need
+ * not fill 8-block loads (nb = 18 for K = 576): the one-row kernel above pays a masked tail
  * load, its reduction and a row's setup for every row. Here R = 8 / gcd(nb, 8) rows make a whole
- * number of 8-block loads, and the activations hold x repeated R times (stream_blocks; quad
- * order, as above), so the loads run across row ends. Each 8-block load gives 8 block values
+ * number of 8-block loads, and each x row's activations hold x repeated R times (stream_blocks;
+ * quad order, as above), so the loads run across row ends. Each 8-block load is split into its
+ * nibble planes once and meets a tile of up to 4 x rows; each x row gets 8 block values
  * (integer dot x activation scale x weight scale + min x activation sum) in block order, kept in
- * buf; a row's output is the sum of its nb values in a fixed order. A group starts at a row's
- * first block, so its activations start at x's first block. Every block's value is computed lane
- * by lane the same way wherever a load starts (a short last group masks its last load), so a
- * row's bits do not depend on which rows share its group or how threads split the rows. */
-#define STREAM_BUF 2048   /* floats on the stack; larger groups allocate */
+ * buf, and a row's output is the sum of its nb values in a fixed order. A group starts at a
+ * row's first block, so its activations start at x's first block. Every block's value is
+ * computed lane by lane the same way wherever a load starts (a short last group masks its last
+ * load), so a row's bits do not depend on which rows share its group, how threads split the
+ * rows, or how many x rows come with it (a decode row and its speculative verify rows). */
+TGT_AVX2 static inline __attribute__((always_inline)) void u4_stream_group(
+    const uint8_t *w0, const void *sc, const void *mn, int f16, int64_t b0, int64_t nblk, const int16_t *xq,
+    const float *xdq, const float *xs, int64_t x_stride, int64_t xb_stride, float *buf, int64_t bs, const int MR) {
+    const __m256i inv = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   /* lane order -> block order */
+    const __m256i half = _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0), m4 = _mm256_set1_epi16(0x000F);
+    for (int64_t c = 0; c < nblk; c += 8) {
+        const int64_t left = nblk - c;
+        const uint8_t *w = w0 + c * 16;
+        _mm_prefetch((const char *)w + QUAD_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)w + QUAD_PREFETCH + 64, _MM_HINT_T0);
+        __m256i t[4], u[4];
+        for (int j = 0; j < MR; j++) t[j] = u[j] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {   /* per x row: h = hadd(hadd(d0, d1), hadd(d2, d3)) */
+            const int64_t l = left - 2 * p;
+            __m256i d[4];
+            if (l <= 0) {
+                for (int j = 0; j < MR; j++) d[j] = _mm256_setzero_si256();
+            } else {
+                const __m256i wv = l >= 2 ? _mm256_loadu_si256((const __m256i *)(w + 32 * p))
+                                          : _mm256_maskload_epi32((const int *)(w + 32 * p), half);
+                const __m256i q0 = _mm256_and_si256(wv, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+                const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(wv, 8), m4), q3 = _mm256_srli_epi16(wv, 12);
+                for (int j = 0; j < MR; j++) {
+                    const int16_t *x = xq + j * x_stride + c * QK + 64 * p;
+                    d[j] = _mm256_add_epi32(
+                        _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)x)),
+                                         _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(x + 16)))),
+                        _mm256_add_epi32(_mm256_madd_epi16(q2, _mm256_loadu_si256((const __m256i *)(x + 32))),
+                                         _mm256_madd_epi16(q3, _mm256_loadu_si256((const __m256i *)(x + 48)))));
+                }
+            }
+            for (int j = 0; j < MR; j++) {
+                if (p == 0 || p == 2) u[j] = d[j];
+                else if (p == 1) t[j] = _mm256_hadd_epi32(u[j], d[j]);
+                else t[j] = _mm256_hadd_epi32(t[j], _mm256_hadd_epi32(u[j], d[j]));
+            }
+        }
+        const __m256 sv = scales8_tail(sc, f16, 0, b0 + c, left, 1, 0), mv = scales8_tail(mn, f16, 0, b0 + c, left, 1, 0);
+        for (int j = 0; j < MR; j++) {
+            const __m256 v = _mm256_permutevar8x32_ps(
+                _mm256_mul_ps(_mm256_cvtepi32_ps(t[j]), _mm256_loadu_ps(xdq + j * xb_stride + c)), inv);
+            _mm256_storeu_ps(buf + j * bs + c, _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + j * xb_stride + c), _mm256_mul_ps(v, sv)));
+        }
+    }
+}
 
 TGT_AVX2 static inline float stream_row_sum(const float *v, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
@@ -505,43 +553,107 @@ TGT_AVX2 static inline float stream_row_sum(const float *v, int64_t nb) {
     return t;
 }
 
-TGT_AVX2 static void u4_stream256_avx2(const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t nb,
-                                       const int16_t *xq, const float *xdq, const float *xs, float *y,
-                                       int64_t n0, int64_t n1) {
-    const int64_t R = stream_rows(nb), L = R * nb;
-    const __m256i inv = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   /* lane order -> block order */
-    const __m256i half = _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0);
-    float stack[STREAM_BUF + 8];
-    float *buf = L + 8 <= STREAM_BUF ? stack : malloc(sizeof(float) * (size_t)(L + 8));
-    if (!buf) {   /* out of memory: the one-row kernel, row by row */
-        for (int64_t n = n0; n < n1; n++)
-            dot_u4_quad256_avx2(qs + n * nb * 16, sc, mn, f16, n * nb, nb, 1, xq, xdq, xs, y + n);
-        return;
+/* Several x rows (quad order, each row padded to 8 blocks) against one u4 weight row, for rows of
+ * 8k blocks and scale groups (elsewhere the block stream runs): each 32-byte load is split into
+ * its nibble planes once and meets a tile of up to 4 x rows, and each row's arithmetic is
+ * dot_u4_quad256_avx2's, lane by lane, so a row gives the same bits alone or with others. */
+TGT_AVX2 static inline __attribute__((always_inline)) void u4_quad256_tile(
+    const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0, int64_t nb, int64_t bpg,
+    const int16_t *xq, const float *xdq, const float *xs, int64_t x_stride, int64_t xb_stride, float *out,
+    int64_t out_stride, const int MR) {
+    const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256i half = _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0), m4 = _mm256_set1_epi16(0x000F);
+    const int one = bpg >= nb;
+    __m256 acc[4], am[4];
+    for (int j = 0; j < MR; j++) acc[j] = am[j] = _mm256_setzero_ps();
+    for (int64_t o = 0; o < nb * 16; o += 64) _mm_prefetch((const char *)qs + QUAD_PREFETCH + o, _MM_HINT_T0);
+    for (int64_t c = 0; c < nb; c += 8) {
+        const int64_t n = nb - c < 8 ? nb - c : 8;
+        const uint8_t *w = qs + c * 16;
+        __m256i t[4], u[4];
+        for (int j = 0; j < MR; j++) t[j] = u[j] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {
+            const int64_t l = n - 2 * p;
+            __m256i d[4];
+            if (l <= 0) {
+                for (int j = 0; j < MR; j++) d[j] = _mm256_setzero_si256();
+            } else {
+                const __m256i wv = l >= 2 ? _mm256_loadu_si256((const __m256i *)(w + 32 * p))
+                                          : _mm256_maskload_epi32((const int *)(w + 32 * p), half);
+                const __m256i q0 = _mm256_and_si256(wv, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+                const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(wv, 8), m4), q3 = _mm256_srli_epi16(wv, 12);
+                for (int j = 0; j < MR; j++) {
+                    const int16_t *x = xq + j * x_stride + c * QK + 64 * p;
+                    d[j] = _mm256_add_epi32(
+                        _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)x)),
+                                         _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(x + 16)))),
+                        _mm256_add_epi32(_mm256_madd_epi16(q2, _mm256_loadu_si256((const __m256i *)(x + 32))),
+                                         _mm256_madd_epi16(q3, _mm256_loadu_si256((const __m256i *)(x + 48)))));
+                }
+            }
+            for (int j = 0; j < MR; j++) {
+                if (p == 0 || p == 2) u[j] = d[j];
+                else if (p == 1) t[j] = _mm256_hadd_epi32(u[j], d[j]);
+                else t[j] = _mm256_hadd_epi32(t[j], _mm256_hadd_epi32(u[j], d[j]));
+            }
+        }
+        const __m256 sv = _mm256_permutevar8x32_ps(scales8_tail(sc, f16, row_g0, c, n, bpg, one), perm);
+        const __m256 mv = scales8_tail(mn, f16, row_g0, c, n, bpg, one);
+        for (int j = 0; j < MR; j++) {
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[j]), _mm256_mul_ps(sv, _mm256_loadu_ps(xdq + j * xb_stride + c)), acc[j]);
+            am[j] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + j * xb_stride + c), am[j]);
+        }
     }
+    for (int j = 0; j < MR; j++) out[j * out_stride] = hsum8(_mm256_add_ps(acc[j], am[j]));
+}
+
+TGT_AVX2 static void dot_u4_quad256_rows(const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0,
+                                         int64_t nb, int64_t bpg, const int16_t *xq, const float *xd, const float *xs,
+                                         int64_t nrows_x, int64_t x_stride, int64_t xb_stride, float *out,
+                                         int64_t out_stride) {
+    const int64_t tiles = (nrows_x + 3) / 4;  /* as even as possible: 5 = 3 + 2, 7 = 4 + 3 */
+    for (int64_t t = 0, m0 = 0, mr; t < tiles; t++, m0 += mr) {
+        mr = (nrows_x - m0) / (tiles - t) + ((nrows_x - m0) % (tiles - t) != 0);
+        const int16_t *x = xq + m0 * x_stride;
+        const float *d = xd + m0 * xb_stride, *m = xs + m0 * xb_stride;
+        float *o = out + m0 * out_stride;
+        switch (mr) {
+        case 1: u4_quad256_tile(qs, sc, mn, f16, row_g0, nb, bpg, x, d, m, x_stride, xb_stride, o, out_stride, 1); break;
+        case 2: u4_quad256_tile(qs, sc, mn, f16, row_g0, nb, bpg, x, d, m, x_stride, xb_stride, o, out_stride, 2); break;
+        case 3: u4_quad256_tile(qs, sc, mn, f16, row_g0, nb, bpg, x, d, m, x_stride, xb_stride, o, out_stride, 3); break;
+        default: u4_quad256_tile(qs, sc, mn, f16, row_g0, nb, bpg, x, d, m, x_stride, xb_stride, o, out_stride, 4);
+        }
+    }
+}
+
+/* returns -1 (nothing computed) if the block values do not fit and cannot be allocated */
+TGT_AVX2 static int u4_stream256_avx2(const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t nb,
+                                      const int16_t *xq, const float *xdq, const float *xs, int64_t M, int64_t x_stride,
+                                      int64_t xb_stride, float *y, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t R = stream_rows(nb), bs = R * nb + 8;
+    float stack[STREAM_BUF];
+    float *buf = 4 * bs <= STREAM_BUF ? stack : malloc(sizeof(float) * 4 * (size_t)bs);
+    if (!buf) return -1;
+    const int64_t tiles = (M + 3) / 4;  /* as even as possible: 5 = 3 + 2, 7 = 4 + 3 */
     for (int64_t gs = n0; gs < n1; gs += R) {
         const int64_t ge = gs + R < n1 ? gs + R : n1, nblk = (ge - gs) * nb, b0 = gs * nb;
         const uint8_t *w0 = qs + b0 * 16;
-        for (int64_t c = 0; c < nblk; c += 8) {
-            const int64_t left = nblk - c;
-            const uint8_t *w = w0 + c * 16;
-            _mm_prefetch((const char *)w + QUAD_PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)w + QUAD_PREFETCH + 64, _MM_HINT_T0);
-            __m256i d[4];
-            for (int p = 0; p < 4; p++) {
-                const int64_t l = left - 2 * p;
-                if (l <= 0) { d[p] = _mm256_setzero_si256(); continue; }
-                const __m256i wv = l >= 2 ? _mm256_loadu_si256((const __m256i *)(w + 32 * p))
-                                          : _mm256_maskload_epi32((const int *)(w + 32 * p), half);
-                d[p] = quad256_dot_avx2(wv, xq + c * QK + 64 * p);
+        for (int64_t t = 0, m0 = 0, mr; t < tiles; t++, m0 += mr) {   /* the group's weights stay in L1 */
+            mr = (M - m0) / (tiles - t) + ((M - m0) % (tiles - t) != 0);
+            const int16_t *x = xq + m0 * x_stride;
+            const float *d = xdq + m0 * xb_stride, *s = xs + m0 * xb_stride;
+            switch (mr) {
+            case 1: u4_stream_group(w0, sc, mn, f16, b0, nblk, x, d, s, x_stride, xb_stride, buf, bs, 1); break;
+            case 2: u4_stream_group(w0, sc, mn, f16, b0, nblk, x, d, s, x_stride, xb_stride, buf, bs, 2); break;
+            case 3: u4_stream_group(w0, sc, mn, f16, b0, nblk, x, d, s, x_stride, xb_stride, buf, bs, 3); break;
+            default: u4_stream_group(w0, sc, mn, f16, b0, nblk, x, d, s, x_stride, xb_stride, buf, bs, 4);
             }
-            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
-            const __m256 t = _mm256_permutevar8x32_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(h), _mm256_loadu_ps(xdq + c)), inv);
-            const __m256 sv = scales8_tail(sc, f16, 0, b0 + c, left, 1, 0), mv = scales8_tail(mn, f16, 0, b0 + c, left, 1, 0);
-            _mm256_storeu_ps(buf + c, _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + c), _mm256_mul_ps(t, sv)));
+            for (int64_t j = 0; j < mr; j++)
+                for (int64_t n = gs; n < ge; n++) y[(m0 + j) * N + n] = stream_row_sum(buf + j * bs + (n - gs) * nb, nb);
         }
-        for (int64_t n = gs; n < ge; n++) y[n] = stream_row_sum(buf + (n - gs) * nb, nb);
     }
     if (buf != stack) free(buf);
+    return 0;
 }
 
 #if __GNUC__ >= 9
@@ -976,15 +1088,23 @@ static void to_word_order(int16_t *q, float *xd, int64_t nbp) {
     }
 }
 
+/* a scale per block and rows that do not fill whole 8-block loads: the block stream
+ * (u4_stream256_avx2); with rows of 8k blocks the one-row kernel is faster (no values kept per
+ * block). TOKENMILL_NO_U4_STREAM=1: never (an A/B switch). */
+static int u4_per_block(int64_t K, int64_t group) {
+    const int64_t nb = (K + QK - 1) / QK;
+    return group == QK && nb % 8 && !getenv("TOKENMILL_NO_U4_STREAM");
+}
+
 /* the activation order the u4 kernels of the set in use read for M rows of a [N, K] matrix with
- * the given group size. One row on AVX2 / AVX-VNNI with a scale per block and rows that do not
- * fill whole 8-block loads: the block stream (u4_stream256_avx2); with rows of 8k blocks the
- * one-row kernel is faster (no values kept per block). */
+ * the given group size: the block stream (or, for rows of 8k blocks and scale groups, 256-bit
+ * quad order) for one row on AVX2 / AVX-VNNI and for 2 to U4_QUAD_ROWS rows on AVX2
+ * (u4_quad256_tile; AVX-VNNI keeps its dpwssd row kernels) */
+#define U4_QUAD_ROWS 64
 static int u4_act_order(int64_t M, int64_t K, int64_t group) {
     if (isa() == ISA_AVX512) return M > 1 ? ACT_PAIRS : ACT_QUAD;
-    if (isa() < ISA_AVX2 || M != 1) return ACT_NATURAL;
-    const int64_t nb = (K + QK - 1) / QK;
-    return group == QK && nb % 8 && !getenv("TOKENMILL_NO_U4_STREAM") ? ACT_STREAM256 : ACT_QUAD256;
+    if (isa() < ISA_AVX2 || M > U4_QUAD_ROWS || (M > 1 && isa() != ISA_AVX2)) return ACT_NATURAL;
+    return u4_per_block(K, group) ? ACT_STREAM256 : ACT_QUAD256;
 }
 
 /* the blocks of the activation stream for rows of nb blocks (u4_stream256_avx2) */
@@ -1206,9 +1326,9 @@ static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc
     int use = a->order == ACT_PAIRS || a->order == ACT_QUAD ? ISA_AVX512 : isa() == ISA_AVX512 ? ISA_AVX2 : isa();
     (void)use;
 #if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
-    if (a->order == ACT_STREAM256) {   /* one x row, a scale per block (u4_act_order) */
-        u4_stream256_avx2(qs, sc, mn, f16, nb, a->xq, a->xd, a->xs, y, n0, n1);
-        if (bias) for (int64_t n = n0; n < n1; n++) y[n] += bias[n];
+    if (a->order == ACT_STREAM256   /* a scale per block (u4_act_order) */
+        && !u4_stream256_avx2(qs, sc, mn, f16, nb, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y, N, n0, n1)) {
+        if (bias) for (int64_t m = 0; m < M; m++) for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
         return;
     }
 #endif
@@ -1224,8 +1344,13 @@ static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc
             dot_u4_quad_one(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, y + n);
         else
 #endif
-        if (a->order == ACT_QUAD256)  /* avx2 and avxvnni: the AVX2 body (4 madds, no dpwssd chain) */
+        /* avx2 and avxvnni: the AVX2 body (4 madds, no dpwssd chain); a stream's activations
+         * (quad order, x repeated past its blocks) also serve when its block values found no memory */
+        if ((a->order == ACT_QUAD256 || a->order == ACT_STREAM256) && M == 1)
             dot_u4_quad256_avx2(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, y + n);
+        else if (a->order == ACT_QUAD256 || a->order == ACT_STREAM256)
+            dot_u4_quad256_rows(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, a->qstride, a->bstride,
+                                y + n, N);
         else
 #if __GNUC__ >= 11
         if (use == ISA_AVXVNNI) dot_u4_vnni(row, sc, mn, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y + n, N);
