@@ -259,15 +259,16 @@ def test_row_limit_override_moves_the_split(monkeypatch):
 
 @pytest.mark.parametrize("n,k", [(37, 576), (29, 544), (11, 96), (13, 45), (40, 1024)])
 def test_one_row_q4_block_stream_is_exact_for_any_thread_split(kernel, n, k, monkeypatch):
-    """One x row against a Q4 matrix with a scale per block (GGUF Q4_0 / Q4_1) runs, on AVX2 and
-    AVX-VNNI, as one stream of blocks across row ends (u4_stream256_avx2: 576 = 18 blocks a row,
+    """One x row against a Q4 (or Q8) matrix with a scale per block (GGUF Q4_0 / Q4_1 / Q8_0) runs,
+    on AVX2 and AVX-VNNI, as one stream of blocks across row ends (u4_stream256_avx2,
+    s8_stream256_avx2: 576 = 18 blocks a row,
     4 rows a group of 8-block loads; 544 = 17 blocks, 8 rows). Each row's bits must not depend on
     how many threads split the rows (a group is cut where a thread's rows end), a bias
     must land on its own row, and the result must equal the one-row kernel without the stream
-    (TOKENMILL_NO_U4_STREAM=1) up to float summation order."""
+    (TOKENMILL_NO_BLOCK_STREAM=1) up to float summation order."""
     gen = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=gen) * 0.1
-    for method in (Int4Linear.from_float(w, 32), _fp16_scales(Int4Linear.from_float(w, 32))):
+    for method in (Int4Linear.from_float(w, 32), _fp16_scales(Int4Linear.from_float(w, 32)), Int8Linear.from_float(w, 32)):
         wd = method.dequantize()
         x = torch.randn(1, k, generator=gen) * 3
         bias = torch.randn(n, generator=gen)
@@ -279,10 +280,10 @@ def test_one_row_q4_block_stream_is_exact_for_any_thread_split(kernel, n, k, mon
         for threads, y in runs.items():
             assert torch.equal(y, runs[1]), f"{threads} threads changed the bits"
         _check(runs[1], q16_reference(x), wd, bias)
-        monkeypatch.setenv("TOKENMILL_NO_U4_STREAM", "1")
+        monkeypatch.setenv("TOKENMILL_NO_BLOCK_STREAM", "1")
         y = torch.empty(1, n)
         method._gemm(x, y, bias.data_ptr(), 1)
-        monkeypatch.delenv("TOKENMILL_NO_U4_STREAM")
+        monkeypatch.delenv("TOKENMILL_NO_BLOCK_STREAM")
         _check(y, q16_reference(x), wd, bias)
         torch.testing.assert_close(y, runs[1], rtol=1e-5, atol=1e-5)
 
@@ -292,7 +293,8 @@ def test_a_q4_row_has_the_same_bits_alone_or_with_others_on_avx2(n, k, group):
     """On the avx2 set, 2 to 64 x rows against a Q4 matrix run the one-row kernel's arithmetic per
     row (u4_quad256_tile): the block stream's block values and row sum where one row runs the
     stream (a scale per block, rows not a multiple of 8 blocks), the one-row accumulation
-    elsewhere. So a speculative verify row gets the bits of the same row decoded alone."""
+    elsewhere. Q8 with a scale per block runs the same stream. So a speculative verify row gets
+    the bits of the same row decoded alone."""
     if "avx2" not in KERNELS:
         pytest.skip("no AVX2 on this CPU")
     before = native.kernel()
@@ -300,7 +302,10 @@ def test_a_q4_row_has_the_same_bits_alone_or_with_others_on_avx2(n, k, group):
     try:
         gen = torch.Generator().manual_seed(n * 11 + k)
         w = torch.randn(n, k, generator=gen) * 0.1
-        for method in (Int4Linear.from_float(w, group), _fp16_scales(Int4Linear.from_float(w, group))):
+        methods = [Int4Linear.from_float(w, group), _fp16_scales(Int4Linear.from_float(w, group))]
+        if group == 32 and ((k + 31) // 32) % 8:   # Q8_0's blocks run the same stream (s8_stream256_avx2)
+            methods.append(Int8Linear.from_float(w, group))
+        for method in methods:
             wd = method.dequantize()
             for m in (2, 3, 5, 8, 9):
                 x = torch.randn(m, k, generator=gen) * 3

@@ -553,6 +553,77 @@ TGT_AVX2 static inline float stream_row_sum(const float *v, int64_t nb) {
     return t;
 }
 
+/* The same block stream for s8 (GGUF Q8_0, the default model's output head: 49152 rows of 18
+ * blocks), against word-order activations (s8dot_word_avx2) with x repeated as for u4: each
+ * 32-byte block load is split into its even and odd bytes once for a tile of up to 4 x rows;
+ * a block's value is its integer dot x activation scale x weight scale. */
+TGT_AVX2 static inline __attribute__((always_inline)) void s8_stream_group(
+    const int8_t *w0, const void *sc, int f16, int64_t b0, int64_t nblk, const int16_t *xq, const float *xd,
+    int64_t x_stride, int64_t xb_stride, float *buf, int64_t bs, const int MR) {
+    for (int64_t c = 0; c < nblk; c += 8) {
+        const int64_t left = nblk - c;
+        const int8_t *w = w0 + c * QK;
+        for (int o = 0; o < 8 * QK; o += 64) _mm_prefetch((const char *)w + QUAD_PREFETCH + o, _MM_HINT_T0);
+        __m256i s0[4], e[4], h[4];   /* per x row: 4 blocks' sums, the last even block, a pair's sums */
+        for (int j = 0; j < MR; j++) s0[j] = e[j] = h[j] = _mm256_setzero_si256();
+        for (int b = 0; b < 8; b++) {   /* per x row: as dot_s8_word_avx2's 8-block reduction */
+            __m256i d[4];
+            if (b >= left) {
+                for (int j = 0; j < MR; j++) d[j] = _mm256_setzero_si256();
+            } else {
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + b * QK));
+                const __m256i lo = _mm256_srai_epi16(_mm256_slli_epi16(wv, 8), 8), hi = _mm256_srai_epi16(wv, 8);
+                for (int j = 0; j < MR; j++) {
+                    const int16_t *x = xq + j * x_stride + (c + b) * QK;
+                    d[j] = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+                }
+            }
+            for (int j = 0; j < MR; j++) {
+                if (b % 2 == 0) { e[j] = d[j]; continue; }
+                const __m256i hp = _mm256_hadd_epi32(e[j], d[j]);   /* blocks b-1, b */
+                if (b % 4 == 1) { h[j] = hp; continue; }
+                const __m256i q = _mm256_hadd_epi32(h[j], hp);      /* blocks b-3 .. b */
+                if (b == 3) { s0[j] = q; continue; }
+                s0[j] = _mm256_add_epi32(_mm256_permute2x128_si256(s0[j], q, 0x20), _mm256_permute2x128_si256(s0[j], q, 0x31));
+            }
+        }
+        const __m256 sv = scales8_tail(sc, f16, 0, b0 + c, left, 1, 0);
+        for (int j = 0; j < MR; j++)
+            _mm256_storeu_ps(buf + j * bs + c, _mm256_mul_ps(_mm256_cvtepi32_ps(s0[j]),
+                                                             _mm256_mul_ps(sv, _mm256_loadu_ps(xd + j * xb_stride + c))));
+    }
+}
+
+TGT_AVX2 static int s8_stream256_avx2(const int8_t *qs, const void *sc, int f16, int64_t nb, const int16_t *xq,
+                                      const float *xd, int64_t M, int64_t x_stride, int64_t xb_stride, float *y,
+                                      int64_t N, int64_t n0, int64_t n1) {
+    const int64_t R = stream_rows(nb), bs = R * nb + 8;
+    float stack[STREAM_BUF];
+    float *buf = 4 * bs <= STREAM_BUF ? stack : malloc(sizeof(float) * 4 * (size_t)bs);
+    if (!buf) return -1;
+    const int64_t tiles = (M + 3) / 4;
+    for (int64_t gs = n0; gs < n1; gs += R) {
+        const int64_t ge = gs + R < n1 ? gs + R : n1, nblk = (ge - gs) * nb, b0 = gs * nb;
+        const int8_t *w0 = qs + b0 * QK;
+        for (int64_t t = 0, m0 = 0, mr; t < tiles; t++, m0 += mr) {
+            mr = (M - m0) / (tiles - t) + ((M - m0) % (tiles - t) != 0);
+            const int16_t *x = xq + m0 * x_stride;
+            const float *d = xd + m0 * xb_stride;
+            switch (mr) {
+            case 1: s8_stream_group(w0, sc, f16, b0, nblk, x, d, x_stride, xb_stride, buf, bs, 1); break;
+            case 2: s8_stream_group(w0, sc, f16, b0, nblk, x, d, x_stride, xb_stride, buf, bs, 2); break;
+            case 3: s8_stream_group(w0, sc, f16, b0, nblk, x, d, x_stride, xb_stride, buf, bs, 3); break;
+            default: s8_stream_group(w0, sc, f16, b0, nblk, x, d, x_stride, xb_stride, buf, bs, 4);
+            }
+            for (int64_t j = 0; j < mr; j++)
+                for (int64_t n = gs; n < ge; n++) y[(m0 + j) * N + n] = stream_row_sum(buf + j * bs + (n - gs) * nb, nb);
+        }
+    }
+    if (buf != stack) free(buf);
+    return 0;
+}
+
 /* Several x rows (quad order, each row padded to 8 blocks) against one u4 weight row, for rows of
  * 8k blocks and scale groups (elsewhere the block stream runs): each 32-byte load is split into
  * its nibble planes once and meets a tile of up to 4 x rows, and each row's arithmetic is
@@ -1051,13 +1122,8 @@ typedef struct {
 } ActBuf;
 
 enum { ACT_NATURAL = 0, ACT_PAIRS = 1, ACT_QUAD = 2, ACT_WORDS = 3, ACT_QUAD256 = 4, ACT_WORDS256 = 5,
-       ACT_STREAM256 = 6 };
+       ACT_STREAM256 = 6, ACT_SSTREAM256 = 7 };
 
-/* the activation order the s8 kernels of the set in use read for M rows */
-static int s8_act_order(int64_t M) {
-    if (M != 1 || isa() < ISA_AVX2) return ACT_NATURAL;
-    return isa() == ISA_AVX512 ? ACT_WORDS : ACT_WORDS256;
-}
 
 /* natural order -> 256-bit word order (s8dot_word_avx2), in place: within each block, value i
  * goes to 16(i%2) + i/2; the block scales stay in block order */
@@ -1090,10 +1156,10 @@ static void to_word_order(int16_t *q, float *xd, int64_t nbp) {
 
 /* a scale per block and rows that do not fill whole 8-block loads: the block stream
  * (u4_stream256_avx2); with rows of 8k blocks the one-row kernel is faster (no values kept per
- * block). TOKENMILL_NO_U4_STREAM=1: never (an A/B switch). */
-static int u4_per_block(int64_t K, int64_t group) {
+ * block). TOKENMILL_NO_BLOCK_STREAM=1: never (an A/B switch). */
+static int block_stream(int64_t K, int64_t group) {
     const int64_t nb = (K + QK - 1) / QK;
-    return group == QK && nb % 8 && !getenv("TOKENMILL_NO_U4_STREAM");
+    return group == QK && nb % 8 && !getenv("TOKENMILL_NO_BLOCK_STREAM");
 }
 
 /* the activation order the u4 kernels of the set in use read for M rows of a [N, K] matrix with
@@ -1104,7 +1170,16 @@ static int u4_per_block(int64_t K, int64_t group) {
 static int u4_act_order(int64_t M, int64_t K, int64_t group) {
     if (isa() == ISA_AVX512) return M > 1 ? ACT_PAIRS : ACT_QUAD;
     if (isa() < ISA_AVX2 || M > U4_QUAD_ROWS || (M > 1 && isa() != ISA_AVX2)) return ACT_NATURAL;
-    return u4_per_block(K, group) ? ACT_STREAM256 : ACT_QUAD256;
+    return block_stream(K, group) ? ACT_STREAM256 : ACT_QUAD256;
+}
+
+/* the activation order the s8 kernels of the set in use read for M rows of a [N, K] matrix with the
+ * given group size (the block stream as for u4: block_stream) */
+static int s8_act_order(int64_t M, int64_t K, int64_t group) {
+    if (isa() < ISA_AVX2 || M > U4_QUAD_ROWS || (M > 1 && isa() != ISA_AVX2)) return ACT_NATURAL;
+    if (isa() == ISA_AVX512) return ACT_WORDS;
+    if (block_stream(K, group)) return ACT_SSTREAM256;   /* the block stream (s8_stream256_avx2) */
+    return M == 1 ? ACT_WORDS256 : ACT_NATURAL;
 }
 
 /* the blocks of the activation stream for rows of nb blocks (u4_stream256_avx2) */
@@ -1151,9 +1226,9 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf 
     a->order = order;
     /* blocks a row is padded to a multiple of, per order: the kernels' loads and reductions */
     static const int64_t pad[] = {[ACT_NATURAL] = 1, [ACT_PAIRS] = 2, [ACT_QUAD] = 16, [ACT_WORDS] = 16,
-                                  [ACT_QUAD256] = 8, [ACT_WORDS256] = 1, [ACT_STREAM256] = 1};
+                                  [ACT_QUAD256] = 8, [ACT_WORDS256] = 1, [ACT_STREAM256] = 1, [ACT_SSTREAM256] = 1};
     a->bstride = (nb + pad[order] - 1) / pad[order] * pad[order];
-    if (order == ACT_STREAM256) a->bstride = stream_blocks(nb);   /* x repeated: see u4_stream256_avx2 */
+    if (order == ACT_STREAM256 || order == ACT_SSTREAM256) a->bstride = stream_blocks(nb);   /* x repeated */
     a->qstride = a->bstride * QK;
     size_t qbytes = ((size_t)(M * a->qstride) * sizeof(int16_t) + 63) & ~(size_t)63;
     a->mem = malloc(qbytes + 2 * (size_t)(M * a->bstride) * sizeof(float) + 64);
@@ -1169,13 +1244,14 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf 
         else
 #endif
         quantize_rows(x + m * K, 1, K, q, d, s);
-        if (order == ACT_STREAM256) {   /* x's blocks again up to the stream's period (a multiple of 8) */
+        if (order == ACT_STREAM256 || order == ACT_SSTREAM256) {   /* x's blocks again up to the stream's period */
             for (int64_t b = nb; b < a->bstride; b += nb) {
                 memcpy(q + b * QK, q, (size_t)nb * QK * sizeof(int16_t));
                 memcpy(d + b, d, (size_t)nb * sizeof(float));
                 memcpy(s + b, s, (size_t)nb * sizeof(float));
             }
-            to_quad_order(q, d, a->bstride, 2);
+            if (order == ACT_STREAM256) to_quad_order(q, d, a->bstride, 2);
+            else to_word256_order(q, a->bstride);
             continue;
         }
         /* zero padding blocks: they meet zero or masked-off weights */
@@ -1371,6 +1447,13 @@ static void gemm_s8_rows(int64_t M, int64_t K, const int8_t *qs, const void *sc,
     int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
     int use = isa();
     (void)use;
+#if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
+    if (a->order == ACT_SSTREAM256   /* a scale per block (s8_act_order) */
+        && !s8_stream256_avx2(qs, sc, f16, nb, a->xq, a->xd, M, a->qstride, a->bstride, y, N, n0, n1)) {
+        if (bias) for (int64_t m = 0; m < M; m++) for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
+        return;
+    }
+#endif
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *row = qs + n * Kp;
         if (PREFETCH_ROWS && n + PREFETCH_ROWS < N)
@@ -1382,8 +1465,12 @@ static void gemm_s8_rows(int64_t M, int64_t K, const int8_t *qs, const void *sc,
         else if (use == ISA_AVX512) dot_s8_512(row, sc, f16, n * G, nb, bpg, a->xq, a->xd, M, a->qstride, a->bstride, y + n, N);
         else
 #endif
-        if (a->order == ACT_WORDS256)  /* avx2 and avxvnni, one x row */
-            dot_s8_word_avx2(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, 1, a->qstride, a->bstride, y + n, N);
+        if (a->order == ACT_WORDS256 || a->order == ACT_SSTREAM256)  /* avx2 and avxvnni, word order: x row by
+                                                                       * x row (a stream's when its block values
+                                                                       * found no memory) */
+            for (int64_t m = 0; m < M; m++)
+                dot_s8_word_avx2(row, sc, NULL, f16, n * G, nb, bpg, a->xq + m * a->qstride, a->xd + m * a->bstride,
+                                 a->xs, 1, a->qstride, a->bstride, y + m * N + n, N);
         else
 #if __GNUC__ >= 11
         if (use == ISA_AVXVNNI) dot_s8_vnni(row, sc, NULL, f16, n * G, nb, bpg, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y + n, N);
@@ -1431,7 +1518,7 @@ void *tmq_act_quantize(const TmqMat *w, const float *x, int64_t M) {
     ActBuf *a = calloc(1, sizeof *a);
     if (!a) return NULL;
     if (w->kind == TMQ_F32) { a->xf = x; return a; }
-    if (act_quantize(x, M, w->K, w->kind == TMQ_U4 ? u4_act_order(M, w->K, w->group) : s8_act_order(M), a)) { free(a); return NULL; }
+    if (act_quantize(x, M, w->K, w->kind == TMQ_U4 ? u4_act_order(M, w->K, w->group) : s8_act_order(M, w->K, w->group), a)) { free(a); return NULL; }
     return a;
 }
 
@@ -1512,7 +1599,7 @@ static PyObject *py_gemm_s8(PyObject *self, PyObject *args) {
     ActBuf a;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
-    err = act_quantize(PTR(const float *, x), M, K, s8_act_order(M), &a);
+    err = act_quantize(PTR(const float *, x), M, K, s8_act_order(M, K, group), &a);
     if (!err) {
         gemm_s8(M, K, PTR(const int8_t *, qs), PTR(const void *, sc), f16, N, group, PTR(const float *, bias),
                 PTR(float *, y), nt < 1 ? 1 : nt, &a);
