@@ -1462,6 +1462,15 @@ AVX2 static inline __attribute__((always_inline)) void ld8x2(const void *p, int 
 /* acc[g] = acc[g] * alpha[g] + sum_u p[g][u] v_u for GC <= 3 query vectors and 16 dims at a time
  * (each V row widened once for up to 3 query vectors). Even and odd keys go to two sets of
  * accumulators, added at the end: with one set, each key's FMAs waited on the previous key's. */
+#define DEC_VKEY256(GC, A, U) do {   /* key U's V row (16 dims at x0) into accumulators A */ \
+    __m256 v0, v1; \
+    ld8x2(vp[U] + (size_t)x0 * esz, kind, &v0, &v1); \
+    for (int g = 0; g < (GC); g++) { \
+        const __m256 pu = _mm256_set1_ps(p[g * DEC_BLOCK + (U)]); \
+        A[g][0] = _mm256_fmadd_ps(pu, v0, A[g][0]); \
+        A[g][1] = _mm256_fmadd_ps(pu, v1, A[g][1]); \
+    } \
+} while (0)
 #define DEC_VACC256(GC) do { \
     for (int x0 = 0; x0 < D; x0 += 16) { \
         __m256 o[GC][2], e[GC][2]; \
@@ -1473,29 +1482,10 @@ AVX2 static inline __attribute__((always_inline)) void ld8x2(const void *p, int 
         } \
         int u = 0; \
         for (; u + 2 <= nk; u += 2) { \
-            __m256 v0, v1; \
-            ld8x2(vp[u] + (size_t)x0 * esz, kind, &v0, &v1); \
-            for (int g = 0; g < (GC); g++) { \
-                const __m256 pu = _mm256_set1_ps(p[g * DEC_BLOCK + u]); \
-                o[g][0] = _mm256_fmadd_ps(pu, v0, o[g][0]); \
-                o[g][1] = _mm256_fmadd_ps(pu, v1, o[g][1]); \
-            } \
-            ld8x2(vp[u + 1] + (size_t)x0 * esz, kind, &v0, &v1); \
-            for (int g = 0; g < (GC); g++) { \
-                const __m256 pu = _mm256_set1_ps(p[g * DEC_BLOCK + u + 1]); \
-                e[g][0] = _mm256_fmadd_ps(pu, v0, e[g][0]); \
-                e[g][1] = _mm256_fmadd_ps(pu, v1, e[g][1]); \
-            } \
+            DEC_VKEY256(GC, o, u); \
+            DEC_VKEY256(GC, e, u + 1); \
         } \
-        if (u < nk) { \
-            __m256 v0, v1; \
-            ld8x2(vp[u] + (size_t)x0 * esz, kind, &v0, &v1); \
-            for (int g = 0; g < (GC); g++) { \
-                const __m256 pu = _mm256_set1_ps(p[g * DEC_BLOCK + u]); \
-                o[g][0] = _mm256_fmadd_ps(pu, v0, o[g][0]); \
-                o[g][1] = _mm256_fmadd_ps(pu, v1, o[g][1]); \
-            } \
-        } \
+        if (u < nk) DEC_VKEY256(GC, o, u); \
         for (int g = 0; g < (GC); g++) { \
             _mm256_store_ps(acc + g * D + x0, _mm256_add_ps(o[g][0], e[g][0])); \
             _mm256_store_ps(acc + g * D + x0 + 8, _mm256_add_ps(o[g][1], e[g][1])); \

@@ -485,6 +485,42 @@ TGT static void NAME(const uint8_t *qs, const void *sc, const void *mn, int f16,
 #endif
 DEFINE_U4_QUAD256(dot_u4_quad256_avx2, TGT_AVX2, quad256_dot_avx2)
 
+/* The integer dots of one 8-block load of u4 weights w (its first n <= 8 blocks) against MR x
+ * rows of quad-order activations x (row j at x + j * x_stride): t[j] lane q holds block
+ * 2(q%4) + q/4's dot, as quad256_dot_avx2 and the one-row kernel's hadds give it. Each 32-byte
+ * load is split into its four nibble planes once for all MR rows. */
+TGT_AVX2 static inline __attribute__((always_inline)) void u4_chunk_dots(const uint8_t *w, int64_t n, const int16_t *x,
+                                                                       int64_t x_stride, __m256i *t, const int MR) {
+    const __m256i half = _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0), m4 = _mm256_set1_epi16(0x000F);
+    __m256i u[4];
+    for (int j = 0; j < MR; j++) t[j] = u[j] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; p++) {   /* per x row: hadd(hadd(d0, d1), hadd(d2, d3)) */
+        const int64_t l = n - 2 * p;
+        __m256i d[4];
+        if (l <= 0) {
+            for (int j = 0; j < MR; j++) d[j] = _mm256_setzero_si256();
+        } else {
+            const __m256i wv = l >= 2 ? _mm256_loadu_si256((const __m256i *)(w + 32 * p))
+                                      : _mm256_maskload_epi32((const int *)(w + 32 * p), half);
+            const __m256i q0 = _mm256_and_si256(wv, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+            const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(wv, 8), m4), q3 = _mm256_srli_epi16(wv, 12);
+            for (int j = 0; j < MR; j++) {
+                const int16_t *xj = x + j * x_stride + 64 * p;
+                d[j] = _mm256_add_epi32(
+                    _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)xj)),
+                                     _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(xj + 16)))),
+                    _mm256_add_epi32(_mm256_madd_epi16(q2, _mm256_loadu_si256((const __m256i *)(xj + 32))),
+                                     _mm256_madd_epi16(q3, _mm256_loadu_si256((const __m256i *)(xj + 48)))));
+            }
+        }
+        for (int j = 0; j < MR; j++) {
+            if (p == 0 || p == 2) u[j] = d[j];
+            else if (p == 1) t[j] = _mm256_hadd_epi32(u[j], d[j]);
+            else t[j] = _mm256_hadd_epi32(t[j], _mm256_hadd_epi32(u[j], d[j]));
+        }
+    }
+}
+
 /* x rows against rows [n0, n1) of a u4 matrix with a scale per block (GGUF Q4_0 / Q4_1), as one
  * stream of blocks (the rows are contiguous, and so are their scales). A row of nb blocks need
  * not fill 8-block loads (nb = 18 for K = 576): the one-row kernel above pays a masked tail
@@ -502,39 +538,13 @@ TGT_AVX2 static inline __attribute__((always_inline)) void u4_stream_group(
     const uint8_t *w0, const void *sc, const void *mn, int f16, int64_t b0, int64_t nblk, const int16_t *xq,
     const float *xdq, const float *xs, int64_t x_stride, int64_t xb_stride, float *buf, int64_t bs, const int MR) {
     const __m256i inv = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   /* lane order -> block order */
-    const __m256i half = _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0), m4 = _mm256_set1_epi16(0x000F);
     for (int64_t c = 0; c < nblk; c += 8) {
         const int64_t left = nblk - c;
         const uint8_t *w = w0 + c * 16;
         _mm_prefetch((const char *)w + QUAD_PREFETCH, _MM_HINT_T0);
         _mm_prefetch((const char *)w + QUAD_PREFETCH + 64, _MM_HINT_T0);
-        __m256i t[4], u[4];
-        for (int j = 0; j < MR; j++) t[j] = u[j] = _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++) {   /* per x row: h = hadd(hadd(d0, d1), hadd(d2, d3)) */
-            const int64_t l = left - 2 * p;
-            __m256i d[4];
-            if (l <= 0) {
-                for (int j = 0; j < MR; j++) d[j] = _mm256_setzero_si256();
-            } else {
-                const __m256i wv = l >= 2 ? _mm256_loadu_si256((const __m256i *)(w + 32 * p))
-                                          : _mm256_maskload_epi32((const int *)(w + 32 * p), half);
-                const __m256i q0 = _mm256_and_si256(wv, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
-                const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(wv, 8), m4), q3 = _mm256_srli_epi16(wv, 12);
-                for (int j = 0; j < MR; j++) {
-                    const int16_t *x = xq + j * x_stride + c * QK + 64 * p;
-                    d[j] = _mm256_add_epi32(
-                        _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)x)),
-                                         _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(x + 16)))),
-                        _mm256_add_epi32(_mm256_madd_epi16(q2, _mm256_loadu_si256((const __m256i *)(x + 32))),
-                                         _mm256_madd_epi16(q3, _mm256_loadu_si256((const __m256i *)(x + 48)))));
-                }
-            }
-            for (int j = 0; j < MR; j++) {
-                if (p == 0 || p == 2) u[j] = d[j];
-                else if (p == 1) t[j] = _mm256_hadd_epi32(u[j], d[j]);
-                else t[j] = _mm256_hadd_epi32(t[j], _mm256_hadd_epi32(u[j], d[j]));
-            }
-        }
+        __m256i t[4];
+        u4_chunk_dots(w, left, xq + c * QK, x_stride, t, MR);
         const __m256 sv = scales8_tail(sc, f16, 0, b0 + c, left, 1, 0), mv = scales8_tail(mn, f16, 0, b0 + c, left, 1, 0);
         for (int j = 0; j < MR; j++) {
             const __m256 v = _mm256_permutevar8x32_ps(
@@ -633,7 +643,6 @@ TGT_AVX2 static inline __attribute__((always_inline)) void u4_quad256_tile(
     const int16_t *xq, const float *xdq, const float *xs, int64_t x_stride, int64_t xb_stride, float *out,
     int64_t out_stride, const int MR) {
     const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    const __m256i half = _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0), m4 = _mm256_set1_epi16(0x000F);
     const int one = bpg >= nb;
     __m256 acc[4], am[4];
     for (int j = 0; j < MR; j++) acc[j] = am[j] = _mm256_setzero_ps();
@@ -641,33 +650,8 @@ TGT_AVX2 static inline __attribute__((always_inline)) void u4_quad256_tile(
     for (int64_t c = 0; c < nb; c += 8) {
         const int64_t n = nb - c < 8 ? nb - c : 8;
         const uint8_t *w = qs + c * 16;
-        __m256i t[4], u[4];
-        for (int j = 0; j < MR; j++) t[j] = u[j] = _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++) {
-            const int64_t l = n - 2 * p;
-            __m256i d[4];
-            if (l <= 0) {
-                for (int j = 0; j < MR; j++) d[j] = _mm256_setzero_si256();
-            } else {
-                const __m256i wv = l >= 2 ? _mm256_loadu_si256((const __m256i *)(w + 32 * p))
-                                          : _mm256_maskload_epi32((const int *)(w + 32 * p), half);
-                const __m256i q0 = _mm256_and_si256(wv, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
-                const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(wv, 8), m4), q3 = _mm256_srli_epi16(wv, 12);
-                for (int j = 0; j < MR; j++) {
-                    const int16_t *x = xq + j * x_stride + c * QK + 64 * p;
-                    d[j] = _mm256_add_epi32(
-                        _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)x)),
-                                         _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(x + 16)))),
-                        _mm256_add_epi32(_mm256_madd_epi16(q2, _mm256_loadu_si256((const __m256i *)(x + 32))),
-                                         _mm256_madd_epi16(q3, _mm256_loadu_si256((const __m256i *)(x + 48)))));
-                }
-            }
-            for (int j = 0; j < MR; j++) {
-                if (p == 0 || p == 2) u[j] = d[j];
-                else if (p == 1) t[j] = _mm256_hadd_epi32(u[j], d[j]);
-                else t[j] = _mm256_hadd_epi32(t[j], _mm256_hadd_epi32(u[j], d[j]));
-            }
-        }
+        __m256i t[4];
+        u4_chunk_dots(w, n, xq + c * QK, x_stride, t, MR);
         const __m256 sv = _mm256_permutevar8x32_ps(scales8_tail(sc, f16, row_g0, c, n, bpg, one), perm);
         const __m256 mv = scales8_tail(mn, f16, row_g0, c, n, bpg, one);
         for (int j = 0; j < MR; j++) {
