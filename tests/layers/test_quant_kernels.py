@@ -268,7 +268,9 @@ def test_one_row_q4_block_stream_is_exact_for_any_thread_split(kernel, n, k, mon
     (TOKENMILL_NO_BLOCK_STREAM=1) up to float summation order."""
     gen = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=gen) * 0.1
-    for method in (Int4Linear.from_float(w, 32), _fp16_scales(Int4Linear.from_float(w, 32)), Int8Linear.from_float(w, 32)):
+    q8 = Int8Linear.from_float(w, 32)
+    q8_f16 = Int8Linear(q8.qs, q8.scales.half(), k, 32)   # GGUF Q8_0 keeps fp16 scales
+    for method in (Int4Linear.from_float(w, 32), _fp16_scales(Int4Linear.from_float(w, 32)), q8, q8_f16):
         wd = method.dequantize()
         x = torch.randn(1, k, generator=gen) * 3
         bias = torch.randn(n, generator=gen)
