@@ -417,14 +417,20 @@ TGT_AVX2 static inline __m256 scales8_tail(const void *p, int f16, int64_t row_g
     if (one) return _mm256_set1_ps(scale_avx2(p, row_g0, f16));
     if (bpg == 1 && r >= 8) return scales8(p, row_g0 + b, f16);
     if (bpg == 1) {
-        /* a row's last r < 8 blocks, a scale each: masked loads (nothing read past the r scales
-         * but the other half of the last f16's dword), lanes >= r zeroed */
+        /* a row's last r < 8 blocks, a scale each: masked loads that read nothing past the r
+         * scales (an odd r's last fp16 is put in its lane apart), lanes >= r zeroed */
         const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)r),
                                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
         __m256 v;
         if (f16) {
-            const __m128i dw = _mm_cmpgt_epi32(_mm_set1_epi32((int)((r + 1) / 2)), _mm_setr_epi32(0, 1, 2, 3));
-            v = _mm256_cvtph_ps(_mm_maskload_epi32((const int *)((const uint16_t *)p + row_g0 + b), dw));
+            const uint16_t *h = (const uint16_t *)p + row_g0 + b;
+            const __m128i dw = _mm_cmpgt_epi32(_mm_set1_epi32((int)(r / 2)), _mm_setr_epi32(0, 1, 2, 3));
+            __m128i hv = _mm_maskload_epi32((const int *)h, dw);
+            if (r & 1) {
+                const __m128i at = _mm_cmpeq_epi16(_mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7), _mm_set1_epi16((short)(r - 1)));
+                hv = _mm_blendv_epi8(hv, _mm_set1_epi16((short)h[r - 1]), at);
+            }
+            v = _mm256_cvtph_ps(hv);
         } else {
             v = _mm256_maskload_ps((const float *)p + row_g0 + b, _mm256_castps_si256(keep));
         }
