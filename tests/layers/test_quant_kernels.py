@@ -260,8 +260,8 @@ def test_row_limit_override_moves_the_split(monkeypatch):
 @pytest.mark.parametrize("n,k", [(37, 576), (29, 544), (11, 96), (13, 45), (40, 1024)])
 def test_one_row_q4_block_stream_is_exact_for_any_thread_split(kernel, n, k, monkeypatch):
     """One x row against a Q4 (or Q8) matrix with a scale per block (GGUF Q4_0 / Q4_1 / Q8_0) runs,
-    on AVX2 and AVX-VNNI, as one stream of blocks across row ends (u4_stream256_avx2,
-    s8_stream256_avx2: 576 = 18 blocks a row,
+    on AVX2 and AVX-VNNI, as one stream of blocks across row ends (block_stream256_avx2 with
+    u4_stream_group or s8_stream_group: 576 = 18 blocks a row,
     4 rows a group of 8-block loads; 544 = 17 blocks, 8 rows). Each row's bits must not depend on
     how many threads split the rows (a group is cut where a thread's rows end), a bias
     must land on its own row, and the result must equal the one-row kernel without the stream
@@ -305,7 +305,7 @@ def test_a_q4_row_has_the_same_bits_alone_or_with_others_on_avx2(n, k, group):
         gen = torch.Generator().manual_seed(n * 11 + k)
         w = torch.randn(n, k, generator=gen) * 0.1
         methods = [Int4Linear.from_float(w, group), _fp16_scales(Int4Linear.from_float(w, group))]
-        if group == 32 and ((k + 31) // 32) % 8:   # Q8_0's blocks run the same stream (s8_stream256_avx2)
+        if group == 32 and ((k + 31) // 32) % 8:   # Q8_0's blocks run the same stream (s8_stream_group)
             methods.append(Int8Linear.from_float(w, group))
         for method in methods:
             wd = method.dequantize()

@@ -173,9 +173,15 @@ static float dot_s8_scalar(const int8_t *qs, const void *sc, int f16, int64_t ro
     return acc;
 }
 
-#define STREAM_BUF 2048   /* block values on the stack (u4_stream256_avx2); more allocate */
+#define STREAM_BUF 2048   /* block values on the stack (block_stream256_avx2); more allocate */
 
-/* rows of nb blocks that make a whole number of 8-block loads (u4_stream256_avx2) */
+/* the x rows of tile t of `tiles` over rows m0.. of M: tiles as even as possible (5 = 3 + 2,
+ * 7 = 4 + 3) */
+static inline int64_t tile_rows(int64_t M, int64_t m0, int64_t t, int64_t tiles) {
+    return (M - m0) / (tiles - t) + ((M - m0) % (tiles - t) != 0);
+}
+
+/* rows of nb blocks that make a whole number of 8-block loads (the block streams) */
 static int64_t stream_rows(int64_t nb) {
     const int64_t g = nb & -nb;   /* the largest power of two dividing nb */
     return g >= 8 ? 1 : 8 / g;
@@ -304,7 +310,7 @@ TGT static void NAME(const WT *qs, const void *sc, const void *mn, int f16, int6
                      int64_t x_stride, int64_t xb_stride, float *out, int64_t out_stride) {                \
     const int64_t tiles = (nrows_x + 3) / 4;  /* as even as possible: 5 = 3 + 2, 7 = 4 + 3 */            \
     for (int64_t t = 0, m0 = 0, mr; t < tiles; t++, m0 += mr) {                                           \
-        mr = (nrows_x - m0) / (tiles - t) + ((nrows_x - m0) % (tiles - t) != 0);                          \
+        mr = tile_rows(nrows_x, m0, t, tiles);                                                            \
         const int16_t *x = xq + m0 * x_stride;                                                            \
         const float *d = xd + m0 * xb_stride, *m = xs ? xs + m0 * xb_stride : NULL;                        \
         float *o = out + m0 * out_stride;                                                                 \
@@ -611,35 +617,6 @@ TGT_AVX2 static inline __attribute__((always_inline)) void s8_stream_group(
     }
 }
 
-TGT_AVX2 static int s8_stream256_avx2(const int8_t *qs, const void *sc, int f16, int64_t nb, const int16_t *xq,
-                                      const float *xd, int64_t M, int64_t x_stride, int64_t xb_stride, float *y,
-                                      int64_t N, int64_t n0, int64_t n1) {
-    const int64_t R = stream_rows(nb), bs = R * nb + 8;
-    float stack[STREAM_BUF];
-    float *buf = 4 * bs <= STREAM_BUF ? stack : malloc(sizeof(float) * 4 * (size_t)bs);
-    if (!buf) return -1;
-    const int64_t tiles = (M + 3) / 4;
-    for (int64_t gs = n0; gs < n1; gs += R) {
-        const int64_t ge = gs + R < n1 ? gs + R : n1, nblk = (ge - gs) * nb, b0 = gs * nb;
-        const int8_t *w0 = qs + b0 * QK;
-        for (int64_t t = 0, m0 = 0, mr; t < tiles; t++, m0 += mr) {
-            mr = (M - m0) / (tiles - t) + ((M - m0) % (tiles - t) != 0);
-            const int16_t *x = xq + m0 * x_stride;
-            const float *d = xd + m0 * xb_stride;
-            switch (mr) {
-            case 1: s8_stream_group(w0, sc, f16, b0, nblk, x, d, x_stride, xb_stride, buf, bs, 1); break;
-            case 2: s8_stream_group(w0, sc, f16, b0, nblk, x, d, x_stride, xb_stride, buf, bs, 2); break;
-            case 3: s8_stream_group(w0, sc, f16, b0, nblk, x, d, x_stride, xb_stride, buf, bs, 3); break;
-            default: s8_stream_group(w0, sc, f16, b0, nblk, x, d, x_stride, xb_stride, buf, bs, 4);
-            }
-            for (int64_t j = 0; j < mr; j++)
-                for (int64_t n = gs; n < ge; n++) y[(m0 + j) * N + n] = stream_row_sum(buf + j * bs + (n - gs) * nb, nb);
-        }
-    }
-    if (buf != stack) free(buf);
-    return 0;
-}
-
 /* Several x rows (quad order, each row padded to 8 blocks) against one u4 weight row, for rows of
  * 8k blocks and scale groups (elsewhere the block stream runs): each 32-byte load is split into
  * its nibble planes once and meets a tile of up to 4 x rows, and each row's arithmetic is
@@ -674,7 +651,7 @@ TGT_AVX2 static void dot_u4_quad256_rows(const uint8_t *qs, const void *sc, cons
                                          int64_t out_stride) {
     const int64_t tiles = (nrows_x + 3) / 4;  /* as even as possible: 5 = 3 + 2, 7 = 4 + 3 */
     for (int64_t t = 0, m0 = 0, mr; t < tiles; t++, m0 += mr) {
-        mr = (nrows_x - m0) / (tiles - t) + ((nrows_x - m0) % (tiles - t) != 0);
+        mr = tile_rows(nrows_x, m0, t, tiles);
         const int16_t *x = xq + m0 * x_stride;
         const float *d = xd + m0 * xb_stride, *m = xs + m0 * xb_stride;
         float *o = out + m0 * out_stride;
@@ -687,27 +664,35 @@ TGT_AVX2 static void dot_u4_quad256_rows(const uint8_t *qs, const void *sc, cons
     }
 }
 
-/* returns -1 (nothing computed) if the block values do not fit and cannot be allocated */
-TGT_AVX2 static int u4_stream256_avx2(const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t nb,
-                                      const int16_t *xq, const float *xdq, const float *xs, int64_t M, int64_t x_stride,
-                                      int64_t xb_stride, float *y, int64_t N, int64_t n0, int64_t n1) {
+/* The block streams' driver: rows [n0, n1) of a u4 (s8 = 0: weights, scales, mins) or s8
+ * (s8 = 1: weights, scales) matrix in groups of R rows, each group's loads met by tiles of up to
+ * 4 of the M x rows (the group's weights stay in L1 between tiles). Returns -1 (nothing
+ * computed) if the block values do not fit on the stack and cannot be allocated. */
+#define STREAM_TILE(MR) do { \
+    if (s8) s8_stream_group((const int8_t *)qs + b0 * QK, sc, f16, b0, nblk, x, d, x_stride, xb_stride, buf, bs, MR); \
+    else u4_stream_group((const uint8_t *)qs + b0 * 16, sc, mn, f16, b0, nblk, x, d, xs + m0 * xb_stride, x_stride, \
+                         xb_stride, buf, bs, MR); \
+} while (0)
+TGT_AVX2 static int block_stream256_avx2(int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t nb,
+                                         const int16_t *xq, const float *xd, const float *xs, int64_t M,
+                                         int64_t x_stride, int64_t xb_stride, float *y, int64_t N, int64_t n0,
+                                         int64_t n1) {
     const int64_t R = stream_rows(nb), bs = R * nb + 8;
     float stack[STREAM_BUF];
     float *buf = 4 * bs <= STREAM_BUF ? stack : malloc(sizeof(float) * 4 * (size_t)bs);
     if (!buf) return -1;
-    const int64_t tiles = (M + 3) / 4;  /* as even as possible: 5 = 3 + 2, 7 = 4 + 3 */
+    const int64_t tiles = (M + 3) / 4;
     for (int64_t gs = n0; gs < n1; gs += R) {
         const int64_t ge = gs + R < n1 ? gs + R : n1, nblk = (ge - gs) * nb, b0 = gs * nb;
-        const uint8_t *w0 = qs + b0 * 16;
-        for (int64_t t = 0, m0 = 0, mr; t < tiles; t++, m0 += mr) {   /* the group's weights stay in L1 */
-            mr = (M - m0) / (tiles - t) + ((M - m0) % (tiles - t) != 0);
+        for (int64_t t = 0, m0 = 0, mr; t < tiles; t++, m0 += mr) {
+            mr = tile_rows(M, m0, t, tiles);
             const int16_t *x = xq + m0 * x_stride;
-            const float *d = xdq + m0 * xb_stride, *s = xs + m0 * xb_stride;
+            const float *d = xd + m0 * xb_stride;
             switch (mr) {
-            case 1: u4_stream_group(w0, sc, mn, f16, b0, nblk, x, d, s, x_stride, xb_stride, buf, bs, 1); break;
-            case 2: u4_stream_group(w0, sc, mn, f16, b0, nblk, x, d, s, x_stride, xb_stride, buf, bs, 2); break;
-            case 3: u4_stream_group(w0, sc, mn, f16, b0, nblk, x, d, s, x_stride, xb_stride, buf, bs, 3); break;
-            default: u4_stream_group(w0, sc, mn, f16, b0, nblk, x, d, s, x_stride, xb_stride, buf, bs, 4);
+            case 1: STREAM_TILE(1); break;
+            case 2: STREAM_TILE(2); break;
+            case 3: STREAM_TILE(3); break;
+            default: STREAM_TILE(4);
             }
             for (int64_t j = 0; j < mr; j++)
                 for (int64_t n = gs; n < ge; n++) y[(m0 + j) * N + n] = stream_row_sum(buf + j * bs + (n - gs) * nb, nb);
@@ -716,6 +701,7 @@ TGT_AVX2 static int u4_stream256_avx2(const uint8_t *qs, const void *sc, const v
     if (buf != stack) free(buf);
     return 0;
 }
+#undef STREAM_TILE
 
 #if __GNUC__ >= 9
 /* ---- AVX-512 (F/BW/VL + VNNI) -------------------------------------------------------------- */
@@ -1145,7 +1131,7 @@ static void to_word_order(int16_t *q, float *xd, int64_t nbp) {
 }
 
 /* a scale per block and rows that do not fill whole 8-block loads: the block stream
- * (u4_stream256_avx2); with rows of 8k blocks the one-row kernel is faster (no values kept per
+ * (block_stream256_avx2); with rows of 8k blocks the one-row kernel is faster (no values kept per
  * block). TOKENMILL_NO_BLOCK_STREAM=1: never (an A/B switch). */
 static int block_stream(int64_t K, int64_t group) {
     const int64_t nb = (K + QK - 1) / QK;
@@ -1154,25 +1140,25 @@ static int block_stream(int64_t K, int64_t group) {
 
 /* the activation order the u4 kernels of the set in use read for M rows of a [N, K] matrix with
  * the given group size: the block stream (or, for rows of 8k blocks and scale groups, 256-bit
- * quad order) for one row on AVX2 / AVX-VNNI and for 2 to U4_QUAD_ROWS rows on AVX2
+ * quad order) for one row on AVX2 / AVX-VNNI and for 2 to QUAD256_ROWS_MAX rows on AVX2
  * (u4_quad256_tile; AVX-VNNI keeps its dpwssd row kernels) */
-#define U4_QUAD_ROWS 64
+#define QUAD256_ROWS_MAX 64
 static int u4_act_order(int64_t M, int64_t K, int64_t group) {
     if (isa() == ISA_AVX512) return M > 1 ? ACT_PAIRS : ACT_QUAD;
-    if (isa() < ISA_AVX2 || M > U4_QUAD_ROWS || (M > 1 && isa() != ISA_AVX2)) return ACT_NATURAL;
+    if (isa() < ISA_AVX2 || M > QUAD256_ROWS_MAX || (M > 1 && isa() != ISA_AVX2)) return ACT_NATURAL;
     return block_stream(K, group) ? ACT_STREAM256 : ACT_QUAD256;
 }
 
 /* the activation order the s8 kernels of the set in use read for M rows of a [N, K] matrix with the
  * given group size (the block stream as for u4: block_stream) */
 static int s8_act_order(int64_t M, int64_t K, int64_t group) {
-    if (isa() < ISA_AVX2 || M > U4_QUAD_ROWS || (M > 1 && isa() != ISA_AVX2)) return ACT_NATURAL;
+    if (isa() < ISA_AVX2 || M > QUAD256_ROWS_MAX || (M > 1 && isa() != ISA_AVX2)) return ACT_NATURAL;
     if (isa() == ISA_AVX512) return ACT_WORDS;
-    if (block_stream(K, group)) return ACT_SSTREAM256;   /* the block stream (s8_stream256_avx2) */
+    if (block_stream(K, group)) return ACT_SSTREAM256;   /* the block stream (s8_stream_group) */
     return M == 1 ? ACT_WORDS256 : ACT_NATURAL;
 }
 
-/* the blocks of the activation stream for rows of nb blocks (u4_stream256_avx2) */
+/* the blocks of the activation stream for rows of nb blocks (block_stream256_avx2) */
 static int64_t stream_blocks(int64_t nb) { return stream_rows(nb) * nb; }
 
 /* natural block order -> quad order, in place, for kernels that load G blocks at a time (G = 4:
@@ -1393,7 +1379,7 @@ static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc
     (void)use;
 #if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
     if (a->order == ACT_STREAM256   /* a scale per block (u4_act_order) */
-        && !u4_stream256_avx2(qs, sc, mn, f16, nb, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y, N, n0, n1)) {
+        && !block_stream256_avx2(0, qs, sc, mn, f16, nb, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y, N, n0, n1)) {
         if (bias) for (int64_t m = 0; m < M; m++) for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
         return;
     }
@@ -1439,7 +1425,7 @@ static void gemm_s8_rows(int64_t M, int64_t K, const int8_t *qs, const void *sc,
     (void)use;
 #if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
     if (a->order == ACT_SSTREAM256   /* a scale per block (s8_act_order) */
-        && !s8_stream256_avx2(qs, sc, f16, nb, a->xq, a->xd, M, a->qstride, a->bstride, y, N, n0, n1)) {
+        && !block_stream256_avx2(1, qs, sc, NULL, f16, nb, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y, N, n0, n1)) {
         if (bias) for (int64_t m = 0; m < M; m++) for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
         return;
     }
