@@ -11,6 +11,11 @@ the cost of a step does not depend on the values.
 
     .venv/bin/python benchmarks/decode_step_context.py --contexts 512,16384 --kv-cache-dtype fp8_e4m3 --threads 1
     .venv/bin/python benchmarks/decode_step_context.py --quantization auto      # the Q4_1 GGUF's weights
+    .venv/bin/python benchmarks/decode_step_context.py --quantization auto --kv-cache-dtype auto,fp32,bf16
+
+``--kv-cache-dtype`` takes a comma-separated list: each dtype gets its own scratch pool and runner
+in this process, and every round times every length on each in turn (``auto`` resolves as the
+engine resolves it, fp16 for packed weights).
 
 Kernel switches that the native attention kernel reads at each call (``TOKENMILL_NO_AVX512``,
 ``TOKENMILL_NO_DECODE_BODY``) can be compared in one process with ``--env-ab NAME``: every round
@@ -26,6 +31,7 @@ import torch
 
 from tokenmill.engine.config import resolve_kv_dtype
 from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.layers.quant.methods import packed_weights
 from tokenmill.loader import load_model
 
 
@@ -34,7 +40,8 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--quantization", default="none", help="weight format (none = fp32, auto = as stored)")
     ap.add_argument("--contexts", default="512,4096,16384")
-    ap.add_argument("--kv-cache-dtype", default="fp8_e4m3", help="as `tokenmill serve --kv-cache-dtype`")
+    ap.add_argument("--kv-cache-dtype", default="fp8_e4m3",
+                    help="as `tokenmill serve --kv-cache-dtype`, or several, comma-separated")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5, help="timed forwards per length and round (best is kept)")
@@ -45,34 +52,43 @@ def main() -> int:
     ctxs = [int(c) for c in args.contexts.split(",")]
     lm = load_model(args.model, quantization=args.quantization)
     model = lm.model
-    spec = model.kv_cache_spec()
-    spec = spec.with_dtype(resolve_kv_dtype(args.kv_cache_dtype, spec.dtype))
-    runner = ModelRunner(model, 8, 16, int(model.args.vocab_size), kv_spec=spec)
-    print(f"load average {os.getloadavg()[0]:.2f}; {args.model} weights {args.quantization}, KV {spec.dtype}, "
-          f"{args.threads} thread(s), attention backend {runner.attn.name}")
-    modes = [None] if not args.env_ab else [None, args.env_ab]
-    times: dict[tuple[str | None, int], list[float]] = {(m, c): [] for m in modes for c in ctxs}
+    base_spec = model.kv_cache_spec()
+    runners = {}
+    for name in args.kv_cache_dtype.split(","):
+        spec = base_spec.with_dtype(resolve_kv_dtype(name, base_spec.dtype, packed_weights(model)))
+        runners[f"{name} ({spec.dtype})"] = runner = ModelRunner(model, 8, 16, int(model.args.vocab_size), kv_spec=spec)
+        print(f"load average {os.getloadavg()[0]:.2f}; {args.model} weights {args.quantization}, KV {name}: "
+              f"{spec.dtype}, {args.threads} thread(s), attention backend {runner.attn.name}")
+    switches = [None] if not args.env_ab else [None, args.env_ab]
+    modes = [(kv, sw) for kv in runners for sw in switches]
+    label = {m: " ".join(x for x in ((m[0] if len(runners) > 1 else ""), ((m[1] or "default") if args.env_ab else ""))
+                         if x) for m in modes}
+    times: dict[tuple[tuple[str, str | None], int], list[float]] = {(m, c): [] for m in modes for c in ctxs}
     for rnd in range(args.rounds):
         line = []
         for mode in modes:
-            if mode:
-                os.environ[mode] = "1"
+            kv, switch = mode
+            if switch:
+                os.environ[switch] = "1"
             try:
                 for c in ctxs:
-                    ms = runner.time_rows(1, context=c, repeats=args.repeats) * 1e3
+                    ms = runners[kv].time_rows(1, context=c, repeats=args.repeats) * 1e3
                     times[(mode, c)].append(ms)
-                    line.append(f"{(mode or 'default') + ' ' if args.env_ab else ''}{c}: {ms:.2f} ms")
+                    line.append(f"{label[mode] + ' ' if label[mode] else ''}{c}: {ms:.2f} ms")
             finally:
-                if mode:
-                    os.environ.pop(mode, None)
+                if switch:
+                    os.environ.pop(switch, None)
         print(f"round {rnd + 1}: " + ", ".join(line), flush=True)
-    print(f"\n| switch | context | step ms (median of rounds) | tok/s | rate / rate at {ctxs[0]} |")
-    print("|---|---|---|---|---|")
+    print(f"\n| KV / switch | context | step ms (median of rounds) | tok/s | rate / rate at {ctxs[0]} | "
+          f"rate / first row's at this context |")
+    print("|---|---|---|---|---|---|")
     for mode in modes:
         base = statistics.median(times[(mode, ctxs[0])])
         for c in ctxs:
             med = statistics.median(times[(mode, c)])
-            print(f"| {mode or 'default'} | {c} | {med:.2f} | {1e3 / med:.1f} | {base / med:.2f}x |")
+            first = statistics.median(times[(modes[0], c)])
+            print(f"| {label[mode] or 'default'} | {c} | {med:.2f} | {1e3 / med:.1f} | {base / med:.2f}x | "
+                  f"{first / med:.2f}x |")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 

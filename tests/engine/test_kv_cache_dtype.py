@@ -145,3 +145,18 @@ def test_static_fp8_scales_calibrate_to_the_largest_value_written(tiny_model) ->
         amax = e.view(2, -1, e.shape[-2], e.shape[-1]).abs().amax(dim=(1, 3))       # [2, heads]
         assert torch.allclose(f.scale.view(2, -1), amax * STATIC_HEADROOM / FP8_MAX, rtol=1e-6)
         assert not f.data.any()   # the calibration ran on a scratch pool
+
+
+def test_auto_is_fp16_for_packed_weights_of_standard_attention(tiny_dir, tiny_model, caplog) -> None:
+    """``auto`` is the model's dtype for dense weights, fp16 for an fp32 Llama whose weights are
+    served packed (int8 here, GGUF blocks for the default model); an explicit dtype wins."""
+    from tokenmill.loader import load_model
+
+    dense, _ = tiny_model("LlamaForCausalLM")
+    packed = load_model(str(tiny_dir("LlamaForCausalLM")), quantization="int8")
+    assert _engine(dense, "auto", caplog)[0].kv_spec.dtype == "float32"
+    eng, line = _engine(packed, "auto", caplog)
+    assert eng.kv_spec.dtype == "float16" and line.startswith("KV cache: float16")
+    assert eng.stats().kv_bytes_per_token * 2 == _engine(packed, "fp32", caplog)[0].stats().kv_bytes_per_token
+    out = LLM(loaded=packed, kv_cache_tokens=256).generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0))
+    assert len(out[0].token_ids) == 6

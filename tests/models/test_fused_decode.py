@@ -14,6 +14,7 @@ from tokenmill._native import attention as attention_kernel
 from tokenmill._native import quant as native
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import FP8Pages, select_attention_backend
+from tokenmill.layers.attention.base import to_kv_dtype
 from tokenmill.layers.attention.fp8 import FP8, calibrate_static_scales, quantize, quantize_static
 from tokenmill.layers.quant import packed as packed_mod
 from tokenmill.layers.linear import OneDNNLinear, onednn_available, use_linear_backend
@@ -110,7 +111,7 @@ def _row_limit(name: str) -> int:
     return FUSED_FP32_MAX_ROWS if "fp32" in name else packed_mod.gemv_max_rows()
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", "llama-int8", "llama-fp32", "qwen2-fp32-onednn"])
 def test_fused_decode_matches_layer_by_layer(packed, name, kv_dtype):
     model = packed[name].model
@@ -287,3 +288,27 @@ def test_fused_fp8_kv_write_is_torchs_rounding():
         native.fp8_quantize(xv.data_ptr(), out.data_ptr(), 64, scale.data_ptr(), True)
         q, s = quantize(xv[None])
         assert torch.equal(out[:64], q[0]) and torch.equal(scale, s)
+
+
+def test_fused_fp16_kv_write_is_torchs_rounding_saturated():
+    """decoder.c's fp32 -> fp16 write gives the bits of torch's x.clamp(-65504, 65504).to(float16)
+    (what ``to_kv_dtype`` stores) for every finite half, every midpoint between two neighbours and
+    the floats either side of it (normals and subnormals), values beyond the range, infinities,
+    NaN and 100k random values over 40 binades."""
+    halves = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    v = torch.sort(torch.unique(halves[torch.isfinite(halves)])).values
+    mid = (v[1:] + v[:-1]) / 2
+    inf = torch.tensor(float("inf"))
+    gen = torch.Generator().manual_seed(1)
+    rand = torch.randn(100_000, generator=gen) * torch.exp2(torch.randint(-28, 12, (100_000,), generator=gen).float())
+    x = torch.cat([v, mid, torch.nextafter(mid, inf), torch.nextafter(mid, -inf), rand,
+                   torch.tensor([65504.0, 65519.0, 65520.0, 1e6, -1e30, float("inf"), -float("inf"), 1e-40, -0.0,
+                                 2.0 ** -25, -(2.0 ** -25), 2.0 ** -24 * 1.5])]).contiguous()
+    out = torch.empty(x.numel(), dtype=torch.float16)
+    native.f16_quantize(x.data_ptr(), out.data_ptr(), x.numel())
+    want = to_kv_dtype(x, torch.float16)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    assert float(out.float().abs().max()) == 65504.0
+    nan = torch.tensor([float("nan")])
+    native.f16_quantize(nan.data_ptr(), out.data_ptr(), 1)
+    assert torch.isnan(out[0])

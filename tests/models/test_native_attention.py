@@ -30,7 +30,7 @@ def _run(backend_name, spec, pool, shapes, page_size, q, k, v, tables):
 
 
 @pytest.mark.parametrize("isa", ["best", "no-avx512"])
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("hq,hkv,d,page_size,shapes", [
     (9, 3, 64, 16, [(0, 1), (40, 1), (100, 70), (0, 130), (17, 5)]),      # SmolLM2-like heads
     (4, 4, 8, 4, [(3, 1), (0, 9), (11, 300)]),                              # MHA, chunk > row block
@@ -64,15 +64,15 @@ def _random_case(hq, hkv, d, page_size, shapes, kv_dtype, seed):
     # q as a strided view, the way the model hands it over (a slice of the fused q/k tensor)
     q = torch.randn(t, hq + hkv, d, generator=gen)[:, :hq]
     k, v = torch.randn(t, hkv, d, generator=gen), torch.randn(t, hkv, d, generator=gen)
-    if kv_dtype == "bfloat16":
+    if kv_dtype != "float32":
         # the reference attends a fresh chunk with its own unrounded K/V, the kernel reads every
-        # key back from the bf16 pool: give both values that bf16 holds exactly
-        k, v = k.bfloat16().float(), v.bfloat16().float()
+        # key back from the bf16 / fp16 pool: give both values that the pool holds exactly
+        k, v = k.to(getattr(torch, kv_dtype)).float(), v.to(getattr(torch, kv_dtype)).float()
     return spec, pool, tables, q, k, v
 
 
 @pytest.mark.parametrize("isa", ["best", "no-avx512"])
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("hq,hkv,d,page_size,shapes", [
     # SmolLM2 heads (group 3): odd chunks, chunks starting mid-page after cached context, a
     # chunk after 1k cached tokens whose rows span two tasks, decodes beside them
@@ -145,9 +145,10 @@ def test_native_result_does_not_depend_on_the_batch():
 
 def test_auto_falls_back_for_what_the_kernel_does_not_do():
     spec = KVCacheSpec.dense(2, 2, 16, "float16")
-    assert select_attention_backend(spec, "cpu", torch.float32, "auto").name == "torch"
+    assert select_attention_backend(spec, "cpu", torch.float16, "auto").name == "torch"   # fp16 activations
     with pytest.raises(ValueError, match="float32"):
-        select_attention_backend(spec, "cpu", torch.float32, "native")
+        select_attention_backend(spec, "cpu", torch.float16, "native")
+    assert select_attention_backend(spec, "cpu", torch.float32, "auto").name == "native"
     bf16 = KVCacheSpec.dense(2, 2, 16, "bfloat16")
     assert select_attention_backend(bf16, "cpu", torch.bfloat16, "auto").name == "torch"   # bf16 activations
     assert select_attention_backend(bf16, "cpu", torch.float32, "auto").name == "native"

@@ -109,7 +109,7 @@ static void init_e4m3_table(void) {
     }
 }
 
-static inline size_t kv_esz(int kind) { return kind == TM_KV_F32 ? 4 : kind == TM_KV_BF16 ? 2 : 1; }
+static inline size_t kv_esz(int kind) { return kind == TM_KV_F32 ? 4 : kind == TM_KV_BF16 || kind == TM_KV_F16 ? 2 : 1; }
 
 /* the fp8 scale of the K (which = 0) or V (1) row at element offset off (kv head kvh); else 1 */
 static inline float row_scale(const Problem *P, int which, int64_t off, int kvh) {
@@ -163,6 +163,7 @@ static inline void prefetch_keys(const Problem *P, const int64_t *table, int kvh
 
 static inline float kv_at(const void *base, int64_t i, int kind) {
     if (kind == TM_KV_F32) return ((const float *)base)[i];
+    if (kind == TM_KV_F16) return tm_f16_to_float(((const uint16_t *)base)[i]);
     if (kind != TM_KV_BF16) return g_e4m3[((const uint8_t *)base)[i]];
     uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
     float f;
@@ -285,7 +286,8 @@ typedef void (*widen8_fn)(float *dst, const uint8_t *src, int n, float scale);  
 
 typedef struct {
     tile_fn tile;
-    widen_fn widen;
+    widen_fn widen;      /* bf16 */
+    widen_fn widenh;     /* fp16 */
     widen8_fn widen8;
     int qw;      /* query vectors per group */
     int kstep;   /* the kernel scores keys in steps of this many */
@@ -296,6 +298,10 @@ static void widen_scalar(float *dst, const uint16_t *src, int n) {
         uint32_t u = (uint32_t)src[x] << 16;
         memcpy(dst + x, &u, sizeof u);
     }
+}
+
+static void widenh_scalar(float *dst, const uint16_t *src, int n) {
+    for (int x = 0; x < n; x++) dst[x] = tm_f16_to_float(src[x]);
 }
 
 static void widen8_scalar(float *dst, const uint8_t *src, int n, float scale) {
@@ -382,6 +388,9 @@ static void task_tiled(const Problem *P, const Task *T, float *part_m, float *pa
                 if (P->kind == TM_KV_BF16) {
                     K->widen(kr, (const uint16_t *)P->kc + off, D);
                     K->widen(vr, (const uint16_t *)P->vc + off, D);
+                } else if (P->kind == TM_KV_F16) {
+                    K->widenh(kr, (const uint16_t *)P->kc + off, D);
+                    K->widenh(vr, (const uint16_t *)P->vc + off, D);
                 } else {
                     K->widen8(kr, (const uint8_t *)P->kc + off, D, row_scale(P, 0, off, T->kvh));
                     K->widen8(vr, (const uint8_t *)P->vc + off, D, row_scale(P, 1, off, T->kvh));
@@ -425,7 +434,7 @@ static void task_tiled(const Problem *P, const Task *T, float *part_m, float *pa
     free(qt); free(acc); free(m); free(l); free(qpos); free(s); free(kv);
 }
 
-static const TileKernel tile_kernel_scalar = {tile_scalar, widen_scalar, widen8_scalar, SCALAR_QW, 1};
+static const TileKernel tile_kernel_scalar = {tile_scalar, widen_scalar, widenh_scalar, widen8_scalar, SCALAR_QW, 1};
 
 /* ---------------------------------------------------------------------------------------- */
 /* AVX2 + FMA path                                                                          */
@@ -481,6 +490,7 @@ AVX2 static inline __attribute__((always_inline)) __m256 fp8x8(const void *p) {
 /* Eight cache elements at p (an element pointer of the cache's kind) as float32 (fp8: times 2^-8). */
 AVX2 static inline __attribute__((always_inline)) __m256 ld8(const void *p, int kind) {
     if (kind == TM_KV_F32) return _mm256_loadu_ps((const float *)p);
+    if (kind == TM_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     if (kind != TM_KV_BF16) return fp8x8(p);
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -674,6 +684,10 @@ AVX2 static void task_avx2_bf16(const Problem *P, const Task *T, float *m, float
     task_avx2_body(P, T, m, l, a, TM_KV_BF16);
 }
 
+AVX2 static void task_avx2_f16(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    task_avx2_body(P, T, m, l, a, TM_KV_F16);
+}
+
 AVX2 static void task_avx2_fp8(const Problem *P, const Task *T, float *m, float *l, float *a) {
     task_avx2_body(P, T, m, l, a, TM_KV_FP8);
 }
@@ -754,8 +768,14 @@ AVX2 static void tile_avx2(const TileArgs *A) {
 
 AVX2 static void widen_avx2(float *dst, const uint16_t *src, int n) {
     int x = 0;
-    for (; x + 8 <= n; x += 8) _mm256_storeu_ps(dst + x, ld8(src + x, 1));
+    for (; x + 8 <= n; x += 8) _mm256_storeu_ps(dst + x, ld8(src + x, TM_KV_BF16));
     widen_scalar(dst + x, src + x, n - x);
+}
+
+AVX2 static void widenh_avx2(float *dst, const uint16_t *src, int n) {
+    int x = 0;
+    for (; x + 8 <= n; x += 8) _mm256_storeu_ps(dst + x, ld8(src + x, TM_KV_F16));
+    widenh_scalar(dst + x, src + x, n - x);
 }
 
 AVX2 static void widen8_avx2(float *dst, const uint8_t *src, int n, float scale) {
@@ -765,7 +785,7 @@ AVX2 static void widen8_avx2(float *dst, const uint8_t *src, int n, float scale)
     widen8_scalar(dst + x, src + x, n - x, scale);
 }
 
-static const TileKernel tile_kernel_avx2 = {tile_avx2, widen_avx2, widen8_avx2, AVX2_QW, 4};
+static const TileKernel tile_kernel_avx2 = {tile_avx2, widen_avx2, widenh_avx2, widen8_avx2, AVX2_QW, 4};
 
 #define AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c")))
 
@@ -777,6 +797,7 @@ AVX512 static inline __attribute__((always_inline)) __m512 fp8x16(const void *p)
 
 AVX512 static inline __attribute__((always_inline)) __m512 ld16(const void *p, int kind) {
     if (kind == TM_KV_F32) return _mm512_loadu_ps((const float *)p);
+    if (kind == TM_KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
     if (kind != TM_KV_BF16) return fp8x16(p);
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -992,6 +1013,10 @@ AVX512 static void task_avx512_bf16(const Problem *P, const Task *T, float *m, f
     task_avx512_body(P, T, m, l, a, TM_KV_BF16);
 }
 
+AVX512 static void task_avx512_f16(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    task_avx512_body(P, T, m, l, a, TM_KV_F16);
+}
+
 AVX512 static void task_avx512_fp8(const Problem *P, const Task *T, float *m, float *l, float *a) {
     task_avx512_body(P, T, m, l, a, TM_KV_FP8);
 }
@@ -1099,8 +1124,14 @@ AVX512 static void tile_avx512(const TileArgs *A) {
 
 AVX512 static void widen_avx512(float *dst, const uint16_t *src, int n) {
     int x = 0;
-    for (; x + 16 <= n; x += 16) _mm512_storeu_ps(dst + x, ld16(src + x, 1));
+    for (; x + 16 <= n; x += 16) _mm512_storeu_ps(dst + x, ld16(src + x, TM_KV_BF16));
     widen_scalar(dst + x, src + x, n - x);
+}
+
+AVX512 static void widenh_avx512(float *dst, const uint16_t *src, int n) {
+    int x = 0;
+    for (; x + 16 <= n; x += 16) _mm512_storeu_ps(dst + x, ld16(src + x, TM_KV_F16));
+    widenh_scalar(dst + x, src + x, n - x);
 }
 
 AVX512 static void widen8_avx512(float *dst, const uint8_t *src, int n, float scale) {
@@ -1110,7 +1141,7 @@ AVX512 static void widen8_avx512(float *dst, const uint8_t *src, int n, float sc
     widen8_scalar(dst + x, src + x, n - x, scale);
 }
 
-static const TileKernel tile_kernel_avx512 = {tile_avx512, widen_avx512, widen8_avx512, AVX512_QW, AVX512_KS};
+static const TileKernel tile_kernel_avx512 = {tile_avx512, widen_avx512, widenh_avx512, widen8_avx512, AVX512_QW, AVX512_KS};
 
 /* ---------------------------------------------------------------------------------------- */
 /* decode rows                                                                              */
@@ -1423,6 +1454,9 @@ AVX512V static void dec512_f32(const Problem *P, const Task *T, float *m, float 
 AVX512V static void dec512_bf16(const Problem *P, const Task *T, float *m, float *l, float *a) {
     dec512_body(P, T, m, l, a, TM_KV_BF16);
 }
+AVX512V static void dec512_f16(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    dec512_body(P, T, m, l, a, TM_KV_F16);
+}
 AVX512V static void dec512_fp8(const Problem *P, const Task *T, float *m, float *l, float *a) {
     dec512_body(P, T, m, l, a, TM_KV_FP8);
 }
@@ -1648,6 +1682,9 @@ AVX2 static void dec256_f32(const Problem *P, const Task *T, float *m, float *l,
 AVX2 static void dec256_bf16(const Problem *P, const Task *T, float *m, float *l, float *a) {
     dec256_body(P, T, m, l, a, TM_KV_BF16);
 }
+AVX2 static void dec256_f16(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    dec256_body(P, T, m, l, a, TM_KV_F16);
+}
 AVX2 static void dec256_fp8(const Problem *P, const Task *T, float *m, float *l, float *a) {
     dec256_body(P, T, m, l, a, TM_KV_FP8);
 }
@@ -1820,6 +1857,7 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
     if (k->dec == 2 && P->qsl[t->seq + 1] - P->qsl[t->seq] == 1) {
         switch (P->kind) {
         case TM_KV_BF16: dec512_bf16(P, t, m, l, a); break;
+        case TM_KV_F16: dec512_f16(P, t, m, l, a); break;
         case TM_KV_FP8: dec512_fp8(P, t, m, l, a); break;
         case TM_KV_FP8_TOKEN: dec512_fp8_token(P, t, m, l, a); break;
         default: dec512_f32(P, t, m, l, a);
@@ -1829,6 +1867,7 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
     if (k->dec == 1 && P->qsl[t->seq + 1] - P->qsl[t->seq] == 1) {
         switch (P->kind) {
         case TM_KV_BF16: dec256_bf16(P, t, m, l, a); break;
+        case TM_KV_F16: dec256_f16(P, t, m, l, a); break;
         case TM_KV_FP8: dec256_fp8(P, t, m, l, a); break;
         case TM_KV_FP8_TOKEN: dec256_fp8_token(P, t, m, l, a); break;
         default: dec256_f32(P, t, m, l, a);
@@ -1838,6 +1877,7 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
     if (k->vec512) {
         switch (P->kind) {
         case TM_KV_BF16: task_avx512_bf16(P, t, m, l, a); break;
+        case TM_KV_F16: task_avx512_f16(P, t, m, l, a); break;
         case TM_KV_FP8: task_avx512_fp8(P, t, m, l, a); break;
         case TM_KV_FP8_TOKEN: task_avx512_fp8_token(P, t, m, l, a); break;
         default: task_avx512_f32(P, t, m, l, a);
@@ -1847,6 +1887,7 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
     if (k->vec) {
         switch (P->kind) {
         case TM_KV_BF16: task_avx2_bf16(P, t, m, l, a); break;
+        case TM_KV_F16: task_avx2_f16(P, t, m, l, a); break;
         case TM_KV_FP8: task_avx2_fp8(P, t, m, l, a); break;
         case TM_KV_FP8_TOKEN: task_avx2_fp8_token(P, t, m, l, a); break;
         default: task_avx2_f32(P, t, m, l, a);
@@ -1914,7 +1955,7 @@ typedef struct {
 /* the arguments every entry point checks: 0 when the kernel takes them */
 static int bad_args(int hq, int hkv, int d, int ps, int kind, const float *ks, const float *vs) {
     if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) return 1;
-    if (kind < TM_KV_F32 || kind > TM_KV_FP8_TOKEN) return 2;
+    if (kind < TM_KV_F32 || kind > TM_KV_F16) return 2;
     if ((kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN) && (!ks || !vs)) return 3;
     return 0;
 }

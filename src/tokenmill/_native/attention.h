@@ -17,8 +17,44 @@
 /* kv_kind: the element type of the K/V pages. fp8 pages hold float8_e4m3fn bytes whose value is
  * fp8(byte) * scale; k_scale / v_scale (ignored otherwise) point at one float32 per kv head
  * (TM_KV_FP8: a static scale per layer and head) or one per stored vector, indexed
- * slot * num_kv_heads + kv_head (TM_KV_FP8_TOKEN). */
-enum { TM_KV_F32 = 0, TM_KV_BF16 = 1, TM_KV_FP8 = 2, TM_KV_FP8_TOKEN = 3 };
+ * slot * num_kv_heads + kv_head (TM_KV_FP8_TOKEN). fp16 pages (TM_KV_F16) hold IEEE half floats,
+ * written saturated at +-65504 (tm_to_f16). */
+enum { TM_KV_F32 = 0, TM_KV_BF16 = 1, TM_KV_FP8 = 2, TM_KV_FP8_TOKEN = 3, TM_KV_F16 = 4 };
+
+#define TM_F16_MAX 65504.f
+
+/* float32 -> IEEE half bits, saturated at +-65504 (a larger value or an infinity stores the
+ * largest finite half, as torch's x.clamp(-65504, 65504).to(float16) does; NaN stays NaN),
+ * rounding to nearest even as torch's .to(float16) does. Normal results round on the float32
+ * bits (the carry moving into the exponent); a subnormal one is |f| * 2^24 rounded to an integer
+ * (exact scaling; 1024 is the smallest normal's code). */
+static inline uint16_t tm_to_f16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));   /* NaN, quiet */
+    if (a > 0x477FE000u) return (uint16_t)(sign | 0x7BFFu);                          /* > 65504 */
+    if (a >= 0x38800000u)                                                              /* >= 2^-14 */
+        return (uint16_t)(sign | ((a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13));
+    float v;
+    memcpy(&v, &a, 4);
+    return (uint16_t)(sign | (uint16_t)rintf(v * 16777216.f));
+}
+
+/* IEEE half bits -> float32 (exact) */
+static inline float tm_f16_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    uint32_t u;
+    if (e == 0) {
+        const float f = (float)m * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    u = sign | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 /* float32 -> float8_e4m3fn byte, rounding to nearest even as torch's .to(float8_e4m3fn) does,
  * for |f| <= 448 (the callers saturate first) or NaN. Rounded on the float32 bits directly (one

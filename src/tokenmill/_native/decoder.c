@@ -100,7 +100,8 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
     return (uint16_t)(u >> 16);
 }
 
-/* Store M token rows of hkv heads x d values at their slots. fp8 (kind TM_KV_FP8*): the same
+/* Store M token rows of hkv heads x d values at their slots. fp16 (TM_KV_F16): saturated at
+ * +-65504, as tokenmill.layers.attention.base.to_kv_dtype stores them. fp8 (kind TM_KV_FP8*): the same
  * bytes (and per-vector scales) as tokenmill.layers.attention.fp8.write_fp8 writes
  * (tm_fp8_write_vec in attention.h); a per-vector scale is stored at slot * hkv + head. */
 static void kv_write(void *cache, float *scales, const float *src, int64_t src_stride, const int64_t *slots,
@@ -111,6 +112,9 @@ static void kv_write(void *cache, float *scales, const float *src, int64_t src_s
         if (kind == TM_KV_BF16) {
             uint16_t *o = (uint16_t *)cache + slots[t] * width;
             for (int64_t i = 0; i < width; i++) o[i] = to_bf16(s[i]);
+        } else if (kind == TM_KV_F16) {
+            uint16_t *o = (uint16_t *)cache + slots[t] * width;
+            for (int64_t i = 0; i < width; i++) o[i] = tm_to_f16(s[i]);
         } else if (kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN) {
             uint8_t *o = (uint8_t *)cache + slots[t] * width;
             for (int64_t h = 0; h < hkv; h++)
@@ -378,7 +382,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
         return NULL;
     if (M <= 0 || L < 0 || H <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || inter <= 0 ||
         num_seqs <= 0 || page_size <= 0 || d > TM_ATTENTION_MAX_HEAD_DIM || hq / hkv > TM_ATTENTION_MAX_GROUP ||
-        kv_kind < TM_KV_F32 || kv_kind > TM_KV_FP8_TOKEN) {
+        kv_kind < TM_KV_F32 || kv_kind > TM_KV_F16) {
         PyErr_Format(PyExc_ValueError, "decode_layers: bad sizes (M=%lld H=%lld heads %lld/%lld d=%lld inter=%lld "
                      "seqs=%d page=%d kv kind %d)", M, H, hq, hkv, d, inter, num_seqs, page_size, kv_kind);
         return NULL;
@@ -439,6 +443,20 @@ PyObject *tmq_py_fp8_quantize(PyObject *self, PyObject *args) {
     const int64_t slot = 0;
     kv_write((void *)(uintptr_t)dst, (float *)(uintptr_t)sc, (const float *)(uintptr_t)src, n, &slot, 1, 1, n,
              per_token ? TM_KV_FP8_TOKEN : TM_KV_FP8);
+    Py_RETURN_NONE;
+}
+
+/* f16_quantize(src, dst, n): decode_layers' fp16 KV write of n floats into n halves (for tests) */
+PyObject *tmq_py_f16_quantize(PyObject *self, PyObject *args) {
+    unsigned long long src, dst;
+    long long n;
+    if (!PyArg_ParseTuple(args, "KKL", &src, &dst, &n)) return NULL;
+    if (n <= 0 || !src || !dst) {
+        PyErr_SetString(PyExc_ValueError, "f16_quantize: needs n > 0 and non-null pointers");
+        return NULL;
+    }
+    const int64_t slot = 0;
+    kv_write((void *)(uintptr_t)dst, NULL, (const float *)(uintptr_t)src, n, &slot, 1, 1, n, TM_KV_F16);
     Py_RETURN_NONE;
 }
 

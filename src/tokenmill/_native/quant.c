@@ -1166,10 +1166,36 @@ static int64_t stream_blocks(int64_t nb) { return stream_rows(nb) * nb; }
  * value i of block b goes to 8G k + 8b + (i%16)/2 with k = 2(i%2) + i/16 (the nibble of a 16-bit
  * word it sits in); within 4G blocks (four loads, one reduced vector), the block scale of block
  * Gg + L goes to lane 4L + g. nbp is a multiple of 4G. */
+#if TM_X86 && defined(__GNUC__)
+/* to_quad_order's value moves for G = 2, 32 bytes at a time: within each 128-bit lane, the even
+ * values of 8 go to its low half and the odd ones to its high half (pshufb), a 64-bit permute
+ * gathers [evens of 16 | odds of 16], and 128-bit permutes pair block b0's halves with b1's. */
+TGT_AVX2 static void quad256_values_avx2(int16_t *q, int64_t nbp) {
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    for (int64_t g0 = 0; g0 < nbp; g0 += 2) {
+        __m256i *v = (__m256i *)(q + g0 * QK);
+        __m256i a[4];   /* b0 values 0..15, b0 16..31, b1 0..15, b1 16..31 -> [evens | odds] */
+        for (int i = 0; i < 4; i++)
+            a[i] = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_loadu_si256(v + i), split), 0xD8);
+        _mm256_storeu_si256(v + 0, _mm256_permute2x128_si256(a[0], a[2], 0x20));   /* k = 0: even, < 16 */
+        _mm256_storeu_si256(v + 1, _mm256_permute2x128_si256(a[1], a[3], 0x20));   /* k = 1: even, >= 16 */
+        _mm256_storeu_si256(v + 2, _mm256_permute2x128_si256(a[0], a[2], 0x31));   /* k = 2: odd, < 16 */
+        _mm256_storeu_si256(v + 3, _mm256_permute2x128_si256(a[1], a[3], 0x31));   /* k = 3: odd, >= 16 */
+    }
+}
+#endif
+
 static void to_quad_order(int16_t *q, float *xd, int64_t nbp, int G) {
     int16_t t[4 * QK];
     float f[16];
-    for (int64_t g0 = 0; g0 < nbp; g0 += G) {
+#if TM_X86 && defined(__GNUC__)
+    const int vec = G == 2 && isa() >= ISA_AVX2;
+    if (vec) quad256_values_avx2(q, nbp);
+#else
+    const int vec = 0;
+#endif
+    for (int64_t g0 = 0; !vec && g0 < nbp; g0 += G) {
         int16_t *v = q + g0 * QK;
         memcpy(t, v, (size_t)G * QK * sizeof(int16_t));
         for (int b = 0; b < G; b++)
@@ -1710,6 +1736,7 @@ static PyMethodDef methods[] = {
     {"decode_layers", tmq_py_decode_layers, METH_VARARGS, "fused decode through packed Llama layers (decoder.c)"},
     {"layer_fields", tmq_py_layer_fields, METH_NOARGS, "int64 fields per layer row of decode_layers"},
     {"fp8_quantize", tmq_py_fp8_quantize, METH_VARARGS, "decode_layers' fp8 KV write of one vector (for tests)"},
+    {"f16_quantize", tmq_py_f16_quantize, METH_VARARGS, "decode_layers' fp16 KV write of n floats (for tests)"},
     {"decode_profile", tmq_py_decode_profile, METH_VARARGS, "phase timers of decode_layers: (on) -> seconds so far"},
     {"isa", py_isa, METH_NOARGS, "kernel set in use"},
     {"best_isa", py_best_isa, METH_NOARGS, "best kernel set this CPU supports"},

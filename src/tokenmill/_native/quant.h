@@ -35,6 +35,7 @@ int tmq_check_mat(const TmqMat *w);
 PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args);
 PyObject *tmq_py_layer_fields(PyObject *self, PyObject *args);
 PyObject *tmq_py_fp8_quantize(PyObject *self, PyObject *args);
+PyObject *tmq_py_f16_quantize(PyObject *self, PyObject *args);
 PyObject *tmq_py_decode_profile(PyObject *self, PyObject *args);
 
 #endif

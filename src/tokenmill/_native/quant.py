@@ -95,6 +95,12 @@ def fp8_quantize(src_ptr: int, dst_ptr: int, n: int, scale_ptr: int, per_token: 
     _need().fp8_quantize(src_ptr, dst_ptr, n, scale_ptr, per_token)
 
 
+def f16_quantize(src_ptr: int, dst_ptr: int, n: int) -> None:
+    """``decode_layers``' fp16 KV write: ``n`` fp32 values to IEEE halves, saturated at +-65504
+    and rounded to nearest even."""
+    _need().f16_quantize(src_ptr, dst_ptr, n)
+
+
 def layer_fields() -> int:
     """int64 values per layer row of ``decode_layers``' table (-1: an older build without it)."""
     fn = getattr(_need(), "layer_fields", None)

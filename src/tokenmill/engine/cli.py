@@ -52,7 +52,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the same as --moe-parallel ep")
     g.add_argument("--device", default=d.device, help="torch device of the model runner (default: cpu)")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                   help="KV pool storage: auto (the model's dtype), fp8_e4m3 (float8_e4m3fn with fp32 scales, "
+                   help="KV pool storage: auto (the model's dtype; fp16 for an fp32 model served from packed weights, "
+                        "such as the default GGUF), fp8_e4m3 (float8_e4m3fn with fp32 scales, "
                         "see --kv-cache-fp8-scales), bf16, fp16, fp32; the long torch names are aliases")
     g.add_argument("--kv-cache-fp8-scales", default=d.kv_cache_fp8_scales, choices=FP8_SCALE_SCHEMES,
                    help="fp8 KV scales: static = one per layer and KV head, calibrated by a short prefill at "

@@ -33,7 +33,7 @@ from tokenmill.engine.kv_manager import KVManager
 from tokenmill.engine.model_runner import ModelRunner, SampledTokens, step_kind_rows
 from tokenmill.engine.parallel import ParallelRunner, WorkerSpec, check_tensor_parallel_devices, new_init_method
 from tokenmill.engine.request import ListView, Request, RequestOutput, RequestStatus
-from tokenmill.contracts.kv import KVCacheSpec
+from tokenmill.contracts.kv import KVCacheSpec, PagedKV
 from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_cost import StepCost, StepTimes, step_kind
@@ -198,7 +198,12 @@ class Engine:
         cfg = self.config
         self._check_hybrid()
         spec = self._rank_kv_spec()
-        spec = spec.with_dtype(resolve_kv_dtype(cfg.kv_cache_dtype, spec.dtype)).with_fp8_scales(cfg.kv_cache_fp8_scales)
+        from tokenmill.layers.quant.methods import packed_weights
+
+        packed = (not spec.is_hybrid and all(isinstance(layer, PagedKV) for layer in spec.layers)
+                  and packed_weights(self.loaded.model))
+        spec = spec.with_dtype(resolve_kv_dtype(cfg.kv_cache_dtype, spec.dtype, packed)).with_fp8_scales(
+            cfg.kv_cache_fp8_scales)
         self.kv_spec = spec
         bytes_per_token = spec.bytes_per_token()
         ps = cfg.page_size

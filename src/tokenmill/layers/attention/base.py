@@ -34,6 +34,19 @@ def per_layer(spec: KVCacheSpec, make: Any) -> list[Any]:
     return [None if isinstance(layer, LinearState) else make() for layer in spec.layers]
 
 
+F16_MAX = 65504.0   # the largest finite float16
+
+
+def to_kv_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a KV pool of ``dtype`` stores it: a float16 pool saturates at +-65504 (a K or V
+    element beyond float16's range is stored as its largest finite value, never as an infinity
+    that would turn the softmax into NaN; the native writer in ``_native/decoder.c`` does the
+    same). Other dtypes: a plain cast."""
+    if dtype == torch.float16 and x.dtype != torch.float16:
+        x = x.clamp(-F16_MAX, F16_MAX)
+    return x.to(dtype)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec, LatentKV
-from tokenmill.layers.attention.base import AttentionBackend, attention_kinds, per_layer
+from tokenmill.layers.attention.base import AttentionBackend, attention_kinds, per_layer, to_kv_dtype
 from tokenmill.layers.attention.fp8 import FP8Pages, allocate_fp8, dequantize, dequantize_static, write_fp8
 from tokenmill.layers.attention.torch_ref import AttentionMetadata, PrefillSegment, TorchPagedAttention
 
@@ -83,7 +83,7 @@ class MLAAttention(AttentionBackend):
         if isinstance(kv_cache, FP8Pages):
             write_fp8(kv_cache, slots, entry)
         else:
-            kv_cache.view(-1, entry.shape[-1]).index_copy_(0, slots, entry.to(kv_cache.dtype))
+            kv_cache.view(-1, entry.shape[-1]).index_copy_(0, slots, to_kv_dtype(entry, kv_cache.dtype))
 
     def _gather(self, kv_cache: LatentPages, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Entries of ``pages`` (any shape of page ids), ``[pages.numel() * page_size, r + rope]``."""

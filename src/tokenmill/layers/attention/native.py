@@ -9,9 +9,10 @@ costs nothing. Writing the step's K/V into its slots stays a torch ``index_copy_
 take the kernel's per-row online softmax; prefill chunks its tiled path, where each K/V row read
 from a page serves a whole group of query rows and heads (see ``_native/attention.c``).
 
-Supported: fp32 activations with an fp32, bf16 or fp8 (``float8_e4m3fn``) KV pool on the CPU,
-for standard attention layers (:class:`~tokenmill.contracts.kv.PagedKV`). bf16 pages are
-widened to fp32 as they are read (half the bytes a long-context decode reads); fp8 pages
+Supported: fp32 activations with an fp32, bf16, fp16 or fp8 (``float8_e4m3fn``) KV pool on the
+CPU, for standard attention layers (:class:`~tokenmill.contracts.kv.PagedKV`). bf16 and fp16
+pages are widened to fp32 as they are read (half the bytes a long-context decode reads; fp16 by
+F16C's ``vcvtph2ps``, stored saturated at +-65504 by ``base.to_kv_dtype``); fp8 pages
 (:class:`~tokenmill.layers.attention.fp8.FP8Pages`, static or per-token scales) are read as bytes
 (a quarter) and widened exactly in the kernel, the scales folded into the query and the softmax
 weights. The step's K/V are quantized on write in C to the same bytes (and per-vector scales) as the
@@ -19,7 +20,7 @@ torch reference's ``write_fp8``. One difference: the kernel reads every key back
 pool, so a fresh prefill attends its own chunk through fp8 (the reference uses the chunk's
 unrounded K/V); the start-up calibration of static scales therefore runs on the reference
 (:meth:`calibration_backend`). Not taken here: MLA latents (LatentKV specs keep
-:class:`~tokenmill.layers.attention.mla.MLAAttention`, fp8 included), fp16 pools and non-fp32
+:class:`~tokenmill.layers.attention.mla.MLAAttention`, fp8 included) and non-fp32
 activations; those fall back to the torch backend when ``auto`` chooses
 (:func:`unsupported_reason` says why).
 """
@@ -33,13 +34,14 @@ from torch.profiler import record_function
 from tokenmill._native import attention as kernel
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import FP8_DTYPES, KVCacheSpec, PagedKV
-from tokenmill.layers.attention.base import AttentionBackend, attention_kinds
+from tokenmill.layers.attention.base import AttentionBackend, attention_kinds, to_kv_dtype
 from tokenmill.layers.attention import fp8
 from tokenmill.layers.attention.fp8 import FP8Pages, write_fp8
 from tokenmill.layers.attention.torch_ref import TorchPagedAttention
 
 # the kernel's kv kinds (TM_KV_* in _native/attention.h)
-KV_F32, KV_BF16, KV_FP8, KV_FP8_TOKEN = 0, 1, 2, 3
+KV_F32, KV_BF16, KV_FP8, KV_FP8_TOKEN, KV_F16 = 0, 1, 2, 3, 4
+_KIND_OF_DTYPE = {torch.float32: KV_F32, torch.bfloat16: KV_BF16, torch.float16: KV_F16}
 
 
 def unsupported_reason(spec: KVCacheSpec, device: torch.device, compute_dtype: torch.dtype) -> str | None:
@@ -49,8 +51,8 @@ def unsupported_reason(spec: KVCacheSpec, device: torch.device, compute_dtype: t
         return f"it runs on the CPU only, not {device}"
     if not all(isinstance(layer, PagedKV) for layer in attention_kinds(spec)):
         return "it handles standard attention layers (PagedKV) only"
-    if compute_dtype != torch.float32 or spec.dtype not in ("float32", "bfloat16", *FP8_DTYPES):
-        return (f"it needs float32 activations and a float32, bfloat16 or {'/'.join(FP8_DTYPES)} KV pool "
+    if compute_dtype != torch.float32 or spec.dtype not in ("float32", "bfloat16", "float16", *FP8_DTYPES):
+        return (f"it needs float32 activations and a float32, bfloat16, float16 or {'/'.join(FP8_DTYPES)} KV pool "
                 f"(got {compute_dtype}, KV {spec.dtype})")
     return None
 
@@ -59,7 +61,7 @@ def kv_kind(entry: torch.Tensor | FP8Pages) -> int:
     """The kernel's kind code for one layer's KV entry."""
     if isinstance(entry, FP8Pages):
         return KV_FP8_TOKEN if entry.per_token else KV_FP8
-    return KV_BF16 if entry.dtype == torch.bfloat16 else KV_F32
+    return _KIND_OF_DTYPE[entry.dtype]
 
 
 def kv_pointers(entry: torch.Tensor | FP8Pages) -> tuple[int, int, int, int]:
@@ -128,8 +130,8 @@ class NativePagedAttention(TorchPagedAttention):
         if isinstance(kv_cache, FP8Pages):
             self._write_fp8(kv_cache, meta.slot_mapping, k, v)
         else:
-            kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-            kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+            kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, to_kv_dtype(k, kv_cache.dtype))
+            kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, to_kv_dtype(v, kv_cache.dtype))
         kp, vp, ksp, vsp = kv_pointers(kv_cache)
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()

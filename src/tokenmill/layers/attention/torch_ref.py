@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec, PagedKV
-from tokenmill.layers.attention.base import AttentionBackend, attention_kinds, per_layer
+from tokenmill.layers.attention.base import AttentionBackend, attention_kinds, per_layer, to_kv_dtype
 from tokenmill.layers.attention.fp8 import FP8Pages, allocate_fp8, dequantize, dequantize_static, write_fp8
 
 
@@ -127,8 +127,8 @@ class TorchPagedAttention(AttentionBackend):
             write_fp8(kv_cache.half(0), meta.slot_mapping, k)
             write_fp8(kv_cache.half(1), meta.slot_mapping, v)
         else:
-            kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-            kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+            kv_cache[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, to_kv_dtype(k, kv_cache.dtype))
+            kv_cache[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, to_kv_dtype(v, kv_cache.dtype))
         if meta.num_decode == t:  # pure decode step: no scatter needed
             return self._decode(q, kv_cache, meta, scale)
         out = q.new_empty(t, hq * d)

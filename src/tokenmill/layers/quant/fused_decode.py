@@ -14,7 +14,7 @@ It applies when (:meth:`FusedDecodeStack.unsupported_reason` says why not otherw
   :class:`~tokenmill.layers.quant.packed.Int8Linear`, any mix) or unquantized fp32 on the CPU
   (:class:`~tokenmill.layers.linear.DenseLinear` or
   :class:`~tokenmill.layers.linear.OneDNNLinear`), the model is fp32 and has no per-head q/k norm;
-- the attention backend is the native paged one over fp32, bf16 or fp8 pages (fp8: static or
+- the attention backend is the native paged one over fp32, bf16, fp16 or fp8 pages (fp8: static or
   per-token scales; the step's K/V are quantized in C to the same bytes and scales the torch
   path's ``write_fp8`` stores: x / scale saturated at +-448, rounded to nearest even);
 - the step has at most :func:`~tokenmill.layers.quant.packed.gemv_max_rows` token rows for
@@ -150,7 +150,7 @@ class FusedDecodeStack:
         if type(attn) is not NativePagedAttention:
             return False
         c = kv_caches[0]
-        return isinstance(c, FP8Pages) or (isinstance(c, torch.Tensor) and c.dtype in (torch.float32, torch.bfloat16))
+        return isinstance(c, FP8Pages) or (isinstance(c, torch.Tensor) and c.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
     def _bind_kv(self, kv_caches: Sequence[Any]) -> None:
         """Point the table's KV fields at this pool (once per pool)."""

@@ -21,7 +21,7 @@ from torch import nn
 
 from tokenmill._native import quant as native
 from tokenmill.layers.linear import DenseLinear, LinearMethod, as_linear
-from tokenmill.layers.quant.packed import Int4Linear, Int8Linear
+from tokenmill.layers.quant.packed import Int4Linear, Int8Linear, _Packed
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,11 @@ def finalize_linears(model: nn.Module, dtype: torch.dtype) -> None:
     if n:
         log.warning("quantized weights are served as dense %s because %s", str(dtype).removeprefix("torch."),
                     native.unavailable_reason())
+
+
+def packed_weights(model: nn.Module) -> bool:
+    """Whether ``model`` serves any weight matrix in a packed (quantized) format."""
+    return any(isinstance(m, _Packed) for m in model.modules())
 
 
 def weight_bytes(model: nn.Module) -> int:
