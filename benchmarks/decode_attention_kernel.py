@@ -2,15 +2,17 @@
 from DRAM, against a plain read of the same bytes.
 
 One decode row of SmolLM2-135M's shape (9 query heads, 3 KV heads, head_dim 64) attends to L
-cached tokens in fp8 pages of 16 tokens, in random page order, through
+cached tokens in pages of 16 tokens (fp8 by default; ``--kinds fp8,fp16,bf16,fp32`` times each
+pool dtype in turn), in random page order, through
 ``tokenmill._native.attention.paged_attention`` on one thread. "cold" calls 30 layers' pools in
 turn (30 x 2 x L x 3 x 64 bytes, far beyond the caches, as in a real decode step); "hot" calls one
-layer's pool 30 times (it stays in L2 up to about 8k tokens). "read" sums the same 30 pools with
+layer's pool 30 times (it stays in cache up to a few thousand tokens). "read" sums the same 30 pools with
 torch, a floor for streaming those bytes. If cold is near hot, the kernel is bound by its
 arithmetic, not by memory; the #18 aim (16k decode >= 0.7x the 512 rate) needs the cold time per
 layer under (step_512 / 0.7 - step_512) / 30.
 
     .venv/bin/python benchmarks/decode_attention_kernel.py [--contexts 512,4096,16384] [--rounds 2]
+        [--kinds fp8,fp16,bf16,fp32]
 """
 from __future__ import annotations
 
@@ -23,17 +25,23 @@ import torch
 from tokenmill._native import attention as native
 
 PAGE, HQ, HKV, D, LAYERS = 16, 9, 3, 64, 30
-FP8_STATIC = 2   # kv kind: fp8 pages with per-head scales
+# kv kinds of the kernel (TM_KV_* in _native/attention.h) and their element types
+KINDS = {"fp32": (0, torch.float32), "bf16": (1, torch.bfloat16), "fp8": (2, torch.uint8), "fp16": (4, torch.float16)}
 
 
 class Pools:
-    def __init__(self, ctx: int) -> None:
+    def __init__(self, ctx: int, kind: str = "fp8") -> None:
         self.ctx, self.pages = ctx, ctx // PAGE
+        self.kind, dtype = KINDS[kind]
         g = torch.Generator().manual_seed(ctx)
         self.layers = []
+        shape = (self.pages + 8, PAGE, HKV, D)
         for _ in range(LAYERS):
-            k = torch.randint(0, 120, (self.pages + 8, PAGE, HKV, D), dtype=torch.uint8, generator=g)
-            v = torch.randint(0, 120, (self.pages + 8, PAGE, HKV, D), dtype=torch.uint8, generator=g)
+            if dtype == torch.uint8:   # e4m3 bytes of moderate values
+                k = torch.randint(0, 120, shape, dtype=torch.uint8, generator=g)
+                v = torch.randint(0, 120, shape, dtype=torch.uint8, generator=g)
+            else:
+                k, v = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
             table = torch.randperm(self.pages + 8, generator=g)[:self.pages].to(torch.int64).contiguous()
             self.layers.append((k, v, table))
         self.scales = torch.full((HKV,), 0.01)
@@ -46,7 +54,7 @@ class Pools:
         k, v, table = self.layers[layer]
         native.paged_attention(self.q.data_ptr(), HQ * D, self.out.data_ptr(), k.data_ptr(), v.data_ptr(),
                                table.data_ptr(), self.pages, self.qsl.data_ptr(), self.lens.data_ptr(), 1, PAGE,
-                               HQ, HKV, D, D ** -0.5, 1, FP8_STATIC, self.scales.data_ptr(), self.scales.data_ptr())
+                               HQ, HKV, D, D ** -0.5, 1, self.kind, self.scales.data_ptr(), self.scales.data_ptr())
 
     def cold(self) -> float:
         t0 = time.perf_counter()
@@ -64,7 +72,7 @@ class Pools:
     def read(self) -> float:
         t0 = time.perf_counter()
         for k, v, _ in self.layers:
-            int(k.view(torch.int64).sum()) + int(v.view(torch.int64).sum())
+            int(k.view(torch.int64).sum()) + int(v.view(torch.int64).sum())   # every byte, as int64 words
         return time.perf_counter() - t0
 
 
@@ -73,24 +81,28 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,4096,16384")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5, help="timed passes per measure (best is kept)")
+    ap.add_argument("--kinds", default="fp8", help=f"comma-separated pool dtypes of {', '.join(KINDS)}")
     args = ap.parse_args()
     if not native.available():
         raise SystemExit(native.unavailable_reason())
     torch.set_num_threads(1)
     print(f"load average {os.getloadavg()[0]:.2f}; kernel {native.simd()}; one thread; "
-          f"{HQ}/{HKV} heads x {D}, fp8 pages of {PAGE}, {LAYERS} layers")
-    print("| context | round | cold ms/layer | hot ms/layer | read ms/layer | cold ns per key-head | hot ns per key-head | cold GB/s |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"{HQ}/{HKV} heads x {D}, pages of {PAGE}, {LAYERS} layers")
+    print("| kind | context | round | cold ms/layer | hot ms/layer | read ms/layer | cold ns per key-head | "
+          "hot ns per key-head | cold GB/s | read GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for rnd in range(args.rounds):
         for ctx in (int(c) for c in args.contexts.split(",")):
-            p = Pools(ctx)
-            cold = min(p.cold() for _ in range(args.repeats)) / LAYERS
-            hot = min(p.hot() for _ in range(args.repeats)) / LAYERS
-            read = min(p.read() for _ in range(args.repeats)) / LAYERS
-            per = ctx * HKV
-            gbs = 2 * ctx * HKV * D / cold / 1e9
-            print(f"| {ctx} | {rnd + 1} | {cold * 1e3:.3f} | {hot * 1e3:.3f} | {read * 1e3:.3f} | "
-                  f"{cold * 1e9 / per:.1f} | {hot * 1e9 / per:.1f} | {gbs:.2f} |", flush=True)
+            for kind in args.kinds.split(","):
+                p = Pools(ctx, kind)
+                cold = min(p.cold() for _ in range(args.repeats)) / LAYERS
+                hot = min(p.hot() for _ in range(args.repeats)) / LAYERS
+                read = min(p.read() for _ in range(args.repeats)) / LAYERS
+                per = ctx * HKV
+                nbytes = 2 * ctx * HKV * D * p.layers[0][0].element_size()
+                print(f"| {kind} | {ctx} | {rnd + 1} | {cold * 1e3:.3f} | {hot * 1e3:.3f} | {read * 1e3:.3f} | "
+                      f"{cold * 1e9 / per:.1f} | {hot * 1e9 / per:.1f} | {nbytes / cold / 1e9:.2f} | "
+                      f"{nbytes / read / 1e9:.2f} |", flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 
