@@ -1,0 +1,132 @@
+/* How fast can this machine read a decode step's KV pages in the orders a decode kernel could
+ * use? No arithmetic beyond one integer add per 16 values, so each figure is a floor for the
+ * memory side of the native decode-attention kernel (benchmarks/decode_attention_kernel.py
+ * times the kernel itself).
+ *
+ * The pools have the default model's shape with 2-byte elements (fp16 / bf16): per layer a K and
+ * a V pool [pages][16 tokens][3 kv heads][64], 30 layers, the pages of each layer in a random
+ * order (a page table), as in the engine. Four orders, ns per key and KV head (both K and V):
+ *
+ *   sequential      every byte of K then V, front to back (the bandwidth floor);
+ *   per head        one kv head at a time over all keys in page-table order, a key's K row and
+ *                   then its V row (128 bytes each): the order of the kernel's decode tasks;
+ *   per key         each key's whole token row, all kv heads (384 contiguous bytes of K, then of
+ *                   V), keys in page-table order;
+ *   heads per block blocks of BLK keys (compile with -DBLK=n, default 64), within a block one head
+ *                   at a time (the order a kernel gets by interleaving its head tasks per block).
+ *
+ * Build and run (one thread; arguments: context length, and a software prefetch distance in keys
+ * for the per-head order, 0 = none):
+ *
+ *     gcc -O2 -mavx2 -o /tmp/kv_access_floor benchmarks/kv_access_floor.c
+ *     /tmp/kv_access_floor 2048 0
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#define PS 16
+#define H 3
+#define D 64
+#define L 30
+#ifndef BLK
+#define BLK 64
+#endif
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+__attribute__((target("avx2"))) static inline __m256i ld(const uint16_t *p) {
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+
+/* element offset of key j's row of kv head h (h = 0 and all heads: the row's start) */
+static inline size_t row(const int *tab, int j, int h) {
+    return ((size_t)tab[j / PS] * PS + j % PS) * H * D + (size_t)h * D;
+}
+
+__attribute__((target("avx2"))) static __m256i add_row(__m256i acc, const uint16_t *k, const uint16_t *v, int n) {
+    for (int x = 0; x < n; x += 16) {
+        acc = _mm256_add_epi16(acc, ld(k + x));
+        acc = _mm256_add_epi16(acc, ld(v + x));
+    }
+    return acc;
+}
+
+__attribute__((target("avx2"))) int main(int argc, char **argv) {
+    const int ctx = argc > 1 ? atoi(argv[1]) : 2048, pf = argc > 2 ? atoi(argv[2]) : 0, pages = ctx / PS;
+    if (ctx < PS || ctx % PS) {
+        fprintf(stderr, "the context must be a positive multiple of %d\n", PS);
+        return 2;
+    }
+    const size_t per = (size_t)(pages + 8) * PS * H * D;
+    uint16_t *K[L], *V[L];
+    int *tab[L];
+    srand(1);
+    for (int l = 0; l < L; l++) {
+        K[l] = aligned_alloc(64, per * 2);
+        V[l] = aligned_alloc(64, per * 2);
+        tab[l] = malloc(pages * sizeof(int));
+        if (!K[l] || !V[l] || !tab[l]) {
+            fprintf(stderr, "out of memory\n");
+            return 1;
+        }
+        for (size_t i = 0; i < per; i++) {
+            K[l][i] = (uint16_t)rand();
+            V[l][i] = (uint16_t)rand();
+        }
+        for (int p = 0; p < pages; p++) tab[l][p] = p;
+        for (int p = pages - 1; p > 0; p--) {   /* a random page order */
+            int j = rand() % (p + 1), t = tab[l][p];
+            tab[l][p] = tab[l][j];
+            tab[l][j] = t;
+        }
+    }
+    const double n = (double)L * ctx * H;
+    printf("context %d, %d layers, 2-byte elements, prefetch %d keys ahead (per head); ns per key and kv head\n",
+           ctx, L, pf);
+    for (int rep = 0; rep < 3; rep++) {
+        __m256i acc = _mm256_setzero_si256();
+        double t0 = now();
+        for (int l = 0; l < L; l++) acc = add_row(acc, K[l], V[l], pages * PS * H * D);
+        double t1 = now();
+        for (int l = 0; l < L; l++)
+            for (int h = 0; h < H; h++)
+                for (int j = 0; j < ctx; j++) {
+                    if (pf && j + pf < ctx) {
+                        const size_t o = row(tab[l], j + pf, h);
+                        for (int c = 0; c < D * 2; c += 64) {
+                            _mm_prefetch((const char *)(K[l] + o) + c, _MM_HINT_T0);
+                            _mm_prefetch((const char *)(V[l] + o) + c, _MM_HINT_T0);
+                        }
+                    }
+                    const size_t o = row(tab[l], j, h);
+                    acc = add_row(acc, K[l] + o, V[l] + o, D);
+                }
+        double t2 = now();
+        for (int l = 0; l < L; l++)
+            for (int j = 0; j < ctx; j++) {
+                const size_t o = row(tab[l], j, 0);
+                acc = add_row(acc, K[l] + o, V[l] + o, H * D);
+            }
+        double t3 = now();
+        for (int l = 0; l < L; l++)
+            for (int j0 = 0; j0 < ctx; j0 += BLK)
+                for (int h = 0; h < H; h++)
+                    for (int j = j0; j < j0 + BLK && j < ctx; j++) {
+                        const size_t o = row(tab[l], j, h);
+                        acc = add_row(acc, K[l] + o, V[l] + o, D);
+                    }
+        double t4 = now();
+        uint16_t out[16];
+        _mm256_storeu_si256((__m256i *)out, acc);
+        printf("sequential %.1f | per head %.1f | per key %.1f | heads per %d-key block %.1f   (checksum %u)\n",
+               (t1 - t0) / n * 1e9, (t2 - t1) / n * 1e9, (t3 - t2) / n * 1e9, BLK, (t4 - t3) / n * 1e9, out[0]);
+    }
+    return 0;
+}
