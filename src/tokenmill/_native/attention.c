@@ -2,8 +2,9 @@
  *
  * KV layout of one layer (the torch reference backend's layout):
  *     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim], contiguous, float32,
- *     bfloat16 or float8_e4m3fn bytes with float32 scales (see "fp8 pages" below); narrow
- *     elements are widened to float32 as they are read, all arithmetic is float32
+ *     bfloat16, float16 (F16C's vcvtph2ps) or float8_e4m3fn bytes with float32 scales (see
+ *     "fp8 pages" below); narrow elements are widened to float32 as they are read, all
+ *     arithmetic is float32
  * Token at context position p of sequence i lives in page block_tables[i][p / page_size] at
  * offset p % page_size.
  *
