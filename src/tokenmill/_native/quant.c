@@ -1394,6 +1394,19 @@ static void gemm_f32_rows(int64_t M, int64_t K, const float *w, int64_t N, const
 
 /* The row loops below compute output rows [n0, n1); the callers split the rows over threads in
  * contiguous ranges (tmq_row_range). A row's sum never depends on the split. */
+#if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
+/* Rows [n0, n1) of a u4 (s8 = 0) or s8 (s8 = 1) matrix through the block stream
+ * (block_stream256_avx2), plus the bias: 1 when done, 0 when the stream could not run (its
+ * block values did not fit on the stack and could not be allocated; the row kernels then do). */
+static int block_stream_rows(int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t nb, const ActBuf *a,
+                             int64_t M, const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
+    if (block_stream256_avx2(s8, qs, sc, mn, f16, nb, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y, N, n0, n1))
+        return 0;
+    if (bias) for (int64_t m = 0; m < M; m++) for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
+    return 1;
+}
+#endif
+
 static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc, const void *mn,
                          int f16, int64_t N, int64_t group, const float *bias, float *y, const ActBuf *a,
                          int64_t n0, int64_t n1) {
@@ -1405,10 +1418,8 @@ static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc
     (void)use;
 #if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
     if (a->order == ACT_STREAM256   /* a scale per block (u4_act_order) */
-        && !block_stream256_avx2(0, qs, sc, mn, f16, nb, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y, N, n0, n1)) {
-        if (bias) for (int64_t m = 0; m < M; m++) for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
+        && block_stream_rows(0, qs, sc, mn, f16, nb, a, M, bias, y, N, n0, n1))
         return;
-    }
 #endif
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = qs + n * (Kp / 2);
@@ -1451,10 +1462,8 @@ static void gemm_s8_rows(int64_t M, int64_t K, const int8_t *qs, const void *sc,
     (void)use;
 #if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
     if (a->order == ACT_SSTREAM256   /* a scale per block (s8_act_order) */
-        && !block_stream256_avx2(1, qs, sc, NULL, f16, nb, a->xq, a->xd, a->xs, M, a->qstride, a->bstride, y, N, n0, n1)) {
-        if (bias) for (int64_t m = 0; m < M; m++) for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
+        && block_stream_rows(1, qs, sc, NULL, f16, nb, a, M, bias, y, N, n0, n1))
         return;
-    }
 #endif
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *row = qs + n * Kp;
