@@ -227,6 +227,34 @@ def test_fused_decode_is_the_same_bits_on_any_thread_count(packed, kernel, name)
             assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float16", "fp8-token"])
+@pytest.mark.parametrize("name", ["llama-int4", "llama-fp32"])
+def test_kv_prefetch_changes_no_bits(packed, name, kv_dtype, monkeypatch):
+    """decoder.c prefetches each layer's KV pages during the previous layer's gate_up and down,
+    cutting those matmuls into slices of output rows. Neither may change a result: with the
+    prefetch on and off (TOKENMILL_NO_KV_PREFETCH), on 1 and 3 threads, the logits and the KV
+    pages are identical."""
+    model = packed[name].model
+    steps = STEPS if "fp32" not in name else [s for s in STEPS if sum(n for _, n in s) <= _row_limit(name)]
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for nt in (1, 3):
+            torch.set_num_threads(nt)
+            for off in ("", "1"):
+                monkeypatch.setenv("TOKENMILL_NO_KV_PREFETCH", off)
+                logits, kv, _, ran = _run(model, True, kv_dtype, steps=steps)
+                assert any(ran)
+                runs.append((logits, [c.data if isinstance(c, FP8Pages) else c for c in kv]))
+    finally:
+        torch.set_num_threads(before)
+    for logits, kv in runs[1:]:
+        for g, w in zip(logits, runs[0][0]):
+            assert torch.equal(g, w)
+        for g, w in zip(kv, runs[0][1]):
+            assert torch.equal(g.view(torch.uint8) if g.dtype == FP8 else g, w.view(torch.uint8) if w.dtype == FP8 else w)
+
+
 def _fp8_values(c: FP8Pages) -> torch.Tensor:
     return c.data.view(FP8).float() * (c.scale.unsqueeze(-1) if c.per_token else c.scale)
 

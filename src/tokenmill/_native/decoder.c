@@ -194,6 +194,7 @@ typedef struct {
     const int64_t *slots, *bt, *qsl, *seq_lens;
     int64_t bt_stride;
     int num_seqs, page_size, kv_kind, nt;   /* kv_kind: TM_KV_* (attention.h) */
+    int kv_prefetch;                        /* prefetch each layer's KV during the matmuls before it */
 } Step;
 
 /* scratch: x [M,H], qkv [M,qn], att [M,hq*d], tmp [M,H], gu [M,2I], act [M,I] */
@@ -232,6 +233,93 @@ static void bar_wait(SpinBar *b) {
     }
 }
 
+/* KV prefetch. A decode step's attention reads every running sequence's K and V pages of the
+ * layer, which the previous layers' weight stream (about 3 MB per layer) has pushed out of the
+ * caches; the kernel then waits on memory with its arithmetic idle (in cache it costs about half
+ * as much per key). The previous layer's gate_up and down matmuls are compute-bound at batch 1
+ * and leave read bandwidth unused, so each thread prefetches its share of the next layer's KV
+ * lines while it runs them, spread evenly over its slices of PF_SLICE output rows (layer 0's
+ * over its qkv matmul). Spreading them over the next layer's qkv as well measured no better.
+ * A prefetch changes no result. TOKENMILL_NO_KV_PREFETCH=1 turns it off (A/B runs). */
+#define PF_SLICE 16
+
+/* an environment switch: set, non-empty and not "0" */
+static int env_flag(const char *name) {
+    const char *v = getenv(name);
+    return v && *v && strcmp(v, "0") != 0;
+}
+typedef struct {
+    const char *pool[2];      /* the layer's K and V pages */
+    int64_t bpt;              /* bytes per token row (hkv * d * element size) */
+    int s, kv;                /* cursor: sequence, K (0) or V (1) */
+    int64_t j, off;           /* page of that sequence, byte offset in it */
+    int64_t left, per_slice;  /* lines still to prefetch, lines per matmul slice */
+} KvPf;
+
+static int64_t kv_elem_size(int kind) {
+    return kind == TM_KV_F32 ? 4 : kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN ? 1 : 2;
+}
+
+/* bytes of page j of sequence s (the tokens it holds) */
+static inline int64_t kvpf_page_bytes(const Step *S, int64_t bpt, int s, int64_t j) {
+    int64_t n = S->seq_lens[s] - j * S->page_size;
+    return (n < S->page_size ? n : S->page_size) * bpt;
+}
+
+/* advance the cursor by n lines (to the end: p->s == num_seqs) */
+static void kvpf_walk(KvPf *p, const Step *S, int64_t n, int issue) {
+    while (n > 0 && p->s < S->num_seqs) {
+        const int64_t pages = (S->seq_lens[p->s] + S->page_size - 1) / S->page_size;
+        if (p->j >= pages) { p->s++; p->j = 0; p->kv = 0; p->off = 0; continue; }
+        const int64_t bytes = kvpf_page_bytes(S, p->bpt, p->s, p->j);
+        const char *base = p->pool[p->kv] + S->bt[p->s * S->bt_stride + p->j] * S->page_size * p->bpt;
+        for (; n > 0 && p->off < bytes; n--, p->off += 64)
+            if (issue) __builtin_prefetch(base + p->off, 0, 3);
+        if (p->off >= bytes) {
+            p->off = 0;
+            if (++p->kv == 2) { p->kv = 0; p->j++; }
+        }
+    }
+}
+
+/* thread t's share of layer `row`'s KV lines, to be prefetched over `slices` matmul slices */
+static void kvpf_start(KvPf *p, const int64_t *row, const Step *S, int t, int T, int64_t slices) {
+    p->left = 0;
+    if (!S->kv_prefetch || slices <= 0) return;
+    p->pool[0] = (const char *)(uintptr_t)row[F_K_CACHE];
+    p->pool[1] = (const char *)(uintptr_t)row[F_V_CACHE];
+    p->bpt = S->hkv * S->d * kv_elem_size(S->kv_kind);
+    int64_t total = 0;
+    for (int s = 0; s < S->num_seqs; s++)
+        for (int64_t j = 0; j * S->page_size < S->seq_lens[s]; j++) total += 2 * ((kvpf_page_bytes(S, p->bpt, s, j) + 63) / 64);
+    const int64_t a = total * t / T, b = total * (t + 1) / T;
+    p->s = 0; p->kv = 0; p->j = 0; p->off = 0;
+    kvpf_walk(p, S, a, 0);
+    p->left = b - a;
+    p->per_slice = (p->left + slices - 1) / slices;
+}
+
+/* thread t's slices of PF_SLICE rows of w */
+static int64_t pf_slices(const TmqMat *w, int t, int T) {
+    int64_t n0, n1;
+    tmq_row_range(w->N, t, T, &n0, &n1);
+    return (n1 - n0 + PF_SLICE - 1) / PF_SLICE;
+}
+
+/* thread t's rows of y = act @ w^T (+ bias), prefetching p's lines between slices */
+static void matmul_prefetching(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int t, int T,
+                               KvPf *p, const Step *S) {
+    int64_t n0, n1;
+    tmq_row_range(w->N, t, T, &n0, &n1);
+    if (p->left <= 0) { tmq_matmul_range(w, act, M, bias, y, n0, n1); return; }
+    for (int64_t a = n0; a < n1; a += PF_SLICE) {
+        const int64_t n = p->per_slice < p->left ? p->per_slice : p->left;
+        kvpf_walk(p, S, n, 1);
+        p->left -= n;
+        tmq_matmul_range(w, act, M, bias, y, a, a + PF_SLICE < n1 ? a + PF_SLICE : n1);
+    }
+}
+
 /* The whole step is one `omp parallel` region (a fork/join per matmul cost more than a second
  * thread gained). Every thread runs this loop: the small per-layer ops and the quantization of
  * each matmul's activations run on thread 0, each matmul splits its output rows over the
@@ -256,10 +344,15 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
     }
     bar_wait(bar);
     TTICK(P_NORM);
+    KvPf pf;   /* this thread's prefetch of the next attention's KV (see KvPf) */
+    if (L > 0) {
+        const TmqMat w0 = layer_mat(tab, W_QKV);
+        kvpf_start(&pf, tab, S, t, T, pf_slices(&w0, t, T));
+    }
     for (int64_t l = 0; l < L && !*err; l++) {
         const int64_t *row = tab + l * LAYER_FIELDS;
         TmqMat w = layer_mat(row, W_QKV);
-        tmq_matmul_rows(&w, *aq, M, (const float *)(uintptr_t)row[F_QKV_BIAS], B->qkv, t, T);
+        matmul_prefetching(&w, *aq, M, (const float *)(uintptr_t)row[F_QKV_BIAS], B->qkv, t, T, &pf, S);
         bar_wait(bar);
         TTICK(P_QKV);
         if (t == 0) {
@@ -303,7 +396,11 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
         bar_wait(bar);
         TTICK(P_NORM);
         if (*err) break;
-        tmq_matmul_rows(&w, *aq, M, NULL, B->gu, t, T);
+        if (l + 1 < L) {   /* the next layer's KV, over this layer's gate_up and down */
+            const TmqMat wd = layer_mat(row, W_DOWN);
+            kvpf_start(&pf, row + LAYER_FIELDS, S, t, T, pf_slices(&w, t, T) + pf_slices(&wd, t, T));
+        }
+        matmul_prefetching(&w, *aq, M, NULL, B->gu, t, T, &pf, S);
         bar_wait(bar);
         TTICK(P_GATE_UP);
         w = layer_mat(row, W_DOWN);
@@ -315,7 +412,7 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
         bar_wait(bar);
         TTICK(P_SILU);
         if (*err) break;
-        tmq_matmul_rows(&w, *aq, M, NULL, B->tmp, t, T);
+        matmul_prefetching(&w, *aq, M, NULL, B->tmp, t, T, &pf, S);
         bar_wait(bar);
         TTICK(P_DOWN);
         if (t == 0) {
@@ -393,7 +490,8 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     }
     Step S = {M, H, hq, hkv, d, inter, eps, scale, PTR(const float *, cos), PTR(const float *, sin),
               PTR(const int64_t *, slots), PTR(const int64_t *, bt), PTR(const int64_t *, qsl),
-              PTR(const int64_t *, sl), bt_stride, num_seqs, page_size, kv_kind, nt < 1 ? 1 : nt};
+              PTR(const int64_t *, sl), bt_stride, num_seqs, page_size, kv_kind, nt < 1 ? 1 : nt,
+              !env_flag("TOKENMILL_NO_KV_PREFETCH")};
     const int64_t *tab = PTR(const int64_t *, table);
     if (check_layers(tab, L, &S)) return NULL;
     const int64_t qsz = hq * d, qn = qsz + 2 * hkv * d;

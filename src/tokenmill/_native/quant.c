@@ -1540,9 +1540,14 @@ void tmq_act_free(void *act) {
 }
 
 void tmq_matmul_rows(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int t, int T) {
-    const ActBuf *a = act;
     int64_t n0, n1;
     tmq_row_range(w->N, t, T, &n0, &n1);
+    tmq_matmul_range(w, act, M, bias, y, n0, n1);
+}
+
+void tmq_matmul_range(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int64_t n0, int64_t n1) {
+    const ActBuf *a = act;
+    if (n0 >= n1) return;
     if (w->kind == TMQ_F32)
         gemm_f32_rows(M, w->K, (const float *)w->qs, w->N, bias, y, a->xf, n0, n1);
     else if (w->kind == TMQ_U4)

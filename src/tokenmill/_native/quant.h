@@ -26,6 +26,9 @@ int tmq_matmul(const TmqMat *w, const float *x, int64_t M, const float *bias, fl
 void *tmq_act_quantize(const TmqMat *w, const float *x, int64_t M);
 void tmq_matmul_rows(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int t, int T);
 void tmq_row_range(int64_t N, int t, int T, int64_t *n0, int64_t *n1);
+/* output rows [n0, n1) only (tmq_matmul_rows is this over thread t's range): a row's result does
+ * not depend on the range it is computed in, so a caller may cut its range into pieces */
+void tmq_matmul_range(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int64_t n0, int64_t n1);
 void tmq_act_free(void *act);
 /* 1 when the matrix description is one the kernels take. */
 int tmq_check_mat(const TmqMat *w);
