@@ -71,14 +71,14 @@ def _run(model: Any, fused: bool, kv_dtype: str, capture: frozenset[int] = froze
     gen = torch.Generator().manual_seed(5)
     drv = _driver(model, kv_dtype)
     logits, captured, ran_fused = [], [], []
-    orig = FusedDecodeStack.run
+    orig = FusedDecodeStack._run
     calls = [0]
 
     def counting_run(self, *a, **k):
         calls[0] += 1
         return orig(self, *a, **k)
 
-    FusedDecodeStack.run = counting_run  # type: ignore[method-assign]
+    FusedDecodeStack._run = counting_run  # type: ignore[method-assign]
     try:
         for chunks in steps:
             model.set_fused_decode(fused)
@@ -88,7 +88,7 @@ def _run(model: Any, fused: bool, kv_dtype: str, capture: frozenset[int] = froze
             captured.append({k: v.clone() for k, v in drv.last_ctx.captured.items()})
             ran_fused.append(calls[0] > before)
     finally:
-        FusedDecodeStack.run = orig  # type: ignore[method-assign]
+        FusedDecodeStack._run = orig  # type: ignore[method-assign]
     return logits, [_kv_copy(c) for c in drv.kv], captured, ran_fused
 
 
@@ -116,6 +116,9 @@ def _row_limit(name: str) -> int:
 def test_fused_decode_matches_layer_by_layer(packed, name, kv_dtype):
     model = packed[name].model
     assert model.fused_decode_stack() is not None
+    # packed heads end the native call with the final norm and the head (set_head): the logits
+    # compared below come from it; fp32 heads stay in torch
+    assert model.fused_decode_stack().has_head == ("fp32" not in name)
     got, kv_got, _, ran = _run(model, True, kv_dtype)
     want, kv_want, _, ran_ref = _run(model, False, kv_dtype)
     limit = _row_limit(name)
@@ -197,6 +200,15 @@ def test_fused_decode_refuses_a_wrong_shape(packed):
     cs = torch.ones(1, a.head_dim)
     with pytest.raises(ValueError, match="layer 0 gate_up_proj is not a packed"):
         bad.run(h, cs, cs, drv.kv, ctx.meta)
+    good = model.fused_decode_stack()
+    with pytest.raises(ValueError, match="run_to_logits needs set_head"):
+        FusedDecodeStack(layers, hidden=a.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+                         head_dim=a.head_dim, intermediate=a.intermediate_size, eps=a.rms_norm_eps,
+                         scale=0.25).run_to_logits(h, cs, cs, drv.kv, ctx.meta, torch.tensor([0]))
+    with pytest.raises(ValueError, match="bad output head .* 1 logits rows of 1"):   # row 1 of a 1-row step
+        good.run_to_logits(h, cs, cs, drv.kv, ctx.meta, torch.tensor([1]))
+    _, logits = good.run_to_logits(h.clone(), cs, cs, drv.kv, ctx.meta, torch.tensor([0]))
+    assert logits.shape == (1, a.vocab_size) and torch.isfinite(logits).all()
 
 
 @pytest.mark.parametrize("name", ["llama-int4", "llama-fp32"])

@@ -42,9 +42,9 @@ enum { W_QKV = 0, W_O, W_GATE_UP, W_DOWN, W_COUNT };
 static const tm_attention_tasks *g_attn = NULL;
 
 /* Optional per-phase timers (decode_profile(True) turns them on; benchmarks read them). */
-enum { P_NORM = 0, P_QKV, P_ROPE_KV, P_ATTN, P_O, P_GATE_UP, P_SILU, P_DOWN, P_RESID, P_COUNT };
+enum { P_NORM = 0, P_QKV, P_ROPE_KV, P_ATTN, P_O, P_GATE_UP, P_SILU, P_DOWN, P_RESID, P_HEAD, P_COUNT };
 static const char *prof_names[P_COUNT] = {"rmsnorm", "matmul qkv", "rotary + kv write", "attention", "matmul o",
-                                          "matmul gate_up", "silu*up", "matmul down", "residual adds"};
+                                          "matmul gate_up", "silu*up", "matmul down", "residual adds", "matmul head"};
 static int g_prof = 0;
 static double g_prof_s[P_COUNT];
 
@@ -54,12 +54,13 @@ static inline double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static TmqMat layer_mat(const int64_t *row, int w) {
-    const int64_t *f = row + F_MATS + w * MAT_FIELDS;
+static TmqMat mat_at(const int64_t *f) {
     TmqMat m = {f[MAT_KIND], (const void *)(uintptr_t)f[MAT_QS], (const void *)(uintptr_t)f[MAT_SC],
                 (const void *)(uintptr_t)f[MAT_MN], f[MAT_F16], f[MAT_N], f[MAT_K], f[MAT_GROUP]};
     return m;
 }
+
+static TmqMat layer_mat(const int64_t *row, int w) { return mat_at(row + F_MATS + w * MAT_FIELDS); }
 
 static void rmsnorm(const float *h, const float *w, float *out, int64_t M, int64_t H, float eps) {
     for (int64_t t = 0; t < M; t++) {
@@ -202,6 +203,17 @@ typedef struct {
     float *h, *x, *qkv, *att, *tmp, *gu, *act;
 } Bufs;
 
+/* The optional epilogue after the last layer: logits[r] = head(rmsnorm(h[idx[r]]) * norm), for
+ * the n rows whose logits the step needs, in the same parallel region (no second fork, and no
+ * torch ops from Python in between). */
+typedef struct {
+    const int64_t *mat;   /* the head's MAT_FIELDS; NULL: no epilogue */
+    const float *norm;    /* the final RMSNorm's weight [H] */
+    const int64_t *idx;   /* rows of h */
+    int64_t n;
+    float *logits;        /* [n, head N] */
+} Head;
+
 /* A spinning barrier for the threads of one step. libgomp's barrier spins GOMP_SPINCOUNT times
  * (the CLI sets 1000, so that idle threads between steps leave the cores to other processes)
  * and then sleeps in the kernel; inside a step the waits are microseconds, and a thread put to
@@ -327,8 +339,8 @@ static void matmul_prefetching(const TmqMat *w, const void *act, int64_t M, cons
  * barrier separates dependent phases. Shared state (the quantized activations, the attention
  * call, the error) is written by thread 0 and read only after a barrier, so every thread takes
  * the same branch. The phase timers count on thread 0 (each phase includes its barrier). */
-static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const Bufs *B, void **aq, void **call,
-                            int *err, SpinBar *bar) {
+static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const Bufs *B, const Head *hd, void **aq,
+                            void **call, int *err, SpinBar *bar) {
     const int64_t M = S->M, H = S->H, qsz = S->hq * S->d, kvsz = S->hkv * S->d, qn = qsz + 2 * kvsz, I = S->inter;
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
     if (t == 0) bar->n = T;
@@ -429,6 +441,22 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
         bar_wait(bar);
         TTICK(P_RESID);
     }
+    if (hd->mat && !*err) {   /* the final norm and the output head (see Head) */
+        const TmqMat w = mat_at(hd->mat);
+        if (t == 0) {
+            for (int64_t r = 0; r < hd->n; r++) rmsnorm(h + hd->idx[r] * H, hd->norm, B->x + r * H, 1, H, S->eps);
+            if (!(*aq = tmq_act_quantize(&w, B->x, hd->n))) *err = -1;
+        }
+        bar_wait(bar);
+        TTICK(P_NORM);
+        if (!*err) tmq_matmul_rows(&w, *aq, hd->n, NULL, hd->logits, t, T);
+        bar_wait(bar);
+        TTICK(P_HEAD);
+        if (t == 0) {
+            tmq_act_free(*aq);
+            *aq = NULL;
+        }
+    }
 #undef TTICK
 }
 
@@ -465,17 +493,18 @@ static int check_layers(const int64_t *table, int64_t L, const Step *S) {
 #define PTR(T, v) ((T)(uintptr_t)(v))
 
 /* decode_layers(h, M, table, L, H, hq, hkv, d, inter, eps, scale, cos, sin, slots, bt, bt_stride,
- *               qsl, seq_lens, num_seqs, page_size, kv_kind, threads)
+ *               qsl, seq_lens, num_seqs, page_size, kv_kind, threads, head, norm, idx, n, logits)
  * kv_kind: TM_KV_* of the pool (attention.h); fp8 pools give each layer row its scale pointers
- * h [M, H] fp32 is updated in place through layers table[0..L). */
+ * h [M, H] fp32 is updated in place through layers table[0..L). head (0: none) points at the
+ * output head's MAT_FIELDS: then logits [n, head N] = head(rmsnorm(h[idx[r]]) * norm) (Head). */
 PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
-    unsigned long long h, table, cos, sin, slots, bt, qsl, sl;
-    long long M, L, H, hq, hkv, d, inter, bt_stride;
+    unsigned long long h, table, cos, sin, slots, bt, qsl, sl, head = 0, norm = 0, idx = 0, logits = 0;
+    long long M, L, H, hq, hkv, d, inter, bt_stride, n_out = 0;
     float eps, scale;
     int num_seqs, page_size, kv_kind, nt;
-    if (!PyArg_ParseTuple(args, "KLKLLLLLLffKKKKLKKiiii", &h, &M, &table, &L, &H, &hq, &hkv, &d, &inter, &eps,
+    if (!PyArg_ParseTuple(args, "KLKLLLLLLffKKKKLKKiiii|KKKLK", &h, &M, &table, &L, &H, &hq, &hkv, &d, &inter, &eps,
                           &scale, &cos, &sin, &slots, &bt, &bt_stride, &qsl, &sl, &num_seqs, &page_size, &kv_kind,
-                          &nt))
+                          &nt, &head, &norm, &idx, &n_out, &logits))
         return NULL;
     if (M <= 0 || L < 0 || H <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || inter <= 0 ||
         num_seqs <= 0 || page_size <= 0 || d > TM_ATTENTION_MAX_HEAD_DIM || hq / hkv > TM_ATTENTION_MAX_GROUP ||
@@ -494,6 +523,19 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
               !env_flag("TOKENMILL_NO_KV_PREFETCH")};
     const int64_t *tab = PTR(const int64_t *, table);
     if (check_layers(tab, L, &S)) return NULL;
+    const Head hd = {PTR(const int64_t *, head), PTR(const float *, norm), PTR(const int64_t *, idx), n_out,
+                     PTR(float *, logits)};
+    if (head) {
+        const TmqMat w = mat_at(hd.mat);
+        int bad_row = 0;
+        for (int64_t r = 0; r < n_out && idx; r++) bad_row |= hd.idx[r] < 0 || hd.idx[r] >= M;
+        if (!tmq_check_mat(&w) || w.K != H || !w.qs || (w.kind != TMQ_F32 && !w.sc) || (w.kind == TMQ_U4 && !w.mn) ||
+            !norm || !idx || !logits || n_out <= 0 || n_out > M || bad_row) {
+            PyErr_Format(PyExc_ValueError, "decode_layers: bad output head (kind %lld, [%lld, %lld]) or %lld logits "
+                         "rows of %lld", (long long)w.kind, (long long)w.N, (long long)w.K, n_out, M);
+            return NULL;
+        }
+    }
     const int64_t qsz = hq * d, qn = qsz + 2 * hkv * d;
     size_t n = (size_t)M * (2 * H + qn + qsz + 3 * inter);
     float *mem = malloc(n * sizeof(float));
@@ -510,7 +552,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     bar.n = 1;
     Py_BEGIN_ALLOW_THREADS
     #pragma omp parallel num_threads(S.nt)
-    run_layers_team(tab, L, &S, &B, &aq, &call, &err, &bar);
+    run_layers_team(tab, L, &S, &B, &hd, &aq, &call, &err, &bar);
     Py_END_ALLOW_THREADS
     tmq_act_free(aq);
     if (call) g_attn->finish(call);

@@ -99,7 +99,9 @@ class LlamaForCausalLM(CausalLM):
         ctx.capture(-1, h)
         stack = self.fused_decode_stack() if self._fused_on else None
         if stack is not None and stack.applies(h.shape[0], ctx.attn, ctx.kv_caches):
-            h = self._forward_fused(stack, h, cs, ctx)
+            h, logits = self._forward_fused(stack, h, cs, ctx)
+            if logits is not None:
+                return logits
         else:
             for i, (layer, cache) in enumerate(zip(self.layers, ctx.kv_caches)):
                 h = layer(h, cs, cache, ctx)
@@ -107,8 +109,10 @@ class LlamaForCausalLM(CausalLM):
         h = self.norm(h[batch.logits_indices])
         return self.lm_head(h).float()
 
-    def _forward_fused(self, stack: FusedDecodeStack, h: torch.Tensor, cs: CosSin, ctx: ForwardContext) -> torch.Tensor:
-        """All layers in native calls (split only where a layer's output is captured)."""
+    def _forward_fused(self, stack: FusedDecodeStack, h: torch.Tensor, cs: CosSin,
+                       ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All layers in native calls (split only where a layer's output is captured); the last
+        call also gives the logits when the stack holds the head (``FusedDecodeStack.set_head``)."""
         if -1 in ctx.capture_layers or not h.is_contiguous():
             h = h.clone(memory_format=torch.contiguous_format)  # updated in place from here on
         start = 0
@@ -117,8 +121,10 @@ class LlamaForCausalLM(CausalLM):
             ctx.capture(i, h.clone())
             start = i + 1
         if start < len(self.layers):
+            if stack.has_head:
+                return stack.run_to_logits(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, ctx.batch.logits_indices, start)
             h = stack.run(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, start)
-        return h
+        return h, None
 
     @property
     def fused_decode_enabled(self) -> bool:
@@ -145,6 +151,8 @@ class LlamaForCausalLM(CausalLM):
                 layers, hidden=a.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
                 head_dim=a.head_dim, intermediate=a.intermediate_size, eps=a.rms_norm_eps,
                 scale=self.layers[0].scale)
+            if self._fused is not None:
+                self._fused.set_head(self.norm.weight, self.lm_head)
         return self._fused
 
     # ---- weights -------------------------------------------------------------------------

@@ -21,6 +21,13 @@ It applies when (:meth:`FusedDecodeStack.unsupported_reason` says why not otherw
   packed matrices (larger steps keep the dequantize + GEMM path) and no forced activation mode,
   and at most :data:`FUSED_FP32_MAX_ROWS` for fp32 ones (larger steps keep oneDNN's GEMM).
 
+A packed output head (a GGUF Q8_0 / Q4 head, or int8 / int4) joins the call as well
+(:meth:`FusedDecodeStack.set_head`): after the last layer the same parallel region applies the
+final RMSNorm to the rows that need logits and runs the head's integer kernel, instead of a
+torch norm and a second native call (and, with two threads, a second fork) from Python. Each
+layer's KV pages are prefetched during the previous layer's gate_up and down matmuls
+(``decoder.c``, ``KvPf``; ``TOKENMILL_NO_KV_PREFETCH=1`` turns that off for A/B runs).
+
 The results equal the layer-by-layer path up to float summation order (RMSNorm's sum, the
 residual adds, the fp32 dot products): packed matrices see the same int16-quantized activations
 and kernels. Memory: the fp32 kernel reads plain ``[N, K]`` rows, while oneDNN keeps its weights
@@ -112,6 +119,27 @@ class FusedDecodeStack:
         self._table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), _LAYER_FIELDS)
         self._kv: Sequence[Any] | None = None
         self._kv_ptrs: tuple[Any, ...] = ()
+        self._head: torch.Tensor | None = None   # the output head's fields (set_head)
+        self._head_norm = 0
+        self._head_out = 0
+
+    def set_head(self, norm: torch.Tensor, head: LinearMethod) -> bool:
+        """Let a run through the last layer end with the final RMSNorm (weight ``norm``, this
+        stack's eps) and the output head, in the same native call (:meth:`run`'s
+        ``logits_rows``). Packed heads only (a GGUF Q8_0 or Q4 head, int8 / int4): the same
+        kernel and int16 activations as the head's own forward, so the logits differ from the
+        torch path's only by RMSNorm's summation order. Returns whether it took the head."""
+        self._head = None
+        if not isinstance(head, (Int4Linear, Int8Linear)) or head.in_features != self.hidden:
+            return False
+        self._head_norm = self._ptr(norm)
+        self._head = torch.tensor(_mat_fields(head, self._keep), dtype=torch.int64)
+        self._head_out = head.out_features
+        return True
+
+    @property
+    def has_head(self) -> bool:
+        return self._head is not None
 
     def _ptr(self, t: torch.Tensor) -> int:
         t = t.detach().float().contiguous()
@@ -177,6 +205,19 @@ class FusedDecodeStack:
             meta: NativeMetadata, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Layers ``[start, stop)`` on ``h [T, H]`` (updated in place and returned); ``cos``/``sin``
         are the step's rotary rows ``[T, head_dim]``."""
+        return self._run(h, cos, sin, kv_caches, meta, start, stop)[0]
+
+    def run_to_logits(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
+                      meta: NativeMetadata, logits_rows: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers ``[start, L)``, then the head given to :meth:`set_head` on the final-normed rows
+        ``logits_rows`` of ``h``: ``(h, logits [len(logits_rows), vocab] fp32)``."""
+        if self._head is None:
+            raise ValueError("run_to_logits needs set_head first")
+        return self._run(h, cos, sin, kv_caches, meta, start, None, logits_rows)
+
+    def _run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
+             meta: NativeMetadata, start: int, stop: int | None,
+             logits_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._bind_kv(kv_caches)
         stop = len(self.layers) if stop is None else stop
         t = h.shape[0]
@@ -186,9 +227,17 @@ class FusedDecodeStack:
         slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.long()
         slots = slots.contiguous()
         table = self._table[start:stop]
+        head: tuple[int, ...] = ()
+        logits = None
+        if logits_rows is not None:
+            assert self._head is not None and stop == len(self.layers)
+            rows = logits_rows if logits_rows.dtype == torch.int64 else logits_rows.long()
+            rows = rows.contiguous()
+            logits = torch.empty(rows.numel(), self._head_out, dtype=torch.float32)
+            head = (self._head.data_ptr(), self._head_norm, rows.data_ptr(), rows.numel(), logits.data_ptr())
         native.decode_layers(
             h.data_ptr(), t, table.data_ptr(), stop - start, self.hidden, self.hq, self.hkv, self.d, self.inter,
             self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), meta.block_tables.data_ptr(),
             meta.block_tables.stride(0), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(), meta.num_seqs,
-            meta.page_size, kv_kind(kv_caches[0]), meta.threads)
-        return h
+            meta.page_size, kv_kind(kv_caches[0]), meta.threads, *head)
+        return h, logits
