@@ -9,7 +9,8 @@ timers around each part, for the two decode paths of a packed model, interleaved
 - ``fused``: the native decode path (``tokenmill.layers.quant.fused_decode``), one call for all
   layers; its phase timers (``tokenmill._native.quant.decode_profile``) split that call.
 
-Both: the output head is timed on its own; "rest of the forward" is the model forward minus the
+Both: the output head is timed on its own (``fused``: its phase inside the call when the head is packed,
+``FusedDecodeStack.set_head``); "rest of the forward" is the model forward minus the
 parts (embedding lookup, rotary rows, final norm, Python glue); "engine" is the step wall time
 minus the forward (scheduler, batch building, sampling, detokenizing). Prints milliseconds per
 decode step and shares, the median round of each path.
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     for m in model.modules():
         if isinstance(m, LinearMethod):
             m.forward = timed(f"matmul {names[id(m)]}", m.forward)
-    FusedDecodeStack.run = timed("fused layers (one native call)", FusedDecodeStack.run)  # type: ignore[method-assign]
+    # every native call of the fused path (run, and run_to_logits when the head joins it)
+    FusedDecodeStack._run = timed("fused layers (one native call)", FusedDecodeStack._run)  # type: ignore[method-assign]
     model_forward = model.forward
     starts: list[float] = []   # start / end time of every single-row (decode) forward
     ends: list[float] = []
