@@ -10,6 +10,7 @@ matrix and gate/up into one ``gate_up_proj``. Every matmul goes through a linear
 """
 from __future__ import annotations
 
+import os
 from typing import Mapping
 
 import torch
@@ -121,7 +122,7 @@ class LlamaForCausalLM(CausalLM):
             ctx.capture(i, h.clone())
             start = i + 1
         if start < len(self.layers):
-            if stack.has_head:
+            if stack.has_head and not os.environ.get("TOKENMILL_NO_FUSED_HEAD"):   # the env: A/B runs
                 return stack.run_to_logits(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, ctx.batch.logits_indices, start)
             h = stack.run(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, start)
         return h, None
