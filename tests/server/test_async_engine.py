@@ -244,3 +244,54 @@ def test_run_forever_refused_beside_the_background_thread(aengine: AsyncEngine) 
     with pytest.raises(RuntimeError, match="already running"):
         aengine.run_forever()
     assert aengine.is_running
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_deferred_delivery_gives_the_same_streams(tiny_checkpoint: Path, defer: bool) -> None:
+    """With deferred delivery (AsyncEngine(defer_delivery=True), the default where a core is spare)
+    a step's outputs reach the event loop when the next step's computation starts
+    (ForwardContext.compute_starts); every stream still gets all its tokens, in order, with the
+    same ids as without it, the last output of each request included."""
+    from tokenmill.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_checkpoint), kv_cache_tokens=4096, page_size=16,
+                                 max_model_len=1024))
+    hooks = [0]
+    ae = AsyncEngine(engine, defer_delivery=defer)
+    try:
+        if defer:
+            assert engine.runner.compute_hook is not None
+            inner = engine.runner.compute_hook
+
+            def counting() -> None:
+                hooks[0] += 1
+                inner()
+
+            engine.runner.compute_hook = counting
+
+        async def one(i: int) -> list:
+            return [out async for out in ae.generate(f"d{i}", [10 + i, 20, 30, 40, 50], _params(4 + 3 * i, temperature=0.0))]
+
+        async def main() -> list[list]:
+            return await asyncio.gather(*(one(i) for i in range(4)))
+
+        results = asyncio.run(main())
+    finally:
+        ae.shutdown()
+    streamed = []
+    for i, outs in enumerate(results):
+        ids = [t for o in outs for t in o.new_token_ids]
+        assert outs[-1].finished and list(outs[-1].token_ids) == ids and len(ids) == 4 + 3 * i
+        assert all(not o.finished for o in outs[:-1])
+        streamed.append(ids)
+    # the same prompts on a plain engine, greedy: the same tokens
+    plain = Engine(EngineConfig(model=str(tiny_checkpoint), kv_cache_tokens=4096, page_size=16, max_model_len=1024))
+    for i in range(4):
+        plain.add_request(f"p{i}", [10 + i, 20, 30, 40, 50], _params(4 + 3 * i, temperature=0.0))
+    finals: dict[str, list[int]] = {}
+    while plain.has_unfinished_requests():
+        for o in plain.step():
+            if o.finished:
+                finals[o.request_id] = list(o.token_ids)
+    assert [finals[f"p{i}"] for i in range(4)] == streamed
+    assert (hooks[0] > 0) == defer

@@ -205,6 +205,7 @@ class Engine:
         spec = spec.with_dtype(resolve_kv_dtype(cfg.kv_cache_dtype, spec.dtype, packed)).with_fp8_scales(
             cfg.kv_cache_fp8_scales)
         self.kv_spec = spec
+        self._kv_bytes_per_token = spec.bytes_per_token()   # stats() runs every step: a sum over layers
         bytes_per_token = spec.bytes_per_token()
         ps = cfg.page_size
         if cfg.kv_cache_tokens is not None:
@@ -559,7 +560,7 @@ class Engine:
             spec=self.spec.stats.snapshot() if self.spec is not None else None,
             kv_pages_in_use=sum(len(r.page_table) - r.num_tree_pages for r in s.running),
             kv_cache_dtype=self.kv_spec.dtype,
-            kv_bytes_per_token=self.kv_spec.bytes_per_token(),
+            kv_bytes_per_token=self._kv_bytes_per_token,
             kv_cache_fp8_scales=self.kv_spec.fp8_scales if self.kv_spec.is_fp8 else "",
             kv_capacity_tokens=self.kv_capacity_tokens,
             tensor_parallel_size=self.config.tensor_parallel_size,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 
@@ -124,6 +124,7 @@ class ModelRunner:
             self.calibrate_fp8_scales(calibration_tokens or [1])
         self.sampler = Sampler(seed, device=self.device)
         self.capture_layers: frozenset[int] = frozenset()   # set by a learned drafter
+        self.compute_hook: Callable[[], None] | None = None   # set by a server (AsyncEngine)
         self.prompt_rows: list[PromptRows] = []
 
     def calibrate_fp8_scales(self, tokens: list[int]) -> None:
@@ -282,9 +283,15 @@ class ModelRunner:
         return batch, samplers
 
     def forward(self, batch: ForwardBatch, capture_layers: frozenset[int] = frozenset()) -> ForwardContext:
-        """Run the model over ``batch``; the context holds the logits' inputs and any captures."""
+        """Run the model over ``batch``; the context holds the logits' inputs and any captures.
+        ``compute_hook`` (when set) runs once as the computation starts: inside the model where
+        it calls ``ForwardContext.compute_starts`` (``calls_compute_hook``), else before it."""
         ctx = ForwardContext.prepare(self.attn, batch, self.kv_caches, capture_layers, self.states)
+        ctx.on_compute = self.compute_hook
+        if not getattr(self.model, "calls_compute_hook", False):
+            ctx.compute_starts()
         ctx.logits = self.model(ctx)
+        ctx.compute_starts()   # a model path that did not reach it
         return ctx
 
     def restore_states(self, out: SchedulerOutput) -> None:

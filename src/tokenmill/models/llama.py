@@ -71,6 +71,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Llama / Qwen2 / Qwen3 causal LM. Build, then ``load_weights`` before the first forward."""
 
+    calls_compute_hook = True   # ForwardContext.compute_starts, right before the layers run
+
     def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
@@ -99,6 +101,7 @@ class LlamaForCausalLM(CausalLM):
         h = self.embed_tokens.embedding(batch.input_ids, self.dtype)
         ctx.capture(-1, h)
         stack = self.fused_decode_stack() if self._fused_on else None
+        ctx.compute_starts()
         if stack is not None and stack.applies(h.shape[0], ctx.attn, ctx.kv_caches):
             h, logits = self._forward_fused(stack, h, cs, ctx)
             if logits is not None:

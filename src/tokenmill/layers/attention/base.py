@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -109,11 +109,23 @@ class ForwardContext:
     # Hybrid models: the state pool (tokenmill.layers.state_pool.StatePool); each sequence's
     # slot is ``batch.state_slots[i]``. None for pure attention models.
     states: Any = None
+    # called once when the step's long computation starts (compute_starts); set by the runner
+    on_compute: Callable[[], None] | None = None
 
     @classmethod
     def prepare(cls, attn: AttentionBackend, batch: ForwardBatch, kv_caches: Sequence[Any],
                 capture_layers: frozenset[int] = frozenset(), states: Any = None) -> ForwardContext:
         return cls(batch, attn, attn.build_metadata(batch), kv_caches, capture_layers, states=states)
+
+    def compute_starts(self) -> None:
+        """The step's long computation starts now (on the CPU: the native call that releases the
+        GIL for the whole stack). Runs the runner's hook once, if any: a server hands the
+        previous step's outputs to its HTTP thread here, so that their Python runs beside the
+        model's computation instead of between steps. A model that calls this sets
+        ``calls_compute_hook = True``; for any other the runner calls it before the forward."""
+        hook, self.on_compute = self.on_compute, None
+        if hook is not None:
+            hook()
 
     def capture(self, layer: int, hidden: torch.Tensor) -> None:
         if layer in self.capture_layers:
