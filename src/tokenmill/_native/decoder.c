@@ -245,6 +245,12 @@ static void bar_wait(SpinBar *b) {
     }
 }
 
+/* an environment switch: set, non-empty and not "0" */
+static int env_flag(const char *name) {
+    const char *v = getenv(name);
+    return v && *v && strcmp(v, "0") != 0;
+}
+
 /* KV prefetch. A decode step's attention reads every running sequence's K and V pages of the
  * layer, which the previous layers' weight stream (about 3 MB per layer) has pushed out of the
  * caches; the kernel then waits on memory with its arithmetic idle (in cache it costs about half
@@ -255,11 +261,6 @@ static void bar_wait(SpinBar *b) {
  * A prefetch changes no result. TOKENMILL_NO_KV_PREFETCH=1 turns it off (A/B runs). */
 #define PF_SLICE 16
 
-/* an environment switch: set, non-empty and not "0" */
-static int env_flag(const char *name) {
-    const char *v = getenv(name);
-    return v && *v && strcmp(v, "0") != 0;
-}
 typedef struct {
     const char *pool[2];      /* the layer's K and V pages */
     int64_t bpt;              /* bytes per token row (hkv * d * element size) */
@@ -278,15 +279,20 @@ static inline int64_t kvpf_page_bytes(const Step *S, int64_t bpt, int s, int64_t
     return (n < S->page_size ? n : S->page_size) * bpt;
 }
 
-/* advance the cursor by n lines (to the end: p->s == num_seqs) */
+/* advance the cursor by n lines (to the end: p->s == num_seqs), prefetching them if `issue`
+ * (without, a page at a time: the start of a thread's share) */
 static void kvpf_walk(KvPf *p, const Step *S, int64_t n, int issue) {
     while (n > 0 && p->s < S->num_seqs) {
         const int64_t pages = (S->seq_lens[p->s] + S->page_size - 1) / S->page_size;
         if (p->j >= pages) { p->s++; p->j = 0; p->kv = 0; p->off = 0; continue; }
         const int64_t bytes = kvpf_page_bytes(S, p->bpt, p->s, p->j);
-        const char *base = p->pool[p->kv] + S->bt[p->s * S->bt_stride + p->j] * S->page_size * p->bpt;
-        for (; n > 0 && p->off < bytes; n--, p->off += 64)
-            if (issue) __builtin_prefetch(base + p->off, 0, 3);
+        const int64_t left = (bytes - p->off + 63) / 64, k = n < left ? n : left;
+        if (issue) {
+            const char *base = p->pool[p->kv] + S->bt[p->s * S->bt_stride + p->j] * S->page_size * p->bpt + p->off;
+            for (int64_t i = 0; i < k; i++) __builtin_prefetch(base + 64 * i, 0, 3);
+        }
+        p->off += 64 * k;
+        n -= k;
         if (p->off >= bytes) {
             p->off = 0;
             if (++p->kv == 2) { p->kv = 0; p->j++; }
@@ -460,6 +466,11 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
 #undef TTICK
 }
 
+/* a matrix description the kernels take, with the pointers its kind reads */
+static int mat_ok(const TmqMat *m) {
+    return tmq_check_mat(m) && m->qs && (m->kind == TMQ_F32 || m->sc) && (m->kind != TMQ_U4 || m->mn);
+}
+
 /* check every layer row against the model's sizes (with the GIL, before any work) */
 static int check_layers(const int64_t *table, int64_t L, const Step *S) {
     const int64_t H = S->H, qsz = S->hq * S->d, qn = qsz + 2 * S->hkv * S->d, I = S->inter;
@@ -477,8 +488,7 @@ static int check_layers(const int64_t *table, int64_t L, const Step *S) {
         }
         for (int w = 0; w < W_COUNT; w++) {
             TmqMat m = layer_mat(row, w);
-            if (!tmq_check_mat(&m) || m.N != want[w][0] || m.K != want[w][1] || !m.qs ||
-                (m.kind != TMQ_F32 && !m.sc) || (m.kind == TMQ_U4 && !m.mn)) {
+            if (!mat_ok(&m) || m.N != want[w][0] || m.K != want[w][1]) {
                 PyErr_Format(PyExc_ValueError, "decode_layers: layer %lld %s is not a packed [%lld, %lld] matrix "
                              "(kind %lld, [%lld, %lld], group %lld)", (long long)l, names[w], (long long)want[w][0],
                              (long long)want[w][1], (long long)m.kind, (long long)m.N, (long long)m.K,
@@ -529,8 +539,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
         const TmqMat w = mat_at(hd.mat);
         int bad_row = 0;
         for (int64_t r = 0; r < n_out && idx; r++) bad_row |= hd.idx[r] < 0 || hd.idx[r] >= M;
-        if (!tmq_check_mat(&w) || w.K != H || !w.qs || (w.kind != TMQ_F32 && !w.sc) || (w.kind == TMQ_U4 && !w.mn) ||
-            !norm || !idx || !logits || n_out <= 0 || n_out > M || bad_row) {
+        if (!mat_ok(&w) || w.K != H || !norm || !idx || !logits || n_out <= 0 || n_out > M || bad_row) {
             PyErr_Format(PyExc_ValueError, "decode_layers: bad output head (kind %lld, [%lld, %lld]) or %lld logits "
                          "rows of %lld", (long long)w.kind, (long long)w.N, (long long)w.K, n_out, M);
             return NULL;

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import queue
 import sys
 import threading
@@ -188,7 +189,8 @@ class AsyncEngine:
         # scheduling and batch building at each of their torch ops. Only where a core is spare
         # for it (the engine's threads fewer than the process's CPUs): with every core in the
         # forward's thread team, the event loop's work would stall that team at its barriers
-        # (measured: 1.04x-1.08x single-stream at --threads 1 on 2 cores, 0.79x at --threads 2).
+        # (benchmarks/serve_ab.py, single stream on 2 cores: 1.10x at --threads 1; a prototype
+        # that deferred at --threads 2 measured 0.79x).
         runner = getattr(engine, "runner", None)
         if defer_delivery is None:
             defer_delivery = _spare_core()
@@ -439,8 +441,6 @@ class AsyncEngine:
 
 def _spare_core() -> bool:
     """Whether the process has a CPU beyond torch's intra-op threads (deferred delivery)."""
-    import os
-
     import torch
 
     try:
