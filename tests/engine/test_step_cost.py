@@ -66,6 +66,31 @@ def test_scheduler_bounds_prefill_only_while_decodes_run():
     assert tokens == {"a": 1, "b": 11}
 
 
+@pytest.mark.parametrize("streamed", [(False,), (True,), (False, False), (False, True)])
+def test_only_streamed_decodes_bound_the_prefill_beside_them(streamed):
+    """A response sent whole is seen only at its end: its decodes leave the step to prefill (the
+    whole budget, as without a bound). One streamed decode in the step brings the bound back
+    for all of it (the step's time is what that stream waits for)."""
+    cost = StepCost(slowdown=2.0, min_tokens=8)
+    for n in (1, 10, 100, 400):
+        cost.observe(n, 0.05 + 0.005 * n)
+    sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=512, max_running_requests=8,
+                      step_cost=cost)
+    decoders = [Request(f"d{i}", list(range(100 * i, 100 * i + 40)), SamplingParams(max_tokens=8), streamed=s)
+                for i, s in enumerate(streamed)]
+    for r in decoders:
+        sched.add_request(r)
+    assert _step(sched) == {r.request_id: 40 for r in decoders}   # all prefilled; now they decode
+    sched.add_request(Request("p", list(range(1000, 1600)), SamplingParams(max_tokens=4)))
+    got = _step(sched)
+    d = len(decoders)
+    assert all(got[r.request_id] == 1 for r in decoders)
+    if any(streamed):
+        assert cost.predict(d + got["p"]) <= 2.0 * cost.predict(d) + 1e-12 < cost.predict(d + got["p"] + 1)
+    else:
+        assert got["p"] == 512 - d                    # the rest of the step budget
+
+
 @pytest.mark.parametrize("finish", [None, 4.0])
 def test_a_prefill_whose_remainder_fits_the_finishing_bound_goes_at_once(finish):
     """With one decode running, the bound gives 11 tokens a step (2x the 55 ms decode step); the

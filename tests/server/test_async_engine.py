@@ -146,6 +146,21 @@ def test_call_and_flush(aengine: AsyncEngine) -> None:
     assert pages == aengine.stats().kv_pages_total
 
 
+def test_streamed_flag_reaches_the_engine_request(aengine: AsyncEngine) -> None:
+    """The server submits a response sent whole with ``streamed=False`` (its decodes then do not
+    bound the prefill beside them); the flag must arrive on the engine's request."""
+    async def main() -> list[bool]:
+        seen = []
+        for rid, streamed in (("whole", False), ("streamed", True)):
+            stream = await aengine.submit(rid, [5, 6, 7], _params(400), streamed=streamed)
+            await stream.__anext__()
+            seen.append(await aengine.call(lambda e, rid=rid: e.scheduler.get(rid).streamed))
+            await stream.aclose()
+        return seen
+
+    assert asyncio.run(main()) == [False, True]
+
+
 def test_shutdown_rejects_new_work(tiny_checkpoint: Path, aengine: AsyncEngine) -> None:
     from tokenmill.engine.engine import Engine
 

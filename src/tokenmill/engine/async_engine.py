@@ -78,6 +78,7 @@ class _Add:
     accepted: asyncio.Future[None]
     deadline: float | None = None
     queue_deadline: float | None = None
+    streamed: bool = True
 
 
 @dataclass
@@ -225,13 +226,13 @@ class AsyncEngine:
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      session_id: str | None = None, *, deadline: float | None = None,
-                     queue_deadline: float | None = None) -> RequestStream:
+                     queue_deadline: float | None = None, streamed: bool = True) -> RequestStream:
         """Queue a request; return its stream once the engine accepted it.
 
         Raises ``ValueError`` when the engine rejects the request (or the id is in use),
         :class:`~tokenmill.engine.admission.QueueFullError` when its waiting queue is full and
-        :class:`EngineStoppedError` when the loop is not running. ``deadline`` and
-        ``queue_deadline`` are passed to ``Engine.add_request``.
+        :class:`EngineStoppedError` when the loop is not running. ``deadline``,
+        ``queue_deadline`` and ``streamed`` are passed to ``Engine.add_request``.
         """
         if not self.is_running:
             raise EngineStoppedError("the engine is shutting down")
@@ -243,7 +244,7 @@ class AsyncEngine:
         self._live_ids.add(request_id)
         try:
             self._send(_Add(request_id, list(prompt_token_ids), params, session_id, stream, accepted,
-                            deadline, queue_deadline))
+                            deadline, queue_deadline, streamed))
             await accepted
         except BaseException:
             self._live_ids.discard(request_id)
@@ -367,7 +368,8 @@ class AsyncEngine:
             return False
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, session_id=cmd.session_id,
-                                    deadline=cmd.deadline, queue_deadline=cmd.queue_deadline)
+                                    deadline=cmd.deadline, queue_deadline=cmd.queue_deadline,
+                                    streamed=cmd.streamed)
         except Exception as e:  # noqa: BLE001 - reported to that request only
             passed = isinstance(e, (ValueError, QueueFullError))
             _resolve(loop, cmd.accepted, exc=e if passed else EngineStepError(str(e)))

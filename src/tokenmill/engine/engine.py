@@ -316,12 +316,14 @@ class Engine:
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     session_id: str | None = None, *, deadline: float | None = None,
-                    queue_deadline: float | None = None) -> None:
+                    queue_deadline: float | None = None, streamed: bool = True) -> None:
         """Queue a request; raise ValueError if it is malformed or can never fit, and
         :class:`~tokenmill.engine.admission.QueueFullError` when the waiting queue is full.
 
         ``deadline`` / ``queue_deadline``: ``time.monotonic()`` times by which the request must
-        finish / be first admitted (see engine/admission.py)."""
+        finish / be first admitted (see engine/admission.py). ``streamed``: the client sees
+        tokens as they come, so the request's decodes keep the prefill bound (``decode_slowdown``);
+        False for a response delivered whole (the step is then left to throughput)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         try:
@@ -345,7 +347,7 @@ class Engine:
         admission.check_queue(self.scheduler, self.config.max_waiting_requests)
         admission.check_predicted_wait(self.scheduler, self.start_estimator, time.monotonic(), queue_deadline)
         req = Request(request_id, ids, params, session_id=session_id, arrival_index=self._arrivals,
-                      deadline=deadline, queue_deadline=queue_deadline)
+                      deadline=deadline, queue_deadline=queue_deadline, streamed=bool(streamed))
         if deadline is not None or queue_deadline is not None:
             self._num_timed += 1
         self._arrivals += 1

@@ -27,7 +27,9 @@ Message = dict[str, Any]
 class LLM:
     """A synchronous engine that generates for a list of prompts at once (continuous batching).
 
-    ``engine_kwargs`` are :class:`~tokenmill.engine.config.EngineConfig` fields; ``loaded``
+    Outputs are returned whole, so requests are not streamed: their decodes do not bound the
+    prefill beside them (``decode_slowdown`` paces streamed server requests only) and a batch
+    runs for throughput. ``engine_kwargs`` are :class:`~tokenmill.engine.config.EngineConfig` fields; ``loaded``
     reuses an already loaded model. With ``tensor_parallel_size=N`` the model runs on N worker
     processes; call :meth:`close` (or use the LLM as a context manager) to stop them.
     """
@@ -115,7 +117,7 @@ class LLM:
         added: list[str] = []
         try:
             for rid, toks, p, sid in zip(ids, token_lists, plist, sids):
-                engine.add_request(rid, toks, p, session_id=sid)
+                engine.add_request(rid, toks, p, session_id=sid, streamed=False)   # whole outputs: throughput
                 added.append(rid)
         except ValueError as e:
             for rid in added:

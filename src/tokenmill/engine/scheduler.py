@@ -15,7 +15,9 @@ Order within a step:
    carries decodes, prefill (this and admission, chunk by chunk, one allowance per step) gets
    only what :class:`~tokenmill.engine.step_cost.PrefillBound` allows, so a decode's next token
    is not held up by seconds of prefill (step time is learned online from the engine's own
-   steps, over token rows and attention reads, so a chunk after a long context is smaller);
+   steps, over token rows and attention reads, so a chunk after a long context is smaller).
+   The bound holds when at least one of the step's decodes is ``streamed``: a response sent
+   whole is seen only at its end, so its decodes alone leave the step to throughput;
    a short prefill (one that fits a looser bound, ``finish_slowdown``, whole) is done at once,
    since cutting it would only delay its first token, not the decodes;
    Under that bound the prefill with the fewest tokens left goes first, and a waiting request
@@ -170,8 +172,11 @@ class Scheduler:
         prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
         drafts = self._schedule_decodes(decodes, plan)
         num_decode = sum(plan.tokens.values())
-        if num_decode and self.step_cost is not None and plan.budget > 0:
-            # Prefill shares this step with decodes: give it only what keeps them moving.
+        if (num_decode and self.step_cost is not None and plan.budget > 0
+                and any(r.streamed for r in plan.tokens)):
+            # Prefill shares this step with decodes that a client watches token by token: give
+            # it only what keeps them moving. (Decodes of responses sent whole are not paced:
+            # their client sees only the end, and the step is left to throughput.)
             decode_pairs = sum(chunk_pairs(r.num_computed_tokens, n) for r, n in plan.tokens.items())
             plan.bound = self.step_cost.bound(num_decode, decode_pairs)
             if self.shortest_prefill_first:

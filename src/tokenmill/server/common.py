@@ -390,17 +390,20 @@ class Generation:
     Latency metrics are recorded as outputs arrive.
 
     Deadline: ``deadline_s`` (the request's extension field) or the server's
-    ``request_deadline_s``, the smaller of the two, counted from ``arrival``.
+    ``request_deadline_s``, the smaller of the two, counted from ``arrival``. ``streamed``: the
+    response is streamed, so the engine keeps its decodes' pace while others prefill
+    (``--decode-slowdown``); a response sent whole leaves its steps to throughput.
     """
 
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams], session_id: str | None, arrival: float,
-                 deadline_s: float | None = None) -> None:
+                 deadline_s: float | None = None, *, streamed: bool) -> None:
         self.state = state
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
         self.session_id = session_id
+        self.streamed = streamed
         self.timers = [RequestTimer(state.metrics, arrival) for _ in prompts]
         cfg = state.config
         limits = [d for d in (deadline_s, cfg.request_deadline_s) if d is not None]
@@ -415,7 +418,8 @@ class Generation:
         try:
             for i, (prompt, params) in enumerate(zip(self.prompts, self.params)):
                 stream = await self.state.engine.submit(f"{self.request_id}-{i}", prompt, params, self.session_id,
-                                                        deadline=self.deadline, queue_deadline=self.queue_deadline)
+                                                        deadline=self.deadline, queue_deadline=self.queue_deadline,
+                                                        streamed=self.streamed)
                 self._streams.append(stream)
         except ValueError as e:
             await self.close()

@@ -108,7 +108,8 @@ async def create_chat_completion(state: ServerState, request: Request, body: dic
     parse_tools = tool_parser is not None and bool(req.tools) and req.tool_choice != "none"
 
     request_id = new_id("chatcmpl")
-    gen = Generation(state, request_id, [prompt] * req.n, params, session_id, arrival, req.deadline_s)
+    gen = Generation(state, request_id, [prompt] * req.n, params, session_id, arrival, req.deadline_s,
+                     streamed=bool(req.stream))
     await gen.start()
     if req.stream:
         try:

@@ -77,7 +77,8 @@ async def create_completion(state: ServerState, request: Request, body: dict[str
                                           structured=spec, prompt_logprobs=prompt_lp))
 
     request_id = new_id("cmpl")
-    gen = Generation(state, request_id, flat_prompts, params, session_id, arrival, req.deadline_s)
+    gen = Generation(state, request_id, flat_prompts, params, session_id, arrival, req.deadline_s,
+                     streamed=bool(req.stream))
     await gen.start()
     echo_texts = [state.tokenizer.decode(p) if req.echo else "" for p in prompts]
     if req.stream:

@@ -92,7 +92,7 @@ async def create_message(state: ServerState, request: Request, body: dict[str, A
     if not (chat.tools and chat.tool_choice != "none"):
         parser = None
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
-    gen = Generation(state, message_id, [prompt], params, session_id, arrival)
+    gen = Generation(state, message_id, [prompt], params, session_id, arrival, streamed=bool(req.stream))
     await gen.start()
     model = req.model
     if req.stream:

@@ -178,7 +178,7 @@ async def create_response(state: ServerState, request: Request, body: dict[str, 
     if not (chat.tools and chat.tool_choice != "none"):
         parser = None
     shell = _Shell(state, req, _item_id("resp"))
-    gen = Generation(state, shell.id, [prompt], params, session_id, arrival)
+    gen = Generation(state, shell.id, [prompt], params, session_id, arrival, streamed=bool(req.stream))
     await gen.start()
     if req.stream:
         return StreamingResponse(_stream(state, shell, gen, prompt, parser, conversation),
