@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     for m in modes:
         x = med[m]
+        stream_tpot = "" if math.isnan(x["stream_tpot"]) else f"{1000 * x['stream_tpot']:.1f}"
         print(f"| {m} | {x['wall']:.2f} | {x['tok_s']:.1f} | {x['completion']:.2f} | {1000 * x['tpot']:.1f} "
-              f"| {1000 * x['stream_tpot']:.1f} | {x['steps']:.0f} |")
+              f"| {stream_tpot} | {x['steps']:.0f} |")
     print(f"whole / streamed total tok/s: {med['whole']['tok_s'] / med['streamed']['tok_s']:.2f}x")
     return 0
 

@@ -79,11 +79,11 @@ class Request:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
     deadline: float | None = None     # time.monotonic() by which it must finish (engine/admission.py)
+    queue_deadline: float | None = None  # time.monotonic() by which it must first be admitted
     # a streamed request: the client sees each token as it comes, so its decodes bound the prefill
     # beside them (engine/step_cost.py); a non-streamed one is only seen whole, and its decodes
     # leave the step to throughput
     streamed: bool = True
-    queue_deadline: float | None = None  # time.monotonic() by which it must first be admitted
     generator: Any = None             # the request's random stream (owned by the model runner)
     penalty_state: Any = None         # incremental penalty counts (owned by the model runner)
     detokenizer: Any = None           # incremental detokenizer (owned by the engine)
