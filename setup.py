@@ -28,6 +28,14 @@ NATIVE_MODULES = {
 }
 
 
+# extra flags per module. _quant: GCC's first scheduling pass, register-pressure aware. Its kernels
+# unroll over a tile of activation rows, and without it GCC hoisted the multiply-adds of a whole
+# 8-block chunk above their sums and spilled the results to the stack (about 40 spills in the
+# 4-row tile); with it the kernels' matrices of a decode step took 3-6% less time
+# (benchmarks/quant_kernel_rows.py --baseline-so, one process; docs/benchmarks.md)
+MODULE_CFLAGS = {"tokenmill._native._quant": ["-fschedule-insns", "-fsched-pressure"]}
+
+
 class OptionalBuildExt(build_ext):
     """Build each native module if possible; warn and skip it otherwise."""
 
@@ -51,7 +59,8 @@ class OptionalBuildExt(build_ext):
 
 here = os.path.dirname(os.path.abspath(__file__))
 setup(
-    ext_modules=[Extension(name, sources, extra_compile_args=CFLAGS, extra_link_args=LDFLAGS, depends=HEADERS)
+    ext_modules=[Extension(name, sources, extra_compile_args=CFLAGS + MODULE_CFLAGS.get(name, []),
+                           extra_link_args=LDFLAGS, depends=HEADERS)
                  for name, sources in NATIVE_MODULES.items()
                  if all(os.path.exists(os.path.join(here, s)) for s in sources)],
     cmdclass={"build_ext": OptionalBuildExt},
