@@ -29,10 +29,11 @@ NATIVE_MODULES = {
 
 
 # extra flags per module. _quant: GCC's first scheduling pass, register-pressure aware. Its kernels
-# unroll over a tile of activation rows, and without it GCC hoisted the multiply-adds of a whole
-# 8-block chunk above their sums and spilled the results to the stack (about 40 spills in the
-# 4-row tile); with it the kernels' matrices of a decode step took 3-6% less time
-# (benchmarks/quant_kernel_rows.py --baseline-so, one process; docs/benchmarks.md)
+# unroll over a tile of activation rows; a stand-alone copy of the 4-row tile built without it
+# hoisted a chunk's multiply-adds above their sums and spilled them to the stack. In the served
+# kernels it made steps of 4 and 8 rows 3-6% faster, left one row level, and moved two rows
+# between 2% faster and 6% slower
+# (benchmarks/quant_verify_rows.py --baseline-so, one process; docs/benchmarks.md)
 MODULE_CFLAGS = {"tokenmill._native._quant": ["-fschedule-insns", "-fsched-pressure"]}
 
 

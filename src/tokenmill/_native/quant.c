@@ -213,25 +213,6 @@ TGT_AVX2 static inline __m256 scales8(const void *p, int64_t i, int f16) {
                : _mm256_loadu_ps((const float *)p + i);
 }
 
-/* Two levels of pairwise lane sums, as _mm256_hadd_epi32(_mm256_hadd_epi32(a, b),
- * _mm256_hadd_epi32(c, d)) gives them: lane i of the result (i < 4, and i - 4 in the high 128
- * bits) is the sum of the four 32-bit lanes of input i's matching 128-bit half. hsum_l1 is the
- * first level, hsum_l2 the second. With `unpack` each level is one unpack of the low and one of
- * the high lanes plus an add, otherwise a hadd: the intermediate lanes differ, the final ones do
- * not (integer sums), so a tree must use one form at both levels, and either form gives the
- * same bits. On Zen 3 vphaddd issues one per two cycles and unpacks two per cycle; the unpacks
- * made steps of 4 and 8 rows 3-6% faster but not those of one or two rows, so the multi-row
- * tiles (MR > 2) take them and the others keep the hadds (quant_verify_rows.py --baseline-so:
- * docs/benchmarks.md). */
-TGT_AVX2 static inline __attribute__((always_inline)) __m256i hsum_l1(__m256i a, __m256i b, const int unpack) {
-    return unpack ? _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
-                  : _mm256_hadd_epi32(a, b);
-}
-TGT_AVX2 static inline __attribute__((always_inline)) __m256i hsum_l2(__m256i ab, __m256i cd, const int unpack) {
-    return unpack ? _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd))
-                  : _mm256_hadd_epi32(ab, cd);
-}
-
 /* Block dot products against int16 activations: 32 weights widened to 16 bits, two madd's. */
 #define DEFINE_BLOCK_DOTS(SUFFIX, TGT, MADD2)                                                              \
 TGT static inline __m256i u4dot_##SUFFIX(const uint8_t *p, const int16_t *x) {                            \
@@ -296,11 +277,11 @@ TGT static inline __attribute__((always_inline)) void NAME##_tile(              
                 WIDEN(qs + (b + 2 * q + 1) * WSTRIDE, &lo1, &hi1);                                        \
                 for (int j = 0; j < MR; j++) {                                                            \
                     const int16_t *x = xq + j * x_stride + (b + 2 * q) * QK;                              \
-                    const __m256i d = hsum_l1(MADD2(lo0, LD16(x), hi0, LD16(x + 16)),                     \
-                                                        MADD2(lo1, LD16(x + 32), hi1, LD16(x + 48)), MR > 2); \
+                    const __m256i d = _mm256_hadd_epi32(MADD2(lo0, LD16(x), hi0, LD16(x + 16)),           \
+                                                        MADD2(lo1, LD16(x + 32), hi1, LD16(x + 48)));     \
                     if (q == 0 || q == 2) { h[j] = d; continue; }                                         \
-                    if (q == 1) { s0[j] = hsum_l2(h[j], d, MR > 2); continue; }                           \
-                    const __m256i s1 = hsum_l2(h[j], d, MR > 2);                                          \
+                    if (q == 1) { s0[j] = _mm256_hadd_epi32(h[j], d); continue; }                         \
+                    const __m256i s1 = _mm256_hadd_epi32(h[j], d);                                        \
                     const __m256i t = _mm256_add_epi32(_mm256_permute2x128_si256(s0[j], s1, 0x20),        \
                                                        _mm256_permute2x128_si256(s0[j], s1, 0x31));      \
                     acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(sv, _mm256_loadu_ps(xd + j * xb_stride + b)),   \
@@ -366,8 +347,8 @@ TGT static void NAME(const WT *qs, const void *sc, const void *mn, int f16, int6
                 __m256i p5 = BLOCKDOT(qs + (b + 5) * WSTRIDE, xq + (b + 5) * QK);                          \
                 __m256i p6 = BLOCKDOT(qs + (b + 6) * WSTRIDE, xq + (b + 6) * QK);                          \
                 __m256i p7 = BLOCKDOT(qs + (b + 7) * WSTRIDE, xq + (b + 7) * QK);                          \
-                __m256i s0 = hsum_l2(hsum_l1(p0, p1, 0), hsum_l1(p2, p3, 0), 0);                          \
-                __m256i s1 = hsum_l2(hsum_l1(p4, p5, 0), hsum_l1(p6, p7, 0), 0);                          \
+                __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));     \
+                __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p4, p5), _mm256_hadd_epi32(p6, p7));     \
                 __m256i t = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20),                     \
                                              _mm256_permute2x128_si256(s0, s1, 0x31));                   \
                 __m256 sv = one ? sc1 : scales8(sc, row_g0 + b, f16);                                      \
@@ -504,7 +485,7 @@ TGT static void NAME(const uint8_t *qs, const void *sc, const void *mn, int f16,
                                    : _mm256_maskload_epi32((const int *)(w + 32 * p), half);              \
             d[p] = DOT(wv, x + 64 * p);                                                                   \
         }                                                                                                 \
-        __m256i h = hsum_l2(hsum_l1(d[0], d[1], 0), hsum_l1(d[2], d[3], 0), 0);                           \
+        __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));      \
         __m256 sv = _mm256_permutevar8x32_ps(scales8_tail(sc, f16, row_g0, c, n, bpg, one), perm);        \
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_loadu_ps(xdq + c)), acc);   \
         am = _mm256_fmadd_ps(scales8_tail(mn, f16, row_g0, c, n, bpg, one), _mm256_loadu_ps(xs + c), am); \
@@ -546,8 +527,8 @@ TGT_AVX2 static inline __attribute__((always_inline)) void u4_chunk_dots(const u
         }
         for (int j = 0; j < MR; j++) {
             if (p == 0 || p == 2) u[j] = d[j];
-            else if (p == 1) t[j] = hsum_l1(u[j], d[j], MR > 2);
-            else t[j] = hsum_l2(t[j], hsum_l1(u[j], d[j], MR > 2), MR > 2);
+            else if (p == 1) t[j] = _mm256_hadd_epi32(u[j], d[j]);
+            else t[j] = _mm256_hadd_epi32(t[j], _mm256_hadd_epi32(u[j], d[j]));
         }
     }
 }
@@ -622,9 +603,9 @@ TGT_AVX2 static inline __attribute__((always_inline)) void s8_stream_group(
             }
             for (int j = 0; j < MR; j++) {
                 if (b % 2 == 0) { e[j] = d[j]; continue; }
-                const __m256i hp = hsum_l1(e[j], d[j], MR > 2);   /* blocks b-1, b */
+                const __m256i hp = _mm256_hadd_epi32(e[j], d[j]);   /* blocks b-1, b */
                 if (b % 4 == 1) { h[j] = hp; continue; }
-                const __m256i q = hsum_l2(h[j], hp, MR > 2);      /* blocks b-3 .. b */
+                const __m256i q = _mm256_hadd_epi32(h[j], hp);      /* blocks b-3 .. b */
                 if (b == 3) { s0[j] = q; continue; }
                 s0[j] = _mm256_add_epi32(_mm256_permute2x128_si256(s0[j], q, 0x20), _mm256_permute2x128_si256(s0[j], q, 0x31));
             }
