@@ -9,10 +9,6 @@ alone is measured first: single requests with cached prompts, nothing else runni
 
     .venv/bin/python benchmarks/decode_stall.py --num-requests 40
 
-``--workload agentic`` runs the same comparison on ``tokenmill bench``'s agent sessions instead
-(closed loop, ``--duration`` seconds per run): there the prefills are turns after a cache hit,
-and the table's TTFT is the turns' time to first token beside other sessions' streams.
-
 Prints TPOT p50/mean, TTFT p50 and total tok/s per setting, TPOT relative to alone, and the
 engine's steps by kind (decode / mixed / prefill: count and mean wall time, from ``/metrics``).
 Both servers run side by side (one idle while the other is measured); with ``--rounds N`` the
@@ -39,15 +35,10 @@ from tokenmill.utils.proc import ServiceProcess  # noqa: E402
 
 
 def bench(base_url: str, out: Path, args, *, concurrency: int, num_requests: int) -> dict:
-    cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "--base-url", base_url, "--concurrency", str(concurrency),
-           "--no-progress", "--out", str(out)]
-    if args.workload == "agentic":   # closed-loop sessions: --duration seconds, the first 5 not counted
-        cmd += ["--workload", "agentic", "--sessions", str(2 * concurrency), "--turns", str(args.turns),
-                "--duration", f"{args.duration if concurrency > 1 else args.duration / 2:g}", "--warmup", "5"]
-    else:
-        cmd += ["--workload", "trace", "--trace", str(args.trace), "--block-tokens", str(args.block_tokens),
-                "--max-output-tokens", str(args.output_tokens), "--num-requests", str(num_requests),
-                "--warmup", "0"]
+    cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "--base-url", base_url, "--workload", "trace",
+           "--trace", str(args.trace), "--block-tokens", str(args.block_tokens), "--max-output-tokens",
+           str(args.output_tokens), "--concurrency", str(concurrency), "--num-requests", str(num_requests),
+           "--no-progress", "--out", str(out), "--warmup", "0"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads((out / "results.json").read_text())["runs"][0]
 
@@ -65,12 +56,6 @@ def step_seconds(base_url: str) -> dict[str, tuple[int, float]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--workload", choices=["trace", "agentic"], default="trace",
-                    help="trace: the Mooncake replay (default); agentic: tokenmill bench's closed-loop agent "
-                         "sessions (turns of 64 new tokens after a cache hit, 16 output tokens), for the time "
-                         "to first token of turns beside streams")
-    ap.add_argument("--duration", type=float, default=60.0, help="agentic: seconds per loaded run (alone: half)")
-    ap.add_argument("--turns", type=int, default=6, help="agentic: turns per session")
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--block-tokens", type=int, default=16)
     ap.add_argument("--output-tokens", type=int, default=4)
@@ -81,15 +66,9 @@ def main() -> int:
                     help="--decode-slowdown of the bounded server (serve's default)")
     ap.add_argument("--finish", type=float, default=None,
                     help="--prefill-finish-slowdown of the bounded server (default: serve's default)")
-    ap.add_argument("--finish-seconds", type=float, default=None,
-                    help="--prefill-finish-seconds of the bounded server (default: serve's default)")
     ap.add_argument("--no-finish-too", action="store_true",
                     help="also run the bounded server with the finishing exception off "
-                         "(--prefill-finish-slowdown 0 --prefill-finish-seconds 0), as another setting")
-    ap.add_argument("--no-floor-too", action="store_true",
-                    help="also run the bounded server without the finishing exception's absolute floor "
-                         "(--prefill-finish-seconds 0: the exception before the seventeenth landing), as "
-                         "another setting")
+                         "(--prefill-finish-slowdown 0), as a third setting")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat both settings, alternating which goes first (the load here drifts)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "decode_stall")
@@ -99,17 +78,11 @@ def main() -> int:
     print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     finish = [] if args.finish is None else ["--prefill-finish-slowdown", f"{args.finish:g}"]
-    if args.finish_seconds is not None:
-        finish += ["--prefill-finish-seconds", f"{args.finish_seconds:g}"]
     settings = {f"bound on (--decode-slowdown {args.slowdown:g}{' ' + ' '.join(finish) if finish else ''})":
                 ["--decode-slowdown", f"{args.slowdown:g}"] + finish}
-    if args.no_floor_too:
-        settings["bound on, no floor (--prefill-finish-seconds 0)"] = [
-            "--decode-slowdown", f"{args.slowdown:g}"] + finish + ["--prefill-finish-seconds", "0"]
     if args.no_finish_too:
-        settings["bound on, no finishing (--prefill-finish-slowdown 0 --prefill-finish-seconds 0)"] = [
-            "--decode-slowdown", f"{args.slowdown:g}", "--prefill-finish-slowdown", "0",
-            "--prefill-finish-seconds", "0"]
+        settings["bound on, no finishing (--prefill-finish-slowdown 0)"] = [
+            "--decode-slowdown", f"{args.slowdown:g}", "--prefill-finish-slowdown", "0"]
     settings["bound off"] = ["--decode-slowdown", "0"]
     rows: dict[str, list[tuple[dict, dict]]] = {label: [] for label in settings}
     with contextlib.ExitStack() as stack:

@@ -41,8 +41,7 @@ def test_old_observations_fade():
 
 
 @pytest.mark.parametrize("bad", [dict(slowdown=1.0), dict(min_tokens=0), dict(decay=1.0), dict(split_rows=0),
-                                 dict(slowdown=2.0, finish_slowdown=1.5), dict(finish_seconds=-0.1),
-                                 dict(finish_seconds=float("inf"))])
+                                 dict(slowdown=2.0, finish_slowdown=1.5)])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         StepCost(**bad)
@@ -128,39 +127,6 @@ def test_a_prefill_whose_remainder_fits_the_finishing_bound_goes_at_once(finish)
         assert chunks(33) == [33]
         assert chunks(34) == [11, 11, 11, 1]          # does not fit whole: bounded chunks to the end
         assert chunks(62) == [11, 11, 11, 11, 11, 7]
-
-
-@pytest.mark.parametrize("finish_slowdown, finish_seconds, whole_max", [
-    (4.0, None, 33),      # 4 x 55 ms = 220 ms: 33 prefill tokens beside the decode
-    (4.0, 0.1, 33),       # a floor below the multiple changes nothing
-    (4.0, 0.5, 89),       # 500 ms: 0.05 + 0.005 * (1 + 89) = 0.5
-    (None, 0.5, 89),      # the floor alone
-])
-def test_the_finishing_exception_has_an_absolute_floor(finish_slowdown, finish_seconds, whole_max):
-    """The finishing step may take max(finish_slowdown x the decodes-only step, finish_seconds).
-    Where a decode step is cheap next to a prefill token (packed 4-bit weights), the multiple
-    alone holds a few tokens, and an agent turn was cut into bounded chunks; the floor lets it
-    finish at once. Past the target the prefill is cut as before."""
-    def chunks(n: int) -> list[int]:
-        cost = StepCost(slowdown=2.0, min_tokens=8, finish_slowdown=finish_slowdown, finish_seconds=finish_seconds)
-        for k in (1, 10, 100, 400):
-            cost.observe(k, 0.05 + 0.005 * k)
-        sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=512, max_running_requests=8,
-                          step_cost=cost)
-        sched.add_request(Request("a", list(range(300)), SamplingParams(max_tokens=400)))
-        assert _step(sched) == {"a": 300}             # a decodes from here on
-        r = Request("p", list(range(1000, 1000 + n)), SamplingParams(max_tokens=4))
-        sched.add_request(r)
-        got = []
-        while r.num_computed_tokens < n:
-            step = _step(sched)
-            assert step["a"] == 1
-            got.append(step["p"])
-        return got
-
-    assert chunks(whole_max) == [whole_max]
-    longer = chunks(whole_max + 1)
-    assert len(longer) > 1 and max(longer) == 11      # bounded chunks (2 x 55 ms: 11 tokens) to the end
 
 
 def test_a_short_prefill_cut_once_still_finishes_in_the_next_step():

@@ -100,11 +100,10 @@ def _run_engine(checkpoint: str, budget: int, slowdown: float | None):
     return steps, arrived_at, prompts, finished, engine.num_preemptions, (times, split_rows)
 
 
-def _engine_finish() -> tuple[float | None, float | None]:
+def _engine_finish_slowdown() -> float | None:
     from tokenmill.engine.config import EngineConfig
 
-    # the engine's defaults, which _run_engine keeps
-    return EngineConfig.prefill_finish_slowdown, EngineConfig.prefill_finish_seconds
+    return EngineConfig.prefill_finish_slowdown   # the engine's default, which _run_engine keeps
 
 
 def _run_sim(arrived_at, prompts, finished, budget: int, slowdown: float | None,
@@ -112,8 +111,7 @@ def _run_sim(arrived_at, prompts, finished, budget: int, slowdown: float | None,
     times, split_rows = timing
     prof = ReplicaProfile(name="tiny-test", kv_capacity_tokens=POOL_PAGES * PAGE, max_running_requests=MAX_RUNNING,
                           page_size=PAGE, max_prefill_tokens=budget, decode_slowdown=slowdown,
-                          prefill_finish_slowdown=_engine_finish()[0] if slowdown else None,
-                          prefill_finish_seconds=_engine_finish()[1] if slowdown else None,
+                          prefill_finish_slowdown=_engine_finish_slowdown() if slowdown else None,
                           prefill=PrefillModel(fixed_s=0.003, per_token_s=2e-5),
                           decode=DecodeModel(fixed_s=0.002, per_request_s=0.001))
     now = [0.0]

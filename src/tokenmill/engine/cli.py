@@ -40,12 +40,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-finish-slowdown", type=float, default=d.prefill_finish_slowdown,
                    help="a prefill that keeps the step within this many times the "
                         "decodes-only step time whole is prefilled at once instead of in bounded chunks (an agent "
-                        "turn after a cache hit); 0 (with --prefill-finish-seconds 0): every chunk keeps "
-                        "--decode-slowdown")
-    g.add_argument("--prefill-finish-seconds", type=float, default=d.prefill_finish_seconds, metavar="S",
-                   help="... or whole when the step stays within S seconds, if that is more (default: "
-                        f"{d.prefill_finish_seconds:g}; it matters where a decode step is cheap next to a prefill "
-                        "token, as with packed 4-bit weights); 0: only --prefill-finish-slowdown")
+                        "turn after a cache hit); 0: every chunk keeps --decode-slowdown")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    help="worker ranks sharing the model (torch.distributed: gloo on cpu, NCCL on cuda)")
     g.add_argument("--tp-pin-cores", action="store_true",
@@ -175,8 +170,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         values["decode_slowdown"] = None
     if not values.get("prefill_finish_slowdown", 1):
         values["prefill_finish_slowdown"] = None
-    if not values.get("prefill_finish_seconds", 1):
-        values["prefill_finish_seconds"] = None
     return EngineConfig(**values)
 
 

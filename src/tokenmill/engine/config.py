@@ -7,8 +7,6 @@ picks :data:`DEFAULT_KV_SESSIONS` full-length sequences, bounded by a share of f
 """
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass
 
 from tokenmill.contracts.kv import FP8_SCALE_SCHEMES, KV_DTYPE_NAMES, kv_storage_dtype
@@ -82,8 +80,6 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
                                           # (x the decodes-only step; None: prefill fills the step)
     prefill_finish_slowdown: float | None = 6.0   # ... or this many x, for a step that does a short
                                           # whole prefill at once (None: always the bound)
-    prefill_finish_seconds: float | None = 0.5   # ... or a step of up to this many seconds, when that
-                                          # is more (None: only the multiple above)
     quantization: str = "auto"       # weight format, see tokenmill.layers.quant.methods.QuantConfig
     quant_group_size: int = 128      # int4: inputs per scale group (a multiple of 32)
     quant_symmetric: bool = False    # int4: symmetric (scale only) instead of scale + min
@@ -148,10 +144,6 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
                 and not self.prefill_finish_slowdown >= self.decode_slowdown):
             raise ValueError(f"prefill_finish_slowdown must be >= decode_slowdown ({self.decode_slowdown}) "
                              f"(or None to keep every chunk within the bound), got {self.prefill_finish_slowdown}")
-        if self.prefill_finish_seconds is not None and not (math.isfinite(self.prefill_finish_seconds)
-                                                            and self.prefill_finish_seconds >= 0.0):
-            raise ValueError(f"prefill_finish_seconds must be a finite number >= 0 (or None), "
-                             f"got {self.prefill_finish_seconds}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.linear_backend not in LINEAR_BACKENDS:

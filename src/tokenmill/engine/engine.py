@@ -93,8 +93,7 @@ class Engine:
         self._init_device()
         self._init_model(loaded)
         self._init_kv()
-        self.step_cost = (StepCost(config.decode_slowdown, finish_slowdown=config.prefill_finish_slowdown,
-                                   finish_seconds=config.prefill_finish_seconds)
+        self.step_cost = (StepCost(config.decode_slowdown, finish_slowdown=config.prefill_finish_slowdown)
                           if config.decode_slowdown else None)
         self.step_times = StepTimes()   # wall time of steps by kind (decode, mixed, prefill)
         self.scheduler = Scheduler(self.kv, max_batch_tokens=config.max_batch_tokens,

@@ -151,7 +151,6 @@ class TokenLine:
 class StepCost:
     slowdown: float = 2.0          # a mixed step may take this many times the decodes-only step
     finish_slowdown: float | None = None   # ... or this many, when that completes a prefill
-    finish_seconds: float | None = None    # ... or a step of up to this many seconds, when that is more
     min_tokens: int = 1            # the first prefill chunk of a step gets at least this many
     warmup_tokens: int = 64        # budget before the fit is trustworthy (no split_rows)
     decay: float = 0.95            # weight kept by each older observation (of the same kind)
@@ -166,8 +165,6 @@ class StepCost:
         if self.finish_slowdown is not None and not self.finish_slowdown >= self.slowdown:
             raise ValueError(f"finish_slowdown must be >= slowdown ({self.slowdown}) or None, "
                              f"got {self.finish_slowdown}")
-        if self.finish_seconds is not None and not (math.isfinite(self.finish_seconds) and self.finish_seconds >= 0.0):
-            raise ValueError(f"finish_seconds must be a finite number >= 0 or None, got {self.finish_seconds}")
         if self.min_tokens < 1 or self.warmup_tokens < 1:
             raise ValueError("min_tokens and warmup_tokens must be >= 1")
         if not 0.0 < self.decay < 1.0:
@@ -201,15 +198,6 @@ class StepCost:
         return None if f is None else f[0] + f[1] * rows + f[2] * pairs
 
     # -- the bound --------------------------------------------------------------------------------
-    def finish_target(self, alone: float | None) -> float | None:
-        """The finishing exception's step time for decodes that take ``alone`` seconds alone: the
-        larger of ``finish_slowdown * alone`` and ``finish_seconds`` (None: no exception, or the
-        decodes' time is not known yet)."""
-        if alone is None or (self.finish_slowdown is None and self.finish_seconds is None):
-            return None
-        return max(0.0 if self.finish_slowdown is None else self.finish_slowdown * max(alone, 0.0),
-                   self.finish_seconds or 0.0)
-
     def bound(self, num_decode_tokens: int, decode_pairs: int = 0) -> "PrefillBound":
         """The prefill bound of a step that already carries these decodes (see PrefillBound)."""
         return PrefillBound(self, num_decode_tokens, decode_pairs)
@@ -228,14 +216,10 @@ class PrefillBound:
     step time within ``slowdown * T(d)``. ``cap(context, limit)`` is the largest next chunk
     after ``context`` cached tokens; ``add(context, n)`` records the chunk that was scheduled.
 
-    The finishing exception (``StepCost.finish_slowdown`` and ``finish_seconds``): a short prefill
-    (:meth:`short`: its whole uncached part, done beside the decodes alone, keeps the step within
-    ``max(finish_slowdown * T(d), finish_seconds)``) whose remainder still fits this step
-    (:meth:`finishes`) takes the remainder at once. The absolute floor is for weights whose decode
-    step is cheap next to a prefill token (packed int4: the integer kernels' extra row costs about
-    half a one-row step, and a step past their row limit pays a dequantization of several decode
-    steps): there ``6 * T(d)`` holds a few tokens, and an agent turn of 80 new tokens was cut into
-    about 20 bounded chunks. Cutting such a prefill into bounded chunks does not
+    The finishing exception (``StepCost.finish_slowdown``): a short prefill (:meth:`short`: its
+    whole uncached part, done beside the decodes alone, keeps the step within
+    ``finish_slowdown * T(d)``) whose remainder still fits this step (:meth:`finishes`) takes the
+    remainder at once. Cutting such a prefill into bounded chunks does not
     shorten the decodes' total wait (they wait for the same prefill work, spread over more steps,
     each of which also pays the decode's own cost again); it only multiplies the prefill's time to
     first token by the number of chunks. An agent turn after a cache hit (tens of new tokens) is
@@ -252,7 +236,8 @@ class PrefillBound:
         self.added = 0
         alone = cost.predict(num_decode_tokens, decode_pairs)
         self.target = None if alone is None else cost.slowdown * max(alone, 0.0)
-        self.finish_target = cost.finish_target(alone)
+        self.finish_target = (None if alone is None or cost.finish_slowdown is None
+                              else cost.finish_slowdown * max(alone, 0.0))
         # warm-up allowance: tokens the step may take while the fit is not known: what keeps the
         # step in the small kind, or, when the decodes alone already fill it (nothing would be
         # left, every step would carry a 1-token chunk and the fit would never see the spread it

@@ -213,8 +213,7 @@ async def measure(base_url: str, *, prefill_sizes: list[int], batch_sizes: list[
 
 def build_profile(m: Measurements, *, name: str, page_size: int, max_running: int, max_prefill_tokens: int,
                   base_url: str, decode_slowdown: float | None = None,
-                  prefill_finish_slowdown: float | None = None,
-                  prefill_finish_seconds: float | None = None) -> ReplicaProfile:
+                  prefill_finish_slowdown: float | None = None) -> ReplicaProfile:
     prefill = fit_prefill(m.prefill, max_prefill_tokens)
     decode = fit_decode(m.decode)
     profile = ReplicaProfile(
@@ -222,7 +221,6 @@ def build_profile(m: Measurements, *, name: str, page_size: int, max_running: in
         max_running_requests=max_running, page_size=page_size, max_prefill_tokens=max_prefill_tokens,
         decode_slowdown=decode_slowdown,
         prefill_finish_slowdown=prefill_finish_slowdown if decode_slowdown is not None else None,
-        prefill_finish_seconds=prefill_finish_seconds if decode_slowdown is not None else None,
         description=f"calibrated against {base_url} (model {m.model})", source="calibrated",
         assumptions=(
             "Prefill times are client-side time to first token of one request alone (HTTP included).",
@@ -251,9 +249,6 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-finish-slowdown", type=float, default=None,
                    help="the server's --prefill-finish-slowdown (6 by default there) when --decode-slowdown "
                         "is set; unset: every chunk keeps the bound")
-    p.add_argument("--prefill-finish-seconds", type=float, default=None,
-                   help="the server's --prefill-finish-seconds (0.5 by default there) when --decode-slowdown "
-                        "is set; unset: only --prefill-finish-slowdown")
     p.add_argument("--prefill-sizes", default="32,128,256,512,1024,1536", help="comma-separated prompt lengths")
     p.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated decode batch sizes")
     p.add_argument("--decode-contexts", default="32,512", help="comma-separated prompt lengths for the decode sweep")
@@ -284,16 +279,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
             raise ValueError(f"--decode-slowdown must be > 1, got {args.decode_slowdown}")
         if args.prefill_finish_slowdown is not None and not args.prefill_finish_slowdown >= (args.decode_slowdown or 1.0):
             raise ValueError(f"--prefill-finish-slowdown must be >= --decode-slowdown, got {args.prefill_finish_slowdown}")
-        if args.prefill_finish_seconds is not None and not args.prefill_finish_seconds >= 0.0:
-            raise ValueError(f"--prefill-finish-seconds must be >= 0, got {args.prefill_finish_seconds}")
         m = asyncio.run(measure(args.base_url, prefill_sizes=sizes, batch_sizes=batches, decode_contexts=contexts,
                                 decode_tokens=args.decode_tokens, repeats=args.repeats, model=args.model,
                                 api_key=args.api_key, log=lambda s: print(s, file=sys.stderr)))
         profile = build_profile(m, name=args.name or f"calibrated-{m.model}", page_size=args.page_size,
                                 max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
                                 base_url=args.base_url, decode_slowdown=args.decode_slowdown,
-                                prefill_finish_slowdown=args.prefill_finish_slowdown,
-                                prefill_finish_seconds=args.prefill_finish_seconds)
+                                prefill_finish_slowdown=args.prefill_finish_slowdown)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"tokenmill sim calibrate: {e}", file=sys.stderr)
         return 2

@@ -28,9 +28,8 @@ A profile is a small JSON document. The simulator reads four things from it:
   admission) in the step that admits the request.
 - **decode_slowdown** (optional): the engine's bound on prefill in steps that carry decodes
   (``EngineConfig.decode_slowdown``, learned from the modelled step times); None leaves it off.
-  **prefill_finish_slowdown** and **prefill_finish_seconds** (optional): its finishing exception
-  (``EngineConfig.prefill_finish_slowdown`` / ``prefill_finish_seconds``); both None keep every
-  chunk within the bound.
+  **prefill_finish_slowdown** (optional): its finishing exception
+  (``EngineConfig.prefill_finish_slowdown``); None keeps every chunk within the bound.
 
 The replica runs the engine's own scheduler (``sim/replica.py``), so what a step holds is the
 engine's choice; the profile only says how long it takes.
@@ -125,7 +124,6 @@ class ReplicaProfile:
     max_prefill_tokens: int = 8192
     decode_slowdown: float | None = None
     prefill_finish_slowdown: float | None = None
-    prefill_finish_seconds: float | None = None
     # Lower cache tiers (sim/tiers.py): L2 host memory per replica, L3 storage shared by the fleet.
     host_cache_tokens: int = 0
     storage_tokens: int = 0
@@ -155,10 +153,6 @@ class ReplicaProfile:
                 and self.prefill_finish_slowdown >= (self.decode_slowdown or 1.0)):
             raise ValueError("profile.prefill_finish_slowdown must be >= decode_slowdown (or null), "
                              f"got {self.prefill_finish_slowdown!r}")
-        if self.prefill_finish_seconds is not None and not (
-                isinstance(self.prefill_finish_seconds, (int, float)) and math.isfinite(self.prefill_finish_seconds)
-                and self.prefill_finish_seconds >= 0.0):
-            raise ValueError(f"profile.prefill_finish_seconds must be >= 0 (or null), got {self.prefill_finish_seconds!r}")
         self.tier_profile()   # validates the tier fields
         if self.kv_capacity_tokens < self.page_size:
             raise ValueError(f"kv_capacity_tokens ({self.kv_capacity_tokens}) is below one page ({self.page_size})")

@@ -237,8 +237,7 @@ class SimReplica:
             self.tiers = SimTiers(tp, block_tokens, store)
             self.kv.tiers = self.tiers
             self.cache.evict_hook = self.tiers.on_evict
-        step_cost = (StepCost(profile.decode_slowdown, finish_slowdown=profile.prefill_finish_slowdown,
-                              finish_seconds=profile.prefill_finish_seconds)
+        step_cost = (StepCost(profile.decode_slowdown, finish_slowdown=profile.prefill_finish_slowdown)
                      if profile.decode_slowdown is not None else None)
         self.scheduler = Scheduler(self.kv, max_batch_tokens=profile.max_prefill_tokens,
                                    max_running_requests=profile.max_running_requests, step_cost=step_cost)
