@@ -9,6 +9,10 @@ alone is measured first: single requests with cached prompts, nothing else runni
 
     .venv/bin/python benchmarks/decode_stall.py --num-requests 40
 
+``--workload agentic`` runs the same comparison on ``tokenmill bench``'s agent sessions instead
+(closed loop, ``--duration`` seconds per run): there the prefills are turns after a cache hit,
+and the table's TTFT is the turns' time to first token beside other sessions' streams.
+
 Prints TPOT p50/mean, TTFT p50 and total tok/s per setting, TPOT relative to alone, and the
 engine's steps by kind (decode / mixed / prefill: count and mean wall time, from ``/metrics``).
 Both servers run side by side (one idle while the other is measured); with ``--rounds N`` the
@@ -35,10 +39,15 @@ from tokenmill.utils.proc import ServiceProcess  # noqa: E402
 
 
 def bench(base_url: str, out: Path, args, *, concurrency: int, num_requests: int) -> dict:
-    cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "--base-url", base_url, "--workload", "trace",
-           "--trace", str(args.trace), "--block-tokens", str(args.block_tokens), "--max-output-tokens",
-           str(args.output_tokens), "--concurrency", str(concurrency), "--num-requests", str(num_requests),
-           "--no-progress", "--out", str(out), "--warmup", "0"]
+    cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "--base-url", base_url, "--concurrency", str(concurrency),
+           "--no-progress", "--out", str(out)]
+    if args.workload == "agentic":   # closed-loop sessions: --duration seconds, the first 5 not counted
+        cmd += ["--workload", "agentic", "--sessions", str(2 * concurrency), "--turns", str(args.turns),
+                "--duration", f"{args.duration if concurrency > 1 else args.duration / 2:g}", "--warmup", "5"]
+    else:
+        cmd += ["--workload", "trace", "--trace", str(args.trace), "--block-tokens", str(args.block_tokens),
+                "--max-output-tokens", str(args.output_tokens), "--num-requests", str(num_requests),
+                "--warmup", "0"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads((out / "results.json").read_text())["runs"][0]
 
@@ -56,6 +65,12 @@ def step_seconds(base_url: str) -> dict[str, tuple[int, float]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--workload", choices=["trace", "agentic"], default="trace",
+                    help="trace: the Mooncake replay (default); agentic: tokenmill bench's closed-loop agent "
+                         "sessions (turns of 64 new tokens after a cache hit, 16 output tokens), for the time "
+                         "to first token of turns beside streams")
+    ap.add_argument("--duration", type=float, default=60.0, help="agentic: seconds per loaded run (alone: half)")
+    ap.add_argument("--turns", type=int, default=6, help="agentic: turns per session")
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--block-tokens", type=int, default=16)
     ap.add_argument("--output-tokens", type=int, default=4)
