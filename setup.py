@@ -50,6 +50,16 @@ class OptionalBuildExt(build_ext):
         try:
             super().build_extension(ext)
         except Exception as e:
+            extra = MODULE_CFLAGS.get(ext.name, [])
+            if extra:   # a compiler without the module's extra flags (clang has no -fsched-pressure)
+                print(f"WARNING: {ext.name} failed with {' '.join(extra)} ({e}); building it without them",
+                      file=sys.stderr)
+                ext.extra_compile_args = [a for a in ext.extra_compile_args if a not in extra]
+                try:
+                    super().build_extension(ext)
+                    return
+                except Exception as e2:
+                    e = e2
             self._warn(ext.name, e)
 
     @staticmethod
