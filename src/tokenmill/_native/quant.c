@@ -498,52 +498,12 @@ TGT static void NAME(const uint8_t *qs, const void *sc, const void *mn, int f16,
 DEFINE_U4_QUAD256(dot_u4_quad256_avx2, TGT_AVX2, quad256_dot_avx2)
 
 /* The integer dots of one 8-block load of u4 weights w (its first n <= 8 blocks) against MR x
- * rows of activations x (row j at x + j * x_stride): t[j] lane q holds block 2(q%4) + q/4's dot,
- * as quad256_dot_avx2 and the one-row kernel's hadds give it.
- *
- * One row (quad order): each 32-byte load is split into its four nibble planes, and the four
- * loads' sums reduce in three hadds. Two or more rows (lane order, to_lane_order): the four loads
- * are first transposed by dword (8 unpacks, paid once for all MR rows), so that dword lane q of
- * T[m] holds bytes 4m..4m+3 of block 2(q%4) + q/4; each T[m]'s planes then meet the rows and
- * every lane sums its own block, with no reduction tree per row. The integer dots are exact
- * either way, so a row gives the same bits alone (one-row kernel, quad order) or in a tile. */
-TGT_AVX2 static inline __attribute__((always_inline)) void u4_planes_dot(__m256i wv, const int16_t *x, int64_t x_stride,
-                                                                       __m256i *d, const int MR) {
-    const __m256i m4 = _mm256_set1_epi16(0x000F);
-    const __m256i q0 = _mm256_and_si256(wv, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
-    const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(wv, 8), m4), q3 = _mm256_srli_epi16(wv, 12);
-    for (int j = 0; j < MR; j++) {
-        const int16_t *xj = x + j * x_stride;
-        d[j] = _mm256_add_epi32(
-            _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)xj)),
-                             _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(xj + 16)))),
-            _mm256_add_epi32(_mm256_madd_epi16(q2, _mm256_loadu_si256((const __m256i *)(xj + 32))),
-                             _mm256_madd_epi16(q3, _mm256_loadu_si256((const __m256i *)(xj + 48)))));
-    }
-}
-
+ * rows of quad-order activations x (row j at x + j * x_stride): t[j] lane q holds block
+ * 2(q%4) + q/4's dot, as quad256_dot_avx2 and the one-row kernel's hadds give it. Each 32-byte
+ * load is split into its four nibble planes once for all MR rows. */
 TGT_AVX2 static inline __attribute__((always_inline)) void u4_chunk_dots(const uint8_t *w, int64_t n, const int16_t *x,
                                                                        int64_t x_stride, __m256i *t, const int MR) {
-    const __m256i half = _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0);
-    if (MR >= 2) {
-        __m256i L[4];
-        for (int p = 0; p < 4; p++) {
-            const int64_t l = n - 2 * p;
-            L[p] = l <= 0 ? _mm256_setzero_si256()
-                 : l >= 2 ? _mm256_loadu_si256((const __m256i *)(w + 32 * p))
-                          : _mm256_maskload_epi32((const int *)(w + 32 * p), half);
-        }
-        const __m256i a = _mm256_unpacklo_epi32(L[0], L[1]), b = _mm256_unpackhi_epi32(L[0], L[1]);
-        const __m256i e = _mm256_unpacklo_epi32(L[2], L[3]), f = _mm256_unpackhi_epi32(L[2], L[3]);
-        const __m256i T[4] = {_mm256_unpacklo_epi64(a, e), _mm256_unpackhi_epi64(a, e), _mm256_unpacklo_epi64(b, f),
-                              _mm256_unpackhi_epi64(b, f)};
-        for (int m = 0; m < 4; m++) {
-            __m256i d[4];
-            u4_planes_dot(T[m], x + 64 * m, x_stride, d, MR);
-            for (int j = 0; j < MR; j++) t[j] = m ? _mm256_add_epi32(t[j], d[j]) : d[j];
-        }
-        return;
-    }
+    const __m256i half = _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0), m4 = _mm256_set1_epi16(0x000F);
     __m256i u[4];
     for (int j = 0; j < MR; j++) t[j] = u[j] = _mm256_setzero_si256();
     for (int p = 0; p < 4; p++) {   /* per x row: hadd(hadd(d0, d1), hadd(d2, d3)) */
@@ -554,7 +514,16 @@ TGT_AVX2 static inline __attribute__((always_inline)) void u4_chunk_dots(const u
         } else {
             const __m256i wv = l >= 2 ? _mm256_loadu_si256((const __m256i *)(w + 32 * p))
                                       : _mm256_maskload_epi32((const int *)(w + 32 * p), half);
-            u4_planes_dot(wv, x + 64 * p, x_stride, d, MR);
+            const __m256i q0 = _mm256_and_si256(wv, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+            const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(wv, 8), m4), q3 = _mm256_srli_epi16(wv, 12);
+            for (int j = 0; j < MR; j++) {
+                const int16_t *xj = x + j * x_stride + 64 * p;
+                d[j] = _mm256_add_epi32(
+                    _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)xj)),
+                                     _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(xj + 16)))),
+                    _mm256_add_epi32(_mm256_madd_epi16(q2, _mm256_loadu_si256((const __m256i *)(xj + 32))),
+                                     _mm256_madd_epi16(q3, _mm256_loadu_si256((const __m256i *)(xj + 48)))));
+            }
         }
         for (int j = 0; j < MR; j++) {
             if (p == 0 || p == 2) u[j] = d[j];
@@ -1239,27 +1208,6 @@ static void to_quad_order(int16_t *q, float *xd, int64_t nbp, int G) {
     }
 }
 
-/* natural block order -> lane order (u4_chunk_dots for 2+ rows), in place: within 8 blocks (256
- * values), position 64m + 16p + w (m: the dword of each block in T[m], p: the nibble plane, w:
- * the 16-bit word) takes value 4m + 2(w%2) + {0, 16, 1, 17}[p] of block 2(k%4) + k/4, k = w/2;
- * the block scales go where to_quad_order (G = 2) puts them. nbp is a multiple of 8. */
-static void to_lane_order(int16_t *q, float *xd, int64_t nbp) {
-    static const int off[4] = {0, 16, 1, 17};
-    int16_t t[8 * QK];
-    float f[8];
-    for (int64_t c = 0; c < nbp; c += 8) {
-        int16_t *v = q + c * QK;
-        memcpy(t, v, sizeof t);
-        for (int i = 0; i < 8 * QK; i++) {
-            const int m = i / 64, p = (i / 16) % 4, w = i % 16, k = w / 2;
-            v[i] = t[(2 * (k % 4) + k / 4) * QK + 4 * m + 2 * (w % 2) + off[p]];
-        }
-        memcpy(f, xd + c, sizeof f);
-        for (int L = 0; L < 2; L++)
-            for (int g = 0; g < 4; g++) xd[c + 4 * L + g] = f[2 * g + L];
-    }
-}
-
 /* natural block order -> pair order (see the AVX-512 section), in place */
 static void to_pair_order(int16_t *q, float *xd, float *xs, int64_t nb) {
     if (nb & 1) {  /* the padding block */
@@ -1304,8 +1252,7 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf 
                 memcpy(d + b, d, (size_t)nb * sizeof(float));
                 memcpy(s + b, s, (size_t)nb * sizeof(float));
             }
-            if (order == ACT_STREAM256 && M > 1) to_lane_order(q, d, a->bstride);
-            else if (order == ACT_STREAM256) to_quad_order(q, d, a->bstride, 2);
+            if (order == ACT_STREAM256) to_quad_order(q, d, a->bstride, 2);
             else to_word256_order(q, a->bstride);
             continue;
         }
@@ -1315,7 +1262,6 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf 
         memset(s + nb, 0, (size_t)(a->bstride - nb) * sizeof(float));
         if (order == ACT_PAIRS) to_pair_order(q, d, s, nb);
         else if (order == ACT_QUAD) to_quad_order(q, d, a->bstride, 4);
-        else if (order == ACT_QUAD256 && M > 1) to_lane_order(q, d, a->bstride);
         else if (order == ACT_QUAD256) to_quad_order(q, d, a->bstride, 2);
         else if (order == ACT_WORDS) to_word_order(q, d, a->bstride);
         else if (order == ACT_WORDS256) to_word256_order(q, nb);
