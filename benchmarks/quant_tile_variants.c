@@ -14,7 +14,8 @@
  *   int only     the multiply-adds and their sums alone, no reduction (a floor for this form)
  *   block lanes  the chunk's four loads transposed by dword first, so that every 32-bit lane
  *                holds one block: 16 multiply-adds summed straight, no reduction tree (it needs
- *                its own activation order; not served)
+ *                its own activation order; served for 2-4 rows in f5c2b5a, no faster there,
+ *                reverted: docs/benchmarks.md)
  *   int15 bytes  activations of 15 bits split into two bytes, the nibbles as bytes, vpmaddubsw
  *                (fewer instructions to split a load; not served: one bit less of activation)
  *
