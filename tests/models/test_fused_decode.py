@@ -213,10 +213,11 @@ def test_fused_decode_refuses_a_wrong_shape(packed):
 
 @pytest.mark.parametrize("name", ["llama-int4", "llama-fp32"])
 @pytest.mark.parametrize("kernel", native.supported_kernels())
-def test_fused_decode_is_the_same_bits_on_any_thread_count(packed, kernel, name):
-    """The step runs in one parallel region whose threads split matmul rows and attention tasks;
-    no row's sum depends on the split, so 1, 2 and 3 threads give identical logits and KV. (For
-    fp32 only the steps that run fused: torch's GEMM on the larger ones may split by threads.)"""
+def test_fused_decode_is_the_same_bits_on_any_thread_count(packed, kernel, name, monkeypatch):
+    """The step runs in one parallel region whose threads claim matmul rows as they go (or, with
+    TOKENMILL_STATIC_ROWS=1, split them evenly up front) and take attention tasks; no row's sum
+    depends on the split, so 1, 2 and 3 threads, claimed or static, give identical logits and KV.
+    (For fp32 only the steps that run fused: torch's GEMM on the larger ones may split by threads.)"""
     best = native.best_kernel()
     model = packed[name].model
     steps = STEPS if "fp32" not in name else [s for s in STEPS if sum(n for _, n in s) <= _row_limit(name)]
@@ -224,8 +225,9 @@ def test_fused_decode_is_the_same_bits_on_any_thread_count(packed, kernel, name)
     native.set_kernel(kernel)
     try:
         runs = []
-        for nt in (1, 2, 3):
+        for nt, static in ((1, ""), (2, ""), (3, ""), (2, "1"), (3, "1")):
             torch.set_num_threads(nt)
+            monkeypatch.setenv("TOKENMILL_STATIC_ROWS", static)
             logits, kv, _, ran = _run(model, True, "float32", steps=steps)
             assert any(ran)
             runs.append((logits, kv))

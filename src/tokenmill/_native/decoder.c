@@ -196,6 +196,7 @@ typedef struct {
     int64_t bt_stride;
     int num_seqs, page_size, kv_kind, nt;   /* kv_kind: TM_KV_* (attention.h) */
     int kv_prefetch;                        /* prefetch each layer's KV during the matmuls before it */
+    int static_rows;                        /* split each matmul's rows evenly up front (no claiming) */
 } Step;
 
 /* scratch: x [M,H], qkv [M,qn], att [M,hq*d], tmp [M,H], gu [M,2I], act [M,I] */
@@ -222,6 +223,7 @@ typedef struct {
 #define SPIN_PAUSES 20000
 typedef struct {
     atomic_int arrived, gen, next;  /* next: attention's task counter */
+    atomic_llong rows;              /* the next unclaimed output row of the matmul in progress */
     int n;
 } SpinBar;
 
@@ -324,6 +326,41 @@ static int64_t pf_slices(const TmqMat *w, int t, int T) {
     return (n1 - n0 + PF_SLICE - 1) / PF_SLICE;
 }
 
+/* Rows of y = act @ w^T (+ bias) claimed from the team's counter (reset to 0 by thread 0 before
+ * the barrier that starts the matmul), in guided sizes: a claim takes 1/(CLAIM_SHARE T) of the
+ * rows still unclaimed (a multiple of 8 rows, at least CLAIM_MIN; with 1/(2T) a thread that lost
+ * its core mid-claim held more back), so a matmul is a few dozen claims, large
+ * first and small at the end. p's KV lines (if any) are prefetched between slices of PF_SLICE
+ * rows, as in matmul_prefetching. A thread that loses its core for a while (the server's
+ * event loop, the HTTP client, another process) then leaves its rows to the others instead of
+ * holding every thread at the next barrier. A row's result never depends on which thread
+ * computes it (the kernels' row ranges are exact for any split). */
+#define CLAIM_MIN 32
+#ifndef CLAIM_SHARE
+#define CLAIM_SHARE 4
+#endif
+static void matmul_claiming(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, SpinBar *bar,
+                            int T, KvPf *p, const Step *S) {
+    const int64_t N = w->N;
+    long long a = atomic_load_explicit(&bar->rows, memory_order_relaxed);
+    for (;;) {
+        if (a >= N) return;
+        int64_t n = (N - a) / (CLAIM_SHARE * T) / 8 * 8;
+        if (n < CLAIM_MIN) n = CLAIM_MIN;
+        if (!atomic_compare_exchange_weak_explicit(&bar->rows, &a, a + n, memory_order_relaxed, memory_order_relaxed))
+            continue;   /* a now holds the counter's value */
+        const int64_t b = a + n < N ? a + n : N;
+        for (int64_t c = a; c < b; c += PF_SLICE) {   /* as matmul_prefetching: lines between slices */
+            if (!p || p->left <= 0) { tmq_matmul_range(w, act, M, bias, y, c, b); break; }
+            const int64_t k = p->per_slice < p->left ? p->per_slice : p->left;
+            kvpf_walk(p, S, k, 1);
+            p->left -= k;
+            tmq_matmul_range(w, act, M, bias, y, c, c + PF_SLICE < b ? c + PF_SLICE : b);
+        }
+        a = atomic_load_explicit(&bar->rows, memory_order_relaxed);
+    }
+}
+
 /* thread t's rows of y = act @ w^T (+ bias), prefetching p's lines between slices */
 static void matmul_prefetching(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int t, int T,
                                KvPf *p, const Step *S) {
@@ -338,10 +375,23 @@ static void matmul_prefetching(const TmqMat *w, const void *act, int64_t M, cons
     }
 }
 
+/* one matmul of the team over M activation rows: with 2 or more, rows claimed (matmul_claiming);
+ * with one, or with TOKENMILL_STATIC_ROWS=1 (an A/B switch), split evenly up front, with p's
+ * prefetch between slices when p is given. Claims paid for several rows (decode batches, verify
+ * steps); for one row they measured 0.94x-1.03x, inside this host's noise, so a lone decode keeps
+ * the even split (benchmarks/claim_rows_ab.py, docs/benchmarks.md). */
+static inline void matmul_phase(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int t, int T,
+                                SpinBar *bar, KvPf *p, const Step *S) {
+    if (!S->static_rows && M > 1) matmul_claiming(w, act, M, bias, y, bar, T, p, S);
+    else if (p) matmul_prefetching(w, act, M, bias, y, t, T, p, S);
+    else tmq_matmul_rows(w, act, M, bias, y, t, T);
+}
+
 /* The whole step is one `omp parallel` region (a fork/join per matmul cost more than a second
  * thread gained). Every thread runs this loop: the small per-layer ops and the quantization of
- * each matmul's activations run on thread 0, each matmul splits its output rows over the
- * threads (tmq_matmul_rows), attention's tasks go to whichever thread takes the next one; a
+ * each matmul's activations run on thread 0, each matmul's output rows go to the threads as
+ * they claim them (matmul_phase: steps of 2+ rows) or in even shares (one row), attention's
+ * tasks to whichever thread takes the next one; a
  * barrier separates dependent phases. Shared state (the quantized activations, the attention
  * call, the error) is written by thread 0 and read only after a barrier, so every thread takes
  * the same branch. The phase timers count on thread 0 (each phase includes its barrier). */
@@ -354,8 +404,13 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
     const int prof = g_prof && t == 0;
     double t_last = prof ? now_s() : 0.0;
 #define TTICK(phase) do { if (prof) { double t_ = now_s(); g_prof_s[phase] += t_ - t_last; t_last = t_; } } while (0)
+    /* a matmul of MR activation rows: rows claimed from bar->rows (which thread 0 sets to 0 in
+     * the serial part before it), or the even split */
+#define MATMUL(W, MR, BIAS, Y, PF) matmul_phase(W, *aq, MR, BIAS, Y, t, T, bar, PF, S)
+#define CLAIM_FROM_0() atomic_store_explicit(&bar->rows, 0, memory_order_relaxed)
     float *h = B->h;
     if (t == 0) {
+        CLAIM_FROM_0();
         rmsnorm(h, (const float *)(uintptr_t)tab[F_NORM1], B->x, M, H, S->eps);
         TmqMat w = layer_mat(tab, W_QKV);
         if (!(*aq = tmq_act_quantize(&w, B->x, M))) *err = -1;
@@ -370,7 +425,7 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
     for (int64_t l = 0; l < L && !*err; l++) {
         const int64_t *row = tab + l * LAYER_FIELDS;
         TmqMat w = layer_mat(row, W_QKV);
-        matmul_prefetching(&w, *aq, M, (const float *)(uintptr_t)row[F_QKV_BIAS], B->qkv, t, T, &pf, S);
+        MATMUL(&w, M, (const float *)(uintptr_t)row[F_QKV_BIAS], B->qkv, &pf);
         bar_wait(bar);
         TTICK(P_QKV);
         if (t == 0) {
@@ -396,17 +451,19 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
         if (t == 0) {
             g_attn->finish(*call);
             *call = NULL;
+            CLAIM_FROM_0();
             if (!(*aq = tmq_act_quantize(&w, B->att, M))) *err = -1;
         }
         bar_wait(bar);
         TTICK(P_ATTN);
         if (*err) break;
-        tmq_matmul_rows(&w, *aq, M, NULL, B->tmp, t, T);
+        MATMUL(&w, M, NULL, B->tmp, (KvPf *)NULL);
         bar_wait(bar);
         TTICK(P_O);
         w = layer_mat(row, W_GATE_UP);
         if (t == 0) {
             tmq_act_free(*aq);
+            CLAIM_FROM_0();
             for (int64_t i = 0; i < M * H; i++) h[i] += B->tmp[i];
             rmsnorm(h, (const float *)(uintptr_t)row[F_NORM2], B->x, M, H, S->eps);
             if (!(*aq = tmq_act_quantize(&w, B->x, M))) *err = -1;
@@ -418,24 +475,26 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
             const TmqMat wd = layer_mat(row, W_DOWN);
             kvpf_start(&pf, row + LAYER_FIELDS, S, t, T, pf_slices(&w, t, T) + pf_slices(&wd, t, T));
         }
-        matmul_prefetching(&w, *aq, M, NULL, B->gu, t, T, &pf, S);
+        MATMUL(&w, M, NULL, B->gu, &pf);
         bar_wait(bar);
         TTICK(P_GATE_UP);
         w = layer_mat(row, W_DOWN);
         if (t == 0) {
             tmq_act_free(*aq);
+            CLAIM_FROM_0();
             for (int64_t r = 0; r < M; r++) silu_mul(B->gu + r * 2 * I, B->gu + r * 2 * I + I, B->act + r * I, I);
             if (!(*aq = tmq_act_quantize(&w, B->act, M))) *err = -1;
         }
         bar_wait(bar);
         TTICK(P_SILU);
         if (*err) break;
-        matmul_prefetching(&w, *aq, M, NULL, B->tmp, t, T, &pf, S);
+        MATMUL(&w, M, NULL, B->tmp, &pf);
         bar_wait(bar);
         TTICK(P_DOWN);
         if (t == 0) {
             tmq_act_free(*aq);
             *aq = NULL;
+            CLAIM_FROM_0();
             for (int64_t i = 0; i < M * H; i++) h[i] += B->tmp[i];
             if (l + 1 < L) {  /* the next layer's first norm and its qkv activations */
                 const int64_t *next = row + LAYER_FIELDS;
@@ -450,12 +509,13 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
     if (hd->mat && !*err) {   /* the final norm and the output head (see Head) */
         const TmqMat w = mat_at(hd->mat);
         if (t == 0) {
+            CLAIM_FROM_0();
             for (int64_t r = 0; r < hd->n; r++) rmsnorm(h + hd->idx[r] * H, hd->norm, B->x + r * H, 1, H, S->eps);
             if (!(*aq = tmq_act_quantize(&w, B->x, hd->n))) *err = -1;
         }
         bar_wait(bar);
         TTICK(P_NORM);
-        if (!*err) tmq_matmul_rows(&w, *aq, hd->n, NULL, hd->logits, t, T);
+        if (!*err) MATMUL(&w, hd->n, NULL, hd->logits, (KvPf *)NULL);
         bar_wait(bar);
         TTICK(P_HEAD);
         if (t == 0) {
@@ -464,6 +524,8 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
         }
     }
 #undef TTICK
+#undef MATMUL
+#undef CLAIM_FROM_0
 }
 
 /* a matrix description the kernels take, with the pointers its kind reads */
@@ -530,7 +592,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     Step S = {M, H, hq, hkv, d, inter, eps, scale, PTR(const float *, cos), PTR(const float *, sin),
               PTR(const int64_t *, slots), PTR(const int64_t *, bt), PTR(const int64_t *, qsl),
               PTR(const int64_t *, sl), bt_stride, num_seqs, page_size, kv_kind, nt < 1 ? 1 : nt,
-              !env_flag("TOKENMILL_NO_KV_PREFETCH")};
+              !env_flag("TOKENMILL_NO_KV_PREFETCH"), env_flag("TOKENMILL_STATIC_ROWS")};
     const int64_t *tab = PTR(const int64_t *, table);
     if (check_layers(tab, L, &S)) return NULL;
     const Head hd = {PTR(const int64_t *, head), PTR(const float *, norm), PTR(const int64_t *, idx), n_out,
@@ -558,6 +620,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     atomic_init(&bar.arrived, 0);
     atomic_init(&bar.gen, 0);
     atomic_init(&bar.next, 0);
+    atomic_init(&bar.rows, 0);
     bar.n = 1;
     Py_BEGIN_ALLOW_THREADS
     #pragma omp parallel num_threads(S.nt)
