@@ -73,6 +73,7 @@ def test_start_estimator_predicts_from_recent_finishes() -> None:
     s = make(max_running=1)
     est = admission.StartEstimator(window=8, horizon_s=60.0, min_samples=4)
     assert est.predicted_wait(s, 0.0) == 0.0               # a free slot: starts next step
+    admission.check_predicted_wait(s, est, 5.0, queue_deadline=4.5)   # deadline passed: expire() says so, not this
     s.add_request(req("run"))
     s.post_step(s.schedule())                              # the one slot is busy
     assert est.predicted_wait(s, 0.0) == 0.0               # no history: no prediction, admit

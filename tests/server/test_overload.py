@@ -85,6 +85,29 @@ def wait_running(http: httpx.Client, running: int, waiting: int = 0) -> None:
     raise AssertionError(f"never reached running={running} waiting={waiting}: {s}")
 
 
+def start_running(http: httpx.Client, pool: concurrent.futures.Executor, body: dict) -> concurrent.futures.Future:
+    """Send the request that takes the one running slot; return its future once the server shows
+    it running. With the busy server's queue wait of 0.5 s, a loaded machine can delay even this
+    first request that long between its arrival and the engine (CI once saw it): it then comes
+    back 503 queue_timeout, and is sent again (at most three times)."""
+    for _ in range(3):
+        fut = pool.submit(http.post, "/v1/completions", json=body)
+        deadline = time.monotonic() + 30
+        while not fut.done() and time.monotonic() < deadline:
+            s = http.get("/v1/loads").json()
+            if s["num_running"] >= 1:
+                return fut
+            time.sleep(0.02)
+        if not fut.done():
+            raise AssertionError(f"never running after 30 s: {s}")
+        r = fut.result()
+        if r.status_code == 503:
+            error_of(r, 503, "queue_timeout")
+        else:
+            assert r.status_code == 200, r.text   # done before a poll saw it: send it again
+    raise AssertionError(f"three tries never saw the first request running: {http.get('/v1/loads').json()}")
+
+
 def test_queue_full_gets_429_with_retry_after(patient_server: ServiceProcess) -> None:
     with httpx.Client(base_url=patient_server.base_url, timeout=120) as http:
         _queue_full(http, patient_server)
@@ -93,8 +116,7 @@ def test_queue_full_gets_429_with_retry_after(patient_server: ServiceProcess) ->
 def _queue_full(http: httpx.Client, server: ServiceProcess) -> None:
     before = metric(http, "tokenmill:requests_rejected_total", reason="queue_full")
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        first = pool.submit(http.post, "/v1/completions", json=LONG)
-        wait_running(http, 1)
+        first = start_running(http, pool, LONG)
         queued = [pool.submit(http.post, "/v1/completions", json={**LONG, "max_tokens": 4}) for _ in range(2)]
         wait_running(http, 1, 2)
         over = http.post("/v1/completions", json=LONG)
@@ -116,8 +138,7 @@ def _queue_full(http: httpx.Client, server: ServiceProcess) -> None:
 def test_queue_wait_limit_gives_503(http: httpx.Client) -> None:
     before = metric(http, "tokenmill:requests_rejected_total", reason="queue_timeout")
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        first = pool.submit(http.post, "/v1/completions", json={**LONG, "max_tokens": 1000})
-        wait_running(http, 1)
+        first = start_running(http, pool, {**LONG, "max_tokens": 1000})
         waited = pool.submit(http.post, "/v1/completions", json={**LONG, "max_tokens": 2})
         body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True}
         with http.stream("POST", "/v1/chat/completions", json=body) as streamed:
@@ -154,8 +175,7 @@ def test_deadline_finishes_request_and_frees_pages(http: httpx.Client, busy_serv
 
 def test_deadline_while_waiting(http: httpx.Client) -> None:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        first = pool.submit(http.post, "/v1/completions", json={**LONG, "max_tokens": 800})
-        wait_running(http, 1)
+        first = start_running(http, pool, {**LONG, "max_tokens": 800})
         r = http.post("/v1/completions", json={**LONG, "deadline_s": 0.3})
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "deadline", r.text
         assert r.json()["usage"]["completion_tokens"] == 0

@@ -116,12 +116,16 @@ def wait_too_long(predicted_s: float, limit_s: float | None) -> bool:
 
 def check_predicted_wait(scheduler: Scheduler, estimator: StartEstimator, now: float,
                          queue_deadline: float | None) -> None:
-    """Refuse (:class:`WaitTooLongError`) a request that may not start by ``queue_deadline``."""
+    """Refuse (:class:`WaitTooLongError`) a request that may not start by ``queue_deadline``.
+    A predicted wait of 0 (a slot is free, or too little history) is never refused here: a
+    request that reached the engine after its queue deadline (a slow host between arrival and
+    the engine thread) is timed out by :func:`expire` with the reason that is true, queue_timeout,
+    rather than refused for a wait of 0 s."""
     if queue_deadline is None:
         return
     wait = estimator.predicted_wait(scheduler, now)
     limit = queue_deadline - now
-    if wait_too_long(wait, limit):
+    if wait > 0.0 and wait_too_long(wait, limit):
         raise WaitTooLongError(wait, max(limit, 0.0), len(scheduler.waiting))
 
 
