@@ -326,19 +326,30 @@ static int64_t pf_slices(const TmqMat *w, int t, int T) {
     return (n1 - n0 + PF_SLICE - 1) / PF_SLICE;
 }
 
+/* rows [n0, n1) of y = act @ w^T (+ bias), with p's KV lines (if any are left) prefetched between
+ * slices of PF_SLICE rows */
+static void rows_prefetching(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int64_t n0,
+                             int64_t n1, KvPf *p, const Step *S) {
+    for (int64_t a = n0; a < n1; a += PF_SLICE) {
+        if (!p || p->left <= 0) { tmq_matmul_range(w, act, M, bias, y, a, n1); return; }
+        const int64_t n = p->per_slice < p->left ? p->per_slice : p->left;
+        kvpf_walk(p, S, n, 1);
+        p->left -= n;
+        tmq_matmul_range(w, act, M, bias, y, a, a + PF_SLICE < n1 ? a + PF_SLICE : n1);
+    }
+}
+
 /* Rows of y = act @ w^T (+ bias) claimed from the team's counter (reset to 0 by thread 0 before
  * the barrier that starts the matmul), in guided sizes: a claim takes 1/(CLAIM_SHARE T) of the
  * rows still unclaimed (a multiple of 8 rows, at least CLAIM_MIN; with 1/(2T) a thread that lost
  * its core mid-claim held more back), so a matmul is a few dozen claims, large
  * first and small at the end. p's KV lines (if any) are prefetched between slices of PF_SLICE
- * rows, as in matmul_prefetching. A thread that loses its core for a while (the server's
+ * rows (rows_prefetching). A thread that loses its core for a while (the server's
  * event loop, the HTTP client, another process) then leaves its rows to the others instead of
  * holding every thread at the next barrier. A row's result never depends on which thread
  * computes it (the kernels' row ranges are exact for any split). */
 #define CLAIM_MIN 32
-#ifndef CLAIM_SHARE
 #define CLAIM_SHARE 4
-#endif
 static void matmul_claiming(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, SpinBar *bar,
                             int T, KvPf *p, const Step *S) {
     const int64_t N = w->N;
@@ -349,29 +360,8 @@ static void matmul_claiming(const TmqMat *w, const void *act, int64_t M, const f
         if (n < CLAIM_MIN) n = CLAIM_MIN;
         if (!atomic_compare_exchange_weak_explicit(&bar->rows, &a, a + n, memory_order_relaxed, memory_order_relaxed))
             continue;   /* a now holds the counter's value */
-        const int64_t b = a + n < N ? a + n : N;
-        for (int64_t c = a; c < b; c += PF_SLICE) {   /* as matmul_prefetching: lines between slices */
-            if (!p || p->left <= 0) { tmq_matmul_range(w, act, M, bias, y, c, b); break; }
-            const int64_t k = p->per_slice < p->left ? p->per_slice : p->left;
-            kvpf_walk(p, S, k, 1);
-            p->left -= k;
-            tmq_matmul_range(w, act, M, bias, y, c, c + PF_SLICE < b ? c + PF_SLICE : b);
-        }
+        rows_prefetching(w, act, M, bias, y, a, a + n < N ? a + n : N, p, S);
         a = atomic_load_explicit(&bar->rows, memory_order_relaxed);
-    }
-}
-
-/* thread t's rows of y = act @ w^T (+ bias), prefetching p's lines between slices */
-static void matmul_prefetching(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int t, int T,
-                               KvPf *p, const Step *S) {
-    int64_t n0, n1;
-    tmq_row_range(w->N, t, T, &n0, &n1);
-    if (p->left <= 0) { tmq_matmul_range(w, act, M, bias, y, n0, n1); return; }
-    for (int64_t a = n0; a < n1; a += PF_SLICE) {
-        const int64_t n = p->per_slice < p->left ? p->per_slice : p->left;
-        kvpf_walk(p, S, n, 1);
-        p->left -= n;
-        tmq_matmul_range(w, act, M, bias, y, a, a + PF_SLICE < n1 ? a + PF_SLICE : n1);
     }
 }
 
@@ -382,9 +372,13 @@ static void matmul_prefetching(const TmqMat *w, const void *act, int64_t M, cons
  * the even split (benchmarks/claim_rows_ab.py, docs/benchmarks.md). */
 static inline void matmul_phase(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int t, int T,
                                 SpinBar *bar, KvPf *p, const Step *S) {
-    if (!S->static_rows && M > 1) matmul_claiming(w, act, M, bias, y, bar, T, p, S);
-    else if (p) matmul_prefetching(w, act, M, bias, y, t, T, p, S);
-    else tmq_matmul_rows(w, act, M, bias, y, t, T);
+    if (!S->static_rows && M > 1) {
+        matmul_claiming(w, act, M, bias, y, bar, T, p, S);
+    } else {
+        int64_t n0, n1;
+        tmq_row_range(w->N, t, T, &n0, &n1);
+        rows_prefetching(w, act, M, bias, y, n0, n1, p, S);
+    }
 }
 
 /* The whole step is one `omp parallel` region (a fork/join per matmul cost more than a second
