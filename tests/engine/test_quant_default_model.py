@@ -79,6 +79,19 @@ def test_q4_1_greedy_tokens_match_hf_on_the_dequantized_weights(q4):
         assert margin < NEAR_TIE, "diverged where HF is not near a tie"
 
 
+def test_chunked_prefill_gives_the_tokens_of_one_chunk(q4):
+    """A prompt longer than the step budget is prefilled in chunks; the chunks before the last
+    sample nothing, so the Q8_0 head runs on zero rows there (on an AVX-512 CPU the one-row kernel
+    once read and wrote row 0 of nothing and the server died of a segfault)."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(200, 40000, (n,), generator=gen).tolist() for n in (300, 97)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    whole = LLM(loaded=q4, kv_cache_tokens=2048, max_batch_tokens=1024, enable_prefix_cache=False).generate(prompts, params)
+    chunked = LLM(loaded=q4, kv_cache_tokens=2048, max_batch_tokens=64, enable_prefix_cache=False).generate(prompts, params)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
+    assert all(len(o.token_ids) == 6 for o in chunked)
+
+
 def _forward_all(model, attn, kv, ids: list[int], start: int, page_size: int = 16) -> torch.Tensor:
     """Logits of every token of ``ids`` appended at ``start`` to one sequence on pages 0, 1, 2, ..."""
     end = start + len(ids)

@@ -92,6 +92,20 @@ def test_kernels_match_dequantize_then_matmul(kernel, n, k, group):
         _check(method(x, bias), x, wd, bias)
 
 
+def test_zero_rows_compute_nothing(kernel):
+    """A matmul of no rows (the head of a prefill chunk that samples nothing) returns an empty
+    result on every kernel set, through the linear methods and through the native entry points
+    with null pointers (the one-row kernels must not read or write a row 0 that is not there)."""
+    w = torch.randn(40, 576) * 0.1
+    for name, method in _methods(w, 32).items():
+        y = method(torch.empty(0, 576))
+        assert y.shape == (0, 40), name
+        assert method(torch.empty(2, 0, 576)).shape == (2, 0, 40), name
+    q4, q8 = Int4Linear.from_float(w, 32), Int8Linear.from_float(w, 32)
+    native.gemm_u4(0, 0, 576, q4.qs.data_ptr(), q4.scales.data_ptr(), q4.mins.data_ptr(), 0, 40, 32, 0, 0, 1)
+    native.gemm_s8(0, 0, 576, q8.qs.data_ptr(), q8.scales.data_ptr(), 0, 40, 32, 0, 0, 1)
+
+
 def test_activation_quantizer_matches_reference(kernel):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 77, generator=gen) * 10

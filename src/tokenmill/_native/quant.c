@@ -1588,6 +1588,7 @@ static PyObject *py_gemm_u4(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "gemm_u4: bad sizes M=%lld K=%lld N=%lld group=%lld", M, K, N, group);
         return NULL;
     }
+    if (M == 0 || N == 0) Py_RETURN_NONE;  /* nothing to compute (the one-row kernels would read row 0) */
     ActBuf a;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -1612,6 +1613,7 @@ static PyObject *py_gemm_s8(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "gemm_s8: bad sizes M=%lld K=%lld N=%lld group=%lld", M, K, N, group);
         return NULL;
     }
+    if (M == 0 || N == 0) Py_RETURN_NONE;  /* nothing to compute (the one-row kernels would read row 0) */
     ActBuf a;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS

@@ -222,6 +222,8 @@ class _Packed(LinearMethod):
             x2 = x2.float()
         x2 = x2.contiguous()
         m, n = x2.shape[0], self.out_features
+        if m == 0:  # e.g. the head of a prefill chunk that samples nothing
+            return x.new_empty(*lead, n)
         threads = torch.get_num_threads()
         mode = _activation_mode()
         if mode == "int16" or (mode == "auto" and m <= gemv_max_rows()):
