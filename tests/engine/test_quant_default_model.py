@@ -105,24 +105,35 @@ def _forward_all(model, attn, kv, ids: list[int], start: int, page_size: int = 1
     return model(ForwardContext.prepare(attn, batch, kv))
 
 
-def test_int16_activations_teacher_forced_agreement_over_2000_tokens(q4, capsys):
-    """Held-out text (the stdlib's difflib source, never used for any calibration), fed 2,000
-    tokens teacher-forced through the int16-activation kernel and through fp32 activations."""
+def _teacher_forced(model, kv_dtype: str, ids: list[int]) -> torch.Tensor:
+    """Logits of ``ids`` fed in chunks of 250, each after the cached context of the ones before
+    (so every chunk reads the earlier K/V back from a ``kv_dtype`` pool)."""
+    attn = select_attention_backend(model.kv_cache_spec().with_dtype(kv_dtype), "cpu", model.dtype, "auto")
+    assert attn.name == "native"
+    kv = attn.allocate(len(ids) // 16 + 2, 16)
+    return torch.cat([_forward_all(model, attn, kv, ids[s:s + 250], s) for s in range(0, len(ids), 250)])
+
+
+@pytest.fixture(scope="module")
+def held_out(q4) -> tuple[list[int], torch.Tensor]:
+    """2,000 tokens of held-out text (the stdlib's difflib source, never used for any calibration)
+    and their logits with fp32 activations on an fp32 KV pool: the reference of the two
+    teacher-forced tests below (computed once for both)."""
     ids = q4.tokenizer(inspect.getsource(difflib)).input_ids[:2000]
     assert len(ids) == 2000
-    model = q4.model
-    spec = model.kv_cache_spec()
-    caches = []
-    for _ in range(2):
-        attn = select_attention_backend(spec, "cpu", model.dtype, "auto")
-        caches.append((attn, attn.allocate(2000 // 16 + 2, 16)))
+    with fp32_activations():
+        return ids, _teacher_forced(q4.model, "float32", ids)
+
+
+def test_int16_activations_teacher_forced_agreement_over_2000_tokens(q4, held_out, capsys):
+    """The held-out tokens teacher-forced through the int16-activation kernel against fp32
+    activations (both on an fp32 pool)."""
+    ids, ref = held_out
+    with int16_activations():
+        got = _teacher_forced(q4.model, "float32", ids)
     agree, kl_sum, kl_max = 0, 0.0, 0.0
     for s in range(0, 2000, 250):
-        chunk = ids[s:s + 250]
-        with int16_activations():
-            a = _forward_all(model, *caches[0], chunk, s)
-        with fp32_activations():
-            b = _forward_all(model, *caches[1], chunk, s)
+        a, b = got[s:s + 250], ref[s:s + 250]
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         lp_b, lp_a = torch.log_softmax(b.double(), -1), torch.log_softmax(a.double(), -1)
         kl = (lp_b.exp() * (lp_b - lp_a)).sum(-1)
@@ -162,22 +173,13 @@ def test_int8_from_fp32_weights_and_fallback_without_kernels(monkeypatch, caplog
     assert "served as dense float32" in caplog.text and "not built (test)" in caplog.text
 
 
-def test_fp16_kv_teacher_forced_agreement_over_2000_tokens(q4, capsys):
+def test_fp16_kv_teacher_forced_agreement_over_2000_tokens(q4, held_out, capsys):
     """The pool ``auto`` gives the served default model (fp16: ``resolve_kv_dtype``) against an
-    fp32 pool, 2,000 tokens of held-out text teacher-forced in chunks of 250 (each chunk after
-    the cached context of the ones before, so every chunk reads the earlier K/V back from the
-    pool)."""
+    fp32 pool: the held-out tokens teacher-forced in chunks of 250 with fp32 activations."""
     assert resolve_kv_dtype("auto", "float32", packed_weights(q4.model)) == "float16"
-    ids = q4.tokenizer(inspect.getsource(difflib)).input_ids[:2000]
-    model = q4.model
-    logits = {}
-    for dtype in ("float32", "float16"):
-        spec = model.kv_cache_spec().with_dtype(dtype)
-        attn = select_attention_backend(spec, "cpu", model.dtype, "auto")
-        assert attn.name == "native"
-        kv = attn.allocate(2000 // 16 + 2, 16)
-        logits[dtype] = torch.cat([_forward_all(model, attn, kv, ids[s:s + 250], s) for s in range(0, 2000, 250)])
-    a, b = logits["float16"], logits["float32"]
+    ids, b = held_out
+    with fp32_activations():
+        a = _teacher_forced(q4.model, "float16", ids)
     agree = float((a.argmax(-1) == b.argmax(-1)).double().mean())
     lp_b, lp_a = torch.log_softmax(b.double(), -1), torch.log_softmax(a.double(), -1)
     kl = (lp_b.exp() * (lp_b - lp_a)).sum(-1)

@@ -8,6 +8,9 @@ Error bounds (documented in docs/quantization.md):
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Iterator
 
 import pytest
@@ -133,9 +136,20 @@ def test_kernel_sets_agree_with_each_other():
         torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
 
 
+def _cpuinfo() -> tuple[list[str], str, int | None]:
+    """(flags, vendor, family) of the first CPU in /proc/cpuinfo; ([], "", None) without it."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return [], "", None
+    text = open("/proc/cpuinfo").read()
+    fields = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    family = fields.get("cpu family")
+    return fields.get("flags", "").split(), fields.get("vendor_id", ""), int(family) if family else None
+
+
 def test_kernel_is_chosen_from_the_cpu():
     assert native.best_kernel() in ORDER
-    flags = open("/proc/cpuinfo").read().split() if __import__("os").path.exists("/proc/cpuinfo") else []
+    flags, vendor, family = _cpuinfo()
     if flags and "avx2" not in flags:
         assert native.best_kernel() == "scalar"
     with pytest.raises(ValueError, match="unknown kernel set"):
@@ -145,6 +159,27 @@ def test_kernel_is_chosen_from_the_cpu():
         assert ("avx2" in KERNELS) == ("avx2" in flags and "fma" in flags and "f16c" in flags)
         assert ("avxvnni" in KERNELS) <= ("avx_vnni" in flags)
         assert ("avx512vnni" in KERNELS) <= all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+    # the set in use at start-up: the widest, but the best 256-bit one on Zen 4 (AMD family 19h
+    # with AVX-512), whose 512-bit units are double-pumped
+    if os.environ.get(native.KERNELS_ENV, "").strip():
+        pytest.skip(f"{native.KERNELS_ENV} picks the kernel set of this run")
+    assert native.kernel() == native.default_kernel()
+    if vendor == "AuthenticAMD" and family == 0x19 and native.best_kernel() == "avx512vnni":
+        assert native.default_kernel() == ("avxvnni" if "avxvnni" in KERNELS else "avx2")
+    elif vendor:
+        assert native.default_kernel() == native.best_kernel()
+
+
+def test_kernel_set_from_the_environment():
+    """TOKENMILL_QUANT_KERNELS picks a supported set when the module loads; an unknown or
+    unsupported one fails at once with a message that names the variable."""
+    code = "from tokenmill._native import quant as q; print(q.kernel())"
+    env = {**os.environ, native.KERNELS_ENV: "scalar"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "scalar", out.stderr
+    env[native.KERNELS_ENV] = "sse9"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and f"{native.KERNELS_ENV}=sse9: unknown kernel set sse9" in out.stderr
 
 
 def test_quantizers_stay_within_half_a_step():

@@ -136,14 +136,14 @@ def test_fused_decode_matches_layer_by_layer(packed, name, kv_dtype):
 
 @pytest.mark.parametrize("kernel", native.supported_kernels())
 def test_fused_decode_on_every_kernel_set(packed, kernel):
-    best = native.best_kernel()
+    before_kernel = native.kernel()
     model = packed["llama-int4"].model
     native.set_kernel(kernel)
     try:
         got, _, _, _ = _run(model, True, "float32")
         want, _, _, _ = _run(model, False, "float32")
     finally:
-        native.set_kernel(best)
+        native.set_kernel(before_kernel)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=ATOL * float(w.abs().max()), rtol=RTOL)
 
@@ -218,7 +218,7 @@ def test_fused_decode_is_the_same_bits_on_any_thread_count(packed, kernel, name,
     TOKENMILL_STATIC_ROWS=1, split them evenly up front) and take attention tasks; no row's sum
     depends on the split, so 1, 2 and 3 threads, claimed or static, give identical logits and KV.
     (For fp32 only the steps that run fused: torch's GEMM on the larger ones may split by threads.)"""
-    best = native.best_kernel()
+    before_kernel = native.kernel()
     model = packed[name].model
     steps = STEPS if "fp32" not in name else [s for s in STEPS if sum(n for _, n in s) <= _row_limit(name)]
     before = torch.get_num_threads()
@@ -233,7 +233,7 @@ def test_fused_decode_is_the_same_bits_on_any_thread_count(packed, kernel, name,
             runs.append((logits, kv))
     finally:
         torch.set_num_threads(before)
-        native.set_kernel(best)
+        native.set_kernel(before_kernel)
     for logits, kv in runs[1:]:
         for g, w in zip(logits, runs[0][0]):
             assert torch.equal(g, w)

@@ -21,8 +21,9 @@
  * dequant_* and runs torch's GEMM, which keeps activations in fp32.
  *
  * Vector code is compiled through function target attributes and chosen at run time from
- * __builtin_cpu_supports (sets: avx2, avxvnni, avx512vnni; each checked on its own); a portable
- * scalar path does the same arithmetic everywhere else. With 2 to 16 x rows the avx512vnni set
+ * __builtin_cpu_supports (sets: avx2, avxvnni, avx512vnni; each checked on its own; the best one
+ * is used, except on Zen 4, see default_isa); a portable scalar path does the same arithmetic
+ * everywhere else. With 2 to 16 x rows the avx512vnni set
  * runs 512-bit kernels over tiles of up to 6 rows that share each widened weight block (u4: two
  * blocks per 32-byte load against "pair order" activations; see the AVX-512 section). With one x
  * row the u4 kernels (every vector set) and the avx512vnni s8 kernel widen nothing: they split
@@ -47,6 +48,7 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #define TM_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #else
 #define TM_X86 0
@@ -63,7 +65,7 @@
 #endif
 
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512 = 3, ISA_COUNT = 4 };
-static int g_isa = -1;      /* chosen at first use; set_isa() may pick another supported set (tests) */
+static int g_isa = -1;      /* default_isa() at first use; set_isa() may pick another supported set */
 static int g_best = -1;     /* best this CPU supports */
 static int g_supported = 0; /* bit i: kernel set i runs on this CPU */
 
@@ -93,8 +95,38 @@ static int best_isa(void) {
     return g_best;
 }
 
+/* AMD family 19h with AVX-512: Zen 4, whose AVX-512 runs on 256-bit units (a 512-bit operation
+ * takes two passes), so the 512-bit kernels gain no width there and their multi-row tiles lose to
+ * the 256-bit ones (docs/benchmarks.md: the default model decodes 1.05x-1.19x faster on avx2 for
+ * 1 to 8 rows). Zen 3 is family 19h too but has no AVX-512; Zen 5 (family 1Ah) has full-width units. */
+static int amd_family_19h(void) {
+#if TM_X86 && defined(__GNUC__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541u || d != 0x69746e65u || c != 0x444d4163u)
+        return 0;   /* not "AuthenticAMD" */
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    unsigned family = (a >> 8) & 0xF;
+    if (family == 0xF) family += (a >> 20) & 0xFF;
+    return family == 0x19;
+#else
+    return 0;
+#endif
+}
+
+/* the set used unless set_isa() picks another: the best one, except the best 256-bit set where
+ * the 512-bit units are double-pumped (amd_family_19h) */
+static int g_default = -1;
+static int default_isa(void) {
+    if (g_default < 0) {
+        g_default = best_isa();
+        if (g_default == ISA_AVX512 && amd_family_19h())
+            g_default = (g_supported & (1 << ISA_AVXVNNI)) ? ISA_AVXVNNI : ISA_AVX2;
+    }
+    return g_default;
+}
+
 static int isa(void) {
-    if (g_isa < 0) g_isa = best_isa();
+    if (g_isa < 0) g_isa = default_isa();
     return g_isa;
 }
 
@@ -1711,6 +1743,8 @@ static PyObject *py_isa(PyObject *self, PyObject *args) { return PyUnicode_FromS
 
 static PyObject *py_best_isa(PyObject *self, PyObject *args) { return PyUnicode_FromString(isa_names[best_isa()]); }
 
+static PyObject *py_default_isa(PyObject *self, PyObject *args) { return PyUnicode_FromString(isa_names[default_isa()]); }
+
 static PyObject *py_supported_isas(PyObject *self, PyObject *args) {
     best_isa();
     PyObject *out = PyList_New(0);
@@ -1756,8 +1790,9 @@ static PyMethodDef methods[] = {
     {"decode_profile", tmq_py_decode_profile, METH_VARARGS, "phase timers of decode_layers: (on) -> seconds so far"},
     {"isa", py_isa, METH_NOARGS, "kernel set in use"},
     {"best_isa", py_best_isa, METH_NOARGS, "best kernel set this CPU supports"},
+    {"default_isa", py_default_isa, METH_NOARGS, "kernel set chosen for this CPU at start-up"},
     {"supported_isas", py_supported_isas, METH_NOARGS, "kernel sets this CPU supports"},
-    {"set_isa", py_set_isa, METH_VARARGS, "choose the kernel set (no better than best_isa())"},
+    {"set_isa", py_set_isa, METH_VARARGS, "choose the kernel set (any this CPU supports)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_quant", NULL, -1, methods};

@@ -1,10 +1,13 @@
 """Python side of the quantized-matmul kernels (``tokenmill._native._quant``, see ``quant.c``).
 
-``available()`` says whether the extension was built; ``kernel()`` names the instruction set it
-chose from the CPU at start-up ("avx512vnni", "avxvnni", "avx2" or the portable "scalar"). Callers pass raw
+``available()`` says whether the extension was built; ``kernel()`` names the instruction set in use,
+chosen from the CPU at start-up ("avx512vnni", "avxvnni", "avx2" or the portable "scalar"; see
+``default_kernel()``) or set with ``set_kernel()`` or ``TOKENMILL_QUANT_KERNELS``. Callers pass raw
 pointers of contiguous CPU tensors; the thread count follows ``torch.get_num_threads()``.
 """
 from __future__ import annotations
+
+import os
 
 import torch  # noqa: F401  (load torch's OpenMP runtime first so the extension shares it)
 
@@ -15,6 +18,21 @@ except ImportError as e:  # not built (no compiler at install time) or built for
     _ext = None
     _ERROR = (f"the native quantized-matmul kernels are not built ({e}); reinstall with a C compiler "
               f"(`pip install -e .`) to get them")
+
+
+KERNELS_ENV = "TOKENMILL_QUANT_KERNELS"
+
+
+def _kernel_from_env() -> None:
+    name = os.environ.get(KERNELS_ENV, "").strip()
+    if name and _ext is not None:
+        try:
+            _ext.set_isa(name)
+        except ValueError as e:
+            raise ValueError(f"{KERNELS_ENV}={name}: {e}") from None
+
+
+_kernel_from_env()
 
 
 def available() -> bool:
@@ -31,7 +49,15 @@ def kernel() -> str:
 
 
 def best_kernel() -> str:
+    """The widest kernel set this CPU runs, or "unavailable"."""
     return _ext.best_isa() if _ext is not None else "unavailable"
+
+
+def default_kernel() -> str:
+    """The kernel set chosen for this CPU at start-up: :func:`best_kernel`, except on AMD's Zen 4,
+    where the 256-bit set decodes faster (its 512-bit units are double-pumped); or "unavailable".
+    ``TOKENMILL_QUANT_KERNELS=<set>`` in the environment picks another supported set at import."""
+    return _ext.default_isa() if _ext is not None else "unavailable"
 
 
 def supported_kernels() -> list[str]:
