@@ -7,6 +7,8 @@ Systems, all on the default model's Q4_1 GGUF (SmolLM2-135M-Instruct from ``llm-
     tokenmill-q4_1-fp32kv  the same with --kv-cache-dtype fp32 (the default before the fp16 pool)
     tokenmill-q4_1-avx512vnni, tokenmill-q4_1-avx2  the same with the integer kernel set pinned
                      (TOKENMILL_QUANT_KERNELS), to compare the sets of a CPU that runs both
+    tokenmill-q4_1-kvpf-t0  the same with the KV prefetched by prefetcht0, as before the nineteenth
+                     landing (TOKENMILL_KV_PREFETCH_T0=1)
     tokenmill-int8   tokenmill serve --quantization int8  (the dequantized weights, int8 per channel)
     tokenmill-fp32   tokenmill serve --quantization none  (the dequantized weights in fp32)
     llama-server     llama.cpp's C++ server, 16 parallel slots, continuous batching
@@ -49,11 +51,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import PeerNotInstalled, PeerServer, default_gguf, start_llama_server  # noqa: E402
 
 SYSTEMS = ("tokenmill-q4_1", "tokenmill-q4_1-fp32kv", "tokenmill-q4_1-avx512vnni", "tokenmill-q4_1-avx2",
-           "tokenmill-int8", "tokenmill-fp32", "llama-server")
+           "tokenmill-q4_1-kvpf-t0", "tokenmill-int8", "tokenmill-fp32", "llama-server")
 QUANT = {"tokenmill-q4_1": "auto", "tokenmill-q4_1-fp32kv": "auto", "tokenmill-q4_1-avx512vnni": "auto",
-         "tokenmill-q4_1-avx2": "auto", "tokenmill-int8": "int8", "tokenmill-fp32": "none"}
-# these rows pin the integer kernel set (TOKENMILL_QUANT_KERNELS) instead of the CPU's default
-KERNEL_SET = {"tokenmill-q4_1-avx512vnni": "avx512vnni", "tokenmill-q4_1-avx2": "avx2"}
+         "tokenmill-q4_1-avx2": "auto", "tokenmill-q4_1-kvpf-t0": "auto", "tokenmill-int8": "int8",
+         "tokenmill-fp32": "none"}
+# these rows run with a switch in the environment: the integer kernel set pinned
+# (TOKENMILL_QUANT_KERNELS) instead of the CPU's default, or the KV prefetched with prefetcht0
+SYSTEM_ENV = {"tokenmill-q4_1-avx512vnni": {"TOKENMILL_QUANT_KERNELS": "avx512vnni"},
+              "tokenmill-q4_1-avx2": {"TOKENMILL_QUANT_KERNELS": "avx2"},
+              "tokenmill-q4_1-kvpf-t0": {"TOKENMILL_KV_PREFETCH_T0": "1"}}
 # the KV pool: auto (fp16 for packed weights, llama-server's f16 bytes; fp32 for tokenmill-fp32);
 # this row keeps the Q4_1 weights on an fp32 pool, the default before
 KV_DTYPE = {"tokenmill-q4_1-fp32kv": "fp32"}
@@ -212,8 +218,7 @@ def start_tokenmill(quantization: str, gguf: Path, threads: int, log_dir: Path, 
             "--max-batch-tokens", "512", "--log-level", "warning", "--kv-cache-dtype", kv_dtype]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     name = name or f"tokenmill-{quantization}"
-    if name in KERNEL_SET:
-        env["TOKENMILL_QUANT_KERNELS"] = KERNEL_SET[name]
+    env.update(SYSTEM_ENV.get(name, {}))
     srv = PeerServer(name, argv, port, "smollm2", log_dir / f"{name}.log", env)
     return srv.start(900)
 
@@ -343,6 +348,10 @@ def _report(results: dict[str, Any]) -> None:
         cells = ", ".join(f"{c} {ratio('tokenmill-q4_1-avx2', 'tokenmill-q4_1-avx512vnni', c)}"
                           for c in ("decode_tok_s@128", "decode_tok_s@2048", "prefill_tok_s@1000", "conc16_total_tok_s"))
         print(f"  q4_1 kernel set avx2 / avx512vnni: {cells}")
+    if "tokenmill-q4_1-kvpf-t0" in S:
+        print(f"  q4_1 KV prefetch t1 / t0: decode @128 {ratio('tokenmill-q4_1', 'tokenmill-q4_1-kvpf-t0', 'decode_tok_s@128')}"
+              f"   @2048: {ratio('tokenmill-q4_1', 'tokenmill-q4_1-kvpf-t0', 'decode_tok_s@2048')}"
+              f"   16 x 512/64: {ratio('tokenmill-q4_1', 'tokenmill-q4_1-kvpf-t0', 'conc16_total_tok_s')}")
     print(f"  int8 / fp32 decode @128: {ratio('tokenmill-int8', 'tokenmill-fp32', 'decode_tok_s@128')}   (aim >= 2.5x)")
     print(f"  q4_1 / fp32 prefill: {ratio('tokenmill-q4_1', 'tokenmill-fp32', 'prefill_tok_s@1000')}   "
           f"int8 / fp32 prefill: {ratio('tokenmill-int8', 'tokenmill-fp32', 'prefill_tok_s@1000')}   (aim >= 0.95x)")

@@ -55,6 +55,16 @@
 #define MAX_QVEC TM_ATTENTION_MAX_GROUP   /* query vectors (rows x heads of one group) in one task */
 #define MAX_HEAD_DIM TM_ATTENTION_MAX_HEAD_DIM
 #define SPLIT_KEYS 1024  /* keys per split-K chunk of a long decode */
+/* How K/V lines are asked for ahead of use: prefetcht1 (into L2). On Zen 4 a decode reading its
+ * KV from DRAM took 46 ns per key and kv head with prefetcht0 and 23 ns with t1 (t2 the same;
+ * docs/benchmarks.md, "A Zen 4 host"): a prefetcht0 holds one of the few L1 miss buffers until its
+ * line arrives. TOKENMILL_KV_PREFETCH_T0=1 asks with prefetcht0 as before (an A/B switch, read at
+ * each call like the kernel switches below). */
+static int g_kv_pf_t0;
+static inline void kv_prefetch(const char *p) {
+    if (g_kv_pf_t0) __builtin_prefetch(p, 0, 3);
+    else __builtin_prefetch(p, 0, 2);
+}
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 4 /* key blocks requested ahead of use (see prefetch_keys) */
 #endif
@@ -152,8 +162,8 @@ static inline void prefetch_keys(const Problem *P, const int64_t *table, int kvh
         const int64_t off = offs[j - b0];
         const char *k = (const char *)P->kc + off * esz, *v = (const char *)P->vc + off * esz;
         for (size_t c = 0; c < bytes; c += 64) {
-            __builtin_prefetch(k + c, 0, 3);
-            __builtin_prefetch(v + c, 0, 3);
+            kv_prefetch(k + c);
+            kv_prefetch(v + c);
         }
       }
     }
@@ -939,8 +949,8 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
                         for (int e = j; e < j + 4 && e < pfn; e++) {
                             const char *kk = (const char *)P->kc + pfo[e] * esz, *vv = (const char *)P->vc + pfo[e] * esz;
                             for (size_t c = 0; c < (size_t)D * esz; c += 64) {
-                                _mm_prefetch(kk + c, _MM_HINT_T0);
-                                _mm_prefetch(vv + c, _MM_HINT_T0);
+                                kv_prefetch(kk + c);
+                                kv_prefetch(vv + c);
                             }
                         }
                     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -1318,8 +1328,8 @@ static inline void prefetch_rows(const Problem *P, const int64_t *off, int n, si
     for (int j = 0; j < n; j++) {
         const char *k = (const char *)P->kc + off[j] * esz, *v = (const char *)P->vc + off[j] * esz;
         for (size_t c = 0; c < bytes; c += 64) {
-            __builtin_prefetch(k + c, 0, 3);
-            __builtin_prefetch(v + c, 0, 3);
+            kv_prefetch(k + c);
+            kv_prefetch(v + c);
         }
     }
 }
@@ -1812,6 +1822,7 @@ typedef struct {
 static Kernels pick_kernels(const Problem *P) {
     const int D = P->d;
     const int no512 = getenv("TOKENMILL_NO_AVX512") != NULL;
+    g_kv_pf_t0 = getenv("TOKENMILL_KV_PREFETCH_T0") != NULL;
     Kernels k;
     k.vec = have_avx2() && D % 8 == 0 && D <= MAX_HEAD_DIM;
     k.vec512 = k.vec && have_avx512() && D % 16 == 0 && !no512;

@@ -197,6 +197,7 @@ typedef struct {
     int num_seqs, page_size, kv_kind, nt;   /* kv_kind: TM_KV_* (attention.h) */
     int kv_prefetch;                        /* prefetch each layer's KV during the matmuls before it */
     int static_rows;                        /* split each matmul's rows evenly up front (no claiming) */
+    int kv_pf_t0;                           /* that prefetch with prefetcht0 (else t1: into L2) */
 } Step;
 
 /* scratch: x [M,H], qkv [M,qn], att [M,hq*d], tmp [M,H], gu [M,2I], act [M,I] */
@@ -260,7 +261,9 @@ static int env_flag(const char *name) {
  * and leave read bandwidth unused, so each thread prefetches its share of the next layer's KV
  * lines while it runs them, spread evenly over its slices of PF_SLICE output rows (layer 0's
  * over its qkv matmul). Spreading them over the next layer's qkv as well measured no better.
- * A prefetch changes no result. TOKENMILL_NO_KV_PREFETCH=1 turns it off (A/B runs). */
+ * A prefetch changes no result. TOKENMILL_NO_KV_PREFETCH=1 turns it off (A/B runs). The lines are
+ * asked for with prefetcht1 (into L2), as in the attention kernel (TOKENMILL_KV_PREFETCH_T0=1:
+ * prefetcht0, for both). */
 #define PF_SLICE 16
 
 typedef struct {
@@ -291,7 +294,8 @@ static void kvpf_walk(KvPf *p, const Step *S, int64_t n, int issue) {
         const int64_t left = (bytes - p->off + 63) / 64, k = n < left ? n : left;
         if (issue) {
             const char *base = p->pool[p->kv] + S->bt[p->s * S->bt_stride + p->j] * S->page_size * p->bpt + p->off;
-            for (int64_t i = 0; i < k; i++) __builtin_prefetch(base + 64 * i, 0, 3);
+            if (S->kv_pf_t0) for (int64_t i = 0; i < k; i++) __builtin_prefetch(base + 64 * i, 0, 3);
+            else for (int64_t i = 0; i < k; i++) __builtin_prefetch(base + 64 * i, 0, 2);
         }
         p->off += 64 * k;
         n -= k;
@@ -586,7 +590,8 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     Step S = {M, H, hq, hkv, d, inter, eps, scale, PTR(const float *, cos), PTR(const float *, sin),
               PTR(const int64_t *, slots), PTR(const int64_t *, bt), PTR(const int64_t *, qsl),
               PTR(const int64_t *, sl), bt_stride, num_seqs, page_size, kv_kind, nt < 1 ? 1 : nt,
-              !env_flag("TOKENMILL_NO_KV_PREFETCH"), env_flag("TOKENMILL_STATIC_ROWS")};
+              !env_flag("TOKENMILL_NO_KV_PREFETCH"), env_flag("TOKENMILL_STATIC_ROWS"),
+              env_flag("TOKENMILL_KV_PREFETCH_T0")};
     const int64_t *tab = PTR(const int64_t *, table);
     if (check_layers(tab, L, &S)) return NULL;
     const Head hd = {PTR(const int64_t *, head), PTR(const float *, norm), PTR(const int64_t *, idx), n_out,
