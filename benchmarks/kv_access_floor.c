@@ -15,16 +15,21 @@
  *   heads per block blocks of BLK keys (compile with -DBLK=n, default 64), within a block one head
  *                   at a time (the order a kernel gets by interleaving its head tasks per block).
  *
- * Build and run (one thread; arguments: context length, and a software prefetch distance in keys
- * for the per-head order, 0 = none):
+ * Build and run (one thread; arguments: context length, a software prefetch distance in keys
+ * for the per-head order, 0 = none, and the prefetch instruction: t0, t1, t2 or nta, default t0):
  *
  *     gcc -O2 -mavx2 -o /tmp/kv_access_floor benchmarks/kv_access_floor.c
  *     /tmp/kv_access_floor 2048 0
+ *     for h in t0 t1 t2 nta; do /tmp/kv_access_floor 16384 64 $h; done
+ *
+ * (The last line is how the attention kernel's prefetcht1 was chosen in the nineteenth landing:
+ * docs/benchmarks.md, "A Zen 4 host".)
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #define PS 16
@@ -60,8 +65,14 @@ __attribute__((target("avx2"))) static __m256i add_row(__m256i acc, const uint16
 
 __attribute__((target("avx2"))) int main(int argc, char **argv) {
     const int ctx = argc > 1 ? atoi(argv[1]) : 2048, pf = argc > 2 ? atoi(argv[2]) : 0, pages = ctx / PS;
+    const char *hint = argc > 3 ? argv[3] : "t0";
     if (ctx < PS || ctx % PS) {
         fprintf(stderr, "the context must be a positive multiple of %d\n", PS);
+        return 2;
+    }
+    const int hi = !strcmp(hint, "t0") ? 0 : !strcmp(hint, "t1") ? 1 : !strcmp(hint, "t2") ? 2 : !strcmp(hint, "nta") ? 3 : -1;
+    if (hi < 0) {
+        fprintf(stderr, "the prefetch instruction must be t0, t1, t2 or nta, not %s\n", hint);
         return 2;
     }
     const size_t per = (size_t)(pages + 8) * PS * H * D;
@@ -88,8 +99,8 @@ __attribute__((target("avx2"))) int main(int argc, char **argv) {
         }
     }
     const double n = (double)L * ctx * H;
-    printf("context %d, %d layers, 2-byte elements, prefetch %d keys ahead (per head); ns per key and kv head\n",
-           ctx, L, pf);
+    printf("context %d, %d layers, 2-byte elements, prefetch%s %d keys ahead (per head); ns per key and kv head\n",
+           ctx, L, hint, pf);
     for (int rep = 0; rep < 3; rep++) {
         __m256i acc = _mm256_setzero_si256();
         double t0 = now();
@@ -101,8 +112,13 @@ __attribute__((target("avx2"))) int main(int argc, char **argv) {
                     if (pf && j + pf < ctx) {
                         const size_t o = row(tab[l], j + pf, h);
                         for (int c = 0; c < D * 2; c += 64) {
-                            _mm_prefetch((const char *)(K[l] + o) + c, _MM_HINT_T0);
-                            _mm_prefetch((const char *)(V[l] + o) + c, _MM_HINT_T0);
+                            const char *kp = (const char *)(K[l] + o) + c, *vp = (const char *)(V[l] + o) + c;
+                            switch (hi) {
+                            case 0: _mm_prefetch(kp, _MM_HINT_T0); _mm_prefetch(vp, _MM_HINT_T0); break;
+                            case 1: _mm_prefetch(kp, _MM_HINT_T1); _mm_prefetch(vp, _MM_HINT_T1); break;
+                            case 2: _mm_prefetch(kp, _MM_HINT_T2); _mm_prefetch(vp, _MM_HINT_T2); break;
+                            default: _mm_prefetch(kp, _MM_HINT_NTA); _mm_prefetch(vp, _MM_HINT_NTA); break;
+                            }
                         }
                     }
                     const size_t o = row(tab[l], j, h);

@@ -246,8 +246,9 @@ def test_fused_decode_is_the_same_bits_on_any_thread_count(packed, kernel, name,
 def test_kv_prefetch_changes_no_bits(packed, name, kv_dtype, monkeypatch):
     """decoder.c prefetches each layer's KV pages during the previous layer's gate_up and down,
     cutting those matmuls into slices of output rows. Neither may change a result: with the
-    prefetch on and off (TOKENMILL_NO_KV_PREFETCH), on 1 and 3 threads, the logits and the KV
-    pages are identical."""
+    prefetch on and off (TOKENMILL_NO_KV_PREFETCH), and with prefetcht0 instead of prefetcht1
+    there and in the attention kernel (TOKENMILL_KV_PREFETCH_T0), on 1 and 3 threads, the
+    logits and the KV pages are identical."""
     model = packed[name].model
     steps = STEPS if "fp32" not in name else [s for s in STEPS if sum(n for _, n in s) <= _row_limit(name)]
     before = torch.get_num_threads()
@@ -255,8 +256,9 @@ def test_kv_prefetch_changes_no_bits(packed, name, kv_dtype, monkeypatch):
     try:
         for nt in (1, 3):
             torch.set_num_threads(nt)
-            for off in ("", "1"):
+            for off, t0 in (("", ""), ("1", ""), ("", "1")):
                 monkeypatch.setenv("TOKENMILL_NO_KV_PREFETCH", off)
+                monkeypatch.setenv("TOKENMILL_KV_PREFETCH_T0", t0)
                 logits, kv, _, ran = _run(model, True, kv_dtype, steps=steps)
                 assert any(ran)
                 runs.append((logits, [c.data if isinstance(c, FP8Pages) else c for c in kv]))

@@ -1822,7 +1822,8 @@ typedef struct {
 static Kernels pick_kernels(const Problem *P) {
     const int D = P->d;
     const int no512 = getenv("TOKENMILL_NO_AVX512") != NULL;
-    g_kv_pf_t0 = getenv("TOKENMILL_KV_PREFETCH_T0") != NULL;
+    const char *pf_t0 = getenv("TOKENMILL_KV_PREFETCH_T0");   /* set, non-empty and not "0", as decoder.c reads it */
+    g_kv_pf_t0 = pf_t0 && *pf_t0 && strcmp(pf_t0, "0") != 0;
     Kernels k;
     k.vec = have_avx2() && D % 8 == 0 && D <= MAX_HEAD_DIM;
     k.vec512 = k.vec && have_avx512() && D % 16 == 0 && !no512;
