@@ -97,7 +97,7 @@ static int best_isa(void) {
 
 /* AMD family 19h with AVX-512: Zen 4, whose AVX-512 runs on 256-bit units (a 512-bit operation
  * takes two passes), so the 512-bit kernels gain no width there and their multi-row tiles lose to
- * the 256-bit ones (docs/benchmarks.md: the default model decodes 1.05x-1.19x faster on avx2 for
+ * the 256-bit ones (docs/benchmarks.md: the default model decodes 1.06x-1.19x faster on avx2 for
  * 1 to 8 rows). Zen 3 is family 19h too but has no AVX-512; Zen 5 (family 1Ah) has full-width units. */
 static int amd_family_19h(void) {
 #if TM_X86 && defined(__GNUC__)
