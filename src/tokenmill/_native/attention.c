@@ -57,8 +57,8 @@
 #define SPLIT_KEYS 1024  /* keys per split-K chunk of a long decode */
 /* How K/V lines are asked for ahead of use: prefetcht1 (into L2). On Zen 4 a decode reading its
  * KV from DRAM took 46 ns per key and kv head with prefetcht0 and 23 ns with t1 (t2 the same;
- * docs/benchmarks.md, "A Zen 4 host"): a prefetcht0 holds one of the few L1 miss buffers until its
- * line arrives. TOKENMILL_KV_PREFETCH_T0=1 asks with prefetcht0 as before (an A/B switch, read at
+ * docs/benchmarks.md, "A Zen 4 host"), likely because a prefetcht0 holds one of the few L1 miss
+ * buffers until its line arrives. TOKENMILL_KV_PREFETCH_T0=1 asks with prefetcht0 as before (an A/B switch, read at
  * each call like the kernel switches below). */
 static int g_kv_pf_t0;
 static inline void kv_prefetch(const char *p) {
