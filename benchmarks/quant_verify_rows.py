@@ -87,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--paths takes {', '.join(limits)}, got {args.paths}")
     print(f"load average at start {os.getloadavg()[0]:.2f}; {args.threads} thread(s); kernel sets {kernels}; "
           f"fused decode path: {fused}; context {args.context}; paths {paths}")
-    served = {k: packed.GEMV_MAX_ROWS_BY_KERNEL.get(k.split(":")[-1]) for k in kernels}
+    served = {}
+    for k in kernels:   # packed.gemv_max_rows() under each set (the per-set value, or the wide-GEMM one)
+        before_k = native.kernel()
+        native.set_kernel(k.split(":")[-1])
+        served[k] = packed.gemv_max_rows()
+        native.set_kernel(before_k)
     steps: dict[tuple[str, int], list[float]] = {}
     before = native.kernel()
     try:

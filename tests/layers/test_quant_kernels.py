@@ -168,6 +168,12 @@ def test_kernel_is_chosen_from_the_cpu():
         assert native.default_kernel() == ("avxvnni" if "avxvnni" in KERNELS else "avx2")
     elif vendor:
         assert native.default_kernel() == native.best_kernel()
+    # ... and there an AVX-512 GEMM is no wider than an AVX2 one, so the row limit is an AVX2 machine's
+    if vendor:
+        half = vendor == "AuthenticAMD" and family == 0x19 and "avx512f" in flags
+        assert native.avx512_half_width() == half
+        if half:
+            assert not packed._wide_gemm() and gemv_max_rows() == packed.GEMV_MAX_ROWS_BY_KERNEL[native.kernel()]
 
 
 def test_kernel_set_from_the_environment():

@@ -1745,6 +1745,17 @@ static PyObject *py_best_isa(PyObject *self, PyObject *args) { return PyUnicode_
 
 static PyObject *py_default_isa(PyObject *self, PyObject *args) { return PyUnicode_FromString(isa_names[default_isa()]); }
 
+/* whether this CPU's AVX-512 runs on 256-bit units (Zen 4): then an AVX-512 GEMM is no wider than an
+ * AVX2 one, and the integer kernels' row limit is that of an AVX2 machine (packed.gemv_max_rows) */
+static PyObject *py_avx512_half_width(PyObject *self, PyObject *args) {
+    best_isa();
+#if TM_X86 && defined(__GNUC__)
+    return PyBool_FromLong(__builtin_cpu_supports("avx512f") && amd_family_19h());
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyObject *py_supported_isas(PyObject *self, PyObject *args) {
     best_isa();
     PyObject *out = PyList_New(0);
@@ -1791,6 +1802,7 @@ static PyMethodDef methods[] = {
     {"isa", py_isa, METH_NOARGS, "kernel set in use"},
     {"best_isa", py_best_isa, METH_NOARGS, "best kernel set this CPU supports"},
     {"default_isa", py_default_isa, METH_NOARGS, "kernel set chosen for this CPU at start-up"},
+    {"avx512_half_width", py_avx512_half_width, METH_NOARGS, "AVX-512 on 256-bit units (Zen 4)"},
     {"supported_isas", py_supported_isas, METH_NOARGS, "kernel sets this CPU supports"},
     {"set_isa", py_set_isa, METH_VARARGS, "choose the kernel set (any this CPU supports)"},
     {NULL, NULL, 0, NULL}};

@@ -60,6 +60,12 @@ def default_kernel() -> str:
     return _ext.default_isa() if _ext is not None else "unavailable"
 
 
+def avx512_half_width() -> bool:
+    """Whether this CPU runs AVX-512 on 256-bit units (AMD's Zen 4): a 512-bit instruction takes
+    two passes, so AVX-512 code is no wider than AVX2 code there."""
+    return bool(_ext.avx512_half_width()) if _ext is not None else False
+
+
 def supported_kernels() -> list[str]:
     """Every kernel set this CPU runs ("scalar", "avx2", "avxvnni", "avx512vnni"), worst first."""
     return list(_ext.supported_isas()) if _ext is not None else []

@@ -86,13 +86,16 @@ _WIDE_GEMM: bool | None = None
 
 
 def _wide_gemm() -> bool:
-    """Whether the fp32 GEMM runs AVX-512 here: torch's CPU capability, capped by oneDNN's own
-    ``ONEDNN_MAX_CPU_ISA`` (``DNNL_MAX_CPU_ISA``) when set. Decided once."""
+    """Whether the fp32 GEMM runs AVX-512 at full width here: torch's CPU capability, capped by
+    oneDNN's own ``ONEDNN_MAX_CPU_ISA`` (``DNNL_MAX_CPU_ISA``) when set, and not on a CPU whose
+    AVX-512 runs on 256-bit units (Zen 4: there the avx2 kernels beat dequantize + GEMM up to 28
+    rows, as on an AVX2 machine; docs/benchmarks.md, "A Zen 4 host"). Decided once."""
     global _WIDE_GEMM
     if _WIDE_GEMM is None:
         cap = torch.backends.cpu.get_cpu_capability().upper()
         cap_env = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
-        _WIDE_GEMM = cap.startswith("AVX512") and (cap_env == "ALL" or cap_env.startswith(("AVX512", "AVX10")))
+        _WIDE_GEMM = (cap.startswith("AVX512") and (cap_env == "ALL" or cap_env.startswith(("AVX512", "AVX10")))
+                      and not native.avx512_half_width())
     return _WIDE_GEMM
 
 
