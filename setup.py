@@ -23,7 +23,8 @@ HEADERS = ["src/tokenmill/_native/attention.h", "src/tokenmill/_native/quant.h"]
 NATIVE_MODULES = {
     # module name -> C sources (relative to this file)
     "tokenmill._native._attention": ["src/tokenmill/_native/attention.c"],
-    "tokenmill._native._quant": ["src/tokenmill/_native/quant.c", "src/tokenmill/_native/decoder.c"],
+    "tokenmill._native._quant": ["src/tokenmill/_native/quant.c", "src/tokenmill/_native/decoder.c",
+                                "src/tokenmill/_native/qgemm.c"],
     "tokenmill._native._sampling": ["src/tokenmill/_native/sampling.c"],
 }
 

@@ -16,6 +16,7 @@ from tokenmill.layers.attention import ForwardContext, select_attention_backend
 from tokenmill.layers.linear import DenseLinear
 from tokenmill.engine.config import resolve_kv_dtype
 from tokenmill.layers.quant.methods import packed_weights, weight_bytes
+from tokenmill.layers.quant import packed
 from tokenmill.layers.quant.packed import Int4Linear, Int8Linear, fp32_activations, int16_activations
 from tokenmill.loader import build_hf_reference, load_model
 
@@ -125,25 +126,44 @@ def held_out(q4) -> tuple[list[int], torch.Tensor]:
         return ids, _teacher_forced(q4.model, "float32", ids)
 
 
-def test_int16_activations_teacher_forced_agreement_over_2000_tokens(q4, held_out, capsys):
-    """The held-out tokens teacher-forced through the int16-activation kernel against fp32
-    activations (both on an fp32 pool)."""
-    ids, ref = held_out
-    with int16_activations():
-        got = _teacher_forced(q4.model, "float32", ids)
+def _agreement(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    """Top-1 agreement and KL(ref || got) mean / max (nats) over the rows, 250 at a time."""
     agree, kl_sum, kl_max = 0, 0.0, 0.0
-    for s in range(0, 2000, 250):
+    for s in range(0, len(ref), 250):
         a, b = got[s:s + 250], ref[s:s + 250]
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         lp_b, lp_a = torch.log_softmax(b.double(), -1), torch.log_softmax(a.double(), -1)
         kl = (lp_b.exp() * (lp_b - lp_a)).sum(-1)
         kl_sum += float(kl.sum())
         kl_max = max(kl_max, float(kl.max()))
+    return agree / len(ref), kl_sum / len(ref), kl_max
+
+
+def test_int16_activations_teacher_forced_agreement_over_2000_tokens(q4, held_out, capsys):
+    """The held-out tokens teacher-forced with int16 activations against fp32 activations (both on
+    an fp32 pool), twice: through the decode kernels for every matmul, and through the tiled prefill
+    GEMM (``packed.prefill_gemm() == "int16"``: the default where its AVX-512 VNNI kernels run;
+    forced here, so the AVX2 kernels run it elsewhere). The two compute the same integer block sums
+    and differ only in float summation order."""
+    ids, ref = held_out
+    with int16_activations():
+        got = _teacher_forced(q4.model, "float32", ids)
+    packed.set_prefill_gemm("int16")
+    try:
+        tiled = _teacher_forced(q4.model, "float32", ids)
+    finally:
+        packed.set_prefill_gemm(None)
+    for name, out in (("decode kernels", got), ("tiled prefill GEMM", tiled)):
+        agree, kl_mean, kl_max = _agreement(out, ref)
+        with capsys.disabled():
+            print(f"\nint16 activations ({name}) vs fp32, teacher-forced 2000 tokens: top-1 agreement {agree:.4f}, "
+                  f"KL(fp32||int16) mean {kl_mean:.2e} max {kl_max:.2e} nats")
+        assert agree >= 0.99
+        assert kl_mean < 0.01
+    gap = float((tiled - got).abs().max())
     with capsys.disabled():
-        print(f"\nint16 activations vs fp32, teacher-forced 2000 tokens: top-1 agreement {agree / 2000:.4f}, "
-              f"KL(fp32||int16) mean {kl_sum / 2000:.2e} max {kl_max:.2e} nats")
-    assert agree / 2000 >= 0.99
-    assert kl_sum / 2000 < 0.01
+        print(f"tiled prefill GEMM vs decode kernels: max |dlogit| {gap:.2e}")
+    assert gap < 2e-3 * float(ref.abs().max())
 
 
 def test_int8_from_fp32_weights_and_fallback_without_kernels(monkeypatch, caplog, tiny_dir):

@@ -4,7 +4,9 @@ Error bounds (documented in docs/quantization.md):
 - dequantization is exact up to one float rounding (fma vs. multiply-then-add): |err| <= 2^-22 |w|max;
 - the int16-activation kernel (<= gemv_max_rows() rows) equals dequant(W) @ dequant(q16(x))^T up to float
   summation order: |err| <= 1e-5 * sum_k |w_nk * xhat_mk| + 1e-6;
-- the many-rows path keeps fp32 activations and equals x @ dequant(W)^T within the same bound.
+- the many-rows path (packed.prefill_gemm()) is either the tiled integer GEMM, which equals
+  dequant(W) @ dequant(q16(x))^T within the same bound, or dequantize + fp32 GEMM, which keeps fp32
+  activations and equals x @ dequant(W)^T within it.
 """
 from __future__ import annotations
 
@@ -55,6 +57,18 @@ def q16_reference(x: torch.Tensor) -> torch.Tensor:
     return (q * d).view(m, kp)[:, :k]
 
 
+def _prefill_x(x: torch.Tensor) -> torch.Tensor:
+    """The activations a matmul of more than gemv_max_rows() rows computes with."""
+    return q16_reference(x) if packed.prefill_gemm() == "int16" else x
+
+
+@pytest.fixture(params=["int16", "fp32"])
+def prefill(request) -> Iterator[str]:
+    packed.set_prefill_gemm(request.param)
+    yield request.param
+    packed.set_prefill_gemm(None)
+
+
 def _methods(w: torch.Tensor, group: int):
     return {"int4-asym": Int4Linear.from_float(w, group), "int4-sym": Int4Linear.from_float(w, group, symmetric=True),
             "int8-channel": Int8Linear.from_float(w), "int8-group": Int8Linear.from_float(w, group),
@@ -75,7 +89,7 @@ def _check(y: torch.Tensor, x_used: torch.Tensor, wd: torch.Tensor, bias: torch.
 
 
 @pytest.mark.parametrize("n,k,group", SHAPES)
-def test_kernels_match_dequantize_then_matmul(kernel, n, k, group):
+def test_kernels_match_dequantize_then_matmul(kernel, prefill, n, k, group):
     gen = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=gen) * 0.1
     limit = gemv_max_rows()  # the kernel set's own crossover
@@ -85,14 +99,14 @@ def test_kernels_match_dequantize_then_matmul(kernel, n, k, group):
         for m in sorted({r for r in (1, 2, 3, 5, limit) if r <= limit}):  # the int16-activation kernel
             x = torch.randn(m, k, generator=gen) * 3
             _check(method(x), q16_reference(x), wd)
-        for m in (limit + 1, limit + 24):  # dequantize + fp32 GEMM
+        for m in (limit + 1, limit + 24):  # the prefill GEMM (int16 tiles or dequantize + fp32)
             x = torch.randn(m, k, generator=gen)
-            _check(method(x), x, wd)
+            _check(method(x), _prefill_x(x), wd)
         bias = torch.randn(n, generator=gen)
         x = torch.randn(3, k, generator=gen)
         _check(method(x, bias), q16_reference(x), wd, bias)
         x = torch.randn(limit + 3, k, generator=gen)
-        _check(method(x, bias), x, wd, bias)
+        _check(method(x, bias), _prefill_x(x), wd, bias)
 
 
 def test_zero_rows_compute_nothing(kernel):
@@ -239,6 +253,14 @@ def test_bad_layouts_are_refused():
 def test_prefill_gemm_reuses_one_scratch_buffer_without_stale_weights():
     """The prefill path dequantizes every matrix into the same scratch buffer before the fp32 GEMM
     (oneDNN's when available): each call must see its own weights."""
+    packed.set_prefill_gemm("fp32")
+    try:
+        _scratch_reuse()
+    finally:
+        packed.set_prefill_gemm(None)
+
+
+def _scratch_reuse() -> None:
     gen = torch.Generator().manual_seed(21)
     x = torch.randn(gemv_max_rows() + 9, 96, generator=gen)
     mats = [Int4Linear.from_float(torch.randn(40, 96, generator=gen), 32) for _ in range(3)]
@@ -293,9 +315,9 @@ def test_row_limit_override_moves_the_split(monkeypatch):
         packed.set_gemv_max_rows(3)
         assert gemv_max_rows() == 3
         _check(method(x[:3]), q16_reference(x[:3]), wd)   # 3 rows: still the integer kernel
-        _check(method(x), x, wd)                          # 4 rows: dequantize + fp32 GEMM
+        _check(method(x), _prefill_x(x), wd)              # 4 rows: the prefill GEMM
         packed.set_gemv_max_rows(0)
-        _check(method(x[:1]), x[:1], wd)                  # 0: every matmul dequantizes
+        _check(method(x[:1]), _prefill_x(x[:1]), wd)      # 0: every matmul takes the prefill GEMM
         for bad in (-1, 2.5, "8"):
             with pytest.raises(ValueError, match="non-negative integer"):
                 packed.set_gemv_max_rows(bad)  # type: ignore[arg-type]
@@ -375,3 +397,68 @@ def test_a_q4_row_has_the_same_bits_alone_or_with_others_on_avx2(n, k, group):
                     assert torch.equal(together[i], alone[0]), f"rows={m}, row {i}"
     finally:
         native.set_kernel(before)
+
+
+GEMMS = [k for k in native.GEMM_KERNELS
+         if k == "scalar" or (k == "avx2" and "avx2" in KERNELS) or (k == "avx512vnni" and "avx512vnni" in KERNELS)]
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+@pytest.mark.parametrize("n,k,group", [(7, 100, 32), (33, 576, 64), (5, 45, 32), (64, 1536, 128), (17, 300, 96),
+                                       (6, 544, 32), (4, 600, 608)])
+def test_tiled_prefill_gemm_matches_dequantize_then_matmul(gemm, n, k, group):
+    """The tiled integer GEMM (qgemm.c), each of its kernels, against dequant(W) @ dequant(q16(x))^T:
+    row counts that fill no tile, one tile, and a tile and a part (16 rows per AVX2 tile, 32 per
+    AVX-512 one), weight-row counts off the 6-row panel, every packed format, with and without bias."""
+    gen = torch.Generator().manual_seed(7 * n + k)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    bias = torch.randn(n, generator=gen)
+    for name, method in _methods(w, group).items():
+        wd = method.dequantize()
+        for m in (1, 5, 16, 33, 70):
+            x = torch.randn(m, k, generator=gen) * 3
+            y = torch.empty(m, n)
+            method._gemm_tiled(x, y, 0, 1, kernel=gemm)
+            _check(y, q16_reference(x), wd)
+            method._gemm_tiled(x, y, bias.data_ptr(), 1, kernel=gemm)
+            _check(y, q16_reference(x), wd, bias)
+
+
+def test_tiled_prefill_gemm_gives_the_same_bits_on_any_thread_count():
+    """A result of the tiled GEMM never depends on which thread computes it or how the weight rows
+    are shared out (every output is one tile's fixed sum order)."""
+    gen = torch.Generator().manual_seed(4)
+    method = Int4Linear.from_float(torch.randn(131, 320, generator=gen) * 0.1, 32)
+    x = torch.randn(75, 320, generator=gen)
+    for gemm in GEMMS:
+        outs = []
+        for threads in (1, 2, 3):
+            y = torch.empty(75, 131)
+            method._gemm_tiled(x, y, 0, threads, kernel=gemm)
+            outs.append(y)
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), gemm
+
+
+def test_prefill_gemm_is_chosen_from_the_cpu_and_can_be_set():
+    """auto: the tiled int16 GEMM where its AVX-512 VNNI kernels run, else dequantize + fp32 GEMM;
+    set_prefill_gemm and TOKENMILL_PREFILL_GEMM override it, and a bad value names its source."""
+    assert native.gemm_kernel() == ("avx512vnni" if "avx512vnni" in KERNELS else "avx2" if "avx2" in KERNELS else "scalar")
+    assert packed.prefill_gemm() == ("int16" if native.gemm_kernel() == "avx512vnni" else "fp32")
+    try:
+        for mode in ("int16", "fp32"):
+            packed.set_prefill_gemm(mode)
+            assert packed.prefill_gemm() == mode
+        with pytest.raises(ValueError, match="prefill GEMM must be one of"):
+            packed.set_prefill_gemm("bf16")
+    finally:
+        packed.set_prefill_gemm(None)
+    with pytest.raises(ValueError, match="unknown GEMM kernels"):
+        Int4Linear.from_float(torch.randn(6, 32), 32)._gemm_tiled(torch.randn(40, 32), torch.empty(40, 6), 0, 1,
+                                                                  kernel="sse9")
+    code = "from tokenmill.layers.quant import packed; print(packed.prefill_gemm())"
+    env = {**os.environ, packed.PREFILL_ENV: "fp32"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "fp32", out.stderr
+    env[packed.PREFILL_ENV] = "fp8"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and f"{packed.PREFILL_ENV} must be one of auto, int16, fp32, got 'fp8'" in out.stderr

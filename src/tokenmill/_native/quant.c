@@ -17,8 +17,10 @@
  * to nearest even) and each block is an integer dot product (weights widened to 16 bits, madd on
  * AVX2, dpwssd with AVX-VNNI). The result equals dequant(W) @ dequant(xq)^T up to float summation
  * order; xq keeps 16 bits where llama.cpp's Q8 activations keep 8, so the int16 path's logits stay
- * within ~1e-3 of fp32 activations (int8 activations flipped 3% of top-1 tokens on this model). Many rows (prefill): the Python side dequantizes W into fp32 with
- * dequant_* and runs torch's GEMM, which keeps activations in fp32.
+ * within ~1e-3 of fp32 activations (int8 activations flipped 3% of top-1 tokens on this model).
+ * Many rows (prefill): either the tiled integer GEMM of qgemm.c on the same int16 activations
+ * (gemm_tiled), or the Python side dequantizes W into fp32 with dequant_* and runs torch's GEMM,
+ * which keeps activations in fp32 (layers/quant/packed.py, prefill_gemm, chooses).
  *
  * Vector code is compiled through function target attributes and chosen at run time from
  * __builtin_cpu_supports (sets: avx2, avxvnni, avx512vnni; each checked on its own; the best one
@@ -1721,6 +1723,53 @@ static PyObject *py_dequant_s8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+void tmq_quantize_natural(const float *x, int64_t M, int64_t K, int16_t *xq, float *xd, float *xs) {
+#if TM_X86 && defined(__GNUC__)
+    if (isa() >= ISA_AVX2) { quantize_rows_avx2(x, M, K, xq, xd, xs); return; }
+#endif
+    quantize_rows(x, M, K, xq, xd, xs);
+}
+
+float tmq_load_scale(const void *p, int64_t i, int f16) { return load_scale(p, i, f16); }
+
+/* the prefill GEMM's kernels: the AVX-512 VNNI ones wherever the CPU has them (on Zen 4 too, where
+ * the decode kernels default to the 256-bit set: a GEMM tile keeps both halves of every 512-bit
+ * operation busy, and measured 1.7x the AVX2 tile there), else AVX2 (avx2 / avxvnni: no VEX-VNNI
+ * variant); portable when the kernel set in use is scalar */
+static int gemm_set(void) {
+    int s = isa();
+    if (s == ISA_SCALAR) return TMQ_GEMM_SCALAR;
+    return (best_isa(), g_supported & (1 << ISA_AVX512)) ? TMQ_GEMM_AVX512 : TMQ_GEMM_AVX2;
+}
+
+/* gemm_tiled(kind, x, M, K, qs, sc, mn, f16, N, group, bias, y, threads, set): the prefill GEMM
+ * (qgemm.c) for a u4 (kind 0) or s8 (kind 1) weight; set -1: the kernel set in use's, else a
+ * TMQ_GEMM_* value this CPU supports */
+static PyObject *py_gemm_tiled(PyObject *self, PyObject *args) {
+    unsigned long long x, qs, sc, mn, bias, y;
+    long long M, K, N, group;
+    int kind, f16, nt, set;
+    if (!PyArg_ParseTuple(args, "iKLLKKKiLLKKii", &kind, &x, &M, &K, &qs, &sc, &mn, &f16, &N, &group, &bias, &y, &nt, &set))
+        return NULL;
+    if ((kind != TMQ_U4 && kind != TMQ_S8) || M < 0 || K <= 0 || N < 0 || !check_group(K, group)) {
+        PyErr_Format(PyExc_ValueError, "gemm_tiled: bad arguments kind=%d M=%lld K=%lld N=%lld group=%lld", kind, M, K, N, group);
+        return NULL;
+    }
+    if (set < 0) set = gemm_set();
+    int need = set == TMQ_GEMM_AVX512 ? ISA_AVX512 : set == TMQ_GEMM_AVX2 ? ISA_AVX2 : ISA_SCALAR;
+    if (set > TMQ_GEMM_AVX512 || !(best_isa(), g_supported & (1 << need))) {
+        PyErr_Format(PyExc_ValueError, "gemm_tiled: kernel %d does not run on this CPU", set);
+        return NULL;
+    }
+    TmqMat w = {kind, PTR(const void *, qs), PTR(const void *, sc), PTR(const void *, mn), f16, N, K, group};
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = tmq_gemm_tiled(&w, PTR(const float *, x), M, PTR(const float *, bias), PTR(float *, y), nt, set);
+    Py_END_ALLOW_THREADS
+    if (err) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 /* quantize_act(x, M, K, xq, xd, xs): the activation quantizer alone (for tests) */
 static PyObject *py_quantize_act(PyObject *self, PyObject *args) {
     unsigned long long x, xq, xd, xs;
@@ -1738,6 +1787,11 @@ static PyObject *py_quantize_act(PyObject *self, PyObject *args) {
 }
 
 static const char *isa_names[ISA_COUNT] = {"scalar", "avx2", "avxvnni", "avx512vnni"};
+
+static PyObject *py_gemm_isa(PyObject *self, PyObject *args) {
+    static const char *names[] = {"scalar", "avx2", "avx512vnni"};
+    return PyUnicode_FromString(names[gemm_set()]);
+}
 
 static PyObject *py_isa(PyObject *self, PyObject *args) { return PyUnicode_FromString(isa_names[isa()]); }
 
@@ -1791,6 +1845,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"gemm_u4", py_gemm_u4, METH_VARARGS, "y[M,N] = x[M,K] @ W_u4^T (+bias), int16 activations"},
     {"gemm_s8", py_gemm_s8, METH_VARARGS, "y[M,N] = x[M,K] @ W_s8^T (+bias), int16 activations"},
+    {"gemm_tiled", py_gemm_tiled, METH_VARARGS, "y[M,N] = x[M,K] @ W^T (+bias): the prefill GEMM, int16 activations"},
     {"dequant_u4", py_dequant_u4, METH_VARARGS, "fp32 [N,K] of a u4 weight"},
     {"dequant_s8", py_dequant_s8, METH_VARARGS, "fp32 [N,K] of an s8 weight"},
     {"quantize_act", py_quantize_act, METH_VARARGS, "int16 block quantization of activations"},
@@ -1800,6 +1855,7 @@ static PyMethodDef methods[] = {
     {"f16_quantize", tmq_py_f16_quantize, METH_VARARGS, "decode_layers' fp16 KV write of n floats (for tests)"},
     {"decode_profile", tmq_py_decode_profile, METH_VARARGS, "phase timers of decode_layers: (on) -> seconds so far"},
     {"isa", py_isa, METH_NOARGS, "kernel set in use"},
+    {"gemm_isa", py_gemm_isa, METH_NOARGS, "kernels of the prefill GEMM (gemm_tiled) by default"},
     {"best_isa", py_best_isa, METH_NOARGS, "best kernel set this CPU supports"},
     {"default_isa", py_default_isa, METH_NOARGS, "kernel set chosen for this CPU at start-up"},
     {"avx512_half_width", py_avx512_half_width, METH_NOARGS, "AVX-512 on 256-bit units (Zen 4)"},

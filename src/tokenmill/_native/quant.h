@@ -33,6 +33,15 @@ void tmq_act_free(void *act);
 /* 1 when the matrix description is one the kernels take. */
 int tmq_check_mat(const TmqMat *w);
 
+/* The prefill GEMM (qgemm.c): y[M, N] = x[M, K] @ W^T (+ bias) for TMQ_U4 / TMQ_S8 with the int16
+ * activations of tmq_matmul, register-tiled over x rows; `set` is one of TMQ_GEMM_*. 0 or -1 (no memory). */
+enum { TMQ_GEMM_SCALAR = 0, TMQ_GEMM_AVX2 = 1, TMQ_GEMM_AVX512 = 2 };
+int tmq_gemm_tiled(const TmqMat *w, const float *x, int64_t M, const float *bias, float *y, int nt, int set);
+/* quant.c's helpers for qgemm.c: the activation quantizer of the kernel set in use (x [M, K] ->
+ * xq [M, Kp] int16, block scales xd [M, Kp/32], xs = xd * sum(xq)), and a weight scale */
+void tmq_quantize_natural(const float *x, int64_t M, int64_t K, int16_t *xq, float *xd, float *xs);
+float tmq_load_scale(const void *p, int64_t i, int f16);
+
 /* decoder.c's Python bindings, listed in quant.c's method table */
 #include <Python.h>
 PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args);

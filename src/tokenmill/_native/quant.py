@@ -92,6 +92,26 @@ def gemm_s8(*args) -> None:
     _need().gemm_s8(*args)
 
 
+GEMM_KERNELS = ("scalar", "avx2", "avx512vnni")   # gemm_tiled's kernel argument indexes these
+
+
+def gemm_kernel() -> str:
+    """The kernels :func:`gemm_tiled` uses by default: "avx512vnni" wherever the CPU has AVX-512
+    VNNI (Zen 4 included), else "avx2", or "scalar" while the kernel set in use is scalar; or
+    "unavailable"."""
+    return _ext.gemm_isa() if _ext is not None else "unavailable"
+
+
+def gemm_tiled(kind: int, *args, kernel: str | None = None) -> None:
+    """``gemm_tiled(kind, x, M, K, qs, scales, mins_or_0, scales_f16, N, group, bias_or_0, y, threads)``:
+    the prefill GEMM (``qgemm.c``) for a u4 (``kind`` 0) or s8 (1) weight, with the decode
+    kernels' int16 activations; ``kernel`` one of :data:`GEMM_KERNELS` this CPU runs (default:
+    :func:`gemm_kernel`)."""
+    if kernel is not None and kernel not in GEMM_KERNELS:
+        raise ValueError(f"unknown GEMM kernels {kernel!r} (one of {', '.join(GEMM_KERNELS)})")
+    _need().gemm_tiled(kind, *args, -1 if kernel is None else GEMM_KERNELS.index(kernel))
+
+
 def dequant_u4(*args) -> None:
     """``dequant_u4(qs, scales, mins, scales_f16, N, K, group, out, threads)``."""
     _need().dequant_u4(*args)

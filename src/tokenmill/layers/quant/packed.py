@@ -19,9 +19,16 @@ How a matmul runs:
   choice, were measured first: 3% of teacher-forced top-1 tokens flipped on the default model;
   int16 keeps >99.9%.) :func:`fp32_activations` and :func:`int16_activations` force one path (the
   teacher-forced accuracy check compares both).
-- more rows (prefill): ``W`` is dequantized into a reused fp32 buffer, a slab of rows at a time,
-  and multiplied with an fp32 GEMM (:func:`fp32_gemm`: oneDNN's, else ``F.linear``), so prefill
-  keeps fp32 activations.
+- more rows (prefill), by :func:`prefill_gemm`:
+  - ``"int16"``: the tiled integer GEMM (``tokenmill/_native/qgemm.c``): the same int16
+    activations and per-block integer sums as the decode kernels, with x rows in the vector lanes
+    so a block's scaling is shared by 16 rows; the default where the CPU has AVX-512 VNNI
+    (1.5x-2x dequantize + oneDNN's fp32 GEMM on a Zen 4 host, docs/benchmarks.md);
+  - ``"fp32"``: ``W`` is dequantized into a reused fp32 buffer, a slab of rows at a time, and
+    multiplied with an fp32 GEMM (:func:`fp32_gemm`: oneDNN's, else ``F.linear``), so prefill keeps
+    fp32 activations; the default elsewhere (the AVX2 tile measured level with it, not faster).
+  ``TOKENMILL_PREFILL_GEMM={auto,int16,fp32}`` (read at import) or :func:`set_prefill_gemm`
+  overrides the choice.
 
 Where the two paths meet is decided in one place, :func:`gemv_max_rows`: the largest row count at
 which the integer kernels of the kernel set in use (``tokenmill._native.quant.kernel()``, chosen
@@ -61,6 +68,8 @@ GEMV_MAX_ROWS_BY_KERNEL = {"avx512vnni": 24, "avxvnni": 28, "avx2": 28, "scalar"
 GEMV_MAX_ROWS_WIDE_GEMM = 16
 GEMV_MAX_ROWS_DEFAULT = 16  # a kernel set without its own entry
 GEMV_ROWS_ENV = "TOKENMILL_GEMV_MAX_ROWS"
+PREFILL_ENV = "TOKENMILL_PREFILL_GEMM"
+PREFILL_GEMMS = ("auto", "int16", "fp32")
 
 _state = threading.local()
 
@@ -120,6 +129,36 @@ def set_gemv_max_rows(rows: int | None) -> None:
     if rows is not None and (not isinstance(rows, int) or rows < 0):
         raise ValueError(f"gemv max rows must be a non-negative integer or None, got {rows!r}")
     _rows_override = rows
+
+
+def _prefill_from_env() -> str:
+    raw = os.environ.get(PREFILL_ENV, "").strip().lower() or "auto"
+    if raw not in PREFILL_GEMMS:
+        raise ValueError(f"{PREFILL_ENV} must be one of {', '.join(PREFILL_GEMMS)}, got {raw!r}")
+    return raw
+
+
+_prefill_setting: str = _prefill_from_env()
+
+
+def prefill_gemm() -> str:
+    """How a packed matmul of more than :func:`gemv_max_rows` rows runs: ``"int16"`` (the tiled
+    integer GEMM, int16 activations) or ``"fp32"`` (dequantize + fp32 GEMM). ``auto`` (the
+    default) is ``"int16"`` where its AVX-512 VNNI kernels run on this CPU
+    (``tokenmill._native.quant.gemm_kernel()``), else ``"fp32"``."""
+    if _prefill_setting != "auto":
+        return "fp32" if _prefill_setting == "fp32" or not native.available() else "int16"
+    return "int16" if native.gemm_kernel() == "avx512vnni" else "fp32"
+
+
+def set_prefill_gemm(mode: str | None) -> None:
+    """Override :func:`prefill_gemm` for this process: ``"int16"``, ``"fp32"``, or ``"auto"`` /
+    ``None`` (back to the per-CPU choice). Set it before an engine starts."""
+    global _prefill_setting
+    mode = "auto" if mode is None else mode
+    if mode not in PREFILL_GEMMS:
+        raise ValueError(f"prefill GEMM must be one of {', '.join(PREFILL_GEMMS)} or None, got {mode!r}")
+    _prefill_setting = mode
 
 
 def _activation_mode() -> str:
@@ -214,6 +253,14 @@ class _Packed(LinearMethod):
     def _gemm(self, x2: torch.Tensor, y: torch.Tensor, bias_ptr: int, threads: int) -> None:
         """The native integer kernel: ``y = x2 @ W^T (+ bias)``."""
 
+    def _gemm_tiled(self, x2: torch.Tensor, y: torch.Tensor, bias_ptr: int, threads: int,
+                    kernel: str | None = None) -> None:
+        """The prefill GEMM (``qgemm.c``): ``y = x2 @ W^T (+ bias)`` with int16 activations."""
+        u4 = isinstance(self, Int4Linear)
+        native.gemm_tiled(0 if u4 else 1, x2.data_ptr(), x2.shape[0], self.in_features, self.qs.data_ptr(),
+                          self.scales.data_ptr(), self.mins.data_ptr() if u4 else 0, self._scale_f16(),
+                          self.out_features, self.group_size, bias_ptr, y.data_ptr(), threads, kernel=kernel)
+
     @abc.abstractmethod
     def _dequant_into(self, out: torch.Tensor, rows: slice, threads: int) -> None:
         """The native dequantizer: rows ``rows`` of ``W`` into ``out`` (fp32)."""
@@ -229,10 +276,14 @@ class _Packed(LinearMethod):
             return x.new_empty(*lead, n)
         threads = torch.get_num_threads()
         mode = _activation_mode()
-        if mode == "int16" or (mode == "auto" and m <= gemv_max_rows()):
+        if mode == "int16" or (mode == "auto" and (m <= gemv_max_rows() or prefill_gemm() == "int16")):
             y = torch.empty(m, n, dtype=torch.float32)
             b = None if bias is None else bias.float().contiguous()
-            self._gemm(x2, y, 0 if b is None else b.data_ptr(), threads)
+            b_ptr = 0 if b is None else b.data_ptr()
+            if mode == "int16" or m <= gemv_max_rows():
+                self._gemm(x2, y, b_ptr, threads)
+            else:
+                self._gemm_tiled(x2, y, b_ptr, threads)
         else:
             y = self._dequant_matmul(x2, threads)
             if bias is not None:
