@@ -9,6 +9,9 @@ Systems, all on the default model's Q4_1 GGUF (SmolLM2-135M-Instruct from ``llm-
                      (TOKENMILL_QUANT_KERNELS), to compare the sets of a CPU that runs both
     tokenmill-q4_1-kvpf-t0  the same with the KV prefetched by prefetcht0, as before the nineteenth
                      landing (TOKENMILL_KV_PREFETCH_T0=1)
+    tokenmill-q4_1-prefill-fp32  the same with prefill matmuls through dequantize + fp32 GEMM, as
+                     before the twentieth landing (TOKENMILL_PREFILL_GEMM=fp32; the tiled int16
+                     GEMM is the default where the CPU has AVX-512 VNNI)
     tokenmill-int8   tokenmill serve --quantization int8  (the dequantized weights, int8 per channel)
     tokenmill-fp32   tokenmill serve --quantization none  (the dequantized weights in fp32)
     llama-server     llama.cpp's C++ server, 16 parallel slots, continuous batching
@@ -51,13 +54,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import PeerNotInstalled, PeerServer, default_gguf, start_llama_server  # noqa: E402
 
 SYSTEMS = ("tokenmill-q4_1", "tokenmill-q4_1-fp32kv", "tokenmill-q4_1-avx512vnni", "tokenmill-q4_1-avx2",
-           "tokenmill-q4_1-kvpf-t0", "tokenmill-int8", "tokenmill-fp32", "llama-server")
+           "tokenmill-q4_1-kvpf-t0", "tokenmill-q4_1-prefill-fp32", "tokenmill-int8", "tokenmill-fp32", "llama-server")
 QUANT = {"tokenmill-q4_1": "auto", "tokenmill-q4_1-fp32kv": "auto", "tokenmill-q4_1-avx512vnni": "auto",
-         "tokenmill-q4_1-avx2": "auto", "tokenmill-q4_1-kvpf-t0": "auto", "tokenmill-int8": "int8",
+         "tokenmill-q4_1-avx2": "auto", "tokenmill-q4_1-kvpf-t0": "auto", "tokenmill-q4_1-prefill-fp32": "auto",
+         "tokenmill-int8": "int8",
          "tokenmill-fp32": "none"}
 # these rows run with a switch in the environment: the integer kernel set pinned
-# (TOKENMILL_QUANT_KERNELS) instead of the CPU's default, or the KV prefetched with prefetcht0
-SYSTEM_ENV = {"tokenmill-q4_1-avx512vnni": {"TOKENMILL_QUANT_KERNELS": "avx512vnni"},
+# (TOKENMILL_QUANT_KERNELS) instead of the CPU's default, the KV prefetched with prefetcht0, or the
+# prefill matmuls through dequantize + fp32 GEMM
+SYSTEM_ENV = {"tokenmill-q4_1-prefill-fp32": {"TOKENMILL_PREFILL_GEMM": "fp32"},
+              "tokenmill-q4_1-avx512vnni": {"TOKENMILL_QUANT_KERNELS": "avx512vnni"},
               "tokenmill-q4_1-avx2": {"TOKENMILL_QUANT_KERNELS": "avx2"},
               "tokenmill-q4_1-kvpf-t0": {"TOKENMILL_KV_PREFETCH_T0": "1"}}
 # the KV pool: auto (fp16 for packed weights, llama-server's f16 bytes; fp32 for tokenmill-fp32);
@@ -352,6 +358,9 @@ def _report(results: dict[str, Any]) -> None:
         print(f"  q4_1 KV prefetch t1 / t0: decode @128 {ratio('tokenmill-q4_1', 'tokenmill-q4_1-kvpf-t0', 'decode_tok_s@128')}"
               f"   @2048: {ratio('tokenmill-q4_1', 'tokenmill-q4_1-kvpf-t0', 'decode_tok_s@2048')}"
               f"   16 x 512/64: {ratio('tokenmill-q4_1', 'tokenmill-q4_1-kvpf-t0', 'conc16_total_tok_s')}")
+    if "tokenmill-q4_1-prefill-fp32" in S:
+        print(f"  q4_1 prefill GEMM int16 / fp32: prefill {ratio('tokenmill-q4_1', 'tokenmill-q4_1-prefill-fp32', 'prefill_tok_s@1000')}"
+              f"   16 x 512/64: {ratio('tokenmill-q4_1', 'tokenmill-q4_1-prefill-fp32', 'conc16_total_tok_s')}")
     print(f"  int8 / fp32 decode @128: {ratio('tokenmill-int8', 'tokenmill-fp32', 'decode_tok_s@128')}   (aim >= 2.5x)")
     print(f"  q4_1 / fp32 prefill: {ratio('tokenmill-q4_1', 'tokenmill-fp32', 'prefill_tok_s@1000')}   "
           f"int8 / fp32 prefill: {ratio('tokenmill-int8', 'tokenmill-fp32', 'prefill_tok_s@1000')}   (aim >= 0.95x)")

@@ -23,7 +23,7 @@ How a matmul runs:
   - ``"int16"``: the tiled integer GEMM (``tokenmill/_native/qgemm.c``): the same int16
     activations and per-block integer sums as the decode kernels, with x rows in the vector lanes
     so a block's scaling is shared by 16 rows; the default where the CPU has AVX-512 VNNI
-    (1.5x-2x dequantize + oneDNN's fp32 GEMM on a Zen 4 host, docs/benchmarks.md);
+    (1.3x-1.6x dequantize + oneDNN's fp32 GEMM per matrix on a Zen 4 host, docs/benchmarks.md);
   - ``"fp32"``: ``W`` is dequantized into a reused fp32 buffer, a slab of rows at a time, and
     multiplied with an fp32 GEMM (:func:`fp32_gemm`: oneDNN's, else ``F.linear``), so prefill keeps
     fp32 activations; the default elsewhere (the AVX2 tile measured level with it, not faster).
