@@ -82,6 +82,47 @@ static void widen_panel(const TmqMat *w, int64_t n0, int64_t nb, int32_t *wp, fl
     }
 }
 
+#if QG_X86
+/* widen_panel with AVX2: a u4 block's 16 bytes zero-extended to 16-bit words are its pairs in
+ * order (low nibbles: values 0-15, high: 16-31), an s8 block's 32 bytes sign-extended likewise;
+ * fp16 scales through F16C. The same values as widen_panel. */
+__attribute__((target("avx2,f16c"))) static void widen_panel_avx2(const TmqMat *w, int64_t n0, int64_t nb, int32_t *wp,
+                                                                 float *wd, float *wm) {
+    int64_t Kp = nb * QK, G = (w->K + w->group - 1) / w->group, bpg = w->group / QK;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int c = 0; c < GC; c++) {
+        int64_t n = n0 + c;
+        if (n >= w->N) {
+            for (int64_t b = 0; b < nb; b++) {
+                memset(wp + (b * GC + c) * PAIRS, 0, PAIRS * sizeof(int32_t));
+                wd[b * GC + c] = wm[b * GC + c] = 0.f;
+            }
+            continue;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t *o = wp + (b * GC + c) * PAIRS;
+            int64_t g = n * G + b / bpg;
+            if (w->kind == TMQ_U4) {
+                __m128i q = _mm_loadu_si128((const __m128i *)((const uint8_t *)w->qs + n * (Kp / 2) + b * 16));
+                _mm256_storeu_si256((__m256i *)o, _mm256_cvtepu8_epi16(_mm_and_si128(q, low)));
+                _mm256_storeu_si256((__m256i *)(o + 8), _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
+            } else {
+                const int8_t *q = (const int8_t *)w->qs + n * Kp + b * QK;
+                _mm256_storeu_si256((__m256i *)o, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q)));
+                _mm256_storeu_si256((__m256i *)(o + 8), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16))));
+            }
+            if (w->f16) {
+                wd[b * GC + c] = _cvtsh_ss(((const uint16_t *)w->sc)[g]);
+                wm[b * GC + c] = w->kind == TMQ_U4 ? _cvtsh_ss(((const uint16_t *)w->mn)[g]) : 0.f;
+            } else {
+                wd[b * GC + c] = ((const float *)w->sc)[g];
+                wm[b * GC + c] = w->kind == TMQ_U4 ? ((const float *)w->mn)[g] : 0.f;
+            }
+        }
+    }
+}
+#endif
+
 /* portable tile: out[c][r] for c < GC, r < tr */
 static void tile_scalar(const XPack *X, int64_t t, const int32_t *wp, const float *wd, const float *wm, float *out) {
     int64_t tr = X->tr, nb = X->nb;
@@ -108,101 +149,86 @@ static void tile_scalar(const XPack *X, int64_t t, const int32_t *wp, const floa
 #define TGT_QG2 __attribute__((target("avx2,fma")))
 #define TR2 16
 
-/* AVX2: 16 rows (two vectors) x GC weight rows; vpmaddwd + vpaddd per pair */
-TGT_QG2 static void tile_avx2(const XPack *X, int64_t t, const int32_t *wp, const float *wd, const float *wm, float *out) {
-    int64_t nb = X->nb;
-    __m256 acc[2][GC];
-    for (int c = 0; c < GC; c++) acc[0][c] = acc[1][c] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const int32_t *xb = X->xp + (t * nb + b) * PAIRS * TR2;
-        const int32_t *wb = wp + b * GC * PAIRS;
-        __m256i s[2][GC];
-        for (int c = 0; c < GC; c++) s[0][c] = s[1][c] = _mm256_setzero_si256();
-        #pragma GCC unroll 4
-        for (int p = 0; p < PAIRS; p++) {
-            __m256i x0 = _mm256_loadu_si256((const __m256i *)(xb + p * TR2));
-            __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + p * TR2 + 8));
-            #pragma GCC unroll 6
-            for (int c = 0; c < GC; c++) {
-                __m256i wv = _mm256_set1_epi32(wb[c * PAIRS + p]);
-                s[0][c] = _mm256_add_epi32(s[0][c], _mm256_madd_epi16(x0, wv));
-                s[1][c] = _mm256_add_epi32(s[1][c], _mm256_madd_epi16(x1, wv));
-            }
-        }
-        const float *xd = X->xd + (t * nb + b) * TR2, *xs = X->xs + (t * nb + b) * TR2;
-        __m256 d0 = _mm256_loadu_ps(xd), d1 = _mm256_loadu_ps(xd + 8);
-        __m256 s0 = _mm256_loadu_ps(xs), s1 = _mm256_loadu_ps(xs + 8);
-        #pragma GCC unroll 6
-        for (int c = 0; c < GC; c++) {
-            __m256 sc = _mm256_set1_ps(wd[b * GC + c]), mn = _mm256_set1_ps(wm[b * GC + c]);
-            acc[0][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0][c]), _mm256_mul_ps(d0, sc), acc[0][c]);
-            acc[1][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[1][c]), _mm256_mul_ps(d1, sc), acc[1][c]);
-            acc[0][c] = _mm256_fmadd_ps(s0, mn, acc[0][c]);
-            acc[1][c] = _mm256_fmadd_ps(s1, mn, acc[1][c]);
-        }
+/* The vector tiles: RV vectors of x rows (RV = 2: a whole row tile; RV = 1: its first half, for
+ * a last tile of at most half a tile of rows) x GC weight rows. Every lane (x row) runs the same
+ * instructions either way, so a row's result does not depend on the tile size it ran in. */
+#define DEFINE_TILE(NAME, TGT, TR, W, VF, VI, LOADI, LOADF, SET1I, SET1F, ZEROF, ZEROI, DOT, CVT, MULF, FMAF, STOREF) \
+    TGT static inline __attribute__((always_inline)) void NAME##_body(const XPack *X, int64_t t, const int32_t *wp,   \
+                                                                   const float *wd, const float *wm, float *out,    \
+                                                                   const int RV) {                                 \
+        int64_t nb = X->nb;                                                                                       \
+        VF acc[2][GC];                                                                                            \
+        for (int c = 0; c < GC; c++) acc[0][c] = acc[1][c] = ZEROF();                                             \
+        for (int64_t b = 0; b < nb; b++) {                                                                        \
+            const int32_t *xb = X->xp + (t * nb + b) * PAIRS * TR;                                                \
+            const int32_t *wb = wp + b * GC * PAIRS;                                                              \
+            VI s[2][GC];                                                                                          \
+            for (int c = 0; c < GC; c++) s[0][c] = s[1][c] = ZEROI();                                             \
+            _Pragma("GCC unroll 4")                                                                               \
+            for (int p = 0; p < PAIRS; p++) {                                                                     \
+                VI x[2];                                                                                          \
+                for (int v = 0; v < RV; v++) x[v] = LOADI(xb + p * TR + v * W);                                   \
+                _Pragma("GCC unroll 6")                                                                           \
+                for (int c = 0; c < GC; c++) {                                                                    \
+                    VI wv = SET1I(wb[c * PAIRS + p]);                                                             \
+                    for (int v = 0; v < RV; v++) s[v][c] = DOT(s[v][c], x[v], wv);                                \
+                }                                                                                                 \
+            }                                                                                                     \
+            const float *xd = X->xd + (t * nb + b) * TR, *xs = X->xs + (t * nb + b) * TR;                         \
+            VF d[2], sm[2];                                                                                       \
+            for (int v = 0; v < RV; v++) { d[v] = LOADF(xd + v * W); sm[v] = LOADF(xs + v * W); }                \
+            _Pragma("GCC unroll 6")                                                                               \
+            for (int c = 0; c < GC; c++) {                                                                        \
+                VF sc = SET1F(wd[b * GC + c]), mn = SET1F(wm[b * GC + c]);                                        \
+                for (int v = 0; v < RV; v++) {                                                                    \
+                    acc[v][c] = FMAF(CVT(s[v][c]), MULF(d[v], sc), acc[v][c]);                                    \
+                    acc[v][c] = FMAF(sm[v], mn, acc[v][c]);                                                       \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int c = 0; c < GC; c++)                                                                              \
+            for (int v = 0; v < RV; v++) STOREF(out + c * TR + v * W, acc[v][c]);                                 \
+    }                                                                                                             \
+    TGT static void NAME(const XPack *X, int64_t t, const int32_t *wp, const float *wd, const float *wm, float *out) { \
+        NAME##_body(X, t, wp, wd, wm, out, 2);                                                                    \
+    }                                                                                                             \
+    TGT static void NAME##_half(const XPack *X, int64_t t, const int32_t *wp, const float *wd, const float *wm,    \
+                                float *out) {                                                                     \
+        NAME##_body(X, t, wp, wd, wm, out, 1);                                                                    \
     }
-    for (int c = 0; c < GC; c++) {
-        _mm256_storeu_ps(out + c * TR2, acc[0][c]);
-        _mm256_storeu_ps(out + c * TR2 + 8, acc[1][c]);
-    }
-}
+
+/* AVX2: 16 rows (two 8-lane vectors) x GC weight rows; vpmaddwd + vpaddd per pair */
+#define TGT_QG2 __attribute__((target("avx2,fma")))
+#define TR2 16
+#define LD2I(p) _mm256_loadu_si256((const __m256i *)(p))
+#define DOT2(acc, x, w) _mm256_add_epi32(acc, _mm256_madd_epi16(x, w))
+DEFINE_TILE(tile_avx2, TGT_QG2, TR2, 8, __m256, __m256i, LD2I, _mm256_loadu_ps, _mm256_set1_epi32, _mm256_set1_ps,
+            _mm256_setzero_ps, _mm256_setzero_si256, DOT2, _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_fmadd_ps,
+            _mm256_storeu_ps)
 
 #if __GNUC__ >= 9
+/* AVX-512 VNNI: 32 rows (two 16-lane vectors) x GC weight rows; one vpdpwssd per pair and vector */
 #define TGT_QG512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
 #define TR5 32
-
-/* AVX-512 VNNI: 32 rows (two vectors) x GC weight rows; one vpdpwssd per pair and vector */
-TGT_QG512 static void tile_512(const XPack *X, int64_t t, const int32_t *wp, const float *wd, const float *wm, float *out) {
-    int64_t nb = X->nb;
-    __m512 acc[2][GC];
-    for (int c = 0; c < GC; c++) acc[0][c] = acc[1][c] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const int32_t *xb = X->xp + (t * nb + b) * PAIRS * TR5;
-        const int32_t *wb = wp + b * GC * PAIRS;
-        __m512i s[2][GC];
-        for (int c = 0; c < GC; c++) s[0][c] = s[1][c] = _mm512_setzero_si512();
-        #pragma GCC unroll 4
-        for (int p = 0; p < PAIRS; p++) {
-            __m512i x0 = _mm512_loadu_si512((const void *)(xb + p * TR5));
-            __m512i x1 = _mm512_loadu_si512((const void *)(xb + p * TR5 + 16));
-            #pragma GCC unroll 6
-            for (int c = 0; c < GC; c++) {
-                __m512i wv = _mm512_set1_epi32(wb[c * PAIRS + p]);
-                s[0][c] = _mm512_dpwssd_epi32(s[0][c], x0, wv);
-                s[1][c] = _mm512_dpwssd_epi32(s[1][c], x1, wv);
-            }
-        }
-        const float *xd = X->xd + (t * nb + b) * TR5, *xs = X->xs + (t * nb + b) * TR5;
-        __m512 d0 = _mm512_loadu_ps(xd), d1 = _mm512_loadu_ps(xd + 16);
-        __m512 s0 = _mm512_loadu_ps(xs), s1 = _mm512_loadu_ps(xs + 16);
-        #pragma GCC unroll 6
-        for (int c = 0; c < GC; c++) {
-            __m512 sc = _mm512_set1_ps(wd[b * GC + c]), mn = _mm512_set1_ps(wm[b * GC + c]);
-            acc[0][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0][c]), _mm512_mul_ps(d0, sc), acc[0][c]);
-            acc[1][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[1][c]), _mm512_mul_ps(d1, sc), acc[1][c]);
-            acc[0][c] = _mm512_fmadd_ps(s0, mn, acc[0][c]);
-            acc[1][c] = _mm512_fmadd_ps(s1, mn, acc[1][c]);
-        }
-    }
-    for (int c = 0; c < GC; c++) {
-        _mm512_storeu_ps(out + c * TR5, acc[0][c]);
-        _mm512_storeu_ps(out + c * TR5 + 16, acc[1][c]);
-    }
-}
+#define LD5I(p) _mm512_loadu_si512((const void *)(p))
+DEFINE_TILE(tile_512, TGT_QG512, TR5, 16, __m512, __m512i, LD5I, _mm512_loadu_ps, _mm512_set1_epi32, _mm512_set1_ps,
+            _mm512_setzero_ps, _mm512_setzero_si512, _mm512_dpwssd_epi32, _mm512_cvtepi32_ps, _mm512_mul_ps,
+            _mm512_fmadd_ps, _mm512_storeu_ps)
 #endif
 #endif
 
 typedef void (*TileFn)(const XPack *, int64_t, const int32_t *, const float *, const float *, float *);
 
-/* the tile kernel and its rows per tile for kernel set `set` (TMQ_GEMM_*) */
-static TileFn tile_for(int set, int64_t *tr) {
+/* the tile kernels (whole tile, first half) and the rows per tile for kernel set `set` (TMQ_GEMM_*) */
+static TileFn tile_for(int set, int64_t *tr, TileFn *half) {
 #if QG_X86
 #if __GNUC__ >= 9
-    if (set == TMQ_GEMM_AVX512) { *tr = TR5; return tile_512; }
+    if (set == TMQ_GEMM_AVX512) { *tr = TR5; *half = tile_512_half; return tile_512; }
 #endif
-    if (set == TMQ_GEMM_AVX2) { *tr = TR2; return tile_avx2; }
+    if (set == TMQ_GEMM_AVX2) { *tr = TR2; *half = tile_avx2_half; return tile_avx2; }
 #endif
     *tr = 8;
+    *half = tile_scalar;
     return tile_scalar;
 }
 
@@ -234,7 +260,7 @@ static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 
 int tmq_gemm_tiled(const TmqMat *w, const float *x, int64_t M, const float *bias, float *y, int nt, int set) {
     if (M <= 0 || w->N <= 0) return 0;
     int64_t tr;
-    TileFn tile = tile_for(set, &tr);
+    TileFn half, tile = tile_for(set, &tr, &half);
     int64_t nb = (w->K + QK - 1) / QK, Kp = nb * QK, N = w->N, panels = (N + GC - 1) / GC;
     XPack X = {M, (M + tr - 1) / tr, nb, tr, NULL, NULL, NULL};
     size_t cells = (size_t)X.tiles * nb * tr;
@@ -266,10 +292,14 @@ int tmq_gemm_tiled(const TmqMat *w, const float *x, int64_t M, const float *bias
             for (int64_t pn = 0; pn < panels; pn++) {
                 if (!ok) continue;
                 int64_t n0 = pn * GC, nc = N - n0 < GC ? N - n0 : GC;
+#if QG_X86
+                if (set != TMQ_GEMM_SCALAR) widen_panel_avx2(w, n0, nb, wp, wd, wm);
+                else
+#endif
                 widen_panel(w, n0, nb, wp, wd, wm);
                 for (int64_t t = 0; t < X.tiles; t++) {
-                    tile(&X, t, wp, wd, wm, out);
                     int64_t m0 = t * tr, mr = M - m0 < tr ? M - m0 : tr;
+                    (2 * mr <= tr ? half : tile)(&X, t, wp, wd, wm, out);
                     for (int64_t r = 0; r < mr; r++) {
                         float *yr = y + (m0 + r) * N + n0;
                         for (int64_t c = 0; c < nc; c++) yr[c] = out[c * tr + r] + (bias ? bias[n0 + c] : 0.f);
