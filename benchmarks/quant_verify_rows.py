@@ -13,7 +13,9 @@ one-row step: (T(M) - T(1)) / (M - 1) / T(1).
 
 ``--paths int,dequant`` times each row count both ways on the whole model: "int" runs every step
 through the integer kernels (the fused decode path, the row limit lifted with
-``packed.set_gemv_max_rows``), "dequant" through dequantize + fp32 GEMM (limit 0); it then prints
+``packed.set_gemv_max_rows``), "dequant" through the prefill GEMM (limit 0: layer by layer, each
+matmul by ``packed.prefill_gemm()``, the tiled int16 GEMM or dequantize + fp32 GEMM as the CPU
+decides, or as ``TOKENMILL_PREFILL_GEMM`` sets it; the header line says which); it then prints
 the ratio and the largest row count up to which the integer path is faster, per kernel set: the
 end-to-end check of ``packed.gemv_max_rows()``. ("auto", the default, keeps the served limit.)
 
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     if not set(paths) <= set(limits):
         ap.error(f"--paths takes {', '.join(limits)}, got {args.paths}")
     print(f"load average at start {os.getloadavg()[0]:.2f}; {args.threads} thread(s); kernel sets {kernels}; "
-          f"fused decode path: {fused}; context {args.context}; paths {paths}")
+          f"fused decode path: {fused}; context {args.context}; paths {paths}; "
+          f"prefill GEMM (the dequant path): {packed.prefill_gemm()}")
     served = {}
     for k in kernels:   # packed.gemv_max_rows() under each set (the per-set value, or the wide-GEMM one)
         before_k = native.kernel()

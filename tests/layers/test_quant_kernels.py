@@ -187,7 +187,12 @@ def test_kernel_is_chosen_from_the_cpu():
         half = vendor == "AuthenticAMD" and family == 0x19 and "avx512f" in flags
         assert native.avx512_half_width() == half
         if half:
-            assert not packed._wide_gemm() and gemv_max_rows() == packed.GEMV_MAX_ROWS_BY_KERNEL[native.kernel()]
+            assert not packed._wide_gemm()
+            packed.set_prefill_gemm("fp32")
+            try:
+                assert gemv_max_rows() == packed.GEMV_MAX_ROWS_BY_KERNEL[native.kernel()]
+            finally:
+                packed.set_prefill_gemm(None)
 
 
 def test_kernel_set_from_the_environment():
@@ -290,20 +295,24 @@ def test_a_row_gives_the_same_result_alone_or_with_others(kernel, n, k, group):
             torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-4, msg=lambda e: f"{name} rows={m}: {e}")
 
 
-def test_row_limit_follows_the_kernel_set_in_use():
+def test_row_limit_follows_the_kernel_set_in_use(prefill):
     """One place decides the integer kernels' row limit: the crossover measured for the kernel set
-    in use (chosen from the CPU at start-up, or by set_kernel), unless overridden."""
+    in use (chosen from the CPU at start-up, or by set_kernel) against the prefill GEMM in use
+    (the tiled int16 GEMM, or dequantize + fp32 GEMM), unless overridden."""
     before = native.kernel()
     try:
         for k in KERNELS:
             native.set_kernel(k)
-            want = packed.GEMV_MAX_ROWS_BY_KERNEL[k]
-            if k in ("avx2", "avxvnni") and packed._wide_gemm():  # an AVX-512 GEMM wins from fewer rows
-                want = packed.GEMV_MAX_ROWS_WIDE_GEMM
+            if prefill == "int16":
+                want = packed.GEMV_MAX_ROWS_BY_KERNEL_TILED[k]
+            else:
+                want = packed.GEMV_MAX_ROWS_BY_KERNEL[k]
+                if k in ("avx2", "avxvnni") and packed._wide_gemm():  # an AVX-512 GEMM wins from fewer rows
+                    want = packed.GEMV_MAX_ROWS_WIDE_GEMM
             assert gemv_max_rows() == want >= 1
     finally:
         native.set_kernel(before)
-    assert set(packed.GEMV_MAX_ROWS_BY_KERNEL) == set(ORDER)
+    assert set(packed.GEMV_MAX_ROWS_BY_KERNEL) == set(packed.GEMV_MAX_ROWS_BY_KERNEL_TILED) == set(ORDER)
 
 
 def test_row_limit_override_moves_the_split(monkeypatch):
