@@ -17,9 +17,11 @@
  *      xp [tile][block][pair 0..15][TR] int32 (two int16 values, element 2p low), xd / xs
  *      [tile][block][TR] (rows past M are zeros);
  *   2. the weight rows are cut into panels of GC; a thread widens one panel's values to int16
- *      pairs ([block][GC][16] int32, plus the GC scales and mins of every block as float) and runs
- *      every row tile against it, then takes the next panel.
- * A result does not depend on the thread count or on which thread computes it.
+ *      pairs ([block][GC][16] int32, plus the GC scales and mins of every block as float; with
+ *      AVX2 two zero- or sign-extensions per block) and runs every row tile against it (a last
+ *      tile of at most TR/2 rows through a half-width kernel), then takes the next run of panels.
+ * A result does not depend on the thread count, on which thread computes it, or on the width of
+ * the tile it ran in.
  *
  * Kernels: AVX-512 VNNI (vpdpwssd: 32 int16 products per instruction, TR = 32) and AVX2 (vpmaddwd
  * + vpaddd, TR = 16). The Python side (layers/quant/packed.py) decides when this runs instead of
