@@ -304,7 +304,8 @@ def test_row_limit_follows_the_kernel_set_in_use(prefill):
         for k in KERNELS:
             native.set_kernel(k)
             if prefill == "int16":
-                want = packed.GEMV_MAX_ROWS_BY_KERNEL_TILED[k]
+                tiled = native.gemm_kernel() == "avx512vnni"
+                want = (packed.GEMV_MAX_ROWS_BY_KERNEL_TILED if tiled else packed.GEMV_MAX_ROWS_BY_KERNEL)[k]
             else:
                 want = packed.GEMV_MAX_ROWS_BY_KERNEL[k]
                 if k in ("avx2", "avxvnni") and packed._wide_gemm():  # an AVX-512 GEMM wins from fewer rows
@@ -449,10 +450,24 @@ def test_tiled_prefill_gemm_gives_the_same_bits_on_any_thread_count():
 
 
 def test_prefill_gemm_is_chosen_from_the_cpu_and_can_be_set():
-    """auto: the tiled int16 GEMM where its AVX-512 VNNI kernels run, else dequantize + fp32 GEMM;
-    set_prefill_gemm and TOKENMILL_PREFILL_GEMM override it, and a bad value names its source."""
+    """auto: the tiled int16 GEMM where its AVX-512 VNNI or AVX2 kernels run, else dequantize +
+    fp32 GEMM; set_prefill_gemm and TOKENMILL_PREFILL_GEMM override it, set_gemm_kernel and
+    TOKENMILL_GEMM_KERNELS pick the GEMM's kernels, and a bad value names its source."""
     assert native.gemm_kernel() == ("avx512vnni" if "avx512vnni" in KERNELS else "avx2" if "avx2" in KERNELS else "scalar")
-    assert packed.prefill_gemm() == ("int16" if native.gemm_kernel() == "avx512vnni" else "fp32")
+    assert packed.prefill_gemm() == ("int16" if native.gemm_kernel() != "scalar" else "fp32")
+    before = native.kernel()
+    try:
+        native.set_kernel("scalar")   # the portable decode kernels: the portable GEMM, so fp32 prefill
+        assert native.gemm_kernel() == "scalar" and packed.prefill_gemm() == "fp32"
+    finally:
+        native.set_kernel(before)
+    try:
+        native.set_gemm_kernel("scalar")
+        assert native.gemm_kernel() == "scalar"
+        with pytest.raises(ValueError, match="unknown GEMM kernels"):
+            native.set_gemm_kernel("sse9")
+    finally:
+        native.set_gemm_kernel(None)
     try:
         for mode in ("int16", "fp32"):
             packed.set_prefill_gemm(mode)
@@ -471,3 +486,10 @@ def test_prefill_gemm_is_chosen_from_the_cpu_and_can_be_set():
     env[packed.PREFILL_ENV] = "fp8"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and f"{packed.PREFILL_ENV} must be one of auto, int16, fp32, got 'fp8'" in out.stderr
+    code = "from tokenmill._native import quant as q; print(q.gemm_kernel())"
+    env = {**os.environ, native.GEMM_KERNELS_ENV: "scalar"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "scalar", out.stderr
+    env[native.GEMM_KERNELS_ENV] = "sse9"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and f"{native.GEMM_KERNELS_ENV}=sse9: unknown GEMM kernels sse9" in out.stderr

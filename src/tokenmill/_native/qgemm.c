@@ -148,19 +148,22 @@ static void tile_scalar(const XPack *X, int64_t t, const int32_t *wp, const floa
 }
 
 #if QG_X86
-#define TGT_QG2 __attribute__((target("avx2,fma")))
-#define TR2 16
-
-/* The vector tiles: RV vectors of x rows (RV = 2: a whole row tile; RV = 1: its first half, for
- * a last tile of at most half a tile of rows) x GC weight rows. Every lane (x row) runs the same
+/* The vector tiles: RV vectors of x rows (RV = RVFULL: a whole row tile; RV = 1: its first
+ * vector, for a last tile of at most half a tile of rows) x GC weight rows. Every lane (x row) runs the same
  * instructions either way, so a row's result does not depend on the tile size it ran in. */
-#define DEFINE_TILE(NAME, TGT, TR, W, VF, VI, LOADI, LOADF, SET1I, SET1F, ZEROF, ZEROI, DOT, CVT, MULF, FMAF, STOREF) \
+#define DEFINE_TILE(NAME, TGT, TR, RVFULL, REGS, W, VF, VI, LOADI, LOADF, SET1I, SET1F, ZEROF, ZEROI, DOT, CVT, MULF, FMAF, STOREF) \
     TGT static inline __attribute__((always_inline)) void NAME##_body(const XPack *X, int64_t t, const int32_t *wp,   \
                                                                    const float *wd, const float *wm, float *out,    \
                                                                    const int RV) {                                 \
         int64_t nb = X->nb;                                                                                       \
+        /* the float sums: in registers (REGS), or in `out`, touched once per block, where the */                \
+        /* registers would not hold them beside the integer sums (AVX2's 16) */                                  \
         VF acc[2][GC];                                                                                            \
-        for (int c = 0; c < GC; c++) acc[0][c] = acc[1][c] = ZEROF();                                             \
+        for (int c = 0; c < GC; c++)                                                                              \
+            for (int v = 0; v < RV; v++) {                                                                        \
+                if (REGS) acc[v][c] = ZEROF();                                                                    \
+                else STOREF(out + c * TR + v * W, ZEROF());                                                       \
+            }                                                                                                     \
         for (int64_t b = 0; b < nb; b++) {                                                                        \
             const int32_t *xb = X->xp + (t * nb + b) * PAIRS * TR;                                                \
             const int32_t *wb = wp + b * GC * PAIRS;                                                              \
@@ -177,34 +180,38 @@ static void tile_scalar(const XPack *X, int64_t t, const int32_t *wp, const floa
                 }                                                                                                 \
             }                                                                                                     \
             const float *xd = X->xd + (t * nb + b) * TR, *xs = X->xs + (t * nb + b) * TR;                         \
-            VF d[2], sm[2];                                                                                       \
-            for (int v = 0; v < RV; v++) { d[v] = LOADF(xd + v * W); sm[v] = LOADF(xs + v * W); }                \
             _Pragma("GCC unroll 6")                                                                               \
             for (int c = 0; c < GC; c++) {                                                                        \
                 VF sc = SET1F(wd[b * GC + c]), mn = SET1F(wm[b * GC + c]);                                        \
                 for (int v = 0; v < RV; v++) {                                                                    \
-                    acc[v][c] = FMAF(CVT(s[v][c]), MULF(d[v], sc), acc[v][c]);                                    \
-                    acc[v][c] = FMAF(sm[v], mn, acc[v][c]);                                                       \
+                    VF a = REGS ? acc[v][c] : LOADF(out + c * TR + v * W);                                        \
+                    a = FMAF(CVT(s[v][c]), MULF(LOADF(xd + v * W), sc), a);                                       \
+                    a = FMAF(LOADF(xs + v * W), mn, a);                                                           \
+                    if (REGS) acc[v][c] = a;                                                                      \
+                    else STOREF(out + c * TR + v * W, a);                                                         \
                 }                                                                                                 \
             }                                                                                                     \
         }                                                                                                         \
-        for (int c = 0; c < GC; c++)                                                                              \
-            for (int v = 0; v < RV; v++) STOREF(out + c * TR + v * W, acc[v][c]);                                 \
+        if (REGS)                                                                                                 \
+            for (int c = 0; c < GC; c++)                                                                          \
+                for (int v = 0; v < RV; v++) STOREF(out + c * TR + v * W, acc[v][c]);                            \
     }                                                                                                             \
     TGT static void NAME(const XPack *X, int64_t t, const int32_t *wp, const float *wd, const float *wm, float *out) { \
-        NAME##_body(X, t, wp, wd, wm, out, 2);                                                                    \
+        NAME##_body(X, t, wp, wd, wm, out, RVFULL);                                                               \
     }                                                                                                             \
     TGT static void NAME##_half(const XPack *X, int64_t t, const int32_t *wp, const float *wd, const float *wm,    \
                                 float *out) {                                                                     \
         NAME##_body(X, t, wp, wd, wm, out, 1);                                                                    \
     }
 
-/* AVX2: 16 rows (two 8-lane vectors) x GC weight rows; vpmaddwd + vpaddd per pair */
+/* AVX2: 8 rows (one 8-lane vector) x GC weight rows; vpmaddwd + vpaddd per pair. Two vectors'
+ * integer sums, their x pairs and the broadcast weight pairs need more than AVX2's 16 registers
+ * (GCC spilled them inside the product loop); one vector's fit. */
 #define TGT_QG2 __attribute__((target("avx2,fma")))
-#define TR2 16
+#define TR2 8
 #define LD2I(p) _mm256_loadu_si256((const __m256i *)(p))
 #define DOT2(acc, x, w) _mm256_add_epi32(acc, _mm256_madd_epi16(x, w))
-DEFINE_TILE(tile_avx2, TGT_QG2, TR2, 8, __m256, __m256i, LD2I, _mm256_loadu_ps, _mm256_set1_epi32, _mm256_set1_ps,
+DEFINE_TILE(tile_avx2, TGT_QG2, TR2, 1, 0, 8, __m256, __m256i, LD2I, _mm256_loadu_ps, _mm256_set1_epi32, _mm256_set1_ps,
             _mm256_setzero_ps, _mm256_setzero_si256, DOT2, _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_fmadd_ps,
             _mm256_storeu_ps)
 
@@ -213,7 +220,7 @@ DEFINE_TILE(tile_avx2, TGT_QG2, TR2, 8, __m256, __m256i, LD2I, _mm256_loadu_ps, 
 #define TGT_QG512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
 #define TR5 32
 #define LD5I(p) _mm512_loadu_si512((const void *)(p))
-DEFINE_TILE(tile_512, TGT_QG512, TR5, 16, __m512, __m512i, LD5I, _mm512_loadu_ps, _mm512_set1_epi32, _mm512_set1_ps,
+DEFINE_TILE(tile_512, TGT_QG512, TR5, 2, 1, 16, __m512, __m512i, LD5I, _mm512_loadu_ps, _mm512_set1_epi32, _mm512_set1_ps,
             _mm512_setzero_ps, _mm512_setzero_si512, _mm512_dpwssd_epi32, _mm512_cvtepi32_ps, _mm512_mul_ps,
             _mm512_fmadd_ps, _mm512_storeu_ps)
 #endif
@@ -227,7 +234,7 @@ static TileFn tile_for(int set, int64_t *tr, TileFn *half) {
 #if __GNUC__ >= 9
     if (set == TMQ_GEMM_AVX512) { *tr = TR5; *half = tile_512_half; return tile_512; }
 #endif
-    if (set == TMQ_GEMM_AVX2) { *tr = TR2; *half = tile_avx2_half; return tile_avx2; }
+    if (set == TMQ_GEMM_AVX2) { *tr = TR2; *half = tile_avx2_half; return tile_avx2; }   /* one vector: the same */
 #endif
     *tr = 8;
     *half = tile_scalar;

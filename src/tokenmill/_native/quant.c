@@ -1736,11 +1736,16 @@ float tmq_load_scale(const void *p, int64_t i, int f16) { return load_scale(p, i
  * the decode kernels default to the 256-bit set: a GEMM tile keeps both halves of every 512-bit
  * operation busy, and measured 1.7x the AVX2 tile there), else AVX2 (avx2 / avxvnni: no VEX-VNNI
  * variant); portable when the kernel set in use is scalar */
+static int g_gemm_set = -1;   /* set_gemm_isa(): kernels picked for the GEMM alone; -1: as below */
 static int gemm_set(void) {
+    if (g_gemm_set >= 0) return g_gemm_set;
     int s = isa();
     if (s == ISA_SCALAR) return TMQ_GEMM_SCALAR;
     return (best_isa(), g_supported & (1 << ISA_AVX512)) ? TMQ_GEMM_AVX512 : TMQ_GEMM_AVX2;
 }
+
+/* the ISA a TMQ_GEMM_* kernel set needs */
+static int gemm_needs(int set) { return set == TMQ_GEMM_AVX512 ? ISA_AVX512 : set == TMQ_GEMM_AVX2 ? ISA_AVX2 : ISA_SCALAR; }
 
 /* gemm_tiled(kind, x, M, K, qs, sc, mn, f16, N, group, bias, y, threads, set): the prefill GEMM
  * (qgemm.c) for a u4 (kind 0) or s8 (kind 1) weight; set -1: the kernel set in use's, else a
@@ -1756,8 +1761,7 @@ static PyObject *py_gemm_tiled(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (set < 0) set = gemm_set();
-    int need = set == TMQ_GEMM_AVX512 ? ISA_AVX512 : set == TMQ_GEMM_AVX2 ? ISA_AVX2 : ISA_SCALAR;
-    if (set > TMQ_GEMM_AVX512 || !(best_isa(), g_supported & (1 << need))) {
+    if (set > TMQ_GEMM_AVX512 || !(best_isa(), g_supported & (1 << gemm_needs(set)))) {
         PyErr_Format(PyExc_ValueError, "gemm_tiled: kernel %d does not run on this CPU", set);
         return NULL;
     }
@@ -1788,9 +1792,31 @@ static PyObject *py_quantize_act(PyObject *self, PyObject *args) {
 
 static const char *isa_names[ISA_COUNT] = {"scalar", "avx2", "avxvnni", "avx512vnni"};
 
-static PyObject *py_gemm_isa(PyObject *self, PyObject *args) {
-    static const char *names[] = {"scalar", "avx2", "avx512vnni"};
-    return PyUnicode_FromString(names[gemm_set()]);
+static const char *gemm_names[] = {"scalar", "avx2", "avx512vnni"};
+
+static PyObject *py_gemm_isa(PyObject *self, PyObject *args) { return PyUnicode_FromString(gemm_names[gemm_set()]); }
+
+/* set_gemm_isa(name or None): the prefill GEMM's kernels, apart from the decode kernel set (None:
+ * back to gemm_set's rule) */
+static PyObject *py_set_gemm_isa(PyObject *self, PyObject *args) {
+    PyObject *arg;
+    if (!PyArg_ParseTuple(args, "O", &arg)) return NULL;
+    if (arg == Py_None) { g_gemm_set = -1; Py_RETURN_NONE; }
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    best_isa();
+    for (int i = 0; i <= TMQ_GEMM_AVX512; i++) {
+        if (strcmp(name, gemm_names[i]) == 0) {
+            if (!(g_supported & (1 << gemm_needs(i)))) {
+                PyErr_Format(PyExc_ValueError, "this CPU does not support the %s GEMM kernels", name);
+                return NULL;
+            }
+            g_gemm_set = i;
+            Py_RETURN_NONE;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "unknown GEMM kernels %s (scalar, avx2, avx512vnni)", name);
+    return NULL;
 }
 
 static PyObject *py_isa(PyObject *self, PyObject *args) { return PyUnicode_FromString(isa_names[isa()]); }
@@ -1856,6 +1882,7 @@ static PyMethodDef methods[] = {
     {"decode_profile", tmq_py_decode_profile, METH_VARARGS, "phase timers of decode_layers: (on) -> seconds so far"},
     {"isa", py_isa, METH_NOARGS, "kernel set in use"},
     {"gemm_isa", py_gemm_isa, METH_NOARGS, "kernels of the prefill GEMM (gemm_tiled) by default"},
+    {"set_gemm_isa", py_set_gemm_isa, METH_VARARGS, "choose the prefill GEMM's kernels (None: the default rule)"},
     {"best_isa", py_best_isa, METH_NOARGS, "best kernel set this CPU supports"},
     {"default_isa", py_default_isa, METH_NOARGS, "kernel set chosen for this CPU at start-up"},
     {"avx512_half_width", py_avx512_half_width, METH_NOARGS, "AVX-512 on 256-bit units (Zen 4)"},

@@ -21,15 +21,17 @@ except ImportError as e:  # not built (no compiler at install time) or built for
 
 
 KERNELS_ENV = "TOKENMILL_QUANT_KERNELS"
+GEMM_KERNELS_ENV = "TOKENMILL_GEMM_KERNELS"
 
 
 def _kernel_from_env() -> None:
-    name = os.environ.get(KERNELS_ENV, "").strip()
-    if name and _ext is not None:
-        try:
-            _ext.set_isa(name)
-        except ValueError as e:
-            raise ValueError(f"{KERNELS_ENV}={name}: {e}") from None
+    for var, setter in ((KERNELS_ENV, "set_isa"), (GEMM_KERNELS_ENV, "set_gemm_isa")):
+        name = os.environ.get(var, "").strip()
+        if name and _ext is not None:
+            try:
+                getattr(_ext, setter)(name)
+            except ValueError as e:
+                raise ValueError(f"{var}={name}: {e}") from None
 
 
 _kernel_from_env()
@@ -97,9 +99,16 @@ GEMM_KERNELS = ("scalar", "avx2", "avx512vnni")   # gemm_tiled's kernel argument
 
 def gemm_kernel() -> str:
     """The kernels :func:`gemm_tiled` uses by default: "avx512vnni" wherever the CPU has AVX-512
-    VNNI (Zen 4 included), else "avx2", or "scalar" while the kernel set in use is scalar; or
-    "unavailable"."""
+    VNNI (Zen 4 included), else "avx2", or "scalar" while the kernel set in use is scalar; or the
+    ones :func:`set_gemm_kernel` or ``TOKENMILL_GEMM_KERNELS=<kernels>`` picked; or "unavailable"."""
     return _ext.gemm_isa() if _ext is not None else "unavailable"
+
+
+def set_gemm_kernel(name: str | None) -> None:
+    """Pick the prefill GEMM's kernels (one of :data:`GEMM_KERNELS` this CPU runs), apart from the
+    decode kernel set; ``None`` restores the rule of :func:`gemm_kernel`. For A/B runs (an AVX2
+    machine's prefill on an AVX-512 one, with ``ONEDNN_MAX_CPU_ISA=AVX2`` for the fp32 side)."""
+    _need().set_gemm_isa(name)
 
 
 def gemm_tiled(kind: int, *args, kernel: str | None = None) -> None:

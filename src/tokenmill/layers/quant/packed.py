@@ -22,11 +22,12 @@ How a matmul runs:
 - more rows (prefill), by :func:`prefill_gemm`:
   - ``"int16"``: the tiled integer GEMM (``tokenmill/_native/qgemm.c``): the same int16
     activations and per-block integer sums as the decode kernels, with x rows in the vector lanes
-    so a block's scaling is shared by 16 rows; the default where the CPU has AVX-512 VNNI
-    (1.3x-1.6x dequantize + oneDNN's fp32 GEMM per matrix on a Zen 4 host, docs/benchmarks.md);
+    so a block's scaling is shared by 8 or 16 rows; the default wherever its AVX-512 VNNI or AVX2
+    kernels run (on a Zen 4 host 1.5x-2.4x dequantize + oneDNN's fp32 GEMM per matrix with
+    AVX-512 VNNI, 1.1x-2.5x with AVX2 against oneDNN capped at AVX2; docs/benchmarks.md);
   - ``"fp32"``: ``W`` is dequantized into a reused fp32 buffer, a slab of rows at a time, and
     multiplied with an fp32 GEMM (:func:`fp32_gemm`: oneDNN's, else ``F.linear``), so prefill keeps
-    fp32 activations; the default elsewhere (the AVX2 tile measured level with it, not faster).
+    fp32 activations; the default with the portable kernels.
   ``TOKENMILL_PREFILL_GEMM={auto,int16,fp32}`` (read at import) or :func:`set_prefill_gemm`
   overrides the choice.
 
@@ -117,13 +118,17 @@ def gemv_max_rows() -> int:
     kernels; more rows take the prefill GEMM (:func:`prefill_gemm`). The override
     (``TOKENMILL_GEMV_MAX_ROWS``, :func:`set_gemv_max_rows`) if set, else the measured crossover
     of the kernel set in use against that GEMM: :data:`GEMV_MAX_ROWS_BY_KERNEL_TILED` against the
-    tiled int16 GEMM, else :data:`GEMV_MAX_ROWS_BY_KERNEL` against dequantize + fp32 GEMM
-    (:data:`GEMV_MAX_ROWS_WIDE_GEMM` for the 256-bit sets where that GEMM is AVX-512)."""
+    tiled int16 GEMM's AVX-512 kernels, else :data:`GEMV_MAX_ROWS_BY_KERNEL` (against its AVX2
+    kernels, and against dequantize + fp32 GEMM, with :data:`GEMV_MAX_ROWS_WIDE_GEMM` for the
+    256-bit sets where that GEMM is AVX-512)."""
     if _rows_override is not None:
         return _rows_override
     kern = native.kernel()
     if prefill_gemm() == "int16":
-        return GEMV_MAX_ROWS_BY_KERNEL_TILED.get(kern, GEMV_MAX_ROWS_DEFAULT)
+        # the AVX2 tile widens every weight per call like the AVX-512 one but multiplies at half
+        # its rate: against it the fused decode path stayed ahead up to 28 rows (1.45x there)
+        tiled = native.gemm_kernel() == "avx512vnni"
+        return (GEMV_MAX_ROWS_BY_KERNEL_TILED if tiled else GEMV_MAX_ROWS_BY_KERNEL).get(kern, GEMV_MAX_ROWS_DEFAULT)
     if kern in ("avx2", "avxvnni") and _wide_gemm():
         return GEMV_MAX_ROWS_WIDE_GEMM
     return GEMV_MAX_ROWS_BY_KERNEL.get(kern, GEMV_MAX_ROWS_DEFAULT)
@@ -151,11 +156,11 @@ _prefill_setting: str = _prefill_from_env()
 def prefill_gemm() -> str:
     """How a packed matmul of more than :func:`gemv_max_rows` rows runs: ``"int16"`` (the tiled
     integer GEMM, int16 activations) or ``"fp32"`` (dequantize + fp32 GEMM). ``auto`` (the
-    default) is ``"int16"`` where its AVX-512 VNNI kernels run on this CPU
-    (``tokenmill._native.quant.gemm_kernel()``), else ``"fp32"``."""
+    default) is ``"int16"`` where its AVX-512 VNNI or AVX2 kernels run on this CPU
+    (``tokenmill._native.quant.gemm_kernel()``), else (the portable kernels) ``"fp32"``."""
     if _prefill_setting != "auto":
         return "fp32" if _prefill_setting == "fp32" or not native.available() else "int16"
-    return "int16" if native.gemm_kernel() == "avx512vnni" else "fp32"
+    return "int16" if native.gemm_kernel() in ("avx512vnni", "avx2") else "fp32"
 
 
 def set_prefill_gemm(mode: str | None) -> None:
