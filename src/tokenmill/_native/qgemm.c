@@ -4,8 +4,7 @@
  * The decode kernels walk one weight row at a time, so every block of 32 products they sum ends in
  * a float conversion and a scale multiply of its own; with many x rows that epilogue costs as much
  * as the products, and dequantize + fp32 GEMM wins from ~28 rows. Here the vector lanes are x rows
- * instead (16 per AVX-512 vector, 8 per AVX2 one) and a tile holds TR rows x GC weight rows in
- * registers: each product step multiplies one pair of int16 activations of TR rows (a vector load)
+ * instead (16 per AVX-512 vector, 8 per AVX2 one) and a tile of TR rows x GC weight rows: each product step multiplies one pair of int16 activations of TR rows (a vector load)
  * with one broadcast pair of one weight row's values, and a block's epilogue is shared by the
  * vector's lanes. The numbers are the decode kernels' (x quantized to int16 in blocks of 32 with
  * the same quantizer, exact integer block sums, then scale * sum + min * xsum per block), so the
@@ -24,7 +23,7 @@
  * the tile it ran in.
  *
  * Kernels: AVX-512 VNNI (vpdpwssd: 32 int16 products per instruction, TR = 32) and AVX2 (vpmaddwd
- * + vpaddd, TR = 16). The Python side (layers/quant/packed.py) decides when this runs instead of
+ * + vpaddd, TR = 8). The Python side (layers/quant/packed.py) decides when this runs instead of
  * the decode kernels or dequantize + fp32 GEMM. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
