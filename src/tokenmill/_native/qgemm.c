@@ -4,9 +4,10 @@
  * The decode kernels walk one weight row at a time, so every block of 32 products they sum ends in
  * a float conversion and a scale multiply of its own; with many x rows that epilogue costs as much
  * as the products, and dequantize + fp32 GEMM wins from ~28 rows. Here the vector lanes are x rows
- * instead (16 per AVX-512 vector, 8 per AVX2 one) and a tile of TR rows x GC weight rows: each product step multiplies one pair of int16 activations of TR rows (a vector load)
- * with one broadcast pair of one weight row's values, and a block's epilogue is shared by the
- * vector's lanes. The numbers are the decode kernels' (x quantized to int16 in blocks of 32 with
+ * instead (16 per AVX-512 vector, 8 per AVX2 one), in tiles of TR rows x GC weight rows: each
+ * product step multiplies one pair of int16 activations of TR rows (a vector load) with one
+ * broadcast pair of one weight row's values, and a block's epilogue is shared by the vector's
+ * lanes. The numbers are the decode kernels' (x quantized to int16 in blocks of 32 with
  * the same quantizer, exact integer block sums, then scale * sum + min * xsum per block), so the
  * result equals dequant(W) @ dequant(xq)^T up to float summation order, as theirs does.
  *
