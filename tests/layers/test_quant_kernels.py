@@ -195,16 +195,22 @@ def test_kernel_is_chosen_from_the_cpu():
                 packed.set_prefill_gemm(None)
 
 
+def _check_env_setting(var: str, code: str, good: str, bad: str, message: str) -> None:
+    """A fresh interpreter with ``var=good`` prints ``good`` from ``code``; with ``var=bad`` it
+    fails at import with ``message`` (which names the variable) on stderr."""
+    env = {**os.environ, var: good}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == good, out.stderr
+    env[var] = bad
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
 def test_kernel_set_from_the_environment():
     """TOKENMILL_QUANT_KERNELS picks a supported set when the module loads; an unknown or
     unsupported one fails at once with a message that names the variable."""
-    code = "from tokenmill._native import quant as q; print(q.kernel())"
-    env = {**os.environ, native.KERNELS_ENV: "scalar"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "scalar", out.stderr
-    env[native.KERNELS_ENV] = "sse9"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and f"{native.KERNELS_ENV}=sse9: unknown kernel set sse9" in out.stderr
+    _check_env_setting(native.KERNELS_ENV, "from tokenmill._native import quant as q; print(q.kernel())",
+                       "scalar", "sse9", f"{native.KERNELS_ENV}=sse9: unknown kernel set sse9")
 
 
 def test_quantizers_stay_within_half_a_step():
@@ -479,17 +485,7 @@ def test_prefill_gemm_is_chosen_from_the_cpu_and_can_be_set():
     with pytest.raises(ValueError, match="unknown GEMM kernels"):
         Int4Linear.from_float(torch.randn(6, 32), 32)._gemm_tiled(torch.randn(40, 32), torch.empty(40, 6), 0, 1,
                                                                   kernel="sse9")
-    code = "from tokenmill.layers.quant import packed; print(packed.prefill_gemm())"
-    env = {**os.environ, packed.PREFILL_ENV: "fp32"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "fp32", out.stderr
-    env[packed.PREFILL_ENV] = "fp8"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and f"{packed.PREFILL_ENV} must be one of auto, int16, fp32, got 'fp8'" in out.stderr
-    code = "from tokenmill._native import quant as q; print(q.gemm_kernel())"
-    env = {**os.environ, native.GEMM_KERNELS_ENV: "scalar"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "scalar", out.stderr
-    env[native.GEMM_KERNELS_ENV] = "sse9"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and f"{native.GEMM_KERNELS_ENV}=sse9: unknown GEMM kernels sse9" in out.stderr
+    _check_env_setting(packed.PREFILL_ENV, "from tokenmill.layers.quant import packed; print(packed.prefill_gemm())",
+                       "fp32", "fp8", f"{packed.PREFILL_ENV} must be one of auto, int16, fp32, got 'fp8'")
+    _check_env_setting(native.GEMM_KERNELS_ENV, "from tokenmill._native import quant as q; print(q.gemm_kernel())",
+                       "scalar", "sse9", f"{native.GEMM_KERNELS_ENV}=sse9: unknown GEMM kernels sse9")
