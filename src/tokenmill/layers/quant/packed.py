@@ -257,6 +257,7 @@ class _Packed(LinearMethod):
     """Shared matmul driver of the packed formats."""
 
     group_size: int
+    _native_kind: int   # the native layout: 0 = u4 (scale and min), 1 = s8 (scale)
 
     def _scale_f16(self) -> int:
         return int(self.scales.dtype == torch.float16)
@@ -268,10 +269,13 @@ class _Packed(LinearMethod):
     def _gemm_tiled(self, x2: torch.Tensor, y: torch.Tensor, bias_ptr: int, threads: int,
                     kernel: str | None = None) -> None:
         """The prefill GEMM (``qgemm.c``): ``y = x2 @ W^T (+ bias)`` with int16 activations."""
-        u4 = isinstance(self, Int4Linear)
-        native.gemm_tiled(0 if u4 else 1, x2.data_ptr(), x2.shape[0], self.in_features, self.qs.data_ptr(),
-                          self.scales.data_ptr(), self.mins.data_ptr() if u4 else 0, self._scale_f16(),
-                          self.out_features, self.group_size, bias_ptr, y.data_ptr(), threads, kernel=kernel)
+        native.gemm_tiled(self._native_kind, x2.data_ptr(), x2.shape[0], self.in_features, self.qs.data_ptr(),
+                          self.scales.data_ptr(), self._mins_ptr(), self._scale_f16(), self.out_features,
+                          self.group_size, bias_ptr, y.data_ptr(), threads, kernel=kernel)
+
+    def _mins_ptr(self) -> int:
+        """The per-group mins of a format that has them, else 0."""
+        return 0
 
     @abc.abstractmethod
     def _dequant_into(self, out: torch.Tensor, rows: slice, threads: int) -> None:
@@ -288,11 +292,12 @@ class _Packed(LinearMethod):
             return x.new_empty(*lead, n)
         threads = torch.get_num_threads()
         mode = _activation_mode()
-        if mode == "int16" or (mode == "auto" and (m <= gemv_max_rows() or prefill_gemm() == "int16")):
+        decode = mode == "int16" or (mode == "auto" and m <= gemv_max_rows())
+        if decode or (mode == "auto" and prefill_gemm() == "int16"):
             y = torch.empty(m, n, dtype=torch.float32)
             b = None if bias is None else bias.float().contiguous()
             b_ptr = 0 if b is None else b.data_ptr()
-            if mode == "int16" or m <= gemv_max_rows():
+            if decode:
                 self._gemm(x2, y, b_ptr, threads)
             else:
                 self._gemm_tiled(x2, y, b_ptr, threads)
@@ -339,6 +344,7 @@ class Int8Linear(_Packed):
     the group is the whole row)."""
 
     format = "int8"
+    _native_kind = 1
 
     def __init__(self, qs: torch.Tensor, scales: torch.Tensor, in_features: int, group_size: int) -> None:
         super().__init__(qs.shape[0], in_features)
@@ -425,6 +431,10 @@ class Int4Linear(_Packed):
     """Unsigned 4-bit weights with a scale and a min per group (``w = scale * q + min``)."""
 
     format = "int4"
+    _native_kind = 0
+
+    def _mins_ptr(self) -> int:
+        return self.mins.data_ptr()
 
     def __init__(self, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, in_features: int,
                  group_size: int) -> None:
