@@ -310,8 +310,7 @@ def test_row_limit_follows_the_kernel_set_in_use(prefill):
         for k in KERNELS:
             native.set_kernel(k)
             if prefill == "int16":
-                tiled = native.gemm_kernel() == "avx512vnni"
-                want = (packed.GEMV_MAX_ROWS_BY_KERNEL_TILED if tiled else packed.GEMV_MAX_ROWS_BY_KERNEL)[k]
+                want = packed.GEMV_MAX_ROWS_BY_KERNEL[k]
             else:
                 want = packed.GEMV_MAX_ROWS_BY_KERNEL[k]
                 if k in ("avx2", "avxvnni") and packed._wide_gemm():  # an AVX-512 GEMM wins from fewer rows
@@ -319,7 +318,7 @@ def test_row_limit_follows_the_kernel_set_in_use(prefill):
             assert gemv_max_rows() == want >= 1
     finally:
         native.set_kernel(before)
-    assert set(packed.GEMV_MAX_ROWS_BY_KERNEL) == set(packed.GEMV_MAX_ROWS_BY_KERNEL_TILED) == set(ORDER)
+    assert set(packed.GEMV_MAX_ROWS_BY_KERNEL) == set(ORDER)
 
 
 def test_row_limit_override_moves_the_split(monkeypatch):

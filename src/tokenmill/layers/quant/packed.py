@@ -68,10 +68,6 @@ GEMV_MAX_ROWS_BY_KERNEL = {"avx512vnni": 24, "avxvnni": 28, "avx2": 28, "scalar"
 # picked with set_kernel): the GEMM is twice as wide and wins from fewer rows
 GEMV_MAX_ROWS_WIDE_GEMM = 16
 GEMV_MAX_ROWS_DEFAULT = 16  # a kernel set without its own entry
-# the same crossover against the tiled int16 GEMM (when prefill_gemm() is "int16"), whole decode
-# step of the default model on a Zen 4 host (quant_verify_rows.py --paths int,dequant, 2 threads):
-# avx2 level at 16 rows, 1.05x at 20, 0.90x at 24; avx512vnni 1.22x at 12, 0.92x at 16
-GEMV_MAX_ROWS_BY_KERNEL_TILED = {"avx512vnni": 12, "avxvnni": 20, "avx2": 20, "scalar": 4}
 GEMV_ROWS_ENV = "TOKENMILL_GEMV_MAX_ROWS"
 PREFILL_ENV = "TOKENMILL_PREFILL_GEMM"
 PREFILL_GEMMS = ("auto", "int16", "fp32")
@@ -117,18 +113,18 @@ def gemv_max_rows() -> int:
     """x rows up to which a packed matmul (and a fused decode step) runs the integer decode
     kernels; more rows take the prefill GEMM (:func:`prefill_gemm`). The override
     (``TOKENMILL_GEMV_MAX_ROWS``, :func:`set_gemv_max_rows`) if set, else the measured crossover
-    of the kernel set in use against that GEMM: :data:`GEMV_MAX_ROWS_BY_KERNEL_TILED` against the
-    tiled int16 GEMM's AVX-512 kernels, else :data:`GEMV_MAX_ROWS_BY_KERNEL` (against its AVX2
-    kernels, and against dequantize + fp32 GEMM, with :data:`GEMV_MAX_ROWS_WIDE_GEMM` for the
-    256-bit sets where that GEMM is AVX-512)."""
+    of the kernel set in use (:data:`GEMV_MAX_ROWS_BY_KERNEL`; against dequantize + fp32 GEMM,
+    :data:`GEMV_MAX_ROWS_WIDE_GEMM` for the 256-bit sets where that GEMM is AVX-512)."""
     if _rows_override is not None:
         return _rows_override
     kern = native.kernel()
     if prefill_gemm() == "int16":
-        # the AVX2 tile widens every weight per call like the AVX-512 one but multiplies at half
-        # its rate: against it the fused decode path stayed ahead up to 28 rows (1.45x there)
-        tiled = native.gemm_kernel() == "avx512vnni"
-        return (GEMV_MAX_ROWS_BY_KERNEL_TILED if tiled else GEMV_MAX_ROWS_BY_KERNEL).get(kern, GEMV_MAX_ROWS_DEFAULT)
+        # The same limits against the tiled GEMM. Its AVX2 kernels stayed behind the fused decode
+        # path up to 28 rows (1.45x there). Its AVX-512 ones overtake it on the whole step from 20
+        # rows (avx2 set) or 16 (avx512vnni set) on a Zen 4 host, but in three served runs with
+        # those lower limits single-stream decode read 0.87x-0.92x, and level with 28 (unexplained:
+        # one row never reaches the limit; docs/benchmarks.md), so the measured-safe limits stay.
+        return GEMV_MAX_ROWS_BY_KERNEL.get(kern, GEMV_MAX_ROWS_DEFAULT)
     if kern in ("avx2", "avxvnni") and _wide_gemm():
         return GEMV_MAX_ROWS_WIDE_GEMM
     return GEMV_MAX_ROWS_BY_KERNEL.get(kern, GEMV_MAX_ROWS_DEFAULT)
