@@ -439,9 +439,10 @@ def test_tiled_prefill_gemm_matches_dequantize_then_matmul(gemm, n, k, group):
             _check(y, q16_reference(x), wd, bias)
 
 
-def test_tiled_prefill_gemm_gives_the_same_bits_on_any_thread_count():
-    """A result of the tiled GEMM never depends on which thread computes it or how the weight rows
-    are shared out (every output is one tile's fixed sum order)."""
+def test_tiled_prefill_gemm_gives_the_same_bits_on_any_thread_count_and_tile():
+    """A result of the tiled GEMM never depends on which thread computes it, how the weight rows
+    are shared out, or whether its row ran in a whole tile or a last half tile (every lane runs
+    the same instructions in a fixed sum order)."""
     gen = torch.Generator().manual_seed(4)
     method = Int4Linear.from_float(torch.randn(131, 320, generator=gen) * 0.1, 32)
     x = torch.randn(75, 320, generator=gen)
@@ -452,6 +453,10 @@ def test_tiled_prefill_gemm_gives_the_same_bits_on_any_thread_count():
             method._gemm_tiled(x, y, 0, threads, kernel=gemm)
             outs.append(y)
         assert all(torch.equal(outs[0], o) for o in outs[1:]), gemm
+        for lo, hi in ((64, 75), (0, 5), (40, 75)):   # rows that ran in whole tiles, now in other tiles
+            part = torch.empty(hi - lo, 131)
+            method._gemm_tiled(x[lo:hi].contiguous(), part, 0, 2, kernel=gemm)
+            assert torch.equal(part, outs[0][lo:hi]), (gemm, lo, hi)
 
 
 def test_prefill_gemm_is_chosen_from_the_cpu_and_can_be_set():
