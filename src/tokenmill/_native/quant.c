@@ -1734,7 +1734,7 @@ float tmq_load_scale(const void *p, int64_t i, int f16) { return load_scale(p, i
 
 /* the prefill GEMM's kernels: the AVX-512 VNNI ones wherever the CPU has them (on Zen 4 too, where
  * the decode kernels default to the 256-bit set: a GEMM tile keeps both halves of every 512-bit
- * operation busy, and measured 1.7x the AVX2 tile there), else AVX2 (avx2 / avxvnni: no VEX-VNNI
+ * operation busy, and measured 1.4x the AVX2 tile there), else AVX2 (avx2 / avxvnni: no VEX-VNNI
  * variant); portable when the kernel set in use is scalar */
 static int g_gemm_set = -1;   /* set_gemm_isa(): kernels picked for the GEMM alone; -1: as below */
 static int gemm_set(void) {
