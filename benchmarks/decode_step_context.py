@@ -18,8 +18,14 @@ in this process, and every round times every length on each in turn (``auto`` re
 engine resolves it, fp16 for packed weights).
 
 Kernel switches that the native attention kernel reads at each call (``TOKENMILL_NO_AVX512``,
-``TOKENMILL_NO_DECODE_BODY``) can be compared in one process with ``--env-ab NAME``: every round
-then times each length without and with ``NAME=1``.
+``TOKENMILL_NO_DECODE_BODY``, ``TOKENMILL_TILES_FOR_FEW_ROWS``) can be compared in one process with
+``--env-ab NAME``: every round then times each length without and with ``NAME=1``.
+
+``--rows 1,2,4`` times steps of that many new tokens of the one sequence instead (a speculative
+verify step's shape, logits for every row), each at each context:
+
+    .venv/bin/python benchmarks/decode_step_context.py --quantization auto --kv-cache-dtype auto --threads 2 \
+        --rows 1,2,3,5 --contexts 128,1024 --env-ab TOKENMILL_TILES_FOR_FEW_ROWS
 """
 from __future__ import annotations
 
@@ -46,10 +52,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5, help="timed forwards per length and round (best is kept)")
     ap.add_argument("--env-ab", default=None, help="a kernel switch to time off and on in every round")
+    ap.add_argument("--rows", default="1", help="new tokens per step (comma-separated: each is timed)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
     ctxs = [int(c) for c in args.contexts.split(",")]
+    # the points timed: (rows, context), labelled by the context alone for one-row steps
+    points = [(m, c) for m in rows for c in ctxs]
+    pname = {p: (str(p[1]) if rows == [1] else f"{p[0]} rows @ {p[1]}") for p in points}
     lm = load_model(args.model, quantization=args.quantization)
     model = lm.model
     base_spec = model.kv_cache_spec()
@@ -63,7 +74,8 @@ def main() -> int:
     modes = [(kv, sw) for kv in runners for sw in switches]
     label = {m: " ".join(x for x in ((m[0] if len(runners) > 1 else ""), ((m[1] or "default") if args.env_ab else ""))
                          if x) for m in modes}
-    times: dict[tuple[tuple[str, str | None], int], list[float]] = {(m, c): [] for m in modes for c in ctxs}
+    times: dict[tuple[tuple[str, str | None], tuple[int, int]], list[float]] = {
+        (m, p): [] for m in modes for p in points}
     for rnd in range(args.rounds):
         line = []
         for mode in modes:
@@ -71,24 +83,24 @@ def main() -> int:
             if switch:
                 os.environ[switch] = "1"
             try:
-                for c in ctxs:
-                    ms = runners[kv].time_rows(1, context=c, repeats=args.repeats) * 1e3
-                    times[(mode, c)].append(ms)
-                    line.append(f"{label[mode] + ' ' if label[mode] else ''}{c}: {ms:.2f} ms")
+                for p in points:
+                    ms = runners[kv].time_rows(p[0], context=p[1], repeats=args.repeats) * 1e3
+                    times[(mode, p)].append(ms)
+                    line.append(f"{label[mode] + ' ' if label[mode] else ''}{pname[p]}: {ms:.2f} ms")
             finally:
                 if switch:
                     os.environ.pop(switch, None)
         print(f"round {rnd + 1}: " + ", ".join(line), flush=True)
-    print(f"\n| KV / switch | context | step ms (median of rounds) | tok/s | rate / rate at {ctxs[0]} | "
-          f"rate / first row's at this context |")
+    print(f"\n| KV / switch | {'context' if rows == [1] else 'rows @ context'} | step ms (median of rounds) | "
+          f"tok/s | rate / rate at {pname[points[0]]} | rate / first row's at this point |")
     print("|---|---|---|---|---|---|")
     for mode in modes:
-        base = statistics.median(times[(mode, ctxs[0])])
-        for c in ctxs:
-            med = statistics.median(times[(mode, c)])
-            first = statistics.median(times[(modes[0], c)])
-            print(f"| {label[mode] or 'default'} | {c} | {med:.2f} | {1e3 / med:.1f} | {base / med:.2f}x | "
-                  f"{first / med:.2f}x |")
+        base = statistics.median(times[(mode, points[0])])
+        for p in points:
+            med = statistics.median(times[(mode, p)])
+            first = statistics.median(times[(modes[0], p)])
+            print(f"| {label[mode] or 'default'} | {pname[p]} | {med:.2f} | {1e3 * p[0] / med:.1f} | "
+                  f"{base * p[0] / med:.2f}x | {first / med:.2f}x |")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 

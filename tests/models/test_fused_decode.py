@@ -290,7 +290,11 @@ def test_fused_decode_with_fp8_kv(packed, name, scheme, isa, monkeypatch):
     got, kv_got, _, ran = _run(model, True, kv)
     want, kv_want, _, ran_ref = _run(model, False, kv)
     assert ran == [sum(n for _, n in s) <= _row_limit(name) for s in STEPS] and any(ran) and not any(ran_ref)
-    atol, rtol = (2e-4, 1e-3) if "fp32" in name else (ATOL, RTOL)
+    # The two paths agree to float rounding before the pool (C and torch rotary and norms differ
+    # in the last bits), and a K/V entry that lands on an e4m3 rounding midpoint in one path moves
+    # by a whole e4m3 step (about 6%) in the other; one such flip in an int4 model moved a logit
+    # by 0.6% of the largest, so packed weights get 1% (a wrong scale or row moves them by ~100%).
+    atol, rtol = (2e-4, 1e-3) if "fp32" in name else (1e-2, RTOL)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=atol * float(w.abs().max()), rtol=rtol)
         assert torch.equal(g.argmax(-1), w.argmax(-1))

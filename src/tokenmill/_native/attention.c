@@ -20,9 +20,10 @@
  * query row) take the decode bodies ("decode rows" below: each K/V row read and widened once
  * for the G query heads of its kv head); prefill chunks take the tiled path ("tiled prefill
  * path"), which scores groups of query vectors against blocks of keys as small matrix
- * products (the per-row bodies remain for CPUs without the vector paths and for A/B checks:
- * TOKENMILL_NO_DECODE_BODY=1, TOKENMILL_NO_PREFILL_TILES=1). Each query row's result depends only on its own sequence, so a request gives the
- * same bits whatever else is in the batch.
+ * products. Chunks of a few rows (tiled_rows) and CPUs without the vector paths take the
+ * per-row bodies, which also serve A/B checks (TOKENMILL_NO_DECODE_BODY=1,
+ * TOKENMILL_NO_PREFILL_TILES=1, TOKENMILL_TILES_FOR_FEW_ROWS=1). Each query row's result depends
+ * only on its own sequence, so a request gives the same bits whatever else is in the batch.
  *
  * Vector code is compiled for AVX-512 and for AVX2+FMA through function target attributes and
  * chosen at run time (TOKENMILL_NO_AVX512=1 forces the AVX2 path); a portable scalar path does
@@ -1741,7 +1742,20 @@ static int have_vbmi(void) { return 0; }
 /* ---------------------------------------------------------------------------------------- */
 /* task planning and the parallel driver                                                    */
 
-static int plan_tasks(const Problem *P, int num_seqs, int nthreads, int tiled, Task **out_tasks, int *num_parts) {
+/* Whether a sequence's n query rows take the tiled path: tile_min_q is the fewest query vectors
+ * (n x G) a chunk needs for it (Kernels.tile_min_q; -1: no tile kernel). A tile group costs
+ * about the same for any number of its qw lanes in use, while the per-row path's cost grows with
+ * the query vectors, so a chunk of a few rows (a verify step, the last rows of a prompt) is
+ * cheaper there: with head groups of 3, 2 rows over 1,024 keys took 2.2 against 6.1 ms per step
+ * with AVX-512 tiles (qw 32) and 2.7 against 4.0 ms with AVX2 ones (qw 16); the two met at about
+ * 18 query vectors in 32 lanes and 12 in 16, so the tiles start at 5/8 of a group
+ * (docs/benchmarks.md, "Few-row chunks off the tiles"). The choice depends only on the
+ * sequence's own rows, so a request's result is the same in any batch. */
+static inline int tiled_rows(int tile_min_q, int64_t n, int G) {
+    return tile_min_q >= 0 && n > 1 && n * G >= tile_min_q;
+}
+
+static int plan_tasks(const Problem *P, int num_seqs, int nthreads, int tile_min_q, Task **out_tasks, int *num_parts) {
     const int G = P->group;
     int rows_per_task = MAX_QVEC / G;
     if (rows_per_task > 64) rows_per_task = 64;
@@ -1757,7 +1771,7 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, int tiled, T
         int64_t n = P->qsl[i + 1] - P->qsl[i], L = P->seq_lens[i];
         if (n <= 0) continue;
         int rows = rows_per_task;
-        if (tiled && n > 1) {
+        if (tiled_rows(tile_min_q, n, G)) {
             /* The rows of a tiled prefill task share every K/V block it loads, so tasks are
              * large (TILE_TASK_FLOATS of queries, as many again of output), but cut smaller
              * when one sequence would give fewer than two tasks per thread. A tiled row's
@@ -1815,6 +1829,7 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, int tiled, T
 /* The kernels run_problem picks for P on this CPU. */
 typedef struct {
     const TileKernel *tk;
+    int tile_min_q;   /* query vectors from which a chunk takes tk (tiled_rows); -1 without tk */
     int vec, vec512;
     int dec;   /* decode rows: 2 the AVX-512 (VBMI) decode body, 1 the AVX2 one, 0 the per-row bodies */
 } Kernels;
@@ -1829,13 +1844,16 @@ static Kernels pick_kernels(const Problem *P) {
     k.vec512 = k.vec && have_avx512() && D % 16 == 0 && !no512;
     /* TOKENMILL_NO_DECODE_BODY=1 sends decode rows through the per-row bodies (for A/B checks) */
     k.dec = getenv("TOKENMILL_NO_DECODE_BODY") ? 0 : k.vec512 && have_vbmi() ? 2 : k.vec ? 1 : 0;
-    /* prefill chunks (sequences with more than one query row) take the tiled path;
+    /* prefill chunks (sequences with more than a few query rows: tiled_rows) take the tiled path;
      * TOKENMILL_NO_PREFILL_TILES=1 sends them through the per-row path (for A/B checks) */
     k.tk = getenv("TOKENMILL_NO_PREFILL_TILES") ? NULL : &tile_kernel_scalar;
 #if TM_X86
     if (k.tk && have_avx512() && D % 8 == 0 && !no512) k.tk = &tile_kernel_avx512;
     else if (k.tk && have_avx2() && D % 4 == 0) k.tk = &tile_kernel_avx2;
 #endif
+    /* TOKENMILL_TILES_FOR_FEW_ROWS=1: every chunk of 2+ rows on the tiles, as before tiled_rows
+     * (for A/B checks) */
+    k.tile_min_q = !k.tk ? -1 : getenv("TOKENMILL_TILES_FOR_FEW_ROWS") ? 0 : (5 * k.tk->qw + 7) / 8;
     return k;
 }
 
@@ -1850,7 +1868,7 @@ typedef struct {
 
 static void make_plan(const Problem *P, int num_seqs, int nthreads, const Kernels *k, Plan *pl) {
     const int G = P->group, D = P->d;
-    pl->count = plan_tasks(P, num_seqs, nthreads, k->tk != NULL, &pl->tasks, &pl->parts);
+    pl->count = plan_tasks(P, num_seqs, nthreads, k->tile_min_q, &pl->tasks, &pl->parts);
     pl->pm = pl->parts ? malloc(sizeof(float) * pl->parts * G) : NULL;
     pl->pl = pl->parts ? malloc(sizeof(float) * pl->parts * G) : NULL;
     pl->pa = pl->parts ? malloc(sizeof(float) * (size_t)pl->parts * G * D) : NULL;
@@ -1862,7 +1880,7 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
     float *m = t->part >= 0 ? pl->pm + (size_t)t->part * G : NULL;
     float *l = t->part >= 0 ? pl->pl + (size_t)t->part * G : NULL;
     float *a = t->part >= 0 ? pl->pa + (size_t)t->part * G * D : NULL;
-    if (k->tk && P->qsl[t->seq + 1] - P->qsl[t->seq] > 1) {
+    if (tiled_rows(k->tile_min_q, P->qsl[t->seq + 1] - P->qsl[t->seq], G)) {
         task_tiled(P, t, m, l, a, k->tk);
         return;
     }

@@ -200,9 +200,9 @@ typedef struct {
     int kv_pf_t0;                           /* that prefetch with prefetcht0 (else t1: into L2) */
 } Step;
 
-/* scratch: x [M,H], qkv [M,qn], att [M,hq*d], tmp [M,H], gu [M,2I], act [M,I] */
+/* shared scratch: qkv [M,qn], att [M,hq*d], tmp [M,H], gu [M,2I]; h [M,H] is the caller's */
 typedef struct {
-    float *h, *x, *qkv, *att, *tmp, *gu, *act;
+    float *h, *qkv, *att, *tmp, *gu;
 } Bufs;
 
 /* The optional epilogue after the last layer: logits[r] = head(rmsnorm(h[idx[r]]) * norm), for
@@ -222,9 +222,10 @@ typedef struct {
  * sleep there costs a wake-up, and on a busy machine a wait for a core, at every barrier. This
  * one spins (with pause) for about SPIN_PAUSES rounds, then yields the core between checks. */
 #define SPIN_PAUSES 20000
+enum { C_HEAD = W_COUNT, C_COUNT };   /* claim counters: one per layer matrix, and the head's */
 typedef struct {
     atomic_int arrived, gen, next;  /* next: attention's task counter */
-    atomic_llong rows;              /* the next unclaimed output row of the matmul in progress */
+    atomic_llong rows[C_COUNT];     /* per matmul: its next unclaimed output row */
     int n;
 } SpinBar;
 
@@ -354,18 +355,18 @@ static void rows_prefetching(const TmqMat *w, const void *act, int64_t M, const 
  * computes it (the kernels' row ranges are exact for any split). */
 #define CLAIM_MIN 32
 #define CLAIM_SHARE 4
-static void matmul_claiming(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, SpinBar *bar,
-                            int T, KvPf *p, const Step *S) {
+static void matmul_claiming(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y,
+                            atomic_llong *ctr, int T, KvPf *p, const Step *S) {
     const int64_t N = w->N;
-    long long a = atomic_load_explicit(&bar->rows, memory_order_relaxed);
+    long long a = atomic_load_explicit(ctr, memory_order_relaxed);
     for (;;) {
         if (a >= N) return;
         int64_t n = (N - a) / (CLAIM_SHARE * T) / 8 * 8;
         if (n < CLAIM_MIN) n = CLAIM_MIN;
-        if (!atomic_compare_exchange_weak_explicit(&bar->rows, &a, a + n, memory_order_relaxed, memory_order_relaxed))
+        if (!atomic_compare_exchange_weak_explicit(ctr, &a, a + n, memory_order_relaxed, memory_order_relaxed))
             continue;   /* a now holds the counter's value */
         rows_prefetching(w, act, M, bias, y, a, a + n < N ? a + n : N, p, S);
-        a = atomic_load_explicit(&bar->rows, memory_order_relaxed);
+        a = atomic_load_explicit(ctr, memory_order_relaxed);
     }
 }
 
@@ -375,9 +376,9 @@ static void matmul_claiming(const TmqMat *w, const void *act, int64_t M, const f
  * steps); for one row they measured 0.94x-1.03x, inside this host's noise, so a lone decode keeps
  * the even split (benchmarks/claim_rows_ab.py, docs/benchmarks.md). */
 static inline void matmul_phase(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int t, int T,
-                                SpinBar *bar, KvPf *p, const Step *S) {
+                                atomic_llong *ctr, KvPf *p, const Step *S) {
     if (!S->static_rows && M > 1) {
-        matmul_claiming(w, act, M, bias, y, bar, T, p, S);
+        matmul_claiming(w, act, M, bias, y, ctr, T, p, S);
     } else {
         int64_t n0, n1;
         tmq_row_range(w->N, t, T, &n0, &n1);
@@ -385,35 +386,55 @@ static inline void matmul_phase(const TmqMat *w, const void *act, int64_t M, con
     }
 }
 
+/* Thread t's own copies: the residual stream h (thread 0: the caller's h itself), the normalized
+ * rows x and the SiLU output act, and its quantized activations aq (a tmq_act_buffer, sized by
+ * tmq_py_decode_layers for the largest matmul of the step). */
+typedef struct {
+    float *h, *x, *act;
+    void *aq;
+} Own;
+
 /* The whole step is one `omp parallel` region (a fork/join per matmul cost more than a second
- * thread gained). Every thread runs this loop: the small per-layer ops and the quantization of
- * each matmul's activations run on thread 0, each matmul's output rows go to the threads as
- * they claim them (matmul_phase: steps of 2+ rows) or in even shares (one row), attention's
- * tasks to whichever thread takes the next one; a
- * barrier separates dependent phases. Shared state (the quantized activations, the attention
- * call, the error) is written by thread 0 and read only after a barrier, so every thread takes
- * the same branch. The phase timers count on thread 0 (each phase includes its barrier). */
-static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const Bufs *B, const Head *hd, void **aq,
-                            void **call, int *err, SpinBar *bar) {
+ * thread gained). Every thread runs this loop. Each matmul's output rows go to the threads as
+ * they claim them (matmul_phase: steps of 2+ rows) or in even shares (one row), attention's tasks
+ * to whichever thread takes the next one; a barrier ends each of them. The small ops between
+ * (residual adds, RMSNorm, SiLU*up, and quantizing the next matmul's activations) run on every
+ * thread at once, each on its own copy of the residual stream (Own): the same operations in the
+ * same order, so the copies stay bit for bit equal, and the next matmul starts without another
+ * barrier. Done once on thread 0 and shared, the quantized activations were written to cache
+ * lines the other threads had just read and were read back from the writer's cache: with two
+ * threads of a 4-row step, the quantize calls cost 10x their single-thread time (docs/
+ * benchmarks.md, "Small ops on every thread"). Rotary, the KV write and attention's plan and
+ * merge stay on thread 0. Shared state (the attention call, the error) is written by thread 0
+ * and read only after a barrier, so every thread takes the same branch; a quantize into a buffer
+ * too small (which tmq_py_decode_layers' sizing rules out) skips the matmul and flags `bad`,
+ * without a branch that could leave a thread behind at a barrier. The phase timers count on
+ * thread 0: a matmul phase includes its barrier, a small-op phase only thread 0's own work. */
+static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const Bufs *B, const Head *hd, Own *own,
+                            void **call, int *err, atomic_int *bad, SpinBar *bar) {
     const int64_t M = S->M, H = S->H, qsz = S->hq * S->d, kvsz = S->hkv * S->d, qn = qsz + 2 * kvsz, I = S->inter;
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
-    if (t == 0) bar->n = T;
+    if (t == 0) {
+        bar->n = T;
+        for (int c = 0; c < C_COUNT; c++) atomic_store_explicit(&bar->rows[c], 0, memory_order_relaxed);
+    }
     #pragma omp barrier
     const int prof = g_prof && t == 0;
     double t_last = prof ? now_s() : 0.0;
 #define TTICK(phase) do { if (prof) { double t_ = now_s(); g_prof_s[phase] += t_ - t_last; t_last = t_; } } while (0)
-    /* a matmul of MR activation rows: rows claimed from bar->rows (which thread 0 sets to 0 in
-     * the serial part before it), or the even split */
-#define MATMUL(W, MR, BIAS, Y, PF) matmul_phase(W, *aq, MR, BIAS, Y, t, T, bar, PF, S)
-#define CLAIM_FROM_0() atomic_store_explicit(&bar->rows, 0, memory_order_relaxed)
-    float *h = B->h;
-    if (t == 0) {
-        CLAIM_FROM_0();
-        rmsnorm(h, (const float *)(uintptr_t)tab[F_NORM1], B->x, M, H, S->eps);
+    /* quantize this thread's activations x (MR rows) for W; a matmul of MR rows on them, rows
+     * claimed from counter C (reset by thread 0 in a serial part between its uses) or split evenly */
+#define QUANT(W, X, MR) do { if (tmq_act_quantize_into(me->aq, W, X, MR)) atomic_store(bad, 1); } while (0)
+#define MATMUL(W, MR, BIAS, Y, C, PF) do { if (!atomic_load_explicit(bad, memory_order_relaxed)) \
+        matmul_phase(W, me->aq, MR, BIAS, Y, t, T, &bar->rows[C], PF, S); } while (0)
+    Own *me = &own[t];
+    float *h = me->h, *x = me->x;
+    if (t > 0) memcpy(h, B->h, (size_t)(M * H) * sizeof(float));
+    if (L > 0) {
         TmqMat w = layer_mat(tab, W_QKV);
-        if (!(*aq = tmq_act_quantize(&w, B->x, M))) *err = -1;
+        rmsnorm(h, (const float *)(uintptr_t)tab[F_NORM1], x, M, H, S->eps);
+        QUANT(&w, x, M);
     }
-    bar_wait(bar);
     TTICK(P_NORM);
     KvPf pf;   /* this thread's prefetch of the next attention's KV (see KvPf) */
     if (L > 0) {
@@ -423,14 +444,15 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
     for (int64_t l = 0; l < L && !*err; l++) {
         const int64_t *row = tab + l * LAYER_FIELDS;
         TmqMat w = layer_mat(row, W_QKV);
-        MATMUL(&w, M, (const float *)(uintptr_t)row[F_QKV_BIAS], B->qkv, &pf);
+        MATMUL(&w, M, (const float *)(uintptr_t)row[F_QKV_BIAS], B->qkv, W_QKV, &pf);
         bar_wait(bar);
         TTICK(P_QKV);
         if (t == 0) {
             void *kc = (void *)(uintptr_t)row[F_K_CACHE], *vc = (void *)(uintptr_t)row[F_V_CACHE];
             float *ks = (float *)(uintptr_t)row[F_K_SCALE], *vs = (float *)(uintptr_t)row[F_V_SCALE];
-            tmq_act_free(*aq);
-            *aq = NULL;
+            /* every claim counter is between uses here: this layer's qkv matmul is done, its other
+             * matmuls (and the head, after the last layer) have not begun */
+            for (int c = 0; c < C_COUNT; c++) atomic_store_explicit(&bar->rows[c], 0, memory_order_relaxed);
             rotary(B->qkv, M, qn, (int)(S->hq + S->hkv), (int)S->d, S->cos, S->sin);
             kv_write(kc, ks, B->qkv + qsz, qn, S->slots, M, S->hkv, S->d, S->kv_kind);
             kv_write(vc, vs, B->qkv + qsz + kvsz, qn, S->slots, M, S->hkv, S->d, S->kv_kind);
@@ -445,85 +467,57 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
         for (int n = g_attn->tasks(*call), i; (i = atomic_fetch_add_explicit(&bar->next, 1, memory_order_relaxed)) < n;)
             g_attn->run(*call, i);
         bar_wait(bar);
-        w = layer_mat(row, W_O);
         if (t == 0) {
             g_attn->finish(*call);
             *call = NULL;
-            CLAIM_FROM_0();
-            if (!(*aq = tmq_act_quantize(&w, B->att, M))) *err = -1;
         }
         bar_wait(bar);
         TTICK(P_ATTN);
-        if (*err) break;
-        MATMUL(&w, M, NULL, B->tmp, (KvPf *)NULL);
+        w = layer_mat(row, W_O);
+        QUANT(&w, B->att, M);
+        MATMUL(&w, M, NULL, B->tmp, W_O, (KvPf *)NULL);
         bar_wait(bar);
         TTICK(P_O);
         w = layer_mat(row, W_GATE_UP);
-        if (t == 0) {
-            tmq_act_free(*aq);
-            CLAIM_FROM_0();
-            for (int64_t i = 0; i < M * H; i++) h[i] += B->tmp[i];
-            rmsnorm(h, (const float *)(uintptr_t)row[F_NORM2], B->x, M, H, S->eps);
-            if (!(*aq = tmq_act_quantize(&w, B->x, M))) *err = -1;
-        }
-        bar_wait(bar);
+        for (int64_t i = 0; i < M * H; i++) h[i] += B->tmp[i];
+        rmsnorm(h, (const float *)(uintptr_t)row[F_NORM2], x, M, H, S->eps);
+        QUANT(&w, x, M);
         TTICK(P_NORM);
-        if (*err) break;
         if (l + 1 < L) {   /* the next layer's KV, over this layer's gate_up and down */
             const TmqMat wd = layer_mat(row, W_DOWN);
             kvpf_start(&pf, row + LAYER_FIELDS, S, t, T, pf_slices(&w, t, T) + pf_slices(&wd, t, T));
         }
-        MATMUL(&w, M, NULL, B->gu, &pf);
+        MATMUL(&w, M, NULL, B->gu, W_GATE_UP, &pf);
         bar_wait(bar);
         TTICK(P_GATE_UP);
         w = layer_mat(row, W_DOWN);
-        if (t == 0) {
-            tmq_act_free(*aq);
-            CLAIM_FROM_0();
-            for (int64_t r = 0; r < M; r++) silu_mul(B->gu + r * 2 * I, B->gu + r * 2 * I + I, B->act + r * I, I);
-            if (!(*aq = tmq_act_quantize(&w, B->act, M))) *err = -1;
-        }
-        bar_wait(bar);
+        for (int64_t r = 0; r < M; r++) silu_mul(B->gu + r * 2 * I, B->gu + r * 2 * I + I, me->act + r * I, I);
+        QUANT(&w, me->act, M);
         TTICK(P_SILU);
-        if (*err) break;
-        MATMUL(&w, M, NULL, B->tmp, &pf);
+        MATMUL(&w, M, NULL, B->tmp, W_DOWN, &pf);
         bar_wait(bar);
         TTICK(P_DOWN);
-        if (t == 0) {
-            tmq_act_free(*aq);
-            *aq = NULL;
-            CLAIM_FROM_0();
-            for (int64_t i = 0; i < M * H; i++) h[i] += B->tmp[i];
-            if (l + 1 < L) {  /* the next layer's first norm and its qkv activations */
-                const int64_t *next = row + LAYER_FIELDS;
-                rmsnorm(h, (const float *)(uintptr_t)next[F_NORM1], B->x, M, H, S->eps);
-                TmqMat wn = layer_mat(next, W_QKV);
-                if (!(*aq = tmq_act_quantize(&wn, B->x, M))) *err = -1;
-            }
+        for (int64_t i = 0; i < M * H; i++) h[i] += B->tmp[i];
+        if (l + 1 < L) {  /* the next layer's first norm and its qkv activations */
+            const int64_t *next = row + LAYER_FIELDS;
+            rmsnorm(h, (const float *)(uintptr_t)next[F_NORM1], x, M, H, S->eps);
+            TmqMat wn = layer_mat(next, W_QKV);
+            QUANT(&wn, x, M);
         }
-        bar_wait(bar);
         TTICK(P_RESID);
     }
     if (hd->mat && !*err) {   /* the final norm and the output head (see Head) */
         const TmqMat w = mat_at(hd->mat);
-        if (t == 0) {
-            CLAIM_FROM_0();
-            for (int64_t r = 0; r < hd->n; r++) rmsnorm(h + hd->idx[r] * H, hd->norm, B->x + r * H, 1, H, S->eps);
-            if (!(*aq = tmq_act_quantize(&w, B->x, hd->n))) *err = -1;
-        }
-        bar_wait(bar);
+        for (int64_t r = 0; r < hd->n; r++) rmsnorm(h + hd->idx[r] * H, hd->norm, x + r * H, 1, H, S->eps);
+        QUANT(&w, x, hd->n);
         TTICK(P_NORM);
-        if (!*err) MATMUL(&w, hd->n, NULL, hd->logits, (KvPf *)NULL);
+        MATMUL(&w, hd->n, NULL, hd->logits, C_HEAD, (KvPf *)NULL);
         bar_wait(bar);
         TTICK(P_HEAD);
-        if (t == 0) {
-            tmq_act_free(*aq);
-            *aq = NULL;
-        }
     }
 #undef TTICK
+#undef QUANT
 #undef MATMUL
-#undef CLAIM_FROM_0
 }
 
 /* a matrix description the kernels take, with the pointers its kind reads */
@@ -607,27 +601,58 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
         }
     }
     const int64_t qsz = hq * d, qn = qsz + 2 * hkv * d;
-    size_t n = (size_t)M * (2 * H + qn + qsz + 3 * inter);
-    float *mem = malloc(n * sizeof(float));
-    if (!mem) return PyErr_NoMemory();
-    float *x = mem, *tmp = x + M * H, *qkv = tmp + M * H, *att = qkv + M * qn, *gu = att + M * qsz,
-          *act = gu + M * 2 * inter;
+    /* shared scratch, then each thread's own (Own: h for threads 1.., x, act), cache-line aligned */
+    const size_t shared = ((size_t)M * (H + qn + qsz + 2 * inter) + 15) / 16 * 16,
+                 per_thread = ((size_t)M * (2 * H + inter) + 15) / 16 * 16;
+    float *mem = aligned_alloc(64, (shared + (size_t)S.nt * per_thread) * sizeof(float));
+    Own *own = calloc((size_t)S.nt, sizeof(Own));
+    /* room for the largest activations any matmul of the step quantizes */
+    size_t act_bytes = 0;
+    if (head) {
+        const TmqMat w = mat_at(hd.mat);
+        act_bytes = tmq_act_bytes(&w, n_out);
+    }
+    for (int64_t l = 0; l < L; l++)
+        for (int w = 0; w < W_COUNT; w++) {
+            const TmqMat m = layer_mat(tab + l * LAYER_FIELDS, w);
+            const size_t b = tmq_act_bytes(&m, M);
+            if (b > act_bytes) act_bytes = b;
+        }
     int err = 0;
-    void *aq = NULL, *call = NULL;
-    Bufs B = {PTR(float *, h), x, qkv, att, tmp, gu, act};
+    for (int i = 0; i < S.nt && mem && own && !err; i++) {
+        float *p = mem + shared + (size_t)i * per_thread;
+        own[i] = (Own){i == 0 ? PTR(float *, h) : p, p + M * H, p + 2 * M * H, tmq_act_buffer(act_bytes)};
+        if (!own[i].aq) err = -1;
+    }
+    if (!mem || !own || err) {
+        for (int i = 0; own && i < S.nt; i++) tmq_act_free(own[i].aq);
+        free(own);
+        free(mem);
+        return PyErr_NoMemory();
+    }
+    float *tmp = mem, *qkv = tmp + M * H, *att = qkv + M * qn, *gu = att + M * qsz;
+    void *call = NULL;
+    atomic_int bad;
+    atomic_init(&bad, 0);
+    Bufs B = {PTR(float *, h), qkv, att, tmp, gu};
     SpinBar bar;
     atomic_init(&bar.arrived, 0);
     atomic_init(&bar.gen, 0);
     atomic_init(&bar.next, 0);
-    atomic_init(&bar.rows, 0);
+    for (int c = 0; c < C_COUNT; c++) atomic_init(&bar.rows[c], 0);
     bar.n = 1;
     Py_BEGIN_ALLOW_THREADS
     #pragma omp parallel num_threads(S.nt)
-    run_layers_team(tab, L, &S, &B, &hd, &aq, &call, &err, &bar);
+    run_layers_team(tab, L, &S, &B, &hd, own, &call, &err, &bad, &bar);
     Py_END_ALLOW_THREADS
-    tmq_act_free(aq);
+    for (int i = 0; i < S.nt; i++) tmq_act_free(own[i].aq);
+    free(own);
     if (call) g_attn->finish(call);
     free(mem);
+    if (atomic_load(&bad)) {
+        PyErr_SetString(PyExc_RuntimeError, "decode_layers: an activation buffer was sized too small (a bug)");
+        return NULL;
+    }
     if (err == -1) return PyErr_NoMemory();
     if (err == -2) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: the attention kernel refused the head shape "

@@ -1128,6 +1128,7 @@ typedef struct {
     int64_t qstride, bstride;
     int order;         /* one of ACT_* below: the order the kernels for this matmul read */
     void *mem;
+    size_t cap;        /* bytes at mem when the buffer is reused (tmq_act_buffer); 0: sized per call */
     const float *xf;   /* TMQ_F32: the fp32 activations themselves, [M, K] */
 } ActBuf;
 
@@ -1257,7 +1258,9 @@ static void to_pair_order(int16_t *q, float *xd, float *xs, int64_t nb) {
     }
 }
 
-static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf *a) {
+/* The layout of M rows of K activations in `order` (a->order, a->bstride, a->qstride); returns the
+ * bytes of a->mem it needs, and the int16 part's share of them in *qbytes. */
+static size_t act_layout(int64_t M, int64_t K, int order, ActBuf *a, size_t *qbytes) {
     int64_t nb = (K + QK - 1) / QK;
     a->order = order;
     /* blocks a row is padded to a multiple of, per order: the kernels' loads and reductions */
@@ -1266,9 +1269,19 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf 
     a->bstride = (nb + pad[order] - 1) / pad[order] * pad[order];
     if (order == ACT_STREAM256 || order == ACT_SSTREAM256) a->bstride = stream_blocks(nb);   /* x repeated */
     a->qstride = a->bstride * QK;
-    size_t qbytes = ((size_t)(M * a->qstride) * sizeof(int16_t) + 63) & ~(size_t)63;
-    a->mem = malloc(qbytes + 2 * (size_t)(M * a->bstride) * sizeof(float) + 64);
-    if (!a->mem) return -1;
+    *qbytes = ((size_t)(M * a->qstride) * sizeof(int16_t) + 63) & ~(size_t)63;
+    return *qbytes + 2 * (size_t)(M * a->bstride) * sizeof(float) + 64;
+}
+
+/* quantize x into a->mem (a reused buffer of a->cap bytes, or a fresh allocation when a->cap is 0) */
+static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf *a) {
+    const int64_t nb = (K + QK - 1) / QK;
+    size_t qbytes, bytes = act_layout(M, K, order, a, &qbytes);
+    if (a->cap) {
+        if (bytes > a->cap) return -1;
+    } else if (!(a->mem = malloc(bytes))) {
+        return -1;
+    }
     a->xq = (int16_t *)a->mem;
     a->xd = (float *)((char *)a->mem + qbytes);
     a->xs = a->xd + M * a->bstride;
@@ -1559,12 +1572,38 @@ static void gemm_s8(int64_t M, int64_t K, const int8_t *qs, const void *sc, int 
 
 /* The entry points other C files use (decoder.c): y[M, N] = x[M, K] @ W^T (+ bias) with the
  * integer kernels, as a quantize step (one thread) and a row loop (the whole team). */
+static int act_order(const TmqMat *w, int64_t M) {
+    return w->kind == TMQ_U4 ? u4_act_order(M, w->K, w->group) : s8_act_order(M, w->K, w->group);
+}
+
 void *tmq_act_quantize(const TmqMat *w, const float *x, int64_t M) {
     ActBuf *a = calloc(1, sizeof *a);
     if (!a) return NULL;
     if (w->kind == TMQ_F32) { a->xf = x; return a; }
-    if (act_quantize(x, M, w->K, w->kind == TMQ_U4 ? u4_act_order(M, w->K, w->group) : s8_act_order(M, w->K, w->group), a)) { free(a); return NULL; }
+    if (act_quantize(x, M, w->K, act_order(w, M), a)) { free(a); return NULL; }
     return a;
+}
+
+size_t tmq_act_bytes(const TmqMat *w, int64_t M) {
+    if (w->kind == TMQ_F32) return 0;
+    ActBuf a = {0};
+    size_t qbytes;
+    return act_layout(M, w->K, act_order(w, M), &a, &qbytes);
+}
+
+void *tmq_act_buffer(size_t bytes) {
+    ActBuf *a = calloc(1, sizeof *a);
+    if (!a) return NULL;
+    a->cap = bytes < 64 ? 64 : bytes;
+    if (!(a->mem = malloc(a->cap))) { free(a); return NULL; }
+    return a;
+}
+
+int tmq_act_quantize_into(void *buf, const TmqMat *w, const float *x, int64_t M) {
+    ActBuf *a = buf;
+    a->xf = NULL;
+    if (w->kind == TMQ_F32) { a->xf = x; return 0; }
+    return act_quantize(x, M, w->K, act_order(w, M), a);
 }
 
 void tmq_act_free(void *act) {
@@ -1623,7 +1662,7 @@ static PyObject *py_gemm_u4(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (M == 0 || N == 0) Py_RETURN_NONE;  /* nothing to compute (the one-row kernels would read row 0) */
-    ActBuf a;
+    ActBuf a = {0};
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
     err = act_quantize(PTR(const float *, x), M, K, u4_act_order(M, K, group), &a);
@@ -1648,7 +1687,7 @@ static PyObject *py_gemm_s8(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (M == 0 || N == 0) Py_RETURN_NONE;  /* nothing to compute (the one-row kernels would read row 0) */
-    ActBuf a;
+    ActBuf a = {0};
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
     err = act_quantize(PTR(const float *, x), M, K, s8_act_order(M, K, group), &a);

@@ -3,6 +3,7 @@
 #ifndef TOKENMILL_QUANT_H
 #define TOKENMILL_QUANT_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 enum { TMQ_U4 = 0, TMQ_S8 = 1, TMQ_F32 = 2 };
@@ -30,6 +31,13 @@ void tmq_row_range(int64_t N, int t, int T, int64_t *n0, int64_t *n1);
  * not depend on the range it is computed in, so a caller may cut its range into pieces */
 void tmq_matmul_range(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int64_t n0, int64_t n1);
 void tmq_act_free(void *act);
+/* A reusable activation buffer, for a caller whose every thread quantizes its own copy of x
+ * (decoder.c): tmq_act_bytes is what quantizing M rows for w needs (0 for TMQ_F32),
+ * tmq_act_buffer(bytes) a buffer of that room (NULL: no memory; freed by tmq_act_free), and
+ * tmq_act_quantize_into fills it as tmq_act_quantize would (0, or -1 when it is too small). */
+size_t tmq_act_bytes(const TmqMat *w, int64_t M);
+void *tmq_act_buffer(size_t bytes);
+int tmq_act_quantize_into(void *buf, const TmqMat *w, const float *x, int64_t M);
 /* 1 when the matrix description is one the kernels take. */
 int tmq_check_mat(const TmqMat *w);
 
