@@ -12,6 +12,10 @@ Systems, all on the default model's Q4_1 GGUF (SmolLM2-135M-Instruct from ``llm-
     tokenmill-q4_1-prefill-fp32  the same with prefill matmuls through dequantize + fp32 GEMM, as
                      before the twentieth landing (TOKENMILL_PREFILL_GEMM=fp32; the tiled int16
                      GEMM is the default where the CPU has AVX-512 VNNI)
+    tokenmill-q4_1-baseline  the same from another build of tokenmill: the ``src`` directory given
+                     by ``--baseline-src`` (say, a worktree of an older commit with its native
+                     extensions built in place), put first on the server's PYTHONPATH; for a
+                     served A/B of two builds in one run
     tokenmill-int8   tokenmill serve --quantization int8  (the dequantized weights, int8 per channel)
     tokenmill-fp32   tokenmill serve --quantization none  (the dequantized weights in fp32)
     llama-server     llama.cpp's C++ server, 16 parallel slots, continuous batching
@@ -54,10 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import PeerNotInstalled, PeerServer, default_gguf, start_llama_server  # noqa: E402
 
 SYSTEMS = ("tokenmill-q4_1", "tokenmill-q4_1-fp32kv", "tokenmill-q4_1-avx512vnni", "tokenmill-q4_1-avx2",
-           "tokenmill-q4_1-kvpf-t0", "tokenmill-q4_1-prefill-fp32", "tokenmill-int8", "tokenmill-fp32", "llama-server")
+           "tokenmill-q4_1-kvpf-t0", "tokenmill-q4_1-prefill-fp32", "tokenmill-q4_1-baseline", "tokenmill-int8",
+           "tokenmill-fp32", "llama-server")
 QUANT = {"tokenmill-q4_1": "auto", "tokenmill-q4_1-fp32kv": "auto", "tokenmill-q4_1-avx512vnni": "auto",
          "tokenmill-q4_1-avx2": "auto", "tokenmill-q4_1-kvpf-t0": "auto", "tokenmill-q4_1-prefill-fp32": "auto",
-         "tokenmill-int8": "int8",
+         "tokenmill-q4_1-baseline": "auto", "tokenmill-int8": "int8",
          "tokenmill-fp32": "none"}
 # these rows run with a switch in the environment: the integer kernel set pinned
 # (TOKENMILL_QUANT_KERNELS) instead of the CPU's default, the KV prefetched with prefetcht0, or the
@@ -273,9 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    ap.add_argument("--systems", default=",".join(s for s in SYSTEMS if s != "tokenmill-q4_1-baseline"),
+                    help=f"comma-separated subset of {SYSTEMS}")
     ap.add_argument("--gguf", default=None, help="GGUF file (default: the bundled Q4_1)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--baseline-src", default=None,
+                    help="the src directory of another tokenmill build, served as tokenmill-q4_1-baseline")
     args = ap.parse_args(argv)
     # a SIGTERM (timeout, Ctrl-C from a wrapper) unwinds through the servers' ``with`` blocks
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -283,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}")
+    if "tokenmill-q4_1-baseline" in systems:
+        if not args.baseline_src or not (Path(args.baseline_src) / "tokenmill" / "cli.py").is_file():
+            ap.error("tokenmill-q4_1-baseline needs --baseline-src DIR, a directory holding the tokenmill package")
+        SYSTEM_ENV["tokenmill-q4_1-baseline"] = {
+            "PYTHONPATH": os.pathsep.join([str(Path(args.baseline_src).resolve())]
+                                          + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     gguf = Path(args.gguf) if args.gguf else default_gguf()
     log_dir = Path(args.out).parent if args.out else Path("/tmp")
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -358,6 +372,10 @@ def _report(results: dict[str, Any]) -> None:
         print(f"  q4_1 KV prefetch t1 / t0: decode @128 {ratio('tokenmill-q4_1', 'tokenmill-q4_1-kvpf-t0', 'decode_tok_s@128')}"
               f"   @2048: {ratio('tokenmill-q4_1', 'tokenmill-q4_1-kvpf-t0', 'decode_tok_s@2048')}"
               f"   16 x 512/64: {ratio('tokenmill-q4_1', 'tokenmill-q4_1-kvpf-t0', 'conc16_total_tok_s')}")
+    if "tokenmill-q4_1-baseline" in S:
+        cells = ", ".join(f"{c} {ratio('tokenmill-q4_1', 'tokenmill-q4_1-baseline', c)}"
+                          for c in ("decode_tok_s@128", "decode_tok_s@2048", "prefill_tok_s@1000", "conc16_total_tok_s"))
+        print(f"  q4_1 this build / baseline build: {cells}")
     if "tokenmill-q4_1-prefill-fp32" in S:
         print(f"  q4_1 prefill GEMM int16 / fp32: prefill {ratio('tokenmill-q4_1', 'tokenmill-q4_1-prefill-fp32', 'prefill_tok_s@1000')}"
               f"   16 x 512/64: {ratio('tokenmill-q4_1', 'tokenmill-q4_1-prefill-fp32', 'conc16_total_tok_s')}")
