@@ -103,25 +103,33 @@ def test_tiled_prefill_matches_torch_reference(hq, hkv, d, page_size, shapes, kv
 
 @pytest.mark.parametrize("isa", ["best", "no-avx512"])
 def test_chunks_of_a_few_rows_skip_the_tiles(isa, monkeypatch):
-    """A chunk whose query vectors fill under 5/8 of one tile group (verify steps, a prompt's last
-    rows: 2 and 3 rows with head groups of 3) takes the per-row path, bit for bit what
-    TOKENMILL_NO_PREFILL_TILES=1 gives; a chunk of 40 rows still takes the tiles, whose sums run
-    in another order, and TOKENMILL_TILES_FOR_FEW_ROWS=1 puts the few rows back on them. All
-    match the reference (test_tiled_prefill_matches_torch_reference)."""
+    """Chunks are cut by how many query vectors they hold (head groups of 3 here): 2 and 3 rows
+    (6 and 9 vectors, under 5/8 of an AVX2 tile group) take the per-row path, bit for bit what
+    TOKENMILL_NO_PREFILL_TILES=1 gives; 4 rows (12) take the AVX2 tiles (one group of 16) on any
+    x86 CPU, AVX-512 ones included, bit for bit what TOKENMILL_NO_AVX512=1 gives; 40 rows take the
+    CPU's widest tiles, where TOKENMILL_TILES_FOR_FEW_ROWS=1 also puts the few rows. The paths
+    sum in different orders (so their bits differ) and all match the reference
+    (test_tiled_prefill_matches_torch_reference)."""
     if isa == "no-avx512":
         monkeypatch.setenv("TOKENMILL_NO_AVX512", "1")
-    shapes = [(300, 2), (0, 3), (57, 40), (12, 1)]
+    shapes = [(300, 2), (0, 3), (57, 4), (90, 40), (12, 1)]
     spec, pool, tables, q, k, v = _random_case(9, 3, 64, 16, shapes, "float16", 21)
-    out, _ = _run("native", spec, pool, shapes, 16, q, k, v, tables)
-    monkeypatch.setenv("TOKENMILL_TILES_FOR_FEW_ROWS", "1")
-    tiled, _ = _run("native", spec, pool, shapes, 16, q, k, v, tables)
-    monkeypatch.delenv("TOKENMILL_TILES_FOR_FEW_ROWS")
-    monkeypatch.setenv("TOKENMILL_NO_PREFILL_TILES", "1")
-    rows, _ = _run("native", spec, pool, shapes, 16, q, k, v, tables)
-    few, many = slice(0, 5), slice(5, 45)
-    assert torch.equal(out[few], rows[few]) and not torch.equal(out[few], tiled[few])
-    assert torch.equal(out[many], tiled[many]) and not torch.equal(out[many], rows[many])
-    for other in (rows, tiled):
+
+    def run(**env):
+        with monkeypatch.context() as m:
+            for name in env:
+                m.setenv(name, "1")
+            return _run("native", spec, pool, shapes, 16, q, k, v, tables)[0]
+
+    out = run()
+    rows = run(TOKENMILL_NO_PREFILL_TILES=1)
+    narrow = run(TOKENMILL_NO_AVX512=1)
+    widest = run(TOKENMILL_TILES_FOR_FEW_ROWS=1)
+    few, four, many = slice(0, 5), slice(5, 9), slice(9, 49)
+    assert torch.equal(out[few], rows[few]) and not torch.equal(out[few], widest[few])
+    assert torch.equal(out[four], narrow[four]) and not torch.equal(out[four], rows[four])
+    assert torch.equal(out[many], widest[many]) and not torch.equal(out[many], rows[many])
+    for other in (rows, narrow, widest):
         assert (out - other).abs().max().item() < 2e-5
 
 

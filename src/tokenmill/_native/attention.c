@@ -20,7 +20,7 @@
  * query row) take the decode bodies ("decode rows" below: each K/V row read and widened once
  * for the G query heads of its kv head); prefill chunks take the tiled path ("tiled prefill
  * path"), which scores groups of query vectors against blocks of keys as small matrix
- * products. Chunks of a few rows (tiled_rows) and CPUs without the vector paths take the
+ * products. Chunks of a few rows (tiles_for) and CPUs without the vector paths take the
  * per-row bodies, which also serve A/B checks (TOKENMILL_NO_DECODE_BODY=1,
  * TOKENMILL_NO_PREFILL_TILES=1, TOKENMILL_TILES_FOR_FEW_ROWS=1). Each query row's result depends
  * only on its own sequence, so a request gives the same bits whatever else is in the batch.
@@ -1742,20 +1742,35 @@ static int have_vbmi(void) { return 0; }
 /* ---------------------------------------------------------------------------------------- */
 /* task planning and the parallel driver                                                    */
 
-/* Whether a sequence's n query rows take the tiled path: tile_min_q is the fewest query vectors
- * (n x G) a chunk needs for it (Kernels.tile_min_q; -1: no tile kernel). A tile group costs
+/* The kernels run_problem picks for P on this CPU. */
+typedef struct {
+    const TileKernel *tk;   /* the tiles of chunks of many rows (NULL: none) */
+    int tile_min_q;         /* query vectors from which a chunk takes tk; -1 without tk */
+    const TileKernel *tk_narrow;   /* AVX-512 hosts: the AVX2 tiles for chunks that fit one of their groups */
+    int narrow_min_q;       /* query vectors from which a chunk takes tk_narrow */
+    int vec, vec512;
+    int dec;   /* decode rows: 2 the AVX-512 (VBMI) decode body, 1 the AVX2 one, 0 the per-row bodies */
+} Kernels;
+
+/* The tiles a sequence's n query rows take, or NULL for the per-row bodies. A tile group costs
  * about the same for any number of its qw lanes in use, while the per-row path's cost grows with
  * the query vectors, so a chunk of a few rows (a verify step, the last rows of a prompt) is
  * cheaper there: with head groups of 3, 2 rows over 1,024 keys took 2.2 against 6.1 ms per step
  * with AVX-512 tiles (qw 32) and 2.7 against 4.0 ms with AVX2 ones (qw 16); the two met at about
- * 18 query vectors in 32 lanes and 12 in 16, so the tiles start at 5/8 of a group
- * (docs/benchmarks.md, "Few-row chunks off the tiles"). The choice depends only on the
- * sequence's own rows, so a request's result is the same in any batch. */
-static inline int tiled_rows(int tile_min_q, int64_t n, int G) {
-    return tile_min_q >= 0 && n > 1 && n * G >= tile_min_q;
+ * 18 query vectors in 32 lanes and 12 in 16, so the tiles start at 5/8 of a group. On an AVX-512
+ * CPU a chunk of 10-16 query vectors takes the AVX2 tiles, one group of 16 (5 rows over 1,024
+ * keys: 1.11x the AVX-512 per-row body in the whole step). (docs/benchmarks.md, "Few-row
+ * chunks off the tiles".) The choice depends only on the sequence's own rows, so a request's
+ * result is the same in any batch. */
+static inline const TileKernel *tiles_for(const Kernels *k, int64_t n, int G) {
+    if (n <= 1 || k->tile_min_q < 0) return NULL;
+    const int64_t q = n * G;
+    if (k->tk_narrow && q >= k->narrow_min_q && q <= k->tk_narrow->qw) return k->tk_narrow;
+    return q >= k->tile_min_q ? k->tk : NULL;
 }
 
-static int plan_tasks(const Problem *P, int num_seqs, int nthreads, int tile_min_q, Task **out_tasks, int *num_parts) {
+static int plan_tasks(const Problem *P, int num_seqs, int nthreads, const Kernels *k, Task **out_tasks,
+                      int *num_parts) {
     const int G = P->group;
     int rows_per_task = MAX_QVEC / G;
     if (rows_per_task > 64) rows_per_task = 64;
@@ -1771,7 +1786,7 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, int tile_min
         int64_t n = P->qsl[i + 1] - P->qsl[i], L = P->seq_lens[i];
         if (n <= 0) continue;
         int rows = rows_per_task;
-        if (tiled_rows(tile_min_q, n, G)) {
+        if (tiles_for(k, n, G)) {
             /* The rows of a tiled prefill task share every K/V block it loads, so tasks are
              * large (TILE_TASK_FLOATS of queries, as many again of output), but cut smaller
              * when one sequence would give fewer than two tasks per thread. A tiled row's
@@ -1826,14 +1841,6 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, int tile_min
     return count;
 }
 
-/* The kernels run_problem picks for P on this CPU. */
-typedef struct {
-    const TileKernel *tk;
-    int tile_min_q;   /* query vectors from which a chunk takes tk (tiled_rows); -1 without tk */
-    int vec, vec512;
-    int dec;   /* decode rows: 2 the AVX-512 (VBMI) decode body, 1 the AVX2 one, 0 the per-row bodies */
-} Kernels;
-
 static Kernels pick_kernels(const Problem *P) {
     const int D = P->d;
     const int no512 = getenv("TOKENMILL_NO_AVX512") != NULL;
@@ -1844,16 +1851,25 @@ static Kernels pick_kernels(const Problem *P) {
     k.vec512 = k.vec && have_avx512() && D % 16 == 0 && !no512;
     /* TOKENMILL_NO_DECODE_BODY=1 sends decode rows through the per-row bodies (for A/B checks) */
     k.dec = getenv("TOKENMILL_NO_DECODE_BODY") ? 0 : k.vec512 && have_vbmi() ? 2 : k.vec ? 1 : 0;
-    /* prefill chunks (sequences with more than a few query rows: tiled_rows) take the tiled path;
+    /* prefill chunks (sequences with more than a few query rows: tiles_for) take the tiled path;
      * TOKENMILL_NO_PREFILL_TILES=1 sends them through the per-row path (for A/B checks) */
     k.tk = getenv("TOKENMILL_NO_PREFILL_TILES") ? NULL : &tile_kernel_scalar;
 #if TM_X86
     if (k.tk && have_avx512() && D % 8 == 0 && !no512) k.tk = &tile_kernel_avx512;
     else if (k.tk && have_avx2() && D % 4 == 0) k.tk = &tile_kernel_avx2;
 #endif
-    /* TOKENMILL_TILES_FOR_FEW_ROWS=1: every chunk of 2+ rows on the tiles, as before tiled_rows
-     * (for A/B checks) */
-    k.tile_min_q = !k.tk ? -1 : getenv("TOKENMILL_TILES_FOR_FEW_ROWS") ? 0 : (5 * k.tk->qw + 7) / 8;
+    /* TOKENMILL_TILES_FOR_FEW_ROWS=1: every chunk of 2+ rows on k.tk, as before tiles_for (for A/B
+     * checks) */
+    const int few = getenv("TOKENMILL_TILES_FOR_FEW_ROWS") != NULL;
+    k.tile_min_q = !k.tk ? -1 : few ? 0 : (5 * k.tk->qw + 7) / 8;
+    k.tk_narrow = NULL;
+    k.narrow_min_q = 0;
+#if TM_X86
+    if (k.tk == &tile_kernel_avx512 && !few && D % 4 == 0) {
+        k.tk_narrow = &tile_kernel_avx2;
+        k.narrow_min_q = (5 * tile_kernel_avx2.qw + 7) / 8;
+    }
+#endif
     return k;
 }
 
@@ -1868,7 +1884,7 @@ typedef struct {
 
 static void make_plan(const Problem *P, int num_seqs, int nthreads, const Kernels *k, Plan *pl) {
     const int G = P->group, D = P->d;
-    pl->count = plan_tasks(P, num_seqs, nthreads, k->tile_min_q, &pl->tasks, &pl->parts);
+    pl->count = plan_tasks(P, num_seqs, nthreads, k, &pl->tasks, &pl->parts);
     pl->pm = pl->parts ? malloc(sizeof(float) * pl->parts * G) : NULL;
     pl->pl = pl->parts ? malloc(sizeof(float) * pl->parts * G) : NULL;
     pl->pa = pl->parts ? malloc(sizeof(float) * (size_t)pl->parts * G * D) : NULL;
@@ -1880,8 +1896,9 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
     float *m = t->part >= 0 ? pl->pm + (size_t)t->part * G : NULL;
     float *l = t->part >= 0 ? pl->pl + (size_t)t->part * G : NULL;
     float *a = t->part >= 0 ? pl->pa + (size_t)t->part * G * D : NULL;
-    if (tiled_rows(k->tile_min_q, P->qsl[t->seq + 1] - P->qsl[t->seq], G)) {
-        task_tiled(P, t, m, l, a, k->tk);
+    const TileKernel *tk = tiles_for(k, P->qsl[t->seq + 1] - P->qsl[t->seq], G);
+    if (tk) {
+        task_tiled(P, t, m, l, a, tk);
         return;
     }
 #if TM_X86
