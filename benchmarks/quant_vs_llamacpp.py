@@ -219,7 +219,7 @@ def gguf_weight_bytes(gguf: Path) -> int:
 
 # ---- servers ---------------------------------------------------------------------------------------
 def start_tokenmill(quantization: str, gguf: Path, threads: int, log_dir: Path, kv_dtype: str = "auto",
-                    name: str | None = None) -> PeerServer:
+                    name: str | None = None, extra_env: dict[str, str] | None = None) -> PeerServer:
     from tokenmill.utils.proc import free_port
 
     port = free_port()
@@ -230,6 +230,7 @@ def start_tokenmill(quantization: str, gguf: Path, threads: int, log_dir: Path, 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     name = name or f"tokenmill-{quantization}"
     env.update(SYSTEM_ENV.get(name, {}))
+    env.update(extra_env or {})
     srv = PeerServer(name, argv, port, "smollm2", log_dir / f"{name}.log", env)
     return srv.start(900)
 
@@ -291,10 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}")
+    # the baseline build's package first on its server's import path
+    extra_env: dict[str, dict[str, str]] = {}
     if "tokenmill-q4_1-baseline" in systems:
         if not args.baseline_src or not (Path(args.baseline_src) / "tokenmill" / "cli.py").is_file():
             ap.error("tokenmill-q4_1-baseline needs --baseline-src DIR, a directory holding the tokenmill package")
-        SYSTEM_ENV["tokenmill-q4_1-baseline"] = {
+        extra_env["tokenmill-q4_1-baseline"] = {
             "PYTHONPATH": os.pathsep.join([str(Path(args.baseline_src).resolve())]
                                           + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     gguf = Path(args.gguf) if args.gguf else default_gguf()
@@ -321,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                                              log_path=log_dir / "llama-server.log")
                 else:
                     wbytes[name] = weight_bytes_of(QUANT[name], gguf)
-                    srv = start_tokenmill(QUANT[name], gguf, args.threads, log_dir, KV_DTYPE.get(name, "auto"), name)
+                    srv = start_tokenmill(QUANT[name], gguf, args.threads, log_dir, KV_DTYPE.get(name, "auto"), name,
+                                          extra_env.get(name))
             except PeerNotInstalled as e:
                 print(f"{name}: skipped: {e}", flush=True)
                 continue

@@ -525,8 +525,9 @@ static int mat_ok(const TmqMat *m) {
     return tmq_check_mat(m) && m->qs && (m->kind == TMQ_F32 || m->sc) && (m->kind != TMQ_U4 || m->mn);
 }
 
-/* check every layer row against the model's sizes (with the GIL, before any work) */
-static int check_layers(const int64_t *table, int64_t L, const Step *S) {
+/* check every layer row against the model's sizes (with the GIL, before any work); *act_bytes
+ * becomes the room the largest of their quantized activations needs (tmq_act_bytes, M rows) */
+static int check_layers(const int64_t *table, int64_t L, const Step *S, size_t *act_bytes) {
     const int64_t H = S->H, qsz = S->hq * S->d, qn = qsz + 2 * S->hkv * S->d, I = S->inter;
     const int64_t want[W_COUNT][2] = {{qn, H}, {H, qsz}, {2 * I, H}, {H, I}};
     static const char *names[W_COUNT] = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
@@ -549,6 +550,8 @@ static int check_layers(const int64_t *table, int64_t L, const Step *S) {
                              (long long)m.group);
                 return -1;
             }
+            const size_t b = tmq_act_bytes(&m, S->M);
+            if (b > *act_bytes) *act_bytes = b;
         }
     }
     return 0;
@@ -587,7 +590,8 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
               !env_flag("TOKENMILL_NO_KV_PREFETCH"), env_flag("TOKENMILL_STATIC_ROWS"),
               env_flag("TOKENMILL_KV_PREFETCH_T0")};
     const int64_t *tab = PTR(const int64_t *, table);
-    if (check_layers(tab, L, &S)) return NULL;
+    size_t act_bytes = 0;   /* room for the largest activations any matmul of the step quantizes */
+    if (check_layers(tab, L, &S, &act_bytes)) return NULL;
     const Head hd = {PTR(const int64_t *, head), PTR(const float *, norm), PTR(const int64_t *, idx), n_out,
                      PTR(float *, logits)};
     if (head) {
@@ -606,18 +610,11 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
                  per_thread = ((size_t)M * (2 * H + inter) + 15) / 16 * 16;
     float *mem = aligned_alloc(64, (shared + (size_t)S.nt * per_thread) * sizeof(float));
     Own *own = calloc((size_t)S.nt, sizeof(Own));
-    /* room for the largest activations any matmul of the step quantizes */
-    size_t act_bytes = 0;
     if (head) {
         const TmqMat w = mat_at(hd.mat);
-        act_bytes = tmq_act_bytes(&w, n_out);
+        const size_t b = tmq_act_bytes(&w, n_out);
+        if (b > act_bytes) act_bytes = b;
     }
-    for (int64_t l = 0; l < L; l++)
-        for (int w = 0; w < W_COUNT; w++) {
-            const TmqMat m = layer_mat(tab + l * LAYER_FIELDS, w);
-            const size_t b = tmq_act_bytes(&m, M);
-            if (b > act_bytes) act_bytes = b;
-        }
     int err = 0;
     for (int i = 0; i < S.nt && mem && own && !err; i++) {
         float *p = mem + shared + (size_t)i * per_thread;
