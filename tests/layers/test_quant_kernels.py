@@ -24,7 +24,7 @@ from tokenmill.layers.quant.packed import Int4Linear, Int8Linear, gemv_max_rows,
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
 
-ORDER = ["scalar", "avx2", "avxvnni", "avx512vnni"]
+ORDER = ["scalar", "avx2", "avxvnni", "avx512vnni", "amx"]
 KERNELS = native.supported_kernels()   # every set this CPU runs (each is tested against the reference)
 # (N, K, group): odd row counts, K not a multiple of 32, and groups whose last one is short
 SHAPES = [(1, 32, 32), (7, 100, 32), (33, 576, 64), (5, 45, 32), (9, 96, 64), (64, 1536, 128), (3, 200, 128),
@@ -48,11 +48,11 @@ def kernel(request) -> Iterator[str]:
 
 
 def q16_reference(x: torch.Tensor) -> torch.Tensor:
-    """The activation quantizer written out in torch: blocks of 32, scale amax/32767, round half to even."""
+    """The activation quantizer written out in torch: blocks of 32, scale amax/32639, round half to even."""
     m, k = x.shape
     kp = (k + 31) // 32 * 32
     blocks = torch.nn.functional.pad(x, (0, kp - k)).view(m, -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 32767
+    d = blocks.abs().amax(-1, keepdim=True) / 32639
     q = torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
     return (q * d).view(m, kp)[:, :k]
 
@@ -173,6 +173,7 @@ def test_kernel_is_chosen_from_the_cpu():
         assert ("avx2" in KERNELS) == ("avx2" in flags and "fma" in flags and "f16c" in flags)
         assert ("avxvnni" in KERNELS) <= ("avx_vnni" in flags)
         assert ("avx512vnni" in KERNELS) <= all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+        assert ("amx" in KERNELS) <= ("avx512vnni" in KERNELS and "amx_tile" in flags and "amx_int8" in flags)
     # the set in use at start-up: the widest, but the best 256-bit one on Zen 4 (AMD family 19h
     # with AVX-512), whose 512-bit units are double-pumped
     if os.environ.get(native.KERNELS_ENV, "").strip():

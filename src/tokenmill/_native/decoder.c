@@ -346,7 +346,7 @@ static void rows_prefetching(const TmqMat *w, const void *act, int64_t M, const 
 
 /* Rows of y = act @ w^T (+ bias) claimed from the team's counter (reset to 0 by thread 0 before
  * the barrier that starts the matmul), in guided sizes: a claim takes 1/(CLAIM_SHARE T) of the
- * rows still unclaimed (a multiple of 8 rows, at least CLAIM_MIN; with 1/(2T) a thread that lost
+ * rows still unclaimed (a multiple of 16 rows, the amx kernels' tile, at least CLAIM_MIN; with 1/(2T) a thread that lost
  * its core mid-claim held more back), so a matmul is a few dozen claims, large
  * first and small at the end. p's KV lines (if any) are prefetched between slices of PF_SLICE
  * rows (rows_prefetching). A thread that loses its core for a while (the server's
@@ -361,7 +361,7 @@ static void matmul_claiming(const TmqMat *w, const void *act, int64_t M, const f
     long long a = atomic_load_explicit(ctr, memory_order_relaxed);
     for (;;) {
         if (a >= N) return;
-        int64_t n = (N - a) / (CLAIM_SHARE * T) / 8 * 8;
+        int64_t n = (N - a) / (CLAIM_SHARE * T) / 16 * 16;
         if (n < CLAIM_MIN) n = CLAIM_MIN;
         if (!atomic_compare_exchange_weak_explicit(ctr, &a, a + n, memory_order_relaxed, memory_order_relaxed))
             continue;   /* a now holds the counter's value */

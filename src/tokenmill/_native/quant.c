@@ -13,7 +13,7 @@
  * G = ceil(K / group) scale groups per row; group is a multiple of 32 (group = Kp: one scale per
  * row, i.e. per output channel).
  *
- * Few rows (decode): activations are quantized to int16 in blocks of 32 (scale amax/32767, round
+ * Few rows (decode): activations are quantized to int16 in blocks of 32 (scale amax/32639, round
  * to nearest even) and each block is an integer dot product (weights widened to 16 bits, madd on
  * AVX2, dpwssd with AVX-VNNI). The result equals dequant(W) @ dequant(xq)^T up to float summation
  * order; xq keeps 16 bits where llama.cpp's Q8 activations keep 8, so the int16 path's logits stay
@@ -23,9 +23,10 @@
  * which keeps activations in fp32 (layers/quant/packed.py, prefill_gemm, chooses).
  *
  * Vector code is compiled through function target attributes and chosen at run time from
- * __builtin_cpu_supports (sets: avx2, avxvnni, avx512vnni; each checked on its own; the best one
- * is used, except on Zen 4, see default_isa); a portable scalar path does the same arithmetic
- * everywhere else. With 2 to 16 x rows the avx512vnni set
+ * __builtin_cpu_supports (sets: avx2, avxvnni, avx512vnni, amx; each checked on its own; the best
+ * one is used, except on Zen 4, see default_isa); a portable scalar path does the same arithmetic
+ * everywhere else. The amx set runs 2 or more x rows through the AMX tile unit (see the AMX
+ * section) and is avx512vnni otherwise. With 2 to 16 x rows the avx512vnni set
  * runs 512-bit kernels over tiles of up to 6 rows that share each widened weight block (u4: two
  * blocks per 32-byte load against "pair order" activations; see the AVX-512 section). With one x
  * row the u4 kernels (every vector set) and the avx512vnni s8 kernel widen nothing: they split
@@ -55,6 +56,13 @@
 #else
 #define TM_X86 0
 #endif
+#if TM_X86 && defined(__GNUC__) && __GNUC__ >= 11 && defined(__linux__)
+#define TM_AMX 1   /* the amx kernel set can be compiled (gcc 11+) and asked for (Linux's arch_prctl) */
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define TM_AMX 0
+#endif
 
 #define QK 32
 /* the block whose sum lane q of dot_s8_word_one's reduced vector holds (of 16) */
@@ -66,14 +74,27 @@
                              * multi-row kernels are bound by their arithmetic and gained nothing from it */
 #endif
 
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512 = 3, ISA_COUNT = 4 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512 = 3, ISA_AMX = 4, ISA_COUNT = 5 };
+/* x rows from which the amx set runs the tile kernels (fewer: its avx512vnni kernels). With 2 rows
+ * the two were level over the default model's matrices; the tiles took 0.86x the time at 3 rows,
+ * 0.65x at 4 and 0.53x at 8 (docs/benchmarks.md, "AMX tiles"). */
+#define AMX_MIN_ROWS 3
 static int g_isa = -1;      /* default_isa() at first use; set_isa() may pick another supported set */
 static int g_best = -1;     /* best this CPU supports */
 static int g_supported = 0; /* bit i: kernel set i runs on this CPU */
 
+#if TM_AMX
+static int amx_permitted(void) {
+    /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18), once per process: without it the
+     * first tile instruction faults; a kernel without AMX support refuses it */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+#endif
+
 /* avxvnni: AVX2 + the VEX AVX-VNNI dot products (Alder Lake, Zen 5). avx512vnni: AVX-512 F/BW/VL
  * + VNNI (Ice Lake, Sapphire Rapids, Zen 4/5), which does not imply AVX-VNNI, so the sets are
- * checked one by one rather than as a ladder. */
+ * checked one by one rather than as a ladder. amx: avx512vnni plus AMX-TILE and AMX-INT8
+ * (Sapphire Rapids and later) with the OS's permission to use the tiles. */
 static int best_isa(void) {
     if (g_best < 0) {
         g_supported = 1 << ISA_SCALAR;
@@ -88,6 +109,11 @@ static int best_isa(void) {
         if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
             g_supported |= 1 << ISA_AVX512;
+#endif
+#if TM_AMX
+        if ((g_supported & (1 << ISA_AVX512)) && __builtin_cpu_supports("amx-tile") &&
+            __builtin_cpu_supports("amx-int8") && amx_permitted())
+            g_supported |= 1 << ISA_AMX;
 #endif
 #endif
         g_best = ISA_SCALAR;
@@ -154,8 +180,9 @@ static inline float load_scale(const void *p, int64_t i, int f16) {
 }
 
 /* ---- activation quantization: x [M, K] fp32 -> xq [M, Kp] int16, xd/xs [M, Kp/32] -------- */
-/* xd = block scale (amax / 32767), xs = xd * sum(xq) (what a weight block's min multiplies). */
-#define QMAX 32767.f
+/* xd = block scale (amax / 32639), xs = xd * sum(xq) (what a weight block's min multiplies).
+ * 32639 = 127 * 256 + 127: every value then splits into two signed bytes (the amx kernels). */
+#define QMAX 32639.f
 static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *xd, float *xs) {
     int64_t nb = (K + QK - 1) / QK, Kp = nb * QK;
     for (int64_t m = 0; m < M; m++) {
@@ -1103,6 +1130,217 @@ TGT_AVX2 static void deq_s8_block_avx2(const int8_t *p, float s, float *out, int
     }
     if (n != QK) memcpy(out, tmp, (size_t)n * sizeof(float));
 }
+
+/* ---- AMX (Sapphire Rapids and later): 3+ x rows through the tile unit ----------------------
+ * The "amx" kernel set is avx512vnni plus Intel AMX's int8 tile multiply, used for matmuls of
+ * AMX_MIN_ROWS or more x rows (one row keeps the avx512vnni kernel, which reads its weights at the
+ * memory's pace, and two rows its pair kernel, level with the tiles there).
+ * Every int16 activation splits exactly into two signed bytes, x = 256 hi + lo with lo and hi in
+ * -128..127 (the reason QMAX is 32639 rather than 32767), so the int16 dot products of the other
+ * kernels come out of int8 tile products (TDPBSSD) exactly: the results equal theirs up to float
+ * summation order.
+ * One tile product C[16 x 16] += A[16 x 64] . B[64 x 16] covers 16 weight rows and a pair of blocks
+ * (64 values) for 16 columns. The B tile of a pair puts 4 x rows' digits of the first block in
+ * columns 0-7 (hi digits of x rows 0-3, then lo digits) with zeros in 8-15, and the second block's
+ * in columns 8-15 with zeros in 0-7; so row r of C holds, for weight row r, the hi and lo sums of
+ * both blocks for the 4 x rows, kept apart. One fp32 multiply with xdv = [256 xd | xd | 256 xd' |
+ * xd'] (xd, xd' the two blocks' activation scales) and a multiply-add with the weight row's two
+ * block scales s(r, b), s(r, b') then apply all the scales, and, for u4, one more multiply-add
+ * with the mins and xsv = [xs | 0 | xs' | 0]; the four 4-lane parts are added at the end.
+ * u4 weights are unpacked to one byte per value into a buffer, 16 rows x AMX_CHUNK blocks at a time,
+ * that the A tiles load from; every group of 4 x rows then runs on the unpacked values (their
+ * running sums kept in memory between chunks). s8 weights load straight from the matrix (a
+ * buffered copy when fewer than 16 rows are left).
+ * The CPU needs the OS's permission to use the tiles (arch_prctl, asked for once in best_isa). */
+#if TM_AMX
+#define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
+#define AMX_CHUNK 32           /* blocks of the 16 weight rows unpacked at a time */
+#define AMX_GROUPS 8           /* groups of 4 x rows per pass over the weights */
+#define AMX_PAIR_BYTES 1152    /* per 4 x rows and block pair: B tile 1024 | xdv 64 | xsv 64 */
+
+static int64_t amx_pairs(int64_t K) { return ((K + QK - 1) / QK + 1) / 2; }
+
+/* M rows of K activations -> per group of 4 rows and block pair: the B tile ([16][16 x 4] bytes:
+ * row k/4 of the pair's 64 values, column c, byte k%4), xdv and xsv (see above); zero where no
+ * x row or block is */
+TGT_AMX static void amx_quantize(const float *x, int64_t M, int64_t K, uint8_t *buf) {
+    const int64_t nb = (K + QK - 1) / QK, np = amx_pairs(K), ng = (M + 3) / 4;
+    memset(buf, 0, (size_t)(ng * np * AMX_PAIR_BYTES));
+    const __m256i rows8 = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
+    const __m512i c128 = _mm512_set1_epi32(128), cff = _mm512_set1_epi32(0xFF);
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t g = m / 4, j = m % 4;
+        const float *xr = x + m * K;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t h = b & 1;   /* first or second block of its pair */
+            uint8_t *blk = buf + (g * np + b / 2) * AMX_PAIR_BYTES;
+            const int64_t k0 = b * QK, n = K - k0 < QK ? K - k0 : QK;
+            const __mmask16 k0m = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+            const __mmask16 k1m = (__mmask16)(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0);
+            const __m512 v0 = _mm512_maskz_loadu_ps(k0m, xr + k0), v1 = _mm512_maskz_loadu_ps(k1m, xr + k0 + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            const float d = amax / QMAX, id = d != 0.f ? 1.f / d : 0.f;
+            const __m512 vid = _mm512_set1_ps(id);
+            /* round to nearest even (the default rounding mode), as quantize_rows */
+            const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+            const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+            /* lo = ((x + 128) & 255) - 128, hi = (x - lo) / 256: both in -128..127 for |x| <= 32639 */
+            const __m512i lo0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(i0, c128), cff), c128);
+            const __m512i lo1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(i1, c128), cff), c128);
+            const __m512i hi0 = _mm512_srai_epi32(_mm512_sub_epi32(i0, lo0), 8), hi1 = _mm512_srai_epi32(_mm512_sub_epi32(i1, lo1), 8);
+            const __m256i hib = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(hi0)), _mm512_cvtepi32_epi8(hi1), 1);
+            const __m256i lob = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(lo0)), _mm512_cvtepi32_epi8(lo1), 1);
+            uint8_t *t = blk + h * 512;   /* this block's 8 tile rows */
+            _mm256_i32scatter_epi32(t + (h * 8 + j) * 4, rows8, hib, 1);
+            _mm256_i32scatter_epi32(t + (h * 8 + 4 + j) * 4, rows8, lob, 1);
+            float *xdv = (float *)(blk + 1024), *xsv = (float *)(blk + 1088);
+            xdv[h * 8 + j] = 256.f * d;
+            xdv[h * 8 + 4 + j] = d;
+            xsv[h * 8 + j] = d * (float)sum;
+        }
+    }
+}
+
+/* The tile shapes: C (0-3) 16 weight rows x 16 int32, A (4, 5) 16 weight rows x a block pair of
+ * bytes, B (6, 7) a block pair x 16 digit columns, all 16 x 64 bytes. Loaded when the thread's
+ * configuration differs (another library may have used the tiles since; reading it back costs a
+ * few ns, loading it ~50); the tiles then stay configured on the thread. */
+typedef struct { uint8_t palette, start, res[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed)) AmxCfg;
+TGT_AMX static void amx_config(void) {
+    AmxCfg c, now;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_storeconfig(&now);
+    if (memcmp(&c, &now, sizeof c)) _tile_loadconfig(&c);
+}
+
+/* weight rows [n0, n1) (u4: s8 = 0, with mins; s8: s8 = 1) against the M x rows of act
+ * (amx_quantize), y[m * N + n] */
+TGT_AMX static void amx_rows(int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t K, int64_t group,
+                             const uint8_t *act, int64_t M, float *y, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
+    const int64_t np = amx_pairs(K), ng = (M + 3) / 4, wstride = s8 ? Kp : Kp / 2;
+    /* rows of these past the weight rows of a short last tile hold whatever was there: they only
+     * reach output rows that are not written */
+    uint8_t scratch[16 * AMX_CHUNK * QK] __attribute__((aligned(64)));
+    int32_t cb[4][16 * 16] __attribute__((aligned(64)));
+    float sw[16][AMX_CHUNK] __attribute__((aligned(64))), mw[16][AMX_CHUNK] __attribute__((aligned(64)));
+    float sums[AMX_GROUPS][16][16] __attribute__((aligned(64)));   /* running sums between chunks */
+    amx_config();
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i lane0 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), lane1 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int64_t g0 = 0; g0 < ng; g0 += AMX_GROUPS) {
+        const int64_t g1 = ng - g0 < AMX_GROUPS ? ng : g0 + AMX_GROUPS;
+        for (int64_t t0 = n0; t0 < n1; t0 += 16) {
+            /* a last tile of fewer than 16 rows moves back over rows already done (same values) */
+            const int64_t r0 = t0 + 16 <= n1 ? t0 : (n1 - 16 > n0 ? n1 - 16 : n0);
+            const int64_t rows = n1 - r0 < 16 ? n1 - r0 : 16;
+            /* the next tile's weights (its rows are contiguous) are prefetched while this one
+             * computes, a few lines per block pair, so that the loads stay spread out */
+            const char *pf = (const char *)qs + (r0 + 16) * wstride;
+            const char *pf_end = (const char *)qs + (r0 + 32 < n1 ? r0 + 32 : n1) * wstride;
+            const int64_t pf_per = (16 * wstride / 64 + np - 1) / np;
+            const char *pf2 = pf_end, *pf2_end = (const char *)qs + (r0 + 48 < n1 ? r0 + 48 : n1) * wstride;
+            for (int64_t c0 = 0; c0 < nb; c0 += AMX_CHUNK) {
+                const int64_t n = nb - c0 < AMX_CHUNK ? nb - c0 : AMX_CHUNK, last = c0 + AMX_CHUNK >= nb;
+                const uint8_t *abase = scratch;
+                int64_t astride = AMX_CHUNK * QK;
+                for (int64_t r = 0; r < rows; r++) {
+                    const uint8_t *src = (const uint8_t *)qs + (r0 + r) * wstride;
+                    uint8_t *dst = scratch + r * AMX_CHUNK * QK;
+                    if (!s8) {   /* 4 blocks per 64-byte load: [b lo nibbles | b hi nibbles] per block */
+                        src += c0 * 16;
+                        for (int64_t i = 0; i < n; i += 4) {
+                            const int64_t cnt = n - i < 4 ? (n - i) * 16 : 64;
+                            const __mmask64 km = cnt == 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
+                            const __m512i w = _mm512_maskz_loadu_epi8(km, src + i * 16);
+                            const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+                            _mm512_store_si512((__m512i *)(dst + i * 32), _mm512_permutex2var_epi64(lo, lane0, hi));
+                            if (i + 2 < n) _mm512_store_si512((__m512i *)(dst + i * 32 + 64), _mm512_permutex2var_epi64(lo, lane1, hi));
+                        }
+                    } else if (rows < 16 || nb % 2) {   /* too few rows left to load 16 straight from W, or a
+                                                        * pair's second block past the row's end */
+                        memcpy(dst, src + c0 * QK, (size_t)n * QK);
+                    }
+                    for (int64_t h = 0; h < n; h += 16) {
+                        const int64_t k = n - h < 16 ? n - h : 16;
+                        _mm512_store_ps(sw[r] + h, scales16_512(sc, f16, (r0 + r) * G, c0 + h, k, nb, bpg));
+                        if (!s8) _mm512_store_ps(mw[r] + h, scales16_512(mn, f16, (r0 + r) * G, c0 + h, k, nb, bpg));
+                    }
+                }
+                if (s8 && rows == 16 && nb % 2 == 0) { abase = (const uint8_t *)qs + r0 * Kp + c0 * QK; astride = Kp; }
+                for (int64_t g = g0; g < g1; g++) {
+                    const uint8_t *ga = act + (g * np + c0 / 2) * AMX_PAIR_BYTES;
+                    __m512 acc[16];
+                    for (int r = 0; r < 16; r++) acc[r] = c0 ? _mm512_load_ps(sums[g - g0][r]) : _mm512_setzero_ps();
+#define AMX_DP(C, A, B, P)                                                                                 \
+    do {                                                                                                  \
+        _tile_zero(C);                                                                                    \
+        _tile_loadd(A, abase + (P) * 2 * QK, astride);                                                    \
+        _tile_loadd(B, ga + (P) * AMX_PAIR_BYTES, 64);                                                    \
+        _tile_dpbssd(C, A, B);                                                                            \
+    } while (0)
+#define AMX_POST(P, CB)                                                                                    \
+    do {                                                                                                  \
+        const uint8_t *blk_ = ga + (P) * AMX_PAIR_BYTES;                                                   \
+        const __m512 xdv_ = _mm512_loadu_ps((const float *)(blk_ + 1024));                                  \
+        const __m512 xsv_ = _mm512_loadu_ps((const float *)(blk_ + 1088));                                  \
+        for (int r = 0; r < 16; r++) {                                                                    \
+            const __m512 v_ = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((CB) + r * 16)), xdv_);    \
+            acc[r] = _mm512_fmadd_ps(v_, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sw[r][2 * (P)]),        \
+                                                            _mm512_set1_ps(sw[r][2 * (P) + 1])), acc[r]);    \
+            if (!s8)                                                                                      \
+                acc[r] = _mm512_fmadd_ps(_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(mw[r][2 * (P)]),         \
+                                                              _mm512_set1_ps(mw[r][2 * (P) + 1])), xsv_, acc[r]); \
+        }                                                                                                 \
+    } while (0)
+/* step P: the tile product of pair P into C tile P % 4 (A and B tiles alternate), then the tile
+ * product of pair P - 2, issued two steps ago, stored and scaled: the tile unit works on the next
+ * products while the vector units scale the earlier ones */
+#define AMX_STEP(P, C, A, B, CPREV)                                                                        \
+    do {                                                                                                  \
+        if ((P) < npc) AMX_DP(C, A, B, P);                                                                \
+        for (int64_t q_ = 0; q_ < pf_per && pf < pf_end; q_++, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);   \
+        for (int64_t q_ = 0; q_ < pf_per && pf2 < pf2_end; q_++, pf2 += 64) _mm_prefetch(pf2, _MM_HINT_T1); \
+        if ((P) >= 2 && (P) - 2 < npc) {                                                                  \
+            _tile_stored(CPREV, cb[CPREV], 64);                                                           \
+            AMX_POST((P) - 2, cb[CPREV]);                                                                 \
+        }                                                                                                 \
+    } while (0)
+                    const int64_t npc = (n + 1) / 2;
+                    for (int64_t p = 0; p < npc + 2; p += 4) {
+                        AMX_STEP(p, 0, 4, 6, 2);
+                        AMX_STEP(p + 1, 1, 5, 7, 3);
+                        AMX_STEP(p + 2, 2, 4, 6, 0);
+                        AMX_STEP(p + 3, 3, 5, 7, 1);
+                    }
+#undef AMX_DP
+#undef AMX_POST
+#undef AMX_STEP
+                    if (!last) {
+                        for (int r = 0; r < 16; r++) _mm512_store_ps(sums[g - g0][r], acc[r]);
+                        continue;
+                    }
+                    /* x row j's sum: lanes j, 4 + j, 8 + j and 12 + j */
+                    const int64_t mj = M - g * 4 < 4 ? M - g * 4 : 4;
+                    for (int64_t r = 0; r < rows; r++) {
+                        const __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
+                                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+                        const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+                        float o[4];
+                        _mm_storeu_ps(o, h4);
+                        for (int64_t j = 0; j < mj; j++) y[(g * 4 + j) * N + r0 + r] = o[j];
+                    }
+                }
+            }
+        }
+    }
+}
+#endif /* TM_AMX */
 #endif /* TM_X86 */
 
 /* Note on the dequantized values: u4 is computed as fma(s, q, m) on AVX2 and s*q + m (two
@@ -1133,7 +1371,7 @@ typedef struct {
 } ActBuf;
 
 enum { ACT_NATURAL = 0, ACT_PAIRS = 1, ACT_QUAD = 2, ACT_WORDS = 3, ACT_QUAD256 = 4, ACT_WORDS256 = 5,
-       ACT_STREAM256 = 6, ACT_SSTREAM256 = 7 };
+       ACT_STREAM256 = 6, ACT_SSTREAM256 = 7, ACT_AMX = 8 };
 
 
 /* natural order -> 256-bit word order (s8dot_word_avx2), in place: within each block, value i
@@ -1179,7 +1417,7 @@ static int block_stream(int64_t K, int64_t group) {
  * (u4_quad256_tile; AVX-VNNI keeps its dpwssd row kernels) */
 #define QUAD256_ROWS_MAX 64
 static int u4_act_order(int64_t M, int64_t K, int64_t group) {
-    if (isa() == ISA_AVX512) return M > 1 ? ACT_PAIRS : ACT_QUAD;
+    if (isa() >= ISA_AVX512) return M == 1 ? ACT_QUAD : isa() == ISA_AMX && M >= AMX_MIN_ROWS ? ACT_AMX : ACT_PAIRS;
     if (isa() < ISA_AVX2 || M > QUAD256_ROWS_MAX || (M > 1 && isa() != ISA_AVX2)) return ACT_NATURAL;
     return block_stream(K, group) ? ACT_STREAM256 : ACT_QUAD256;
 }
@@ -1187,8 +1425,9 @@ static int u4_act_order(int64_t M, int64_t K, int64_t group) {
 /* the activation order the s8 kernels of the set in use read for M rows of a [N, K] matrix with the
  * given group size (the block stream as for u4: block_stream) */
 static int s8_act_order(int64_t M, int64_t K, int64_t group) {
+    if (isa() == ISA_AMX && M >= AMX_MIN_ROWS) return ACT_AMX;
     if (isa() < ISA_AVX2 || M > QUAD256_ROWS_MAX || (M > 1 && isa() != ISA_AVX2)) return ACT_NATURAL;
-    if (isa() == ISA_AVX512) return ACT_WORDS;
+    if (isa() >= ISA_AVX512) return ACT_WORDS;
     if (block_stream(K, group)) return ACT_SSTREAM256;   /* the block stream (s8_stream_group) */
     return M == 1 ? ACT_WORDS256 : ACT_NATURAL;
 }
@@ -1265,10 +1504,17 @@ static size_t act_layout(int64_t M, int64_t K, int order, ActBuf *a, size_t *qby
     a->order = order;
     /* blocks a row is padded to a multiple of, per order: the kernels' loads and reductions */
     static const int64_t pad[] = {[ACT_NATURAL] = 1, [ACT_PAIRS] = 2, [ACT_QUAD] = 16, [ACT_WORDS] = 16,
-                                  [ACT_QUAD256] = 8, [ACT_WORDS256] = 1, [ACT_STREAM256] = 1, [ACT_SSTREAM256] = 1};
+                                  [ACT_QUAD256] = 8, [ACT_WORDS256] = 1, [ACT_STREAM256] = 1, [ACT_SSTREAM256] = 1,
+                                  [ACT_AMX] = 1};
     a->bstride = (nb + pad[order] - 1) / pad[order] * pad[order];
     if (order == ACT_STREAM256 || order == ACT_SSTREAM256) a->bstride = stream_blocks(nb);   /* x repeated */
     a->qstride = a->bstride * QK;
+#if TM_AMX
+    if (order == ACT_AMX) {   /* amx_quantize's tiles and scales, per 4 rows and block pair */
+        *qbytes = (size_t)((M + 3) / 4 * amx_pairs(K)) * AMX_PAIR_BYTES;
+        return *qbytes + 64;
+    }
+#endif
     *qbytes = ((size_t)(M * a->qstride) * sizeof(int16_t) + 63) & ~(size_t)63;
     return *qbytes + 2 * (size_t)(M * a->bstride) * sizeof(float) + 64;
 }
@@ -1285,6 +1531,12 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf 
     a->xq = (int16_t *)a->mem;
     a->xd = (float *)((char *)a->mem + qbytes);
     a->xs = a->xd + M * a->bstride;
+#if TM_AMX
+    if (order == ACT_AMX) {
+        amx_quantize(x, M, K, (uint8_t *)a->mem);
+        return 0;
+    }
+#endif
     for (int64_t m = 0; m < M; m++) {
         int16_t *q = a->xq + m * a->qstride;
         float *d = a->xd + m * a->bstride, *s = a->xs + m * a->bstride;
@@ -1428,7 +1680,7 @@ static void gemm_f32_rows(int64_t M, int64_t K, const float *w, int64_t N, const
         const float *row = w + n * K;
 #if TM_X86 && defined(__GNUC__)
 #if __GNUC__ >= 9
-        if (use == ISA_AVX512) f32_rows_512(row, x, K, M, y + n, N);
+        if (use >= ISA_AVX512) f32_rows_512(row, x, K, M, y + n, N);
         else
 #endif
         if (use >= ISA_AVX2) f32_rows_avx2(row, x, K, M, y + n, N);
@@ -1461,8 +1713,15 @@ static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc
     /* the avx512vnni u4 kernels read pair-order (2+ rows) or quad-order (1 row) activations, the
      * avx2 / avxvnni one-row kernels 256-bit quad order, made with the set in use; natural order
      * with the avx512 set in use runs the avx2 kernels */
-    int use = a->order == ACT_PAIRS || a->order == ACT_QUAD ? ISA_AVX512 : isa() == ISA_AVX512 ? ISA_AVX2 : isa();
+    int use = a->order == ACT_PAIRS || a->order == ACT_QUAD ? ISA_AVX512 : isa() >= ISA_AVX512 ? ISA_AVX2 : isa();
     (void)use;
+#if TM_AMX
+    if (a->order == ACT_AMX) {
+        amx_rows(0, qs, sc, mn, f16, K, group, (const uint8_t *)a->mem, M, y, N, n0, n1);
+        if (bias) for (int64_t m = 0; m < M; m++) for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
+        return;
+    }
+#endif
 #if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
     if (a->order == ACT_STREAM256   /* a scale per block (u4_act_order) */
         && block_stream_rows(0, qs, sc, mn, f16, nb, a, M, bias, y, N, n0, n1))
@@ -1505,8 +1764,15 @@ static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc
 static void gemm_s8_rows(int64_t M, int64_t K, const int8_t *qs, const void *sc, int f16, int64_t N, int64_t group,
                          const float *bias, float *y, const ActBuf *a, int64_t n0, int64_t n1) {
     int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
-    int use = isa();
+    int use = isa() == ISA_AMX ? ISA_AVX512 : isa();
     (void)use;
+#if TM_AMX
+    if (a->order == ACT_AMX) {
+        amx_rows(1, qs, sc, NULL, f16, K, group, (const uint8_t *)a->mem, M, y, N, n0, n1);
+        if (bias) for (int64_t m = 0; m < M; m++) for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
+        return;
+    }
+#endif
 #if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
     if (a->order == ACT_SSTREAM256   /* a scale per block (s8_act_order) */
         && block_stream_rows(1, qs, sc, NULL, f16, nb, a, M, bias, y, N, n0, n1))
@@ -1829,7 +2095,7 @@ static PyObject *py_quantize_act(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static const char *isa_names[ISA_COUNT] = {"scalar", "avx2", "avxvnni", "avx512vnni"};
+static const char *isa_names[ISA_COUNT] = {"scalar", "avx2", "avxvnni", "avx512vnni", "amx"};
 
 static const char *gemm_names[] = {"scalar", "avx2", "avx512vnni"};
 
@@ -1903,7 +2169,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *args) {
             Py_RETURN_NONE;
         }
     }
-    PyErr_Format(PyExc_ValueError, "unknown kernel set %s (scalar, avx2, avxvnni, avx512vnni)", name);
+    PyErr_Format(PyExc_ValueError, "unknown kernel set %s (scalar, avx2, avxvnni, avx512vnni, amx)", name);
     return NULL;
 }
 

@@ -1,7 +1,7 @@
 """Python side of the quantized-matmul kernels (``tokenmill._native._quant``, see ``quant.c``).
 
 ``available()`` says whether the extension was built; ``kernel()`` names the instruction set in use,
-chosen from the CPU at start-up ("avx512vnni", "avxvnni", "avx2" or the portable "scalar"; see
+chosen from the CPU at start-up ("amx", "avx512vnni", "avxvnni", "avx2" or the portable "scalar"; see
 ``default_kernel()``) or set with ``set_kernel()`` or ``TOKENMILL_QUANT_KERNELS``. Callers pass raw
 pointers of contiguous CPU tensors; the thread count follows ``torch.get_num_threads()``.
 """
@@ -69,7 +69,7 @@ def avx512_half_width() -> bool:
 
 
 def supported_kernels() -> list[str]:
-    """Every kernel set this CPU runs ("scalar", "avx2", "avxvnni", "avx512vnni"), worst first."""
+    """Every kernel set this CPU runs ("scalar", "avx2", "avxvnni", "avx512vnni", "amx"), worst first."""
     return list(_ext.supported_isas()) if _ext is not None else []
 
 
