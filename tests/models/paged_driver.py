@@ -53,11 +53,12 @@ class PagedDriver:
         self.slots: dict[str, int] = {}
 
     def step(self, chunks: Sequence[tuple[str, Sequence[int]]], all_rows: bool = False,
-             capture_layers: frozenset[int] = frozenset()) -> torch.Tensor:
+             capture_layers: frozenset[int] = frozenset(), sample: bool = True) -> torch.Tensor:
         """Append each ``(seq, tokens)`` chunk to its sequence and run one forward.
 
-        Returns logits of each chunk's last token (``all_rows``: of every token), in order. The
-        step's context (with the hidden states of ``capture_layers``) is kept in ``last_ctx``.
+        Returns logits of each chunk's last token (``all_rows``: of every token; ``sample=False``:
+        of none, as for prefill chunks that do not finish their prompts), in order. The step's
+        context (with the hidden states of ``capture_layers``) is kept in ``last_ctx``.
         """
         ps = self.page_size
         ids: list[int] = []
@@ -84,7 +85,7 @@ class PagedDriver:
                 self.slots[seq] = self.free_slots.pop()
         width = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        rows = list(range(qsl[-1])) if all_rows else [q - 1 for q in qsl[1:]]
+        rows = [] if not sample else list(range(qsl[-1])) if all_rows else [q - 1 for q in qsl[1:]]
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(pos, dtype=torch.long),
             slot_mapping=torch.tensor(slots, dtype=torch.long), query_start_loc=torch.tensor(qsl, dtype=torch.long),

@@ -31,13 +31,13 @@ pytestmark = pytest.mark.skipif(not (native.available() and attention_kernel.ava
 ATOL, RTOL = 2e-3, 1e-3
 
 # (sequence, token count) chunks per step: small prefills run fused too (mixed with decodes);
-# the 40-token prefill is above every kernel set's row limit (packed.gemv_max_rows) and takes
+# the 72-token prefill is above every kernel set's row limit (packed.gemv_max_rows; 64 with amx) and takes
 # the dequantize + GEMM path; decodes follow
 STEPS = [
     [("a", 7), ("b", 5)],
     [("a", 1), ("b", 1), ("c", 9)],
     [("a", 1), ("b", 1), ("c", 1)],
-    [("d", 40)],
+    [("d", 72)],
     [("a", 1), ("b", 1), ("c", 1), ("d", 1)],
     [("b", 1), ("d", 1)],
     [("a", 1)],
@@ -111,6 +111,27 @@ def _row_limit(name: str) -> int:
     return FUSED_FP32_MAX_ROWS if "fp32" in name else packed_mod.gemv_max_rows()
 
 
+def test_a_fused_step_that_samples_no_row(packed):
+    """A prefill chunk that does not finish its prompt samples nothing: the fused call then runs
+    the layers without the head (which refuses zero rows) and the step returns no logits; the
+    next step's logits and the KV match the layer-by-layer path."""
+    model = packed["llama-int4"].model
+    assert model.fused_decode_stack().has_head
+    out = {}
+    for fused in (True, False):
+        model.set_fused_decode(fused)
+        drv = _driver(model, "float32")
+        gen = torch.Generator().manual_seed(9)
+        first = drv.step([("a", torch.randint(3, 2000, (6,), generator=gen).tolist())], sample=False)
+        second = drv.step([("a", torch.randint(3, 2000, (1,), generator=gen).tolist())])
+        out[fused] = (first, second, [_kv_copy(c) for c in drv.kv])
+    model.set_fused_decode(True)
+    assert out[True][0].shape == out[False][0].shape == (0, out[True][1].shape[-1])
+    torch.testing.assert_close(out[True][1], out[False][1], atol=ATOL, rtol=RTOL)
+    for a, b in zip(out[True][2], out[False][2]):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", "llama-int8", "llama-fp32", "qwen2-fp32-onednn"])
 def test_fused_decode_matches_layer_by_layer(packed, name, kv_dtype):
@@ -123,7 +144,7 @@ def test_fused_decode_matches_layer_by_layer(packed, name, kv_dtype):
     want, kv_want, _, ran_ref = _run(model, False, kv_dtype)
     limit = _row_limit(name)
     assert ran == [sum(n for _, n in s) <= limit for s in STEPS]  # fused wherever a step fits the row limit
-    assert any(ran) and not ran[3]  # the 40-row step is above every row limit
+    assert any(ran) and not ran[3]  # the 72-row step is above every row limit
     assert not any(ran_ref)
     # fp32 weights: the same products in another summation order, so far closer than int16 rounding
     atol, rtol = (2e-5, 1e-4) if "fp32" in name else (ATOL, RTOL)
