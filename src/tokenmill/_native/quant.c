@@ -75,10 +75,10 @@
 #endif
 
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512 = 3, ISA_AMX = 4, ISA_COUNT = 5 };
-/* x rows from which the amx set runs the tile kernels (fewer: its avx512vnni kernels). With 2 rows
- * the two were level over the default model's matrices; the tiles took 0.86x the time at 3 rows,
- * 0.65x at 4 and 0.53x at 8 (docs/benchmarks.md, "AMX tiles"). */
-#define AMX_MIN_ROWS 3
+/* x rows from which the amx set runs the tile kernels (one row: its avx512vnni kernel). Whole
+ * verify-shaped steps of the default model took 0.92x-0.93x the pair kernel's time at 2 rows, and
+ * 0.79x / 0.74x / 0.63x the avx512vnni set's at 3 / 4 / 8 (docs/benchmarks.md, "AMX tiles"). */
+#define AMX_MIN_ROWS 2
 static int g_isa = -1;      /* default_isa() at first use; set_isa() may pick another supported set */
 static int g_best = -1;     /* best this CPU supports */
 static int g_supported = 0; /* bit i: kernel set i runs on this CPU */
@@ -1131,10 +1131,10 @@ TGT_AVX2 static void deq_s8_block_avx2(const int8_t *p, float s, float *out, int
     if (n != QK) memcpy(out, tmp, (size_t)n * sizeof(float));
 }
 
-/* ---- AMX (Sapphire Rapids and later): 3+ x rows through the tile unit ----------------------
+/* ---- AMX (Sapphire Rapids and later): 2+ x rows through the tile unit ----------------------
  * The "amx" kernel set is avx512vnni plus Intel AMX's int8 tile multiply, used for matmuls of
- * AMX_MIN_ROWS or more x rows (one row keeps the avx512vnni kernel, which reads its weights at the
- * memory's pace, and two rows its pair kernel, level with the tiles there).
+ * AMX_MIN_ROWS (2) or more x rows (one row keeps the avx512vnni kernel, which reads its weights at
+ * the memory's pace).
  * Every int16 activation splits exactly into two signed bytes, x = 256 hi + lo with lo and hi in
  * -128..127 (the reason QMAX is 32639 rather than 32767), so the int16 dot products of the other
  * kernels come out of int8 tile products (TDPBSSD) exactly: the results equal theirs up to float
@@ -1240,11 +1240,13 @@ TGT_AMX static void amx_rows(int s8, const void *qs, const void *sc, const void 
             const int64_t r0 = t0 + 16 <= n1 ? t0 : (n1 - 16 > n0 ? n1 - 16 : n0);
             const int64_t rows = n1 - r0 < 16 ? n1 - r0 : 16;
             /* the next tile's weights (its rows are contiguous) are prefetched while this one
-             * computes, a few lines per block pair, so that the loads stay spread out */
+             * computes, a few lines per block pair, so that the loads stay spread out, and the
+             * tile after it into L2; past n1 too (up to N): the fused decode step calls this for
+             * claims and slices of a few tiles, and its next call usually goes on from n1 */
             const char *pf = (const char *)qs + (r0 + 16) * wstride;
-            const char *pf_end = (const char *)qs + (r0 + 32 < n1 ? r0 + 32 : n1) * wstride;
+            const char *pf_end = (const char *)qs + (r0 + 32 < N ? r0 + 32 : N) * wstride;
             const int64_t pf_per = (16 * wstride / 64 + np - 1) / np;
-            const char *pf2 = pf_end, *pf2_end = (const char *)qs + (r0 + 48 < n1 ? r0 + 48 : n1) * wstride;
+            const char *pf2 = pf_end, *pf2_end = (const char *)qs + (r0 + 48 < N ? r0 + 48 : N) * wstride;
             for (int64_t c0 = 0; c0 < nb; c0 += AMX_CHUNK) {
                 const int64_t n = nb - c0 < AMX_CHUNK ? nb - c0 : AMX_CHUNK, last = c0 + AMX_CHUNK >= nb;
                 const uint8_t *abase = scratch;
