@@ -1708,6 +1708,15 @@ static int block_stream_rows(int s8, const void *qs, const void *sc, const void 
 }
 #endif
 
+#if TM_AMX
+/* Rows [n0, n1) of a u4 (s8 = 0) or s8 (s8 = 1) matrix through the AMX tiles (amx_rows), plus the bias */
+static void amx_rows_bias(int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t K, int64_t group,
+                          const ActBuf *a, int64_t M, const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
+    amx_rows(s8, qs, sc, mn, f16, K, group, (const uint8_t *)a->mem, M, y, N, n0, n1);
+    if (bias) for (int64_t m = 0; m < M; m++) for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
+}
+#endif
+
 static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc, const void *mn,
                          int f16, int64_t N, int64_t group, const float *bias, float *y, const ActBuf *a,
                          int64_t n0, int64_t n1) {
@@ -1719,8 +1728,7 @@ static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc
     (void)use;
 #if TM_AMX
     if (a->order == ACT_AMX) {
-        amx_rows(0, qs, sc, mn, f16, K, group, (const uint8_t *)a->mem, M, y, N, n0, n1);
-        if (bias) for (int64_t m = 0; m < M; m++) for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
+        amx_rows_bias(0, qs, sc, mn, f16, K, group, a, M, bias, y, N, n0, n1);
         return;
     }
 #endif
@@ -1770,8 +1778,7 @@ static void gemm_s8_rows(int64_t M, int64_t K, const int8_t *qs, const void *sc,
     (void)use;
 #if TM_AMX
     if (a->order == ACT_AMX) {
-        amx_rows(1, qs, sc, NULL, f16, K, group, (const uint8_t *)a->mem, M, y, N, n0, n1);
-        if (bias) for (int64_t m = 0; m < M; m++) for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
+        amx_rows_bias(1, qs, sc, NULL, f16, K, group, a, M, bias, y, N, n0, n1);
         return;
     }
 #endif
