@@ -346,8 +346,8 @@ static void rows_prefetching(const TmqMat *w, const void *act, int64_t M, const 
 
 /* Rows of y = act @ w^T (+ bias) claimed from the team's counter (reset to 0 by thread 0 before
  * the barrier that starts the matmul), in guided sizes: a claim takes 1/(CLAIM_SHARE T) of the
- * rows still unclaimed (a multiple of 16 rows, the amx kernels' tile, at least CLAIM_MIN; with 1/(2T) a thread that lost
- * its core mid-claim held more back), so a matmul is a few dozen claims, large
+ * rows still unclaimed (a multiple of 16 rows, the amx kernels' tile, at least CLAIM_MIN; with
+ * 1/(2T) a thread that lost its core mid-claim held more back), so a matmul is a few dozen claims, large
  * first and small at the end. p's KV lines (if any) are prefetched between slices of PF_SLICE
  * rows (rows_prefetching). A thread that loses its core for a while (the server's
  * event loop, the HTTP client, another process) then leaves its rows to the others instead of
