@@ -125,10 +125,7 @@ class LlamaForCausalLM(CausalLM):
             ctx.capture(i, h.clone())
             start = i + 1
         if start < len(self.layers):
-            # the head in the same call, unless no row is sampled (a prefill chunk that does not
-            # finish its prompt: the head below then sees no rows); the env: A/B runs
-            if (stack.has_head and ctx.batch.logits_indices.numel() > 0
-                    and not os.environ.get("TOKENMILL_NO_FUSED_HEAD")):
+            if stack.has_head and not os.environ.get("TOKENMILL_NO_FUSED_HEAD"):   # the env: A/B runs
                 return stack.run_to_logits(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, ctx.batch.logits_indices, start)
             h = stack.run(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, start)
         return h, None

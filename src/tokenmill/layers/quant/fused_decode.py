@@ -210,9 +210,14 @@ class FusedDecodeStack:
     def run_to_logits(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
                       meta: NativeMetadata, logits_rows: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers ``[start, L)``, then the head given to :meth:`set_head` on the final-normed rows
-        ``logits_rows`` of ``h``: ``(h, logits [len(logits_rows), vocab] fp32)``."""
+        ``logits_rows`` of ``h``: ``(h, logits [len(logits_rows), vocab] fp32)``. No rows (a
+        prefill chunk that does not finish its prompt): the layers alone, and empty logits (the
+        native head takes at least one row)."""
         if self._head is None:
             raise ValueError("run_to_logits needs set_head first")
+        if logits_rows.numel() == 0:
+            h = self._run(h, cos, sin, kv_caches, meta, start, None)[0]
+            return h, torch.empty(0, self._head_out, dtype=torch.float32)
         return self._run(h, cos, sin, kv_caches, meta, start, None, logits_rows)
 
     def _run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
