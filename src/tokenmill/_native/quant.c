@@ -1171,19 +1171,21 @@ TGT_AMX static void amx_quantize(const float *x, int64_t M, int64_t K, uint8_t *
     for (int64_t m = 0; m < M; m++) {
         const int64_t g = m / 4, j = m % 4;
         const float *xr = x + m * K;
+        /* quantized as every other kernel's activations are (bit for bit), 32 blocks at a time,
+         * then split */
+        int16_t qc[32 * QK];
+        float dc[32], sc32[32];
         for (int64_t b = 0; b < nb; b++) {
             const int64_t h = b & 1;   /* first or second block of its pair */
             uint8_t *blk = buf + (g * np + b / 2) * AMX_PAIR_BYTES;
-            const int64_t k0 = b * QK, n = K - k0 < QK ? K - k0 : QK;
-            const __mmask16 k0m = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
-            const __mmask16 k1m = (__mmask16)(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0);
-            const __m512 v0 = _mm512_maskz_loadu_ps(k0m, xr + k0), v1 = _mm512_maskz_loadu_ps(k1m, xr + k0 + 16);
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            const float d = amax / QMAX, id = d != 0.f ? 1.f / d : 0.f;
-            const __m512 vid = _mm512_set1_ps(id);
-            /* round to nearest even (the default rounding mode), as quantize_rows */
-            const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
-            const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+            if (b % 32 == 0) {
+                const int64_t k0 = b * QK;
+                quantize_rows_avx2(xr + k0, 1, K - k0 < 32 * QK ? K - k0 : 32 * QK, qc, dc, sc32);
+            }
+            const int16_t *q = qc + (b % 32) * QK;
+            const float d = dc[b % 32], xs = sc32[b % 32];
+            const __m512i i0 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)q));
+            const __m512i i1 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(q + 16)));
             /* lo = ((x + 128) & 255) - 128, hi = (x - lo) / 256: both in -128..127 for |x| <= 32639 */
             const __m512i lo0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(i0, c128), cff), c128);
             const __m512i lo1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(i1, c128), cff), c128);
@@ -1196,7 +1198,7 @@ TGT_AMX static void amx_quantize(const float *x, int64_t M, int64_t K, uint8_t *
             float *xdv = (float *)(blk + 1024), *xsv = (float *)(blk + 1088);
             xdv[h * 8 + j] = 256.f * d;
             xdv[h * 8 + 4 + j] = d;
-            xsv[h * 8 + j] = d * (float)sum;
+            xsv[h * 8 + j] = xs;
         }
     }
 }
