@@ -23,7 +23,7 @@ def test_chat_non_streamed_uses_template_and_counts(client: openai.OpenAI, tiny_
     expected_prompt = tiny_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert resp.prompt_token_ids == tiny_tokenizer.encode(expected_prompt, add_special_tokens=False)
     assert len(choice.token_ids) == 6
-    assert tiny_tokenizer.decode(choice.token_ids) == choice.message.content
+    assert tiny_tokenizer.decode(choice.token_ids, skip_special_tokens=True) == choice.message.content
     assert resp.usage.prompt_tokens == len(resp.prompt_token_ids)
     assert resp.usage.completion_tokens == 6
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + 6

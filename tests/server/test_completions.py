@@ -13,7 +13,7 @@ def test_string_prompt(client: openai.OpenAI, tiny_tokenizer) -> None:
     choice = resp.choices[0]
     assert resp.object == "text_completion" and choice.finish_reason == "length"
     assert choice.prompt_token_ids == tiny_tokenizer.encode(prompt)
-    assert len(choice.token_ids) == 5 and tiny_tokenizer.decode(choice.token_ids) == choice.text
+    assert len(choice.token_ids) == 5 and tiny_tokenizer.decode(choice.token_ids, skip_special_tokens=True) == choice.text
     assert resp.usage.prompt_tokens == len(choice.prompt_token_ids) and resp.usage.completion_tokens == 5
 
 
