@@ -1147,37 +1147,51 @@ TGT_AVX2 static void deq_s8_block_avx2(const int8_t *p, float s, float *out, int
  * xd'] (xd, xd' the two blocks' activation scales) and a multiply-add with the weight row's two
  * block scales s(r, b), s(r, b') then apply all the scales, and, for u4, one more multiply-add
  * with the mins and xsv = [xs | 0 | xs' | 0]; the four 4-lane parts are added at the end.
+ * That layout (a unit of 2 blocks per product, groups of 4 x rows) serves up to 4 x rows. From 5
+ * rows the unit is 1 block (A[16 x 32] . B[32 x 16]) and a group 8 x rows: columns 0-7 the hi
+ * digits of x rows 0-7, 8-15 their lo digits, one broadcast block scale per weight row, and the
+ * two 8-lane halves added at the end. Per product the vector work is the same (a multiply and one
+ * or two multiply-adds per weight row), so 5-8 rows cost what 4 rows cost with pairs, not two
+ * groups of them; but a product then covers one block, not two, and the tile loads and stores
+ * (each about as costly as the vector work of a product on the host measured) make that layout
+ * the slower one for 2-4 rows (docs/benchmarks.md, "One block per tile product").
  * u4 weights are unpacked to one byte per value into a buffer, 16 rows x AMX_CHUNK blocks at a time,
- * that the A tiles load from; every group of 4 x rows then runs on the unpacked values (their
+ * that the A tiles load from; every group of x rows then runs on the unpacked values (their
  * running sums kept in memory between chunks). s8 weights load straight from the matrix (a
  * buffered copy when fewer than 16 rows are left).
  * The CPU needs the OS's permission to use the tiles (arch_prctl, asked for once in best_isa). */
 #if TM_AMX
 #define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
 #define AMX_CHUNK 32           /* blocks of the 16 weight rows unpacked at a time */
-#define AMX_GROUPS 8           /* groups of 4 x rows per pass over the weights */
-#define AMX_PAIR_BYTES 1152    /* per 4 x rows and block pair: B tile 1024 | xdv 64 | xsv 64 */
+#define AMX_GROUPS 8           /* groups of x rows per pass over the weights */
 
-static int64_t amx_pairs(int64_t K) { return ((K + QK - 1) / QK + 1) / 2; }
+/* The layout by the number of x rows: blocks per tile product (the unit: 2 up to 4 x rows, 1 from
+ * 5), x rows per group (4 or 8: 16 columns = unit blocks x 2 digits x rows), the bytes per group
+ * and unit (B tile | xdv 64 | xsv 64) and the units of a row of nb blocks */
+static inline int amx_unit(int64_t M) { return M <= 4 ? 2 : 1; }
+#define AMX_GROUP_ROWS(U) (8 / (U))
+#define AMX_UNIT_BYTES(U) (512 * (U) + 128)
+static inline int64_t amx_units(int64_t nb, int U) { return (nb + U - 1) / U; }
 
-/* M rows of K activations -> per group of 4 rows and block pair: the B tile ([16][16 x 4] bytes:
- * row k/4 of the pair's 64 values, column c, byte k%4), xdv and xsv (see above); zero where no
- * x row or block is */
+/* M rows of K activations -> per group of x rows and unit: the B tile ([8U][16 x 4] bytes: row k/4
+ * of the unit's 32U values, column c, byte k%4), xdv and xsv (see above); zero where no x row or
+ * block is */
 TGT_AMX static void amx_quantize(const float *x, int64_t M, int64_t K, uint8_t *buf) {
-    const int64_t nb = (K + QK - 1) / QK, np = amx_pairs(K), ng = (M + 3) / 4;
-    memset(buf, 0, (size_t)(ng * np * AMX_PAIR_BYTES));
+    const int U = amx_unit(M), R = AMX_GROUP_ROWS(U), UB = AMX_UNIT_BYTES(U);
+    const int64_t nb = (K + QK - 1) / QK, np = amx_units(nb, U), ng = (M + R - 1) / R;
+    memset(buf, 0, (size_t)(ng * np * UB));
     const __m256i rows8 = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
     const __m512i c128 = _mm512_set1_epi32(128), cff = _mm512_set1_epi32(0xFF);
     for (int64_t m = 0; m < M; m++) {
-        const int64_t g = m / 4, j = m % 4;
+        const int64_t g = m / R, j = m % R;
         const float *xr = x + m * K;
         /* quantized as every other kernel's activations are (bit for bit), 32 blocks at a time,
          * then split */
         int16_t qc[32 * QK];
         float dc[32], sc32[32];
         for (int64_t b = 0; b < nb; b++) {
-            const int64_t h = b & 1;   /* first or second block of its pair */
-            uint8_t *blk = buf + (g * np + b / 2) * AMX_PAIR_BYTES;
+            const int64_t h = b % U;   /* the block's place in its unit: its K rows and columns */
+            uint8_t *blk = buf + (g * np + b / U) * UB;
             if (b % 32 == 0) {
                 const int64_t k0 = b * QK;
                 quantize_rows_avx2(xr + k0, 1, K - k0 < 32 * QK ? K - k0 : 32 * QK, qc, dc, sc32);
@@ -1193,12 +1207,12 @@ TGT_AMX static void amx_quantize(const float *x, int64_t M, int64_t K, uint8_t *
             const __m256i hib = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(hi0)), _mm512_cvtepi32_epi8(hi1), 1);
             const __m256i lob = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(lo0)), _mm512_cvtepi32_epi8(lo1), 1);
             uint8_t *t = blk + h * 512;   /* this block's 8 tile rows */
-            _mm256_i32scatter_epi32(t + (h * 8 + j) * 4, rows8, hib, 1);
-            _mm256_i32scatter_epi32(t + (h * 8 + 4 + j) * 4, rows8, lob, 1);
-            float *xdv = (float *)(blk + 1024), *xsv = (float *)(blk + 1088);
-            xdv[h * 8 + j] = 256.f * d;
-            xdv[h * 8 + 4 + j] = d;
-            xsv[h * 8 + j] = xs;
+            _mm256_i32scatter_epi32(t + (h * 2 * R + j) * 4, rows8, hib, 1);
+            _mm256_i32scatter_epi32(t + (h * 2 * R + R + j) * 4, rows8, lob, 1);
+            float *xdv = (float *)(blk + 512 * U), *xsv = (float *)(blk + 512 * U + 64);
+            xdv[h * 2 * R + j] = 256.f * d;
+            xdv[h * 2 * R + R + j] = d;
+            xsv[h * 2 * R + j] = xs;
         }
     }
 }
@@ -1208,31 +1222,33 @@ TGT_AMX static void amx_quantize(const float *x, int64_t M, int64_t K, uint8_t *
  * configuration differs (another library may have used the tiles since; reading it back costs a
  * few ns, loading it ~50); the tiles then stay configured on the thread. */
 typedef struct { uint8_t palette, start, res[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed)) AmxCfg;
-TGT_AMX static void amx_config(void) {
+TGT_AMX static void amx_config(int U) {
     AmxCfg c, now;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
+        c.rows[t] = t >= 6 ? 8 * U : 16;
+        c.colsb[t] = t == 4 || t == 5 ? 32 * U : 64;
     }
     _tile_storeconfig(&now);
     if (memcmp(&c, &now, sizeof c)) _tile_loadconfig(&c);
 }
 
 /* weight rows [n0, n1) (u4: s8 = 0, with mins; s8: s8 = 1) against the M x rows of act
- * (amx_quantize), y[m * N + n] */
-TGT_AMX static void amx_rows(int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t K, int64_t group,
-                             const uint8_t *act, int64_t M, float *y, int64_t N, int64_t n0, int64_t n1) {
+ * (amx_quantize, with units of U = amx_unit(M) blocks), y[m * N + n] */
+TGT_AMX static inline __attribute__((always_inline)) void amx_rows_u(
+        const int U, int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t K, int64_t group,
+        const uint8_t *act, int64_t M, float *y, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t R = AMX_GROUP_ROWS(U), UB = AMX_UNIT_BYTES(U);
     const int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
-    const int64_t np = amx_pairs(K), ng = (M + 3) / 4, wstride = s8 ? Kp : Kp / 2;
+    const int64_t np = amx_units(nb, U), ng = (M + R - 1) / R, wstride = s8 ? Kp : Kp / 2;
     /* rows of these past the weight rows of a short last tile hold whatever was there: they only
      * reach output rows that are not written */
     uint8_t scratch[16 * AMX_CHUNK * QK] __attribute__((aligned(64)));
     int32_t cb[4][16 * 16] __attribute__((aligned(64)));
     float sw[16][AMX_CHUNK] __attribute__((aligned(64))), mw[16][AMX_CHUNK] __attribute__((aligned(64)));
     float sums[AMX_GROUPS][16][16] __attribute__((aligned(64)));   /* running sums between chunks */
-    amx_config();
+    amx_config(U);
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     const __m512i lane0 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), lane1 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
     for (int64_t g0 = 0; g0 < ng; g0 += AMX_GROUPS) {
@@ -1266,8 +1282,8 @@ TGT_AMX static void amx_rows(int s8, const void *qs, const void *sc, const void 
                             _mm512_store_si512((__m512i *)(dst + i * 32), _mm512_permutex2var_epi64(lo, lane0, hi));
                             if (i + 2 < n) _mm512_store_si512((__m512i *)(dst + i * 32 + 64), _mm512_permutex2var_epi64(lo, lane1, hi));
                         }
-                    } else if (rows < 16 || nb % 2) {   /* too few rows left to load 16 straight from W, or a
-                                                        * pair's second block past the row's end */
+                    } else if (rows < 16 || nb % U) {   /* too few rows left to load 16 straight from W, or a
+                                                        * unit's second block past the row's end */
                         memcpy(dst, src + c0 * QK, (size_t)n * QK);
                     }
                     for (int64_t h = 0; h < n; h += 16) {
@@ -1276,30 +1292,36 @@ TGT_AMX static void amx_rows(int s8, const void *qs, const void *sc, const void 
                         if (!s8) _mm512_store_ps(mw[r] + h, scales16_512(mn, f16, (r0 + r) * G, c0 + h, k, nb, bpg));
                     }
                 }
-                if (s8 && rows == 16 && nb % 2 == 0) { abase = (const uint8_t *)qs + r0 * Kp + c0 * QK; astride = Kp; }
+                if (s8 && rows == 16 && nb % U == 0) { abase = (const uint8_t *)qs + r0 * Kp + c0 * QK; astride = Kp; }
                 for (int64_t g = g0; g < g1; g++) {
-                    const uint8_t *ga = act + (g * np + c0 / 2) * AMX_PAIR_BYTES;
+                    const uint8_t *ga = act + (g * np + c0 / U) * UB;
                     __m512 acc[16];
+                    /* (sums is written at the end of every chunk but the last; gcc cannot tell) */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
                     for (int r = 0; r < 16; r++) acc[r] = c0 ? _mm512_load_ps(sums[g - g0][r]) : _mm512_setzero_ps();
+#pragma GCC diagnostic pop
 #define AMX_DP(C, A, B, P)                                                                                 \
     do {                                                                                                  \
         _tile_zero(C);                                                                                    \
-        _tile_loadd(A, abase + (P) * 2 * QK, astride);                                                    \
-        _tile_loadd(B, ga + (P) * AMX_PAIR_BYTES, 64);                                                    \
+        _tile_loadd(A, abase + (P) * U * QK, astride);                                                    \
+        _tile_loadd(B, ga + (P) * UB, 64);                                                                \
         _tile_dpbssd(C, A, B);                                                                            \
     } while (0)
 #define AMX_POST(P, CB)                                                                                    \
     do {                                                                                                  \
-        const uint8_t *blk_ = ga + (P) * AMX_PAIR_BYTES;                                                   \
-        const __m512 xdv_ = _mm512_loadu_ps((const float *)(blk_ + 1024));                                  \
-        const __m512 xsv_ = _mm512_loadu_ps((const float *)(blk_ + 1088));                                  \
+        const uint8_t *blk_ = ga + (P) * UB;                                                               \
+        const __m512 xdv_ = _mm512_loadu_ps((const float *)(blk_ + 512 * U));                               \
+        const __m512 xsv_ = _mm512_loadu_ps((const float *)(blk_ + 512 * U + 64));                          \
         for (int r = 0; r < 16; r++) {                                                                    \
             const __m512 v_ = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((CB) + r * 16)), xdv_);    \
-            acc[r] = _mm512_fmadd_ps(v_, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sw[r][2 * (P)]),        \
-                                                            _mm512_set1_ps(sw[r][2 * (P) + 1])), acc[r]);    \
+            acc[r] = _mm512_fmadd_ps(v_, U == 1 ? _mm512_set1_ps(sw[r][P])                                \
+                                                : _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sw[r][2 * (P)]), \
+                                                                       _mm512_set1_ps(sw[r][2 * (P) + 1])), acc[r]); \
             if (!s8)                                                                                      \
-                acc[r] = _mm512_fmadd_ps(_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(mw[r][2 * (P)]),         \
-                                                              _mm512_set1_ps(mw[r][2 * (P) + 1])), xsv_, acc[r]); \
+                acc[r] = _mm512_fmadd_ps(U == 1 ? _mm512_set1_ps(mw[r][P])                                \
+                                                : _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(mw[r][2 * (P)]), \
+                                                                       _mm512_set1_ps(mw[r][2 * (P) + 1])), xsv_, acc[r]); \
         }                                                                                                 \
     } while (0)
 /* step P: the tile product of pair P into C tile P % 4 (A and B tiles alternate), then the tile
@@ -1315,7 +1337,7 @@ TGT_AMX static void amx_rows(int s8, const void *qs, const void *sc, const void 
             AMX_POST((P) - 2, cb[CPREV]);                                                                 \
         }                                                                                                 \
     } while (0)
-                    const int64_t npc = (n + 1) / 2;
+                    const int64_t npc = (n + U - 1) / U;
                     for (int64_t p = 0; p < npc + 2; p += 4) {
                         AMX_STEP(p, 0, 4, 6, 2);
                         AMX_STEP(p + 1, 1, 5, 7, 3);
@@ -1329,20 +1351,25 @@ TGT_AMX static void amx_rows(int s8, const void *qs, const void *sc, const void 
                         for (int r = 0; r < 16; r++) _mm512_store_ps(sums[g - g0][r], acc[r]);
                         continue;
                     }
-                    /* x row j's sum: lanes j, 4 + j, 8 + j and 12 + j */
-                    const int64_t mj = M - g * 4 < 4 ? M - g * 4 : 4;
+                    /* x row j's sum: lanes j, R + j (and with U = 2, 2R + j and 3R + j) */
+                    const int64_t mj = M - g * R < R ? M - g * R : R;
                     for (int64_t r = 0; r < rows; r++) {
                         const __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
                                                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
-                        const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
-                        float o[4];
-                        _mm_storeu_ps(o, h4);
-                        for (int64_t j = 0; j < mj; j++) y[(g * 4 + j) * N + r0 + r] = o[j];
+                        float o[8];
+                        if (U == 2) _mm_storeu_ps(o, _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1)));
+                        else _mm256_storeu_ps(o, h8);
+                        for (int64_t j = 0; j < mj; j++) y[(g * R + j) * N + r0 + r] = o[j];
                     }
                 }
             }
         }
     }
+}
+TGT_AMX static void amx_rows(int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t K, int64_t group,
+                             const uint8_t *act, int64_t M, float *y, int64_t N, int64_t n0, int64_t n1) {
+    if (amx_unit(M) == 2) amx_rows_u(2, s8, qs, sc, mn, f16, K, group, act, M, y, N, n0, n1);
+    else amx_rows_u(1, s8, qs, sc, mn, f16, K, group, act, M, y, N, n0, n1);
 }
 #endif /* TM_AMX */
 #endif /* TM_X86 */
@@ -1514,8 +1541,9 @@ static size_t act_layout(int64_t M, int64_t K, int order, ActBuf *a, size_t *qby
     if (order == ACT_STREAM256 || order == ACT_SSTREAM256) a->bstride = stream_blocks(nb);   /* x repeated */
     a->qstride = a->bstride * QK;
 #if TM_AMX
-    if (order == ACT_AMX) {   /* amx_quantize's tiles and scales, per 4 rows and block pair */
-        *qbytes = (size_t)((M + 3) / 4 * amx_pairs(K)) * AMX_PAIR_BYTES;
+    if (order == ACT_AMX) {   /* amx_quantize's tiles and scales, per group of x rows and unit of blocks */
+        const int U = amx_unit(M);
+        *qbytes = (size_t)((M + AMX_GROUP_ROWS(U) - 1) / AMX_GROUP_ROWS(U) * amx_units(nb, U)) * AMX_UNIT_BYTES(U);
         return *qbytes + 64;
     }
 #endif
