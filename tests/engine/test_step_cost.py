@@ -29,6 +29,31 @@ def test_fit_recovers_a_line_and_budget_keeps_the_slowdown():
     assert cost2.prefill_budget(1, 300) == 300
 
 
+def test_chunks_end_on_whole_row_groups():
+    """With kernels that handle rows in groups of 16, a chunk that would end a few rows into a new
+    group is cut back to the last whole group; within the first group, on a group's end, or where
+    the decodes already end inside the chunk's last group, the line's chunk stands."""
+    def budget(group: int, decodes: int, limit: int = 10_000) -> int:
+        cost = StepCost(slowdown=2.0, row_group=group)
+        for n in (1, 4, 16, 64, 200, 8, 32):
+            cost.observe(n, 0.0105 + 0.001 * n)   # 2 T(d) = T(d) + 0.0105 + 0.001 d: 10.5 + d more rows
+        return cost.prefill_budget(decodes, limit)
+    assert budget(1, 9) == 19                  # 28 rows: the line alone
+    assert budget(16, 9) == 7                  # cut back to 16 rows
+    assert budget(16, 2) == 12                 # 14 rows: inside the first group, as the line says
+    assert budget(16, 22) == 26                # 22 + 32 = 54 rows -> 48
+    assert budget(16, 3) == 13                 # 16 rows: already whole
+    assert budget(16, 20, limit=5) == 5        # 25 rows: the decodes already end in that group
+    assert budget(16, 16, limit=5) == 1        # 21 rows: cut to nothing, but a first chunk keeps min_tokens
+    bound = StepCost(slowdown=2.0, row_group=16)
+    for n in (1, 4, 16, 64, 200, 8, 32):
+        bound.observe(n, 0.0105 + 0.001 * n)
+    b = bound.bound(9)
+    b.add(0, b.cap(0, 10_000))                 # the first chunk fills the group: 16 rows
+    assert b.rows == 16 and b.cap(0, 4) == 0   # a second chunk would only spill into the next one
+    assert budget(16, 9, limit=3) == 3         # never above what the step has left
+
+
 def test_old_observations_fade():
     cost = StepCost(slowdown=2.0, decay=0.8)
     for n in (1, 50, 100):
@@ -41,7 +66,7 @@ def test_old_observations_fade():
 
 
 @pytest.mark.parametrize("bad", [dict(slowdown=1.0), dict(min_tokens=0), dict(decay=1.0), dict(split_rows=0),
-                                 dict(slowdown=2.0, finish_slowdown=1.5)])
+                                 dict(slowdown=2.0, finish_slowdown=1.5), dict(row_group=0)])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         StepCost(**bad)

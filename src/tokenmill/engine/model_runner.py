@@ -90,6 +90,15 @@ def step_kind_rows(model: torch.nn.Module, fused: bool = True) -> int | None:
     return None
 
 
+def step_row_group(model: torch.nn.Module, fused: bool = True) -> int:
+    """Token rows per group of the integer kernels that run a step of ``model`` (a step's cost
+    rises in steps of them; ``packed.gemv_row_group``), 1 where the model has no packed weights."""
+    if step_kind_rows(model, fused) is None or not any(
+            isinstance(m, (packed.Int4Linear, packed.Int8Linear)) for m in model.modules()):
+        return 1
+    return packed.gemv_row_group()
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_pages: int, page_size: int, vocab_size: int,
                  device: torch.device | str = "cpu", seed: int | None = None, *,

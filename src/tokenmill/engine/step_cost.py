@@ -24,6 +24,12 @@ a line through both would be wrong for both. With ``split_rows`` set, each kind 
 and the bound picks the largest chunk that keeps the step within the bound in either kind (a
 mixed step that fits in ``split_rows`` rows usually stays within it; one just past it does not).
 
+Some kernels handle token rows in groups (``row_group``: the amx set's wide tile layout, 16 rows),
+so the first rows of a new group cost what the whole group costs, a staircase the straight line
+does not see. With ``row_group`` set, a chunk that would end a few rows into a new group (past the
+first) is cut back to end on the last whole group (to nothing, when the step's rows so far end
+there; a step's first chunk keeps ``min_tokens``).
+
 Until a kind's fit is trustworthy (``min_samples`` effective observations with some spread), the
 budget is ``warmup_tokens``, or with ``split_rows`` what keeps the step in the small kind (while
 the decodes leave room in it; else ``warmup_tokens``). A kind whose fit is not known while the
@@ -156,6 +162,7 @@ class StepCost:
     decay: float = 0.95            # weight kept by each older observation (of the same kind)
     min_samples: float = 3.0       # effective observations needed before trusting a kind's fit
     split_rows: int | None = None  # steps of at most this many rows are a kind of their own
+    row_group: int = 1             # rows the kernels handle together: chunks end on whole groups
     _fits: list[_Fit] = field(init=False, repr=False)
     _warm_half: bool = field(default=False, init=False, repr=False)   # alternates warm-up chunk sizes
 
@@ -171,6 +178,8 @@ class StepCost:
             raise ValueError(f"decay must be in (0, 1), got {self.decay}")
         if self.split_rows is not None and self.split_rows < 1:
             raise ValueError(f"split_rows must be >= 1 (or None), got {self.split_rows}")
+        if self.row_group < 1:
+            raise ValueError(f"row_group must be >= 1, got {self.row_group}")
         self._fits = [_Fit(self.decay), _Fit(self.decay)]
 
     # -- the model --------------------------------------------------------------------------------
@@ -305,7 +314,19 @@ class PrefillBound:
                 else:
                     hi = mid - 1
             best = max(best, lo)
-        return max(best, floor)
+        return max(self._whole_groups(best), floor)
+
+    def _whole_groups(self, k: int) -> int:
+        """``k`` cut back so that the step ends on a whole group of ``StepCost.row_group`` rows,
+        when the cut leaves some of the chunk: the first rows of a new group cost what the whole
+        group costs, and the fitted line, straight through the rows, does not see that."""
+        g = self.cost.row_group
+        total = self.rows + k
+        if g <= 1 or k <= 0 or total <= g or total % g == 0:
+            return k
+        whole = total // g * g
+        # whole < rows: the step's rows so far already end inside the chunk's last group
+        return whole - self.rows if whole >= self.rows else k
 
     def add(self, context: int, n: int) -> None:
         self.rows += n

@@ -131,6 +131,20 @@ def gemv_max_rows() -> int:
     return GEMV_MAX_ROWS_BY_KERNEL.get(kern, GEMV_MAX_ROWS_DEFAULT)
 
 
+# x rows the integer kernels of a set handle together, where a step's cost rises in steps of them:
+# the amx set's wide layout puts 16 x rows across a tile's columns, so 17 rows cost what 32 do
+# (docs/quantization.md, "AMX tiles")
+GEMV_ROW_GROUP_BY_KERNEL = {"amx": 16}
+
+
+def gemv_row_group() -> int:
+    """Rows per group of the integer kernels in use (:data:`GEMV_ROW_GROUP_BY_KERNEL`; 1 where the
+    cost of a row does not come in steps): a step that spills a few rows into a new group pays
+    for the whole group. The engine's prefill bound cuts chunks to whole groups
+    (``engine.step_cost.StepCost.row_group``)."""
+    return GEMV_ROW_GROUP_BY_KERNEL.get(native.kernel(), 1)
+
+
 def set_gemv_max_rows(rows: int | None) -> None:
     """Override :func:`gemv_max_rows` for this process (``None``: back to the per-kernel value).
     Set it before an engine starts: the step-cost model reads it once."""
