@@ -129,7 +129,7 @@ class Engine:
         fused = config.fused_decode and config.tensor_parallel_size == 1
         if self.step_cost is not None:   # fused / packed steps: small steps are a cheaper kind
             self.step_cost.split_rows = step_kind_rows(self.loaded.model, fused=fused)
-            self.step_cost.row_group = step_row_group(self.loaded.model, fused=fused)
+            self.step_cost.row_group = step_row_group(self.loaded.model)
         self.generation_tokens_total = 0
         self._arrivals = 0
         self._num_timed = 0   # requests added with a deadline (expiry is skipped while there are none)

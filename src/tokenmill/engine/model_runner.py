@@ -90,13 +90,12 @@ def step_kind_rows(model: torch.nn.Module, fused: bool = True) -> int | None:
     return None
 
 
-def step_row_group(model: torch.nn.Module, fused: bool = True) -> int:
-    """Token rows per group of the integer kernels that run a step of ``model`` (a step's cost
-    rises in steps of them; ``packed.gemv_row_group``), 1 where the model has no packed weights."""
-    if step_kind_rows(model, fused) is None or not any(
-            isinstance(m, (packed.Int4Linear, packed.Int8Linear)) for m in model.modules()):
-        return 1
-    return packed.gemv_row_group()
+def step_row_group(model: torch.nn.Module) -> int:
+    """Token rows per group of the integer kernels that run the packed matmuls of ``model`` (a
+    step's cost rises in steps of them; ``packed.gemv_row_group``), 1 where it has none."""
+    if any(isinstance(m, (packed.Int4Linear, packed.Int8Linear)) for m in model.modules()):
+        return packed.gemv_row_group()
+    return 1
 
 
 class ModelRunner:

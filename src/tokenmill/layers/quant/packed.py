@@ -37,9 +37,10 @@ from the CPU at start-up) still beat dequantize + fp32 GEMM on the default model
 :data:`GEMV_MAX_ROWS_BY_KERNEL` (measured on the whole decode step with
 ``benchmarks/quant_verify_rows.py --paths int,dequant`` and per matrix with
 ``benchmarks/quant_kernel_rows.py --dequant``; numbers in docs/results/quant.md): 2048 rows for
-``amx`` (AVX-512 VNNI plus the AMX tiles, faster than the tiled GEMM at every size measured, 1.07x-1.49x
-at 128-2048 rows; so every step of a server's default 512-token budget runs fused), 24 for ``avx512vnni``, 28 for ``avx2`` and ``avxvnni``
-(whose CPUs' fp32 GEMM is 256-bit too; 16 where it is AVX-512), 4 for ``scalar``. The environment variable ``TOKENMILL_GEMV_MAX_ROWS`` (read at
+``amx`` (AVX-512 VNNI plus the AMX tiles, faster than the tiled GEMM at every size measured,
+1.07x-1.49x at 128-2048 rows, so every step of a server's default 512-token budget runs fused),
+24 for ``avx512vnni``, 28 for ``avx2`` and ``avxvnni`` (whose CPUs' fp32 GEMM is 256-bit too; 16
+where it is AVX-512), 4 for ``scalar``. The environment variable ``TOKENMILL_GEMV_MAX_ROWS`` (read at
 import) or :func:`set_gemv_max_rows` overrides it. The fused decode path
 (:mod:`~tokenmill.layers.quant.fused_decode`) and the engine's step-cost kinds
 (``engine.model_runner.step_kind_rows``) ask the same function.
