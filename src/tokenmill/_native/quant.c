@@ -1151,7 +1151,7 @@ TGT_AVX2 static void deq_s8_block_avx2(const int8_t *p, float s, float *out, int
  * rows the unit is 1 block (A[16 x 32] . B[32 x 16]) and a group 8 x rows: columns 0-7 the hi
  * digits of x rows 0-7, 8-15 their lo digits, one broadcast block scale per weight row, and the
  * two 8-lane halves added at the end. From AMX_WIDE_ROWS (9) rows the wide layout puts 16 x rows
- * across the columns, with the hi and lo sums in two C tiles (amx_rows_wide). Each step up covers
+ * across the columns, with the hi and lo sums in two C tiles (amx_rows_u with W). Each step up covers
  * more x rows with the same vector work per weight row and block, but needs more tile loads,
  * products and stores per block; on the host measured, a tile load or store cost about as much as
  * a product's scaling, so each layout is the fastest only for its own range of rows
@@ -1173,7 +1173,7 @@ static inline int amx_unit(int64_t M) { return M <= 4 ? 2 : 1; }
 #define AMX_GROUP_ROWS(U) (8 / (U))
 #define AMX_UNIT_BYTES(U) (512 * (U) + 128)
 static inline int64_t amx_units(int64_t nb, int U) { return (nb + U - 1) / U; }
-/* From AMX_WIDE_ROWS x rows the wide layout (amx_rows_wide): 16 x rows per group, one block per
+/* From AMX_WIDE_ROWS x rows the wide layout (amx_rows_u with W): 16 x rows per group, one block per
  * unit, per group and block the hi and lo B tiles (512 bytes each) | xd 64 | xs 64 */
 #define AMX_WIDE_ROWS 9
 #define AMX_WIDE_BYTES 1152
@@ -1262,64 +1262,97 @@ TGT_AMX static void amx_config(int U) {
     if (memcmp(&c, &now, sizeof c)) _tile_loadconfig(&c);
 }
 
+/* The weight rows of the tile at t0 of rows [n0, n1) (a last tile of fewer than 16 rows moves back
+ * over rows already done: same values), and the prefetch of the tiles after it: the next tile's
+ * weights (its rows are contiguous) are prefetched while this one computes, `per` lines per step
+ * of `steps` steps, so that the loads stay spread out, and the tile after it into L2; past n1 too
+ * (up to N): the fused decode step calls the kernel for claims and slices of a few tiles, and its
+ * next call usually goes on from n1 */
+typedef struct { const char *pf, *pf_end, *pf2, *pf2_end; int64_t per; } AmxPf;
+static inline AmxPf amx_tile(int64_t t0, int64_t n0, int64_t n1, int64_t N, const void *qs, int64_t wstride,
+                             int64_t steps, int64_t *r0, int64_t *rows) {
+    *r0 = t0 + 16 <= n1 ? t0 : (n1 - 16 > n0 ? n1 - 16 : n0);
+    *rows = n1 - *r0 < 16 ? n1 - *r0 : 16;
+    const char *w = (const char *)qs;
+    AmxPf p = {w + (*r0 + 16) * wstride, w + (*r0 + 32 < N ? *r0 + 32 : N) * wstride, NULL,
+               w + (*r0 + 48 < N ? *r0 + 48 : N) * wstride, (16 * wstride / 64 + steps - 1) / steps};
+    p.pf2 = p.pf_end;
+    return p;
+}
+
+TGT_AMX static inline void amx_prefetch(AmxPf *p) {
+    for (int64_t q = 0; q < p->per && p->pf < p->pf_end; q++, p->pf += 64) _mm_prefetch(p->pf, _MM_HINT_T0);
+    for (int64_t q = 0; q < p->per && p->pf2 < p->pf2_end; q++, p->pf2 += 64) _mm_prefetch(p->pf2, _MM_HINT_T1);
+}
+
+/* Weight rows [r0, r0 + rows) of blocks [c0, c0 + n) for the A tiles: u4 rows unpacked to one
+ * byte per value into scratch (16 rows x AMX_CHUNK blocks), s8 rows copied there where `copy`
+ * (too few rows left to load 16 straight from W, or a unit's second block past the row's end);
+ * their block scales (and u4 mins) into sw and mw */
+TGT_AMX static inline void amx_chunk(int s8, int copy, const void *qs, const void *sc, const void *mn, int f16,
+                                     int64_t G, int64_t bpg, int64_t nb, int64_t wstride, int64_t r0, int64_t rows,
+                                     int64_t c0, int64_t n, uint8_t *scratch, float sw[16][AMX_CHUNK],
+                                     float mw[16][AMX_CHUNK]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i lane0 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), lane1 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *src = (const uint8_t *)qs + (r0 + r) * wstride;
+        uint8_t *dst = scratch + r * AMX_CHUNK * QK;
+        if (!s8) {   /* 4 blocks per 64-byte load: [b lo nibbles | b hi nibbles] per block */
+            src += c0 * 16;
+            for (int64_t i = 0; i < n; i += 4) {
+                const int64_t cnt = n - i < 4 ? (n - i) * 16 : 64;
+                const __mmask64 km = cnt == 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
+                const __m512i w = _mm512_maskz_loadu_epi8(km, src + i * 16);
+                const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+                _mm512_store_si512((__m512i *)(dst + i * 32), _mm512_permutex2var_epi64(lo, lane0, hi));
+                if (i + 2 < n) _mm512_store_si512((__m512i *)(dst + i * 32 + 64), _mm512_permutex2var_epi64(lo, lane1, hi));
+            }
+        } else if (copy) {
+            memcpy(dst, src + c0 * QK, (size_t)n * QK);
+        }
+        for (int64_t h = 0; h < n; h += 16) {
+            const int64_t k = n - h < 16 ? n - h : 16;
+            _mm512_store_ps(sw[r] + h, scales16_512(sc, f16, (r0 + r) * G, c0 + h, k, nb, bpg));
+            if (!s8) _mm512_store_ps(mw[r] + h, scales16_512(mn, f16, (r0 + r) * G, c0 + h, k, nb, bpg));
+        }
+    }
+}
+
+/* The wide layout, from AMX_WIDE_ROWS x rows: the x rows go across the tile columns, 16 at a time.
+ * Per block, one A tile holds 16 weight rows' values (16 x 32 bytes), two B tiles the block's hi and
+ * lo digits of 16 x rows (8 x 64 bytes: row k/4, column = x row, byte k%4), and two tile products
+ * give, for each weight row, the block's hi and lo sums of all 16 x rows, one x row per lane. The
+ * scaling is then (hi << 8) + lo, a convert, a multiply by the rows' activation scales, a
+ * multiply-add with the weight row's block scale and, for u4, one with its min and the rows'
+ * scaled sums: per weight row and block, for 16 x rows. */
 /* weight rows [n0, n1) (u4: s8 = 0, with mins; s8: s8 = 1) against the M x rows of act
- * (amx_quantize, with units of U = amx_unit(M) blocks), y[m * N + n] */
+ * (amx_quantize), y[m * N + n]: units of U = amx_unit(M) blocks, or with W the wide layout
+ * (see below) */
 TGT_AMX static inline __attribute__((always_inline)) void amx_rows_u(
-        const int U, int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t K, int64_t group,
+        const int U, const int W, int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t K, int64_t group,
         const uint8_t *act, int64_t M, float *y, int64_t N, int64_t n0, int64_t n1) {
-    const int64_t R = AMX_GROUP_ROWS(U), UB = AMX_UNIT_BYTES(U);
+    const int64_t R = W ? 16 : AMX_GROUP_ROWS(U), UB = W ? AMX_WIDE_BYTES : AMX_UNIT_BYTES(U);
+    const int64_t GP = W ? AMX_WIDE_GROUPS : AMX_GROUPS;   /* groups per pass over the weights */
     const int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
     const int64_t np = amx_units(nb, U), ng = (M + R - 1) / R, wstride = s8 ? Kp : Kp / 2;
     /* rows of these past the weight rows of a short last tile hold whatever was there: they only
      * reach output rows that are not written */
     uint8_t scratch[16 * AMX_CHUNK * QK] __attribute__((aligned(64)));
-    int32_t cb[4][16 * 16] __attribute__((aligned(64)));
+    int32_t cb[6][16 * 16] __attribute__((aligned(64)));   /* stored C tiles (wide: [slot][hi, lo]) */
     float sw[16][AMX_CHUNK] __attribute__((aligned(64))), mw[16][AMX_CHUNK] __attribute__((aligned(64)));
     float sums[AMX_GROUPS][16][16] __attribute__((aligned(64)));   /* running sums between chunks */
     amx_config(U);
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const __m512i lane0 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), lane1 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
-    for (int64_t g0 = 0; g0 < ng; g0 += AMX_GROUPS) {
-        const int64_t g1 = ng - g0 < AMX_GROUPS ? ng : g0 + AMX_GROUPS;
+    for (int64_t g0 = 0; g0 < ng; g0 += GP) {
+        const int64_t g1 = ng - g0 < GP ? ng : g0 + GP;
         for (int64_t t0 = n0; t0 < n1; t0 += 16) {
-            /* a last tile of fewer than 16 rows moves back over rows already done (same values) */
-            const int64_t r0 = t0 + 16 <= n1 ? t0 : (n1 - 16 > n0 ? n1 - 16 : n0);
-            const int64_t rows = n1 - r0 < 16 ? n1 - r0 : 16;
-            /* the next tile's weights (its rows are contiguous) are prefetched while this one
-             * computes, a few lines per block pair, so that the loads stay spread out, and the
-             * tile after it into L2; past n1 too (up to N): the fused decode step calls this for
-             * claims and slices of a few tiles, and its next call usually goes on from n1 */
-            const char *pf = (const char *)qs + (r0 + 16) * wstride;
-            const char *pf_end = (const char *)qs + (r0 + 32 < N ? r0 + 32 : N) * wstride;
-            const int64_t pf_per = (16 * wstride / 64 + np - 1) / np;
-            const char *pf2 = pf_end, *pf2_end = (const char *)qs + (r0 + 48 < N ? r0 + 48 : N) * wstride;
+            int64_t r0, rows;
+            AmxPf pf = amx_tile(t0, n0, n1, N, qs, wstride, np, &r0, &rows);   /* a step per unit or block */
             for (int64_t c0 = 0; c0 < nb; c0 += AMX_CHUNK) {
                 const int64_t n = nb - c0 < AMX_CHUNK ? nb - c0 : AMX_CHUNK, last = c0 + AMX_CHUNK >= nb;
                 const uint8_t *abase = scratch;
                 int64_t astride = AMX_CHUNK * QK;
-                for (int64_t r = 0; r < rows; r++) {
-                    const uint8_t *src = (const uint8_t *)qs + (r0 + r) * wstride;
-                    uint8_t *dst = scratch + r * AMX_CHUNK * QK;
-                    if (!s8) {   /* 4 blocks per 64-byte load: [b lo nibbles | b hi nibbles] per block */
-                        src += c0 * 16;
-                        for (int64_t i = 0; i < n; i += 4) {
-                            const int64_t cnt = n - i < 4 ? (n - i) * 16 : 64;
-                            const __mmask64 km = cnt == 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
-                            const __m512i w = _mm512_maskz_loadu_epi8(km, src + i * 16);
-                            const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
-                            _mm512_store_si512((__m512i *)(dst + i * 32), _mm512_permutex2var_epi64(lo, lane0, hi));
-                            if (i + 2 < n) _mm512_store_si512((__m512i *)(dst + i * 32 + 64), _mm512_permutex2var_epi64(lo, lane1, hi));
-                        }
-                    } else if (rows < 16 || nb % U) {   /* too few rows left to load 16 straight from W, or a
-                                                        * unit's second block past the row's end */
-                        memcpy(dst, src + c0 * QK, (size_t)n * QK);
-                    }
-                    for (int64_t h = 0; h < n; h += 16) {
-                        const int64_t k = n - h < 16 ? n - h : 16;
-                        _mm512_store_ps(sw[r] + h, scales16_512(sc, f16, (r0 + r) * G, c0 + h, k, nb, bpg));
-                        if (!s8) _mm512_store_ps(mw[r] + h, scales16_512(mn, f16, (r0 + r) * G, c0 + h, k, nb, bpg));
-                    }
-                }
+                amx_chunk(s8, rows < 16 || nb % U, qs, sc, mn, f16, G, bpg, nb, wstride, r0, rows, c0, n, scratch, sw, mw);
                 if (s8 && rows == 16 && nb % U == 0) { abase = (const uint8_t *)qs + r0 * Kp + c0 * QK; astride = Kp; }
                 for (int64_t g = g0; g < g1; g++) {
                     const uint8_t *ga = act + (g * np + c0 / U) * UB;
@@ -1329,20 +1362,64 @@ TGT_AMX static inline __attribute__((always_inline)) void amx_rows_u(
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
                     for (int r = 0; r < 16; r++) acc[r] = c0 ? _mm512_load_ps(sums[g - g0][r]) : _mm512_setzero_ps();
 #pragma GCC diagnostic pop
-#define AMX_DP(C, A, B, P)                                                                                 \
+                    if (W) {
+#define AMXW_DP(CH, CL, A, I)                                                                             \
+    do {                                                                                                  \
+        _tile_zero(CH);                                                                                   \
+        _tile_zero(CL);                                                                                   \
+        _tile_loadd(A, abase + (I) * QK, astride);                                                        \
+        _tile_loadd(6, ga + (I) * AMX_WIDE_BYTES, 64);                                                    \
+        _tile_loadd(7, ga + (I) * AMX_WIDE_BYTES + 512, 64);                                              \
+        _tile_dpbssd(CH, A, 6);                                                                           \
+        _tile_dpbssd(CL, A, 7);                                                                           \
+    } while (0)
+#define AMXW_POST(I)                                                                                      \
+    do {                                                                                                  \
+        const int32_t *hi_ = cb[2 * ((I) % 3)], *lo_ = cb[2 * ((I) % 3) + 1];                             \
+        const __m512 xd_ = _mm512_loadu_ps((const float *)(ga + (I) * AMX_WIDE_BYTES + 1024));            \
+        const __m512 xs_ = _mm512_loadu_ps((const float *)(ga + (I) * AMX_WIDE_BYTES + 1088));            \
+        for (int r = 0; r < 16; r++) {                                                                    \
+            const __m512i s_ = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi_ + r * 16), 8),    \
+                                                _mm512_load_si512(lo_ + r * 16));                         \
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s_), xd_), _mm512_set1_ps(sw[r][I]), acc[r]); \
+            if (!s8) acc[r] = _mm512_fmadd_ps(xs_, _mm512_set1_ps(mw[r][I]), acc[r]);                     \
+        }                                                                                                 \
+    } while (0)
+/* step I: the tile products of block I into C tiles CH, CL (pairs alternate), the products of
+ * block I - 1 (in PH, PL) stored, and those of block I - 2, stored a step ago, scaled: the tile
+ * unit works on the next products while the vector units scale earlier ones */
+#define AMXW_STEP(I, CH, CL, A, PH, PL)                                                                   \
+    do {                                                                                                  \
+        if ((I) < n) AMXW_DP(CH, CL, A, I);                                                               \
+        amx_prefetch(&pf);                                                                                \
+        if ((I) >= 1 && (I) - 1 < n) {                                                                    \
+            _tile_stored(PH, cb[2 * (((I) - 1) % 3)], 64);                                                \
+            _tile_stored(PL, cb[2 * (((I) - 1) % 3) + 1], 64);                                            \
+        }                                                                                                 \
+        if ((I) >= 2 && (I) - 2 < n) AMXW_POST((I) - 2);                                                  \
+    } while (0)
+                        for (int64_t i = 0; i < n + 2; i += 2) {
+                            AMXW_STEP(i, 0, 1, 4, 2, 3);
+                            AMXW_STEP(i + 1, 2, 3, 5, 0, 1);
+                        }
+#undef AMXW_DP
+#undef AMXW_POST
+#undef AMXW_STEP
+                    } else {
+#define AMX_DP(C, A, B, P)                                                                                \
     do {                                                                                                  \
         _tile_zero(C);                                                                                    \
         _tile_loadd(A, abase + (P) * U * QK, astride);                                                    \
         _tile_loadd(B, ga + (P) * UB, 64);                                                                \
         _tile_dpbssd(C, A, B);                                                                            \
     } while (0)
-#define AMX_POST(P, CB)                                                                                    \
+#define AMX_POST(P, CB)                                                                                   \
     do {                                                                                                  \
-        const uint8_t *blk_ = ga + (P) * UB;                                                               \
-        const __m512 xdv_ = _mm512_loadu_ps((const float *)(blk_ + 512 * U));                               \
-        const __m512 xsv_ = _mm512_loadu_ps((const float *)(blk_ + 512 * U + 64));                          \
+        const uint8_t *blk_ = ga + (P) * UB;                                                              \
+        const __m512 xdv_ = _mm512_loadu_ps((const float *)(blk_ + 512 * U));                             \
+        const __m512 xsv_ = _mm512_loadu_ps((const float *)(blk_ + 512 * U + 64));                        \
         for (int r = 0; r < 16; r++) {                                                                    \
-            const __m512 v_ = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((CB) + r * 16)), xdv_);    \
+            const __m512 v_ = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((CB) + r * 16)), xdv_);  \
             acc[r] = _mm512_fmadd_ps(v_, U == 1 ? _mm512_set1_ps(sw[r][P])                                \
                                                 : _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sw[r][2 * (P)]), \
                                                                        _mm512_set1_ps(sw[r][2 * (P) + 1])), acc[r]); \
@@ -1355,28 +1432,41 @@ TGT_AMX static inline __attribute__((always_inline)) void amx_rows_u(
 /* step P: the tile product of pair P into C tile P % 4 (A and B tiles alternate), then the tile
  * product of pair P - 2, issued two steps ago, stored and scaled: the tile unit works on the next
  * products while the vector units scale the earlier ones */
-#define AMX_STEP(P, C, A, B, CPREV)                                                                        \
+#define AMX_STEP(P, C, A, B, CPREV)                                                                       \
     do {                                                                                                  \
         if ((P) < npc) AMX_DP(C, A, B, P);                                                                \
-        for (int64_t q_ = 0; q_ < pf_per && pf < pf_end; q_++, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);   \
-        for (int64_t q_ = 0; q_ < pf_per && pf2 < pf2_end; q_++, pf2 += 64) _mm_prefetch(pf2, _MM_HINT_T1); \
+        amx_prefetch(&pf);                                                                                \
         if ((P) >= 2 && (P) - 2 < npc) {                                                                  \
             _tile_stored(CPREV, cb[CPREV], 64);                                                           \
             AMX_POST((P) - 2, cb[CPREV]);                                                                 \
         }                                                                                                 \
     } while (0)
-                    const int64_t npc = (n + U - 1) / U;
-                    for (int64_t p = 0; p < npc + 2; p += 4) {
-                        AMX_STEP(p, 0, 4, 6, 2);
-                        AMX_STEP(p + 1, 1, 5, 7, 3);
-                        AMX_STEP(p + 2, 2, 4, 6, 0);
-                        AMX_STEP(p + 3, 3, 5, 7, 1);
-                    }
+                        const int64_t npc = (n + U - 1) / U;
+                        for (int64_t p = 0; p < npc + 2; p += 4) {
+                            AMX_STEP(p, 0, 4, 6, 2);
+                            AMX_STEP(p + 1, 1, 5, 7, 3);
+                            AMX_STEP(p + 2, 2, 4, 6, 0);
+                            AMX_STEP(p + 3, 3, 5, 7, 1);
+                        }
 #undef AMX_DP
 #undef AMX_POST
 #undef AMX_STEP
+                    }
                     if (!last) {
                         for (int r = 0; r < 16; r++) _mm512_store_ps(sums[g - g0][r], acc[r]);
+                        continue;
+                    }
+                    if (W) {   /* lane j of acc[r]: x row g * 16 + j, weight row r0 + r */
+                        float tr[16][16] __attribute__((aligned(64)));
+                        for (int r = 0; r < 16; r++) _mm512_store_ps(tr[r], acc[r]);
+                        const int64_t mj = M - g * 16 < 16 ? M - g * 16 : 16;
+                        const __mmask16 km = (__mmask16)((1u << rows) - 1);
+                        const __m512i col16 = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192,
+                                                                208, 224, 240);
+                        for (int64_t j = 0; j < mj; j++)
+                            _mm512_mask_storeu_ps(y + (g * 16 + j) * N + r0, km,
+                                                  _mm512_i32gather_ps(_mm512_add_epi32(col16, _mm512_set1_epi32((int)j)),
+                                                                      &tr[0][0], 4));
                         continue;
                     }
                     /* x row j's sum: lanes j, R + j (and with U = 2, 2R + j and 3R + j) */
@@ -1394,137 +1484,11 @@ TGT_AMX static inline __attribute__((always_inline)) void amx_rows_u(
         }
     }
 }
-/* The wide layout, from AMX_WIDE_ROWS x rows: the x rows go across the tile columns, 16 at a time.
- * Per block, one A tile holds 16 weight rows' values (16 x 32 bytes), two B tiles the block's hi and
- * lo digits of 16 x rows (8 x 64 bytes: row k/4, column = x row, byte k%4), and two tile products
- * give, for each weight row, the block's hi and lo sums of all 16 x rows, one x row per lane. The
- * scaling is then (hi << 8) + lo, a convert, a multiply by the rows' activation scales, a
- * multiply-add with the weight row's block scale and, for u4, one with its min and the rows'
- * scaled sums: per weight row and block, for 16 x rows. Weight rows [n0, n1) as amx_rows. */
-TGT_AMX static void amx_rows_wide(int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t K, int64_t group,
-                             const uint8_t *act, int64_t M, float *y, int64_t N, int64_t n0, int64_t n1) {
-    const int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
-    const int64_t ng = (M + 15) / 16, wstride = s8 ? Kp : Kp / 2;
-    /* rows of these past the weight rows of a short last tile hold whatever was there: they only
-     * reach output rows that are not written */
-    uint8_t scratch[16 * AMX_CHUNK * QK] __attribute__((aligned(64)));
-    int32_t cb[3][2][16 * 16] __attribute__((aligned(64)));   /* stored C tiles: [slot][hi, lo] */
-    float sw[16][AMX_CHUNK] __attribute__((aligned(64))), mw[16][AMX_CHUNK] __attribute__((aligned(64)));
-    float sums[AMX_WIDE_GROUPS][16][16] __attribute__((aligned(64)));   /* running sums between chunks */
-    amx_config(1);   /* the same tile shapes as one-block units */
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const __m512i lane0 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), lane1 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
-    const __m512i col16 = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-    for (int64_t g0 = 0; g0 < ng; g0 += AMX_WIDE_GROUPS) {
-        const int64_t g1 = ng - g0 < AMX_WIDE_GROUPS ? ng : g0 + AMX_WIDE_GROUPS;
-        for (int64_t t0 = n0; t0 < n1; t0 += 16) {
-            /* a last tile of fewer than 16 rows moves back over rows already done (same values) */
-            const int64_t r0 = t0 + 16 <= n1 ? t0 : (n1 - 16 > n0 ? n1 - 16 : n0);
-            const int64_t rows = n1 - r0 < 16 ? n1 - r0 : 16;
-            /* the next tile's weights (its rows are contiguous) are prefetched while this one
-             * computes, a few lines per block, so that the loads stay spread out, and the tile
-             * after it into L2; past n1 too (up to N): the fused decode step calls this for claims
-             * and slices of a few tiles, and its next call usually goes on from n1 */
-            const char *pf = (const char *)qs + (r0 + 16) * wstride;
-            const char *pf_end = (const char *)qs + (r0 + 32 < N ? r0 + 32 : N) * wstride;
-            const int64_t pf_per = (16 * wstride / 64 + nb - 1) / nb;
-            const char *pf2 = pf_end, *pf2_end = (const char *)qs + (r0 + 48 < N ? r0 + 48 : N) * wstride;
-            for (int64_t c0 = 0; c0 < nb; c0 += AMX_CHUNK) {
-                const int64_t n = nb - c0 < AMX_CHUNK ? nb - c0 : AMX_CHUNK, last = c0 + AMX_CHUNK >= nb;
-                const uint8_t *abase = scratch;
-                int64_t astride = AMX_CHUNK * QK;
-                for (int64_t r = 0; r < rows; r++) {
-                    const uint8_t *src = (const uint8_t *)qs + (r0 + r) * wstride;
-                    uint8_t *dst = scratch + r * AMX_CHUNK * QK;
-                    if (!s8) {   /* 4 blocks per 64-byte load: [b lo nibbles | b hi nibbles] per block */
-                        src += c0 * 16;
-                        for (int64_t i = 0; i < n; i += 4) {
-                            const int64_t cnt = n - i < 4 ? (n - i) * 16 : 64;
-                            const __mmask64 km = cnt == 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
-                            const __m512i w = _mm512_maskz_loadu_epi8(km, src + i * 16);
-                            const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
-                            _mm512_store_si512((__m512i *)(dst + i * 32), _mm512_permutex2var_epi64(lo, lane0, hi));
-                            if (i + 2 < n) _mm512_store_si512((__m512i *)(dst + i * 32 + 64), _mm512_permutex2var_epi64(lo, lane1, hi));
-                        }
-                    } else if (rows < 16) {   /* too few rows left to load 16 straight from W */
-                        memcpy(dst, src + c0 * QK, (size_t)n * QK);
-                    }
-                    for (int64_t h = 0; h < n; h += 16) {
-                        const int64_t k = n - h < 16 ? n - h : 16;
-                        _mm512_store_ps(sw[r] + h, scales16_512(sc, f16, (r0 + r) * G, c0 + h, k, nb, bpg));
-                        if (!s8) _mm512_store_ps(mw[r] + h, scales16_512(mn, f16, (r0 + r) * G, c0 + h, k, nb, bpg));
-                    }
-                }
-                if (s8 && rows == 16) { abase = (const uint8_t *)qs + r0 * Kp + c0 * QK; astride = Kp; }
-                for (int64_t g = g0; g < g1; g++) {
-                    const uint8_t *ga = act + (g * nb + c0) * AMX_WIDE_BYTES;
-                    __m512 acc[16];
-                    for (int r = 0; r < 16; r++) acc[r] = c0 ? _mm512_load_ps(sums[g - g0][r]) : _mm512_setzero_ps();
-#define AMX_DP(CH, CL, A, I)                                                                               \
-    do {                                                                                                  \
-        _tile_zero(CH);                                                                                   \
-        _tile_zero(CL);                                                                                   \
-        _tile_loadd(A, abase + (I) * QK, astride);                                                        \
-        _tile_loadd(6, ga + (I) * AMX_WIDE_BYTES, 64);                                                     \
-        _tile_loadd(7, ga + (I) * AMX_WIDE_BYTES + 512, 64);                                               \
-        _tile_dpbssd(CH, A, 6);                                                                           \
-        _tile_dpbssd(CL, A, 7);                                                                           \
-    } while (0)
-#define AMX_POST(I)                                                                                        \
-    do {                                                                                                  \
-        const int32_t *hi_ = cb[(I) % 3][0], *lo_ = cb[(I) % 3][1];                                       \
-        const __m512 xd_ = _mm512_loadu_ps((const float *)(ga + (I) * AMX_WIDE_BYTES + 1024));              \
-        const __m512 xs_ = _mm512_loadu_ps((const float *)(ga + (I) * AMX_WIDE_BYTES + 1088));              \
-        for (int r = 0; r < 16; r++) {                                                                    \
-            const __m512i s_ = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi_ + r * 16), 8),      \
-                                                _mm512_load_si512(lo_ + r * 16));                         \
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s_), xd_), _mm512_set1_ps(sw[r][I]), acc[r]); \
-            if (!s8) acc[r] = _mm512_fmadd_ps(xs_, _mm512_set1_ps(mw[r][I]), acc[r]);                      \
-        }                                                                                                 \
-    } while (0)
-/* step I: the tile products of block I into C tiles CH, CL (pairs alternate), the products of
- * block I - 1 (in PH, PL) stored, and those of block I - 2, stored a step ago, scaled: the tile
- * unit works on the next products while the vector units scale earlier ones */
-#define AMX_STEP(I, CH, CL, A, PH, PL)                                                                     \
-    do {                                                                                                  \
-        if ((I) < n) AMX_DP(CH, CL, A, I);                                                                \
-        for (int64_t q_ = 0; q_ < pf_per && pf < pf_end; q_++, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);   \
-        for (int64_t q_ = 0; q_ < pf_per && pf2 < pf2_end; q_++, pf2 += 64) _mm_prefetch(pf2, _MM_HINT_T1); \
-        if ((I) >= 1 && (I) - 1 < n) {                                                                    \
-            _tile_stored(PH, cb[((I) - 1) % 3][0], 64);                                                   \
-            _tile_stored(PL, cb[((I) - 1) % 3][1], 64);                                                   \
-        }                                                                                                 \
-        if ((I) >= 2 && (I) - 2 < n) AMX_POST((I) - 2);                                                   \
-    } while (0)
-                    for (int64_t i = 0; i < n + 2; i += 2) {
-                        AMX_STEP(i, 0, 1, 4, 2, 3);
-                        AMX_STEP(i + 1, 2, 3, 5, 0, 1);
-                    }
-#undef AMX_DP
-#undef AMX_POST
-#undef AMX_STEP
-                    if (!last) {
-                        for (int r = 0; r < 16; r++) _mm512_store_ps(sums[g - g0][r], acc[r]);
-                        continue;
-                    }
-                    /* lane j of acc[r]: x row g * 16 + j, weight row r0 + r */
-                    float tr[16][16] __attribute__((aligned(64)));
-                    for (int r = 0; r < 16; r++) _mm512_store_ps(tr[r], acc[r]);
-                    const int64_t mj = M - g * 16 < 16 ? M - g * 16 : 16;
-                    const __mmask16 km = (__mmask16)((1u << rows) - 1);
-                    for (int64_t j = 0; j < mj; j++)
-                        _mm512_mask_storeu_ps(y + (g * 16 + j) * N + r0, km,
-                                              _mm512_i32gather_ps(_mm512_add_epi32(col16, _mm512_set1_epi32((int)j)), &tr[0][0], 4));
-                }
-            }
-        }
-    }
-}
 TGT_AMX static void amx_rows(int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t K, int64_t group,
                              const uint8_t *act, int64_t M, float *y, int64_t N, int64_t n0, int64_t n1) {
-    if (M >= AMX_WIDE_ROWS) amx_rows_wide(s8, qs, sc, mn, f16, K, group, act, M, y, N, n0, n1);
-    else if (amx_unit(M) == 2) amx_rows_u(2, s8, qs, sc, mn, f16, K, group, act, M, y, N, n0, n1);
-    else amx_rows_u(1, s8, qs, sc, mn, f16, K, group, act, M, y, N, n0, n1);
+    if (M >= AMX_WIDE_ROWS) amx_rows_u(1, 1, s8, qs, sc, mn, f16, K, group, act, M, y, N, n0, n1);
+    else if (amx_unit(M) == 2) amx_rows_u(2, 0, s8, qs, sc, mn, f16, K, group, act, M, y, N, n0, n1);
+    else amx_rows_u(1, 0, s8, qs, sc, mn, f16, K, group, act, M, y, N, n0, n1);
 }
 #endif /* TM_AMX */
 #endif /* TM_X86 */
