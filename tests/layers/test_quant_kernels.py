@@ -330,6 +330,7 @@ def test_row_limit_override_moves_the_split(monkeypatch):
     try:
         packed.set_gemv_max_rows(3)
         assert gemv_max_rows() == 3
+        assert packed.gemv_row_group() == 1   # no step of more than one group reaches the integer kernels
         _check(method(x[:3]), q16_reference(x[:3]), wd)   # 3 rows: still the integer kernel
         _check(method(x), _prefill_x(x), wd)              # 4 rows: the prefill GEMM
         packed.set_gemv_max_rows(0)
@@ -340,6 +341,7 @@ def test_row_limit_override_moves_the_split(monkeypatch):
     finally:
         packed.set_gemv_max_rows(None)
     assert gemv_max_rows() >= 1
+    assert packed.gemv_row_group() == packed.GEMV_ROW_GROUP_BY_KERNEL.get(native.kernel(), 1)
     monkeypatch.setenv(packed.GEMV_ROWS_ENV, " 24 ")
     assert packed._rows_from_env() == 24
     monkeypatch.setenv(packed.GEMV_ROWS_ENV, "")

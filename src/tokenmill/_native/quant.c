@@ -1166,10 +1166,9 @@ TGT_AVX2 static void deq_s8_block_avx2(const int8_t *p, float s, float *out, int
 #define AMX_CHUNK 32           /* blocks of the 16 weight rows unpacked at a time */
 #define AMX_GROUPS 8           /* groups of x rows per pass over the weights */
 
-/* The layout by the number of x rows: blocks per tile product (the unit: 2 up to 4 x rows, 1 from
- * 5), x rows per group (4 or 8: 16 columns = unit blocks x 2 digits x rows), the bytes per group
- * and unit (B tile | xdv 64 | xsv 64) and the units of a row of nb blocks */
-static inline int amx_unit(int64_t M) { return M <= 4 ? 2 : 1; }
+/* The layouts: blocks per tile product (the unit: 2 up to 4 x rows, 1 from 5), x rows per group
+ * (4 or 8: 16 columns = unit blocks x 2 digits x rows), the bytes per group and unit (B tile |
+ * xdv 64 | xsv 64) and the units of a row of nb blocks */
 #define AMX_GROUP_ROWS(U) (8 / (U))
 #define AMX_UNIT_BYTES(U) (512 * (U) + 128)
 static inline int64_t amx_units(int64_t nb, int U) { return (nb + U - 1) / U; }
@@ -1179,13 +1178,21 @@ static inline int64_t amx_units(int64_t nb, int U) { return (nb + U - 1) / U; }
 #define AMX_WIDE_BYTES 1152
 #define AMX_WIDE_GROUPS 4      /* groups of 16 x rows per pass over the weights */
 
-/* the act buffer's shape for M x rows of nb blocks: rows per group, bytes per group and unit,
- * units per row; returns whether the layout is the wide one */
-static inline int amx_shape(int64_t M, int64_t nb, int64_t *R, int64_t *UB, int64_t *np) {
-    const int wide = M >= AMX_WIDE_ROWS, U = wide ? 1 : amx_unit(M);
-    *R = wide ? 16 : AMX_GROUP_ROWS(U);
-    *UB = wide ? AMX_WIDE_BYTES : AMX_UNIT_BYTES(U);
-    *np = amx_units(nb, U);
+/* The layout of M x rows (the one place that picks it): returns whether it is the wide one, and
+ * its unit in *U (2: pairs, up to 4 rows; 1: one block, 5-8 rows, and wide) */
+static inline int amx_layout(int64_t M, int *U) {
+    const int wide = M >= AMX_WIDE_ROWS;
+    *U = wide || M > 4 ? 1 : 2;
+    return wide;
+}
+
+/* the act buffer's shape for M x rows of nb blocks: the unit, rows per group, bytes per group and
+ * unit, units per row; returns whether the layout is the wide one */
+static inline int amx_shape(int64_t M, int64_t nb, int *U, int64_t *R, int64_t *UB, int64_t *np) {
+    const int wide = amx_layout(M, U);
+    *R = wide ? 16 : AMX_GROUP_ROWS(*U);
+    *UB = wide ? AMX_WIDE_BYTES : AMX_UNIT_BYTES(*U);
+    *np = amx_units(nb, *U);
     return wide;
 }
 
@@ -1194,8 +1201,9 @@ static inline int amx_shape(int64_t M, int64_t nb, int64_t *R, int64_t *UB, int6
  * block is */
 TGT_AMX static void amx_quantize(const float *x, int64_t M, int64_t K, uint8_t *buf) {
     const int64_t nb = (K + QK - 1) / QK;
+    int U;
     int64_t R, UB, np;
-    const int wide = amx_shape(M, nb, &R, &UB, &np), U = wide ? 1 : amx_unit(M);
+    const int wide = amx_shape(M, nb, &U, &R, &UB, &np);
     const int64_t ng = (M + R - 1) / R;
     if (!wide)
         memset(buf, 0, (size_t)(ng * np * UB));
@@ -1327,8 +1335,8 @@ TGT_AMX static inline void amx_chunk(int s8, int copy, const void *qs, const voi
  * multiply-add with the weight row's block scale and, for u4, one with its min and the rows'
  * scaled sums: per weight row and block, for 16 x rows. */
 /* weight rows [n0, n1) (u4: s8 = 0, with mins; s8: s8 = 1) against the M x rows of act
- * (amx_quantize), y[m * N + n]: units of U = amx_unit(M) blocks, or with W the wide layout
- * (see below) */
+ * (amx_quantize), y[m * N + n]: units of U blocks, or with W the wide layout (amx_layout picks them;
+ * the wide one is described above) */
 TGT_AMX static inline __attribute__((always_inline)) void amx_rows_u(
         const int U, const int W, int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t K, int64_t group,
         const uint8_t *act, int64_t M, float *y, int64_t N, int64_t n0, int64_t n1) {
@@ -1368,16 +1376,16 @@ TGT_AMX static inline __attribute__((always_inline)) void amx_rows_u(
         _tile_zero(CH);                                                                                   \
         _tile_zero(CL);                                                                                   \
         _tile_loadd(A, abase + (I) * QK, astride);                                                        \
-        _tile_loadd(6, ga + (I) * AMX_WIDE_BYTES, 64);                                                    \
-        _tile_loadd(7, ga + (I) * AMX_WIDE_BYTES + 512, 64);                                              \
+        _tile_loadd(6, ga + (I) * UB, 64);                                                                \
+        _tile_loadd(7, ga + (I) * UB + 512, 64);                                                          \
         _tile_dpbssd(CH, A, 6);                                                                           \
         _tile_dpbssd(CL, A, 7);                                                                           \
     } while (0)
 #define AMXW_POST(I)                                                                                      \
     do {                                                                                                  \
         const int32_t *hi_ = cb[2 * ((I) % 3)], *lo_ = cb[2 * ((I) % 3) + 1];                             \
-        const __m512 xd_ = _mm512_loadu_ps((const float *)(ga + (I) * AMX_WIDE_BYTES + 1024));            \
-        const __m512 xs_ = _mm512_loadu_ps((const float *)(ga + (I) * AMX_WIDE_BYTES + 1088));            \
+        const __m512 xd_ = _mm512_loadu_ps((const float *)(ga + (I) * UB + 1024));                        \
+        const __m512 xs_ = _mm512_loadu_ps((const float *)(ga + (I) * UB + 1088));                        \
         for (int r = 0; r < 16; r++) {                                                                    \
             const __m512i s_ = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi_ + r * 16), 8),    \
                                                 _mm512_load_si512(lo_ + r * 16));                         \
@@ -1456,15 +1464,15 @@ TGT_AMX static inline __attribute__((always_inline)) void amx_rows_u(
                         for (int r = 0; r < 16; r++) _mm512_store_ps(sums[g - g0][r], acc[r]);
                         continue;
                     }
-                    if (W) {   /* lane j of acc[r]: x row g * 16 + j, weight row r0 + r */
+                    if (W) {   /* lane j of acc[r]: x row g * R + j (R = 16), weight row r0 + r */
                         float tr[16][16] __attribute__((aligned(64)));
                         for (int r = 0; r < 16; r++) _mm512_store_ps(tr[r], acc[r]);
-                        const int64_t mj = M - g * 16 < 16 ? M - g * 16 : 16;
+                        const int64_t mj = M - g * R < R ? M - g * R : R;
                         const __mmask16 km = (__mmask16)((1u << rows) - 1);
                         const __m512i col16 = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192,
                                                                 208, 224, 240);
                         for (int64_t j = 0; j < mj; j++)
-                            _mm512_mask_storeu_ps(y + (g * 16 + j) * N + r0, km,
+                            _mm512_mask_storeu_ps(y + (g * R + j) * N + r0, km,
                                                   _mm512_i32gather_ps(_mm512_add_epi32(col16, _mm512_set1_epi32((int)j)),
                                                                       &tr[0][0], 4));
                         continue;
@@ -1486,8 +1494,9 @@ TGT_AMX static inline __attribute__((always_inline)) void amx_rows_u(
 }
 TGT_AMX static void amx_rows(int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t K, int64_t group,
                              const uint8_t *act, int64_t M, float *y, int64_t N, int64_t n0, int64_t n1) {
-    if (M >= AMX_WIDE_ROWS) amx_rows_u(1, 1, s8, qs, sc, mn, f16, K, group, act, M, y, N, n0, n1);
-    else if (amx_unit(M) == 2) amx_rows_u(2, 0, s8, qs, sc, mn, f16, K, group, act, M, y, N, n0, n1);
+    int U;
+    if (amx_layout(M, &U)) amx_rows_u(1, 1, s8, qs, sc, mn, f16, K, group, act, M, y, N, n0, n1);
+    else if (U == 2) amx_rows_u(2, 0, s8, qs, sc, mn, f16, K, group, act, M, y, N, n0, n1);
     else amx_rows_u(1, 0, s8, qs, sc, mn, f16, K, group, act, M, y, N, n0, n1);
 }
 #endif /* TM_AMX */
@@ -1661,8 +1670,9 @@ static size_t act_layout(int64_t M, int64_t K, int order, ActBuf *a, size_t *qby
     a->qstride = a->bstride * QK;
 #if TM_AMX
     if (order == ACT_AMX) {   /* amx_quantize's tiles and scales, per group of x rows and unit of blocks */
+        int U;
         int64_t R, UB, np;
-        amx_shape(M, nb, &R, &UB, &np);
+        amx_shape(M, nb, &U, &R, &UB, &np);
         *qbytes = (size_t)((M + R - 1) / R * np * UB);
         return *qbytes + 64;
     }

@@ -142,8 +142,10 @@ def gemv_row_group() -> int:
     """Rows per group of the integer kernels in use (:data:`GEMV_ROW_GROUP_BY_KERNEL`; 1 where the
     cost of a row does not come in steps): a step that spills a few rows into a new group pays
     for the whole group. The engine's prefill bound cuts chunks to whole groups
-    (``engine.step_cost.StepCost.row_group``)."""
-    return GEMV_ROW_GROUP_BY_KERNEL.get(native.kernel(), 1)
+    (``engine.step_cost.StepCost.row_group``). 1 as well where the row limit keeps steps of more
+    than one group off the integer kernels."""
+    group = GEMV_ROW_GROUP_BY_KERNEL.get(native.kernel(), 1)
+    return group if gemv_max_rows() > group else 1
 
 
 def set_gemv_max_rows(rows: int | None) -> None:
