@@ -12,6 +12,9 @@ Systems, all on the default model's Q4_1 GGUF (SmolLM2-135M-Instruct from ``llm-
     tokenmill-q4_1-prefill-fp32  the same with prefill matmuls through dequantize + fp32 GEMM, as
                      before the twentieth landing (TOKENMILL_PREFILL_GEMM=fp32; the tiled int16
                      GEMM is the default where the CPU has AVX-512 VNNI)
+    tokenmill-q4_1-no-stream  the same with one-row matmuls of rows that are not whole 16-block chunks
+                     through the row kernels, as before the twenty-fourth landing
+                     (TOKENMILL_NO_BLOCK_STREAM=1; the AVX-512 block stream is the default)
     tokenmill-q4_1-baseline  the same from another build of tokenmill: the ``src`` directory given
                      by ``--baseline-src`` (say, a worktree of an older commit with its native
                      extensions built in place), put first on the server's PYTHONPATH; for a
@@ -58,19 +61,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import PeerNotInstalled, PeerServer, default_gguf, start_llama_server  # noqa: E402
 
 SYSTEMS = ("tokenmill-q4_1", "tokenmill-q4_1-fp32kv", "tokenmill-q4_1-avx512vnni", "tokenmill-q4_1-avx2",
-           "tokenmill-q4_1-kvpf-t0", "tokenmill-q4_1-prefill-fp32", "tokenmill-q4_1-baseline", "tokenmill-int8",
+           "tokenmill-q4_1-kvpf-t0", "tokenmill-q4_1-prefill-fp32", "tokenmill-q4_1-baseline", "tokenmill-q4_1-no-stream",
+           "tokenmill-int8",
            "tokenmill-fp32", "llama-server")
 QUANT = {"tokenmill-q4_1": "auto", "tokenmill-q4_1-fp32kv": "auto", "tokenmill-q4_1-avx512vnni": "auto",
          "tokenmill-q4_1-avx2": "auto", "tokenmill-q4_1-kvpf-t0": "auto", "tokenmill-q4_1-prefill-fp32": "auto",
-         "tokenmill-q4_1-baseline": "auto", "tokenmill-int8": "int8",
+         "tokenmill-q4_1-baseline": "auto", "tokenmill-q4_1-no-stream": "auto",
+         "tokenmill-int8": "int8",
          "tokenmill-fp32": "none"}
 # these rows run with a switch in the environment: the integer kernel set pinned
-# (TOKENMILL_QUANT_KERNELS) instead of the CPU's default, the KV prefetched with prefetcht0, or the
-# prefill matmuls through dequantize + fp32 GEMM
+# (TOKENMILL_QUANT_KERNELS) instead of the CPU's default, the KV prefetched with prefetcht0, the
+# prefill matmuls through dequantize + fp32 GEMM, or one-row matmuls without the block stream
 SYSTEM_ENV = {"tokenmill-q4_1-prefill-fp32": {"TOKENMILL_PREFILL_GEMM": "fp32"},
               "tokenmill-q4_1-avx512vnni": {"TOKENMILL_QUANT_KERNELS": "avx512vnni"},
               "tokenmill-q4_1-avx2": {"TOKENMILL_QUANT_KERNELS": "avx2"},
-              "tokenmill-q4_1-kvpf-t0": {"TOKENMILL_KV_PREFETCH_T0": "1"}}
+              "tokenmill-q4_1-kvpf-t0": {"TOKENMILL_KV_PREFETCH_T0": "1"},
+              "tokenmill-q4_1-no-stream": {"TOKENMILL_NO_BLOCK_STREAM": "1"}}
 # the KV pool: auto (fp16 for packed weights, llama-server's f16 bytes; fp32 for tokenmill-fp32);
 # this row keeps the Q4_1 weights on an fp32 pool, the default before
 KV_DTYPE = {"tokenmill-q4_1-fp32kv": "fp32"}

@@ -242,8 +242,75 @@ def test_fused_decode_refuses_a_wrong_shape(packed):
                          scale=0.25).run_to_logits(h, cs, cs, drv.kv, ctx.meta, torch.tensor([0]))
     with pytest.raises(ValueError, match="bad output head .* 1 logits rows of 1"):   # row 1 of a 1-row step
         good.run_to_logits(h, cs, cs, drv.kv, ctx.meta, torch.tensor([1]))
-    _, logits = good.run_to_logits(h.clone(), cs, cs, drv.kv, ctx.meta, torch.tensor([0]))
+    _, logits, argmax = good.run_to_logits(h.clone(), cs, cs, drv.kv, ctx.meta, torch.tensor([0]))
     assert logits.shape == (1, a.vocab_size) and torch.isfinite(logits).all()
+    assert argmax.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def _argmax_steps(model: Any, threads: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(logits, ctx.logits_argmax) of every step of STEPS, fused, on ``threads`` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        drv = _driver(model, "float16")
+        model.set_fused_decode(True)
+        out = []
+        for step in STEPS:
+            logits = drv.step([(seq, [(7 * len(seq) + i) % 50 + 1 for i in range(n)]) for seq, n in step])
+            out.append((logits, drv.last_ctx.logits_argmax))
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fused_head_gives_each_rows_argmax(packed, threads):
+    """The fused head hands back each logits row's argmax, found by the threads that wrote the row
+    (each over its share, joined in thread order): the same index as ``argmax(-1)`` of the
+    logits, with 1, 2 or 3 threads, on one-row and several-row steps. The 72-row step runs layer
+    by layer and has none."""
+    model = packed["llama-int4"].model
+    steps = _argmax_steps(model, threads)
+    fused = [(l, a) for l, a in steps if a is not None]
+    assert len(fused) == len(STEPS) - 1
+    for logits, argmax in fused:
+        assert argmax.dtype == torch.int64 and argmax.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_fused_head_argmax_ties_and_nans(packed):
+    """Ties go to the first index, even where the tied rows lie in different threads' shares, and
+    a NaN counts as larger than any number (the first NaN wins), as in torch and numpy. The head
+    here is made for it: rows +w at 37, 120 and 199, rows -w at 55 and 130, zero rows elsewhere,
+    so the largest logit is tied between the +w rows or between the -w rows; then NaN scales on
+    rows 160 and 90 make those two NaN."""
+    model = packed["llama-int4"].model
+    stack = model.fused_decode_stack()
+    hidden, vocab = model.args.hidden_size, 211
+    w = torch.randint(-100, 100, (hidden,), generator=torch.Generator().manual_seed(5), dtype=torch.int8)
+    qs = torch.zeros(vocab, (hidden + 31) // 32 * 32, dtype=torch.int8)
+    for r in (37, 120, 199):
+        qs[r, :hidden] = w
+    for r in (55, 130):
+        qs[r, :hidden] = -w
+    scales = torch.full((vocab, 1), 0.01)
+    nan_scales = scales.clone()
+    nan_scales[[160, 90]] = float("nan")
+    before = torch.get_num_threads()
+    try:
+        for sc, want in ((scales, None), (nan_scales, 90)):
+            assert stack.set_head(model.norm.weight, packed_mod.Int8Linear(qs, sc, hidden, hidden))
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                drv = _driver(model, "float32")
+                drv.step([("a", [3, 4, 5]), ("b", [6, 7])])
+                logits = drv.step([("a", [8]), ("b", [9])])
+                got = drv.last_ctx.logits_argmax.tolist()
+                assert got == logits.argmax(dim=-1).tolist()
+                for g, row in zip(got, logits):
+                    assert g == want if want is not None else (g == 37 if row[37] > 0 else g == 55)
+    finally:
+        torch.set_num_threads(before)
+        stack.set_head(model.norm.weight, model.lm_head)
 
 
 @pytest.mark.parametrize("name", ["llama-int4", "llama-fp32"])

@@ -205,6 +205,52 @@ typedef struct {
     float *h, *qkv, *att, *tmp, *gu;
 } Bufs;
 
+/* A row's argmax, found where the head's logits are still in the cache of the thread that wrote
+ * them: each thread takes the best entry of its own share of the row (tmq_row_range, the split a
+ * one-row head matmul writes), and the caller combines the shares in thread order. The rule is
+ * numpy's / torch's: the first index of the largest value, a NaN counting as larger than any
+ * number (the first NaN wins). Reading the row back from Python instead cost 60-70 us per
+ * one-row decode step on a 2-thread host, most of it moving the other thread's half of the
+ * 192 KB row between the cores' caches. */
+typedef struct {
+    float val;
+    int64_t idx;   /* -1: an empty share */
+    int nan;
+} ArgPart;
+
+static ArgPart argmax_part(const float *x, int64_t n0, int64_t n1) {
+    ArgPart p = {-INFINITY, -1, 0};
+    if (n0 >= n1) return p;
+    float m = -INFINITY;
+    int nan = 0;
+    for (int64_t i = n0; i < n1; i++) {   /* a max and a NaN flag: both vectorise */
+        const float v = x[i];
+        nan |= v != v;
+        m = v > m ? v : m;
+    }
+    int64_t i = n0;
+    if (nan) {
+        while (x[i] == x[i]) i++;
+    } else {
+        while (x[i] != m) i++;   /* found: m is one of x[n0..n1) (all -inf: the first) */
+    }
+    p.val = nan ? NAN : m;
+    p.idx = i;
+    p.nan = nan;
+    return p;
+}
+
+/* the row's argmax from T shares in ascending order */
+static int64_t argmax_join(const ArgPart *parts, int T) {
+    ArgPart best = {-INFINITY, -1, 0};
+    for (int t = 0; t < T; t++) {
+        const ArgPart *p = &parts[t];
+        if (p->idx < 0 || best.nan) continue;
+        if (best.idx < 0 || p->nan || p->val > best.val) best = *p;
+    }
+    return best.idx;
+}
+
 /* The optional epilogue after the last layer: logits[r] = head(rmsnorm(h[idx[r]]) * norm), for
  * the n rows whose logits the step needs, in the same parallel region (no second fork, and no
  * torch ops from Python in between). */
@@ -214,6 +260,8 @@ typedef struct {
     const int64_t *idx;   /* rows of h */
     int64_t n;
     float *logits;        /* [n, head N] */
+    int64_t *argmax;      /* [n] each logits row's first largest index (NULL: not asked for) */
+    ArgPart *part;        /* [threads * n]: each thread's best over its share of a row (argmax_part) */
 } Head;
 
 /* A spinning barrier for the threads of one step. libgomp's barrier spins GOMP_SPINCOUNT times
@@ -513,6 +561,11 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
         TTICK(P_NORM);
         MATMUL(&w, hd->n, NULL, hd->logits, C_HEAD, (KvPf *)NULL);
         bar_wait(bar);
+        if (hd->argmax) {   /* this thread's share of each row (joined after the region) */
+            int64_t n0, n1;
+            tmq_row_range(w.N, t, T, &n0, &n1);
+            for (int64_t r = 0; r < hd->n; r++) hd->part[(int64_t)t * hd->n + r] = argmax_part(hd->logits + r * w.N, n0, n1);
+        }
         TTICK(P_HEAD);
     }
 #undef TTICK
@@ -560,18 +613,19 @@ static int check_layers(const int64_t *table, int64_t L, const Step *S, size_t *
 #define PTR(T, v) ((T)(uintptr_t)(v))
 
 /* decode_layers(h, M, table, L, H, hq, hkv, d, inter, eps, scale, cos, sin, slots, bt, bt_stride,
- *               qsl, seq_lens, num_seqs, page_size, kv_kind, threads, head, norm, idx, n, logits)
+ *               qsl, seq_lens, num_seqs, page_size, kv_kind, threads, head, norm, idx, n, logits, argmax)
  * kv_kind: TM_KV_* of the pool (attention.h); fp8 pools give each layer row its scale pointers
  * h [M, H] fp32 is updated in place through layers table[0..L). head (0: none) points at the
- * output head's MAT_FIELDS: then logits [n, head N] = head(rmsnorm(h[idx[r]]) * norm) (Head). */
+ * output head's MAT_FIELDS: then logits [n, head N] = head(rmsnorm(h[idx[r]]) * norm) (Head),
+ * and argmax (0: not wanted) [n] int64 gets each logits row's first largest index. */
 PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
-    unsigned long long h, table, cos, sin, slots, bt, qsl, sl, head = 0, norm = 0, idx = 0, logits = 0;
+    unsigned long long h, table, cos, sin, slots, bt, qsl, sl, head = 0, norm = 0, idx = 0, logits = 0, argmax = 0;
     long long M, L, H, hq, hkv, d, inter, bt_stride, n_out = 0;
     float eps, scale;
     int num_seqs, page_size, kv_kind, nt;
-    if (!PyArg_ParseTuple(args, "KLKLLLLLLffKKKKLKKiiii|KKKLK", &h, &M, &table, &L, &H, &hq, &hkv, &d, &inter, &eps,
+    if (!PyArg_ParseTuple(args, "KLKLLLLLLffKKKKLKKiiii|KKKLKK", &h, &M, &table, &L, &H, &hq, &hkv, &d, &inter, &eps,
                           &scale, &cos, &sin, &slots, &bt, &bt_stride, &qsl, &sl, &num_seqs, &page_size, &kv_kind,
-                          &nt, &head, &norm, &idx, &n_out, &logits))
+                          &nt, &head, &norm, &idx, &n_out, &logits, &argmax))
         return NULL;
     if (M <= 0 || L < 0 || H <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || inter <= 0 ||
         num_seqs <= 0 || page_size <= 0 || d > TM_ATTENTION_MAX_HEAD_DIM || hq / hkv > TM_ATTENTION_MAX_GROUP ||
@@ -592,8 +646,8 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     const int64_t *tab = PTR(const int64_t *, table);
     size_t act_bytes = 0;   /* room for the largest activations any matmul of the step quantizes */
     if (check_layers(tab, L, &S, &act_bytes)) return NULL;
-    const Head hd = {PTR(const int64_t *, head), PTR(const float *, norm), PTR(const int64_t *, idx), n_out,
-                     PTR(float *, logits)};
+    Head hd = {PTR(const int64_t *, head), PTR(const float *, norm), PTR(const int64_t *, idx), n_out,
+               PTR(float *, logits), head ? PTR(int64_t *, argmax) : NULL, NULL};
     if (head) {
         const TmqMat w = mat_at(hd.mat);
         int bad_row = 0;
@@ -610,12 +664,13 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
                  per_thread = ((size_t)M * (2 * H + inter) + 15) / 16 * 16;
     float *mem = aligned_alloc(64, (shared + (size_t)S.nt * per_thread) * sizeof(float));
     Own *own = calloc((size_t)S.nt, sizeof(Own));
+    int err = 0;
+    if (hd.argmax && !(hd.part = malloc((size_t)S.nt * (size_t)n_out * sizeof(ArgPart)))) err = -1;
     if (head) {
         const TmqMat w = mat_at(hd.mat);
         const size_t b = tmq_act_bytes(&w, n_out);
         if (b > act_bytes) act_bytes = b;
     }
-    int err = 0;
     for (int i = 0; i < S.nt && mem && own && !err; i++) {
         float *p = mem + shared + (size_t)i * per_thread;
         own[i] = (Own){i == 0 ? PTR(float *, h) : p, p + M * H, p + 2 * M * H, tmq_act_buffer(act_bytes)};
@@ -625,6 +680,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
         for (int i = 0; own && i < S.nt; i++) tmq_act_free(own[i].aq);
         free(own);
         free(mem);
+        free(hd.part);
         return PyErr_NoMemory();
     }
     float *tmp = mem, *qkv = tmp + M * H, *att = qkv + M * qn, *gu = att + M * qsz;
@@ -645,6 +701,16 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     for (int i = 0; i < S.nt; i++) tmq_act_free(own[i].aq);
     free(own);
     if (call) g_attn->finish(call);
+    if (hd.argmax && !err && !atomic_load(&bad)) {   /* the team's shares of each row, in thread order */
+        ArgPart *row = malloc((size_t)bar.n * sizeof(ArgPart));
+        for (int64_t r = 0; row && r < n_out; r++) {
+            for (int t = 0; t < bar.n; t++) row[t] = hd.part[(int64_t)t * n_out + r];
+            hd.argmax[r] = argmax_join(row, bar.n);
+        }
+        if (!row) err = -1;
+        free(row);
+    }
+    free(hd.part);
     free(mem);
     if (atomic_load(&bad)) {
         PyErr_SetString(PyExc_RuntimeError, "decode_layers: an activation buffer was sized too small (a bug)");

@@ -31,7 +31,9 @@
  * blocks per 32-byte load against "pair order" activations; see the AVX-512 section). With one x
  * row the u4 kernels (every vector set) and the avx512vnni s8 kernel widen nothing: they split
  * each 16-bit word of the weights with and/shift against activations reordered once per matmul
- * to match ("quad" / "word" order, see dot_u4_quad_one and dot_s8_word_one).
+ * to match ("quad" / "word" order, see dot_u4_quad_one and dot_s8_word_one). Where a row's
+ * blocks do not fill whole loads (K = 576: 18 blocks) and each block has its own scale, one row
+ * runs as a stream of blocks across row ends instead (block_stream256_avx2, stream512).
  * Work is split over output rows with OpenMP, the thread count given by the caller (torch's).
  * tmq_matmul() is the entry point of decoder.c's fused decode path.
  */
@@ -235,6 +237,7 @@ static float dot_s8_scalar(const int8_t *qs, const void *sc, int f16, int64_t ro
 }
 
 #define STREAM_BUF 2048   /* block values on the stack (block_stream256_avx2); more allocate */
+#define QSTREAM_BUF 1024  /* block values of a group of rows (u4_stream512), on the stack */
 
 /* the x rows of tile t of `tiles` over rows m0.. of M: tiles as even as possible (5 = 3 + 2,
  * 7 = 4 + 3) */
@@ -242,10 +245,16 @@ static inline int64_t tile_rows(int64_t M, int64_t m0, int64_t t, int64_t tiles)
     return (M - m0) / (tiles - t) + ((M - m0) % (tiles - t) != 0);
 }
 
-/* rows of nb blocks that make a whole number of 8-block loads (the block streams) */
+/* rows of nb blocks that make a whole number of 8-block loads (the AVX2 block streams) */
 static int64_t stream_rows(int64_t nb) {
     const int64_t g = nb & -nb;   /* the largest power of two dividing nb */
     return g >= 8 ? 1 : 8 / g;
+}
+
+/* rows of nb blocks that make a whole number of 16-block chunks (the AVX-512 u4 stream) */
+static int64_t stream_rows16(int64_t nb) {
+    const int64_t g = nb & -nb;
+    return g >= 16 ? 1 : 16 / g;
 }
 
 #if TM_X86 && defined(__GNUC__)
@@ -1060,6 +1069,104 @@ TGT_512 static void dot_s8_word_one(const int8_t *qs, const void *sc, int f16, i
     }
     *out = _mm512_reduce_add_ps(acc);
 }
+
+/* The lane of word order's reduced vector that holds block j (the inverse of WORD_BLOCK) */
+#define WORD_LANE(j) (8 * ((j) / 8) + 4 * ((j) % 2) + ((j) % 8) / 2)
+
+/* One x row against rows [n0, n1) of a matrix with a scale per block whose rows are not whole
+ * 16-block chunks (nb = 18 for K = 576: the default model's Q4_1 qkv, o and gate_up, and its
+ * Q8_0 output head), as one stream of blocks: the avx512vnni form of the AVX2 block stream
+ * (block_stream256_avx2). The row kernels (dot_u4_quad_one, dot_s8_word_one) pay, for each such
+ * row, a masked tail chunk (2 blocks) with a whole chunk's reduction and scale work, and the
+ * row's own setup and final reduction: about a fifth to a third more vector work per block than
+ * rows of whole chunks. Here R = stream_rows16(nb) rows (8 for nb = 18) make a whole number of
+ * chunks, and the activations hold x repeated R times (ACT_QSTREAM, quad order, for u4;
+ * ACT_WSTREAM, word order, for s8), so the chunks run across row ends. Each chunk gives 16 block
+ * values (integer dot x activation scale x weight scale, + min x activation sum for u4), put
+ * back in block order into buf; a row's output is the sum of its nb values in a fixed order.
+ * A group starts at a row's first block, so its activations start at x's first block; every
+ * block's value is computed lane by lane the same way wherever a chunk starts (a short last
+ * group masks its last chunk), so a row's bits do not depend on which rows share its group or
+ * how threads split the rows. */
+TGT_512 static inline __attribute__((always_inline)) __m512 u4_chunk512(const uint8_t *w, const void *sc,
+                                                                      const void *mn, int f16, int64_t b, int64_t n,
+                                                                      const int16_t *x, const float *xdq,
+                                                                      const float *xs) {
+    const __m512i m4 = _mm512_set1_epi16(0x000F);
+    /* lane 4L + g <-> block 4g + L (the reduced order; its own inverse) */
+    const __m512i perm = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    __m512i d[4];
+    if (n == 16) {
+        for (int g = 0; g < 4; g++) QUAD_GROUP(d[g], _mm512_loadu_si512(w + 64 * g), x + 128 * g);
+    } else {
+        for (int g = 0; g < 4; g++) {
+            const int64_t left = n - 4 * g;
+            if (left <= 0) { d[g] = _mm512_setzero_si512(); continue; }
+            const __mmask64 k = left >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (left * 16)) - 1);
+            QUAD_GROUP(d[g], _mm512_maskz_loadu_epi8(k, w + 64 * g), x + 128 * g);
+        }
+    }
+    __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
+    __m512i v = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
+    __m512i sums = _mm512_add_epi32(_mm512_unpacklo_epi64(u, v), _mm512_unpackhi_epi64(u, v));
+    __m512 val = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(_mm512_permutexvar_ps(perm, scales16_512(sc, f16, 0, b, n, 0, 1)),
+                                                                       _mm512_loadu_ps(xdq)));
+    return _mm512_fmadd_ps(scales16_512(mn, f16, 0, b, n, 0, 1), _mm512_loadu_ps(xs), _mm512_permutexvar_ps(perm, val));
+}
+
+TGT_512 static inline __attribute__((always_inline)) __m512 s8_chunk512(const int8_t *w, const void *sc, int f16,
+                                                                      int64_t b, int64_t n, const int16_t *x,
+                                                                      const float *xdw) {
+    const __m512i perm = _mm512_set_epi32(WORD_BLOCK(15), WORD_BLOCK(14), WORD_BLOCK(13), WORD_BLOCK(12),
+                                          WORD_BLOCK(11), WORD_BLOCK(10), WORD_BLOCK(9), WORD_BLOCK(8),
+                                          WORD_BLOCK(7), WORD_BLOCK(6), WORD_BLOCK(5), WORD_BLOCK(4),
+                                          WORD_BLOCK(3), WORD_BLOCK(2), WORD_BLOCK(1), WORD_BLOCK(0));
+    const __m512i inv = _mm512_set_epi32(WORD_LANE(15), WORD_LANE(14), WORD_LANE(13), WORD_LANE(12),
+                                         WORD_LANE(11), WORD_LANE(10), WORD_LANE(9), WORD_LANE(8),
+                                         WORD_LANE(7), WORD_LANE(6), WORD_LANE(5), WORD_LANE(4),
+                                         WORD_LANE(3), WORD_LANE(2), WORD_LANE(1), WORD_LANE(0));
+    __m512i d[8];
+    for (int p = 0; p < 8; p++) {
+        const int64_t left = n - 2 * p;
+        if (left <= 0) { d[p] = _mm512_setzero_si512(); continue; }
+        const __mmask64 k = left >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
+        WORD_PAIR(d[p], _mm512_maskz_loadu_epi8(k, w + 64 * p), x + 64 * p);
+    }
+    __m512i a01 = SUM4_128(d[0], d[1]), a23 = SUM4_128(d[2], d[3]), a45 = SUM4_128(d[4], d[5]),
+            a67 = SUM4_128(d[6], d[7]);
+    __m512i b0 = _mm512_add_epi32(_mm512_unpacklo_epi64(a01, a23), _mm512_unpackhi_epi64(a01, a23));
+    __m512i b1 = _mm512_add_epi32(_mm512_unpacklo_epi64(a45, a67), _mm512_unpackhi_epi64(a45, a67));
+    __m512i sums = _mm512_add_epi32(_mm512_shuffle_i32x4(b0, b1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_i32x4(b0, b1, _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512 sw = _mm512_permutexvar_ps(perm, scales16_512(sc, f16, 0, b, n, 0, 1));
+    return _mm512_permutexvar_ps(inv, _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sw, _mm512_loadu_ps(xdw))));
+}
+
+TGT_512 static void stream512(int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t nb,
+                              const int16_t *xq, const float *xd, const float *xs, float *y, int64_t n0, int64_t n1) {
+    const int64_t R = stream_rows16(nb), bpb = s8 ? QK : QK / 2;   /* weight bytes per block */
+    float buf[QSTREAM_BUF];   /* R * nb + 16 <= QSTREAM_BUF (stream512_fits) */
+    for (int64_t gs = n0; gs < n1; gs += R) {
+        const int64_t ge = gs + R < n1 ? gs + R : n1, nblk = (ge - gs) * nb, b0 = gs * nb;
+        const char *w0 = (const char *)qs + b0 * bpb;
+        for (int64_t c = 0; c < nblk; c += 16) {
+            const int64_t n = nblk - c < 16 ? nblk - c : 16;
+            const char *w = w0 + c * bpb;
+            for (int64_t o = 0; o < 16 * bpb; o += 64) _mm_prefetch(w + QUAD_PREFETCH + o, _MM_HINT_T0);
+            _mm512_storeu_ps(buf + c, s8 ? s8_chunk512((const int8_t *)w, sc, f16, b0 + c, n, xq + c * QK, xd + c)
+                                         : u4_chunk512((const uint8_t *)w, sc, mn, f16, b0 + c, n, xq + c * QK, xd + c,
+                                                       xs + c));
+        }
+        for (int64_t r = gs; r < ge; r++) {   /* a row's nb values, 16 at a time, then across lanes */
+            const float *v = buf + (r - gs) * nb;
+            __m512 acc = _mm512_setzero_ps();
+            int64_t i = 0;
+            for (; i + 16 <= nb; i += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(v + i));
+            if (i < nb) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps((__mmask16)((1u << (nb - i)) - 1), v + i));
+            y[r] = _mm512_reduce_add_ps(acc);
+        }
+    }
+}
 #endif /* __GNUC__ >= 9 */
 
 /* AVX2 activation quantization, same arithmetic as quantize_rows */
@@ -1530,7 +1637,7 @@ typedef struct {
 } ActBuf;
 
 enum { ACT_NATURAL = 0, ACT_PAIRS = 1, ACT_QUAD = 2, ACT_WORDS = 3, ACT_QUAD256 = 4, ACT_WORDS256 = 5,
-       ACT_STREAM256 = 6, ACT_SSTREAM256 = 7, ACT_AMX = 8 };
+       ACT_STREAM256 = 6, ACT_SSTREAM256 = 7, ACT_AMX = 8, ACT_QSTREAM = 9, ACT_WSTREAM = 10 };
 
 
 /* natural order -> 256-bit word order (s8dot_word_avx2), in place: within each block, value i
@@ -1547,15 +1654,19 @@ static void to_word256_order(int16_t *q, int64_t nb) {
 /* natural block order -> word order (dot_s8_word_one), in place: within 2 blocks, value i of
  * block b goes to 32(i%2) + 16b + i/2; within 16 blocks, the scale of block WORD_BLOCK(q) goes to
  * lane q. nbp is a multiple of 16. */
-static void to_word_order(int16_t *q, float *xd, int64_t nbp) {
+static void word_values(int16_t *q, int64_t nbp) {   /* to_word_order's value moves (nbp even) */
     int16_t t[2 * QK];
-    float f[16];
     for (int64_t p0 = 0; p0 < nbp; p0 += 2) {
         int16_t *v = q + p0 * QK;
         memcpy(t, v, sizeof t);
         for (int b = 0; b < 2; b++)
             for (int i = 0; i < QK; i++) v[32 * (i % 2) + 16 * b + i / 2] = t[b * QK + i];
     }
+}
+
+static void to_word_order(int16_t *q, float *xd, int64_t nbp) {
+    float f[16];
+    if (q) word_values(q, nbp);
     for (int64_t c = 0; c < nbp; c += 16) {
         memcpy(f, xd + c, sizeof f);
         for (int j = 0; j < 16; j++) xd[c + j] = f[WORD_BLOCK(j)];
@@ -1570,13 +1681,22 @@ static int block_stream(int64_t K, int64_t group) {
     return group == QK && nb % 8 && !getenv("TOKENMILL_NO_BLOCK_STREAM");
 }
 
+/* one x row on the avx512vnni set: the block stream (stream512) for a scale per block and rows
+ * that do not fill whole 16-block chunks; rows of 16k blocks keep the row kernels (no tail to
+ * save). TOKENMILL_NO_BLOCK_STREAM=1: never (an A/B switch). */
+static int stream512_fits(int64_t K, int64_t group) {
+    const int64_t nb = (K + QK - 1) / QK;
+    return group == QK && nb % 16 && stream_rows16(nb) * nb + 16 <= QSTREAM_BUF && !getenv("TOKENMILL_NO_BLOCK_STREAM");
+}
+
 /* the activation order the u4 kernels of the set in use read for M rows of a [N, K] matrix with
  * the given group size: the block stream (or, for rows of 8k blocks and scale groups, 256-bit
  * quad order) for one row on AVX2 / AVX-VNNI and for 2 to QUAD256_ROWS_MAX rows on AVX2
  * (u4_quad256_tile; AVX-VNNI keeps its dpwssd row kernels) */
 #define QUAD256_ROWS_MAX 64
 static int u4_act_order(int64_t M, int64_t K, int64_t group) {
-    if (isa() >= ISA_AVX512) return M == 1 ? ACT_QUAD : isa() == ISA_AMX && M >= AMX_MIN_ROWS ? ACT_AMX : ACT_PAIRS;
+    if (isa() >= ISA_AVX512 && M == 1) return stream512_fits(K, group) ? ACT_QSTREAM : ACT_QUAD;
+    if (isa() >= ISA_AVX512) return isa() == ISA_AMX && M >= AMX_MIN_ROWS ? ACT_AMX : ACT_PAIRS;
     if (isa() < ISA_AVX2 || M > QUAD256_ROWS_MAX || (M > 1 && isa() != ISA_AVX2)) return ACT_NATURAL;
     return block_stream(K, group) ? ACT_STREAM256 : ACT_QUAD256;
 }
@@ -1586,7 +1706,7 @@ static int u4_act_order(int64_t M, int64_t K, int64_t group) {
 static int s8_act_order(int64_t M, int64_t K, int64_t group) {
     if (isa() == ISA_AMX && M >= AMX_MIN_ROWS) return ACT_AMX;
     if (isa() < ISA_AVX2 || M > QUAD256_ROWS_MAX || (M > 1 && isa() != ISA_AVX2)) return ACT_NATURAL;
-    if (isa() >= ISA_AVX512) return ACT_WORDS;
+    if (isa() >= ISA_AVX512) return M == 1 && stream512_fits(K, group) ? ACT_WSTREAM : ACT_WORDS;
     if (block_stream(K, group)) return ACT_SSTREAM256;   /* the block stream (s8_stream_group) */
     return M == 1 ? ACT_WORDS256 : ACT_NATURAL;
 }
@@ -1619,22 +1739,23 @@ TGT_AVX2 static void quad256_values_avx2(int16_t *q, int64_t nbp) {
 }
 #endif
 
+/* q NULL: the scales' moves alone (xd NULL: the values' alone, nbp then a multiple of G) */
 static void to_quad_order(int16_t *q, float *xd, int64_t nbp, int G) {
     int16_t t[4 * QK];
     float f[16];
 #if TM_X86 && defined(__GNUC__)
     const int vec = G == 2 && isa() >= ISA_AVX2;
-    if (vec) quad256_values_avx2(q, nbp);
+    if (vec && q) quad256_values_avx2(q, nbp);
 #else
     const int vec = 0;
 #endif
-    for (int64_t g0 = 0; !vec && g0 < nbp; g0 += G) {
+    for (int64_t g0 = 0; q && !vec && g0 < nbp; g0 += G) {
         int16_t *v = q + g0 * QK;
         memcpy(t, v, (size_t)G * QK * sizeof(int16_t));
         for (int b = 0; b < G; b++)
             for (int i = 0; i < QK; i++) v[8 * G * (2 * (i % 2) + i / 16) + 8 * b + (i % 16) / 2] = t[b * QK + i];
     }
-    for (int64_t c = 0; c < nbp; c += 4 * G) {
+    for (int64_t c = 0; xd && c < nbp; c += 4 * G) {
         memcpy(f, xd + c, (size_t)(4 * G) * sizeof(float));
         for (int L = 0; L < G; L++)
             for (int g = 0; g < 4; g++) xd[c + 4 * L + g] = f[G * g + L];
@@ -1664,9 +1785,10 @@ static size_t act_layout(int64_t M, int64_t K, int order, ActBuf *a, size_t *qby
     /* blocks a row is padded to a multiple of, per order: the kernels' loads and reductions */
     static const int64_t pad[] = {[ACT_NATURAL] = 1, [ACT_PAIRS] = 2, [ACT_QUAD] = 16, [ACT_WORDS] = 16,
                                   [ACT_QUAD256] = 8, [ACT_WORDS256] = 1, [ACT_STREAM256] = 1, [ACT_SSTREAM256] = 1,
-                                  [ACT_AMX] = 1};
+                                  [ACT_AMX] = 1, [ACT_QSTREAM] = 16, [ACT_WSTREAM] = 16};
     a->bstride = (nb + pad[order] - 1) / pad[order] * pad[order];
     if (order == ACT_STREAM256 || order == ACT_SSTREAM256) a->bstride = stream_blocks(nb);   /* x repeated */
+    if (order == ACT_QSTREAM || order == ACT_WSTREAM) a->bstride = stream_rows16(nb) * nb;      /* x repeated */
     a->qstride = a->bstride * QK;
 #if TM_AMX
     if (order == ACT_AMX) {   /* amx_quantize's tiles and scales, per group of x rows and unit of blocks */
@@ -1707,6 +1829,23 @@ static int act_quantize(const float *x, int64_t M, int64_t K, int order, ActBuf 
         else
 #endif
         quantize_rows(x + m * K, 1, K, q, d, s);
+        if (order == ACT_QSTREAM || order == ACT_WSTREAM) {
+            /* x's blocks again up to the stream's period. The values' moves stay within G blocks
+             * (4: quad order, 2: word order), so they repeat every lcm(nb, G) blocks: reordered
+             * once over that many, then copied; the scales' moves (within 16 blocks) run over all. */
+            const int64_t G = order == ACT_QSTREAM ? 4 : 2, P = nb % G == 0 ? nb : nb % 2 == 0 ? 2 * nb : G * nb;
+            for (int64_t b = nb; b < a->bstride; b += nb) {
+                if (b < P) memcpy(q + b * QK, q, (size_t)nb * QK * sizeof(int16_t));
+                memcpy(d + b, d, (size_t)nb * sizeof(float));
+                memcpy(s + b, s, (size_t)nb * sizeof(float));
+            }
+            if (G == 4) to_quad_order(q, NULL, P, 4);
+            else word_values(q, P);
+            for (int64_t b = P; b < a->bstride; b += P) memcpy(q + b * QK, q, (size_t)P * QK * sizeof(int16_t));
+            if (G == 4) to_quad_order(NULL, d, a->bstride, 4);
+            else to_word_order(NULL, d, a->bstride);
+            continue;
+        }
         if (order == ACT_STREAM256 || order == ACT_SSTREAM256) {   /* x's blocks again up to the stream's period */
             for (int64_t b = nb; b < a->bstride; b += nb) {
                 memcpy(q + b * QK, q, (size_t)nb * QK * sizeof(int16_t));
@@ -1893,6 +2032,11 @@ static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc
     }
 #endif
 #if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
+    if (a->order == ACT_QSTREAM) {   /* one x row, a scale per block (u4_act_order) */
+        stream512(0, qs, sc, mn, f16, nb, a->xq, a->xd, a->xs, y, n0, n1);
+        if (bias) for (int64_t n = n0; n < n1; n++) y[n] += bias[n];
+        return;
+    }
     if (a->order == ACT_STREAM256   /* a scale per block (u4_act_order) */
         && block_stream_rows(0, qs, sc, mn, f16, nb, a, M, bias, y, N, n0, n1))
         return;
@@ -1943,6 +2087,11 @@ static void gemm_s8_rows(int64_t M, int64_t K, const int8_t *qs, const void *sc,
     }
 #endif
 #if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
+    if (a->order == ACT_WSTREAM) {   /* one x row, a scale per block (s8_act_order) */
+        stream512(1, qs, sc, NULL, f16, nb, a->xq, a->xd, NULL, y, n0, n1);
+        if (bias) for (int64_t n = n0; n < n1; n++) y[n] += bias[n];
+        return;
+    }
     if (a->order == ACT_SSTREAM256   /* a scale per block (s8_act_order) */
         && block_stream_rows(1, qs, sc, NULL, f16, nb, a, M, bias, y, N, n0, n1))
         return;

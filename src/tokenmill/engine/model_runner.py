@@ -326,14 +326,18 @@ class ModelRunner:
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return StepResult([], ctx.captured, q_start)
         n_rows = sum(1 + s.num_draft for s in out.scheduled if s.samples)   # sampling rows first
+        argmax = ctx.logits_argmax
         if self.prompt_rows:
             record_prompt_logprobs(logits[n_rows:], self.prompt_rows)
             logits = logits[:n_rows]
+            argmax = argmax[:n_rows] if argmax is not None else None
         if not samplers:
             return StepResult([], ctx.captured, q_start)
+        if any(r.grammar is not None for r in samplers):   # masks change the logits: argmax no longer holds
+            argmax = None
         drafts = {s.request: s for s in out.scheduled if s.num_draft}
         if drafts:
-            sampled = self._verify(logits, samplers, drafts)
+            sampled = self._verify(logits, samplers, drafts, argmax)
             self._commit_states(out, sampled)
             return StepResult(sampled, ctx.captured, q_start)
         logits = apply_grammar_masks(logits, samplers)
@@ -345,7 +349,7 @@ class ModelRunner:
             generators=[r.generator for r in samplers],
             penalty_states=states,
         )
-        result = self.sampler(logits, inputs)
+        result = self.sampler(logits, inputs, argmax)
         for st, tok in zip(states, result.token_ids):
             if st is not None:
                 st.add(tok)
@@ -364,7 +368,8 @@ class ModelRunner:
         self.states.commit_verify([s.num_tokens - s.num_draft + accepted[s.request]
                                    for s in out.scheduled if s.num_draft])
 
-    def _verify(self, logits: torch.Tensor, samplers: list[Request], drafts: dict) -> list[SampledTokens]:
+    def _verify(self, logits: torch.Tensor, samplers: list[Request], drafts: dict,
+                argmax: torch.Tensor | None = None) -> list[SampledTokens]:
         draft_ids = [drafts[r].draft_token_ids if r in drafts else () for r in samplers]
         # row j of a constrained request: the mask of its grammar advanced through drafts[:j]
         logits = apply_grammar_masks(logits, samplers, draft_ids)
@@ -381,7 +386,7 @@ class ModelRunner:
             draft_probs=probs,
         )
         sampled = []
-        for req, d, res in zip(samplers, draft_ids, verify(self.sampler, logits, inputs)):
+        for req, d, res in zip(samplers, draft_ids, verify(self.sampler, logits, inputs, argmax)):
             st = self._penalty_state(req)
             if st is not None:
                 for tok in res.token_ids:

@@ -230,14 +230,18 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, inputs: SamplingInputs,
+                 argmax: torch.Tensor | None = None) -> SamplerOutput:
+        """One token per row. ``argmax`` (optional): each row's first largest index of these
+        ``logits`` as given, where the model found it with them (``ForwardContext.logits_argmax``);
+        greedy steps then never read the logits."""
         params = inputs.params
         b = logits.shape[0]
         if len(params) != b:
             raise ValueError(f"{b} rows of logits but {len(params)} sampling params")
         want_lp = [p.logprobs for p in params]
         if all(p.greedy and not p.uses_penalties for p in params) and all(n is None for n in want_lp):
-            return SamplerOutput(row_argmax(logits).tolist(), [None] * b)
+            return SamplerOutput((argmax if argmax is not None else row_argmax(logits)).tolist(), [None] * b)
 
         logits = apply_penalties(logits, params, inputs.prompt_token_ids, inputs.output_token_ids,
                                  inputs.penalty_states)

@@ -50,8 +50,11 @@ class Verified(NamedTuple):
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, inputs: VerifyInputs) -> list[Verified]:
-    """Verify every request's drafts against ``logits`` ([sum(k_i + 1), vocab], fp32)."""
+def verify(sampler: Sampler, logits: torch.Tensor, inputs: VerifyInputs,
+           argmax: torch.Tensor | None = None) -> list[Verified]:
+    """Verify every request's drafts against ``logits`` ([sum(k_i + 1), vocab], fp32).
+    ``argmax`` (optional): each row's first largest index of ``logits`` as given (see
+    ``Sampler.__call__``); greedy rows use it where no penalty changes the logits."""
     n_req = len(inputs.params)
     counts = [len(d) + 1 for d in inputs.draft_token_ids]
     starts = [0]
@@ -61,6 +64,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, inputs: VerifyInputs) -> list
         raise ValueError(f"{logits.shape[0]} rows of logits for {starts[-1]} verification rows")
     row_params = [inputs.params[i] for i in range(n_req) for _ in range(counts[i])]
     if any(p.uses_penalties for p in inputs.params):
+        argmax = None
         row_out: list[Sequence[int]] = []
         row_prompt: list[Sequence[int]] = []
         for i in range(n_req):
@@ -76,9 +80,10 @@ def verify(sampler: Sampler, logits: torch.Tensor, inputs: VerifyInputs) -> list
         logits = logits / scale[:, None]
 
     greedy_rows = [r for r, p in enumerate(row_params) if p.greedy]
-    argmax: dict[int, int] = {}
-    if greedy_rows:
-        argmax = dict(zip(greedy_rows, row_argmax(logits[greedy_rows]).tolist()))
+    greedy_best: dict[int, int] = {}
+    if greedy_rows:   # a greedy row's temperature is 0, so the scaling above left it as it was
+        best = argmax[greedy_rows] if argmax is not None else row_argmax(logits[greedy_rows])
+        greedy_best = dict(zip(greedy_rows, best.tolist()))
     sample_rows = [r for r, p in enumerate(row_params) if not p.greedy]
     probs_of: dict[int, int] = {r: j for j, r in enumerate(sample_rows)}
     probs = None
@@ -101,7 +106,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, inputs: VerifyInputs) -> list
         tokens: list[int] = []
         if params.greedy:
             for j in range(k + 1):
-                t = argmax[r0 + j]
+                t = greedy_best[r0 + j]
                 tokens.append(t)
                 if j == k or t != drafts[j]:
                     break

@@ -116,7 +116,8 @@ class LlamaForCausalLM(CausalLM):
     def _forward_fused(self, stack: FusedDecodeStack, h: torch.Tensor, cs: CosSin,
                        ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All layers in native calls (split only where a layer's output is captured); the last
-        call also gives the logits when the stack holds the head (``FusedDecodeStack.set_head``)."""
+        call also gives the logits when the stack holds the head (``FusedDecodeStack.set_head``),
+        and their rows' argmax (``ctx.logits_argmax``)."""
         if -1 in ctx.capture_layers or not h.is_contiguous():
             h = h.clone(memory_format=torch.contiguous_format)  # updated in place from here on
         start = 0
@@ -126,7 +127,9 @@ class LlamaForCausalLM(CausalLM):
             start = i + 1
         if start < len(self.layers):
             if stack.has_head and not os.environ.get("TOKENMILL_NO_FUSED_HEAD"):   # the env: A/B runs
-                return stack.run_to_logits(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, ctx.batch.logits_indices, start)
+                h, logits, ctx.logits_argmax = stack.run_to_logits(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta,
+                                                                   ctx.batch.logits_indices, start)
+                return h, logits
             h = stack.run(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, start)
         return h, None
 

@@ -106,6 +106,10 @@ class ForwardContext:
     capture_layers: frozenset[int] = frozenset()
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
     logits: torch.Tensor | None = None   # set by the runner after the forward
+    # Each logits row's first largest index (``logits.argmax(-1)``), where the model found it
+    # with the logits (the native fused head); None: not known. The sampler's greedy rows read it
+    # instead of the logits.
+    logits_argmax: torch.Tensor | None = None
     # Hybrid models: the state pool (tokenmill.layers.state_pool.StatePool); each sequence's
     # slot is ``batch.state_slots[i]``. None for pure attention models.
     states: Any = None

@@ -208,21 +208,25 @@ class FusedDecodeStack:
         return self._run(h, cos, sin, kv_caches, meta, start, stop)[0]
 
     def run_to_logits(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
-                      meta: NativeMetadata, logits_rows: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                      meta: NativeMetadata, logits_rows: torch.Tensor,
+                      start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layers ``[start, L)``, then the head given to :meth:`set_head` on the final-normed rows
-        ``logits_rows`` of ``h``: ``(h, logits [len(logits_rows), vocab] fp32)``. No rows (a
-        prefill chunk that does not finish its prompt): the layers alone, and empty logits (the
-        native head takes at least one row)."""
+        ``logits_rows`` of ``h``: ``(h, logits [len(logits_rows), vocab] fp32, argmax
+        [len(logits_rows)] int64)``, the last each row's first largest index (as ``argmax(-1)``),
+        found by the threads that wrote the row. No rows (a prefill chunk that does not finish
+        its prompt): the layers alone, and empty logits (the native head takes at least one row)."""
         if self._head is None:
             raise ValueError("run_to_logits needs set_head first")
         if logits_rows.numel() == 0:
             h = self._run(h, cos, sin, kv_caches, meta, start, None)[0]
-            return h, torch.empty(0, self._head_out, dtype=torch.float32)
-        return self._run(h, cos, sin, kv_caches, meta, start, None, logits_rows)
+            return h, torch.empty(0, self._head_out, dtype=torch.float32), torch.empty(0, dtype=torch.int64)
+        h, logits, argmax = self._run(h, cos, sin, kv_caches, meta, start, None, logits_rows)
+        assert logits is not None and argmax is not None
+        return h, logits, argmax
 
     def _run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
              meta: NativeMetadata, start: int, stop: int | None,
-             logits_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             logits_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         self._bind_kv(kv_caches)
         stop = len(self.layers) if stop is None else stop
         t = h.shape[0]
@@ -233,16 +237,18 @@ class FusedDecodeStack:
         slots = slots.contiguous()
         table = self._table[start:stop]
         head: tuple[int, ...] = ()
-        logits = None
+        logits = argmax = None
         if logits_rows is not None:
             assert self._head is not None and stop == len(self.layers)
             rows = logits_rows if logits_rows.dtype == torch.int64 else logits_rows.long()
             rows = rows.contiguous()
             logits = torch.empty(rows.numel(), self._head_out, dtype=torch.float32)
-            head = (self._head.data_ptr(), self._head_norm, rows.data_ptr(), rows.numel(), logits.data_ptr())
+            argmax = torch.empty(rows.numel(), dtype=torch.int64)
+            head = (self._head.data_ptr(), self._head_norm, rows.data_ptr(), rows.numel(), logits.data_ptr(),
+                    argmax.data_ptr())
         native.decode_layers(
             h.data_ptr(), t, table.data_ptr(), stop - start, self.hidden, self.hq, self.hkv, self.d, self.inter,
             self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), meta.block_tables.data_ptr(),
             meta.block_tables.stride(0), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(), meta.num_seqs,
             meta.page_size, kv_kind(kv_caches[0]), meta.threads, *head)
-        return h, logits
+        return h, logits, argmax
