@@ -218,21 +218,66 @@ typedef struct {
     int nan;
 } ArgPart;
 
+/* the largest value of x[i0..n1) and whether any is NaN, from the start m, nan */
+static void max_scan(const float *x, int64_t i0, int64_t n1, float *m, int *nan) {
+    for (int64_t i = i0; i < n1; i++) {
+        const float v = x[i];
+        *nan |= v != v;
+        *m = v > *m ? v : *m;
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* max_scan 8 lanes at a time (max_ps skips a NaN in its first operand; cmp_unord flags it) */
+TGT_AVX2 static int64_t max_scan_avx2(const float *x, int64_t n0, int64_t n1, float *m, int *nan) {
+    __m256 mv = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+    int64_t i = n0;
+    for (; i + 8 <= n1; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        mv = _mm256_max_ps(v, mv);
+    }
+    float t[8];
+    _mm256_storeu_ps(t, mv);
+    for (int j = 0; j < 8; j++) *m = t[j] > *m ? t[j] : *m;
+    *nan |= _mm256_movemask_ps(un) != 0;
+    return i;
+}
+
+/* the first i in [i0, n1) with x[i] == m (m NaN: the first NaN); n1 if none */
+TGT_AVX2 static int64_t find_first_avx2(const float *x, int64_t i0, int64_t n1, float m, int nan) {
+    const __m256 mv = _mm256_set1_ps(m);
+    int64_t i = i0;
+    for (; i + 8 <= n1; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const int k = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, mv, _CMP_EQ_OQ));
+        if (k) return i + __builtin_ctz((unsigned)k);
+    }
+    for (; i < n1; i++)
+        if (nan ? x[i] != x[i] : x[i] == m) return i;
+    return n1;
+}
+#endif
+
 static ArgPart argmax_part(const float *x, int64_t n0, int64_t n1) {
     ArgPart p = {-INFINITY, -1, 0};
     if (n0 >= n1) return p;
     float m = -INFINITY;
     int nan = 0;
-    for (int64_t i = n0; i < n1; i++) {   /* a max and a NaN flag: both vectorise */
-        const float v = x[i];
-        nan |= v != v;
-        m = v > m ? v : m;
-    }
     int64_t i = n0;
-    if (nan) {
-        while (x[i] == x[i]) i++;
-    } else {
-        while (x[i] != m) i++;   /* found: m is one of x[n0..n1) (all -inf: the first) */
+#if defined(__x86_64__) && defined(__GNUC__)
+    const int vec = have_avx2_fma();
+    if (vec) i = max_scan_avx2(x, n0, n1, &m, &nan);
+#endif
+    max_scan(x, i, n1, &m, &nan);
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (vec) {
+        i = find_first_avx2(x, n0, n1, m, nan);
+    } else
+#endif
+    {
+        i = n0;   /* found: m is one of x[n0..n1) (all -inf: the first) */
+        while (nan ? x[i] == x[i] : x[i] != m) i++;
     }
     p.val = nan ? NAN : m;
     p.idx = i;
