@@ -249,6 +249,13 @@ def test_nibble_packing_round_trips_and_rows_select_and_concatenate():
     for m in (Int4Linear(i4.qs, i4.scales.half(), i4.mins.half(), 70, 64), Int8Linear.from_float(w)):
         ids = torch.tensor([6, 0, 6, 3])
         assert torch.equal(m.embedding(ids), m.dequantize()[ids])
+        # a decode step's few ids are read in place (packed.EMBED_IN_PLACE), more are gathered
+        for ids in (torch.tensor([5]), torch.tensor([[2], [6]]), torch.tensor([1, 2, 3, 4, 5, 6, 0])):
+            assert torch.equal(m.embedding(ids), m.dequantize()[ids])
+        assert m.embedding(torch.tensor([2]), torch.bfloat16).dtype == torch.bfloat16
+        for bad in (torch.tensor([7]), torch.tensor([-1]), torch.tensor([0, 1, 2, 3, 4, 5, 99])):
+            with pytest.raises(IndexError):
+                m.embedding(bad)
 
 
 def test_bad_layouts_are_refused():

@@ -245,6 +245,15 @@ def test_fused_decode_refuses_a_wrong_shape(packed):
     _, logits, argmax = good.run_to_logits(h.clone(), cs, cs, drv.kv, ctx.meta, torch.tensor([0]))
     assert logits.shape == (1, a.vocab_size) and torch.isfinite(logits).all()
     assert argmax.tolist() == logits.argmax(dim=-1).tolist()
+    # rotary tables read in place by position: the same bits as the gathered rows
+    table = torch.randn(8, a.head_dim)
+    want = good.run(h.clone(), table[[3]], table[[3]].neg(), drv.kv, ctx.meta)
+    got = good.run(h.clone(), table, table.neg(), drv.kv, ctx.meta, positions=torch.tensor([3]))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="positions must be int64"):
+        good.run(h.clone(), table, table, drv.kv, ctx.meta, positions=torch.tensor([3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="positions must be int64"):
+        good.run(h.clone(), table[:, :4], table[:, :4], drv.kv, ctx.meta, positions=torch.tensor([3]))
 
 
 def _argmax_steps(model: Any, threads: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

@@ -77,11 +77,14 @@ static void rmsnorm(const float *h, const float *w, float *out, int64_t M, int64
     }
 }
 
-/* rotate-half RoPE on `heads` heads of `d` values of each row (in place) */
-static void rotary(float *x, int64_t M, int64_t stride, int heads, int d, const float *cos, const float *sin) {
+/* rotate-half RoPE on `heads` heads of `d` values of each row (in place); row t's angles are row
+ * pos[t] of cos / sin (pos NULL: row t) */
+static void rotary(float *x, int64_t M, int64_t stride, int heads, int d, const float *cos, const float *sin,
+                   const int64_t *pos) {
     int half = d / 2;
     for (int64_t t = 0; t < M; t++) {
-        const float *c = cos + t * d, *s = sin + t * d;
+        const int64_t r = pos ? pos[t] : t;
+        const float *c = cos + r * d, *s = sin + r * d;
         for (int h = 0; h < heads; h++) {
             float *v = x + t * stride + (int64_t)h * d;
             for (int i = 0; i < half; i++) {
@@ -192,6 +195,7 @@ typedef struct {
     int64_t M, H, hq, hkv, d, inter;
     float eps, scale;
     const float *cos, *sin;
+    const int64_t *pos;                     /* rows of cos / sin by token (NULL: token t's is row t) */
     const int64_t *slots, *bt, *qsl, *seq_lens;
     int64_t bt_stride;
     int num_seqs, page_size, kv_kind, nt;   /* kv_kind: TM_KV_* (attention.h) */
@@ -546,7 +550,7 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
             /* every claim counter is between uses here: this layer's qkv matmul is done, its other
              * matmuls (and the head, after the last layer) have not begun */
             for (int c = 0; c < C_COUNT; c++) atomic_store_explicit(&bar->rows[c], 0, memory_order_relaxed);
-            rotary(B->qkv, M, qn, (int)(S->hq + S->hkv), (int)S->d, S->cos, S->sin);
+            rotary(B->qkv, M, qn, (int)(S->hq + S->hkv), (int)S->d, S->cos, S->sin, S->pos);
             kv_write(kc, ks, B->qkv + qsz, qn, S->slots, M, S->hkv, S->d, S->kv_kind);
             kv_write(vc, vs, B->qkv + qsz + kvsz, qn, S->slots, M, S->hkv, S->d, S->kv_kind);
             *call = g_attn->plan(B->qkv, qn, B->att, kc, vc, S->kv_kind, ks, vs, S->bt, S->bt_stride, S->qsl, S->seq_lens,
@@ -658,19 +662,22 @@ static int check_layers(const int64_t *table, int64_t L, const Step *S, size_t *
 #define PTR(T, v) ((T)(uintptr_t)(v))
 
 /* decode_layers(h, M, table, L, H, hq, hkv, d, inter, eps, scale, cos, sin, slots, bt, bt_stride,
- *               qsl, seq_lens, num_seqs, page_size, kv_kind, threads, head, norm, idx, n, logits, argmax)
+ *               qsl, seq_lens, num_seqs, page_size, kv_kind, threads, head, norm, idx, n, logits, argmax, pos)
  * kv_kind: TM_KV_* of the pool (attention.h); fp8 pools give each layer row its scale pointers
  * h [M, H] fp32 is updated in place through layers table[0..L). head (0: none) points at the
  * output head's MAT_FIELDS: then logits [n, head N] = head(rmsnorm(h[idx[r]]) * norm) (Head),
- * and argmax (0: not wanted) [n] int64 gets each logits row's first largest index. */
+ * and argmax (0: not wanted) [n] int64 gets each logits row's first largest index. cos / sin are
+ * the rotary rows of the M tokens [M, d], or (pos given: int64 [M]) whole tables whose row pos[t]
+ * is token t's: the caller then need not gather them. */
 PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
-    unsigned long long h, table, cos, sin, slots, bt, qsl, sl, head = 0, norm = 0, idx = 0, logits = 0, argmax = 0;
+    unsigned long long h, table, cos, sin, slots, bt, qsl, sl, head = 0, norm = 0, idx = 0, logits = 0, argmax = 0,
+                       pos = 0;
     long long M, L, H, hq, hkv, d, inter, bt_stride, n_out = 0;
     float eps, scale;
     int num_seqs, page_size, kv_kind, nt;
-    if (!PyArg_ParseTuple(args, "KLKLLLLLLffKKKKLKKiiii|KKKLKK", &h, &M, &table, &L, &H, &hq, &hkv, &d, &inter, &eps,
+    if (!PyArg_ParseTuple(args, "KLKLLLLLLffKKKKLKKiiii|KKKLKKK", &h, &M, &table, &L, &H, &hq, &hkv, &d, &inter, &eps,
                           &scale, &cos, &sin, &slots, &bt, &bt_stride, &qsl, &sl, &num_seqs, &page_size, &kv_kind,
-                          &nt, &head, &norm, &idx, &n_out, &logits, &argmax))
+                          &nt, &head, &norm, &idx, &n_out, &logits, &argmax, &pos))
         return NULL;
     if (M <= 0 || L < 0 || H <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || inter <= 0 ||
         num_seqs <= 0 || page_size <= 0 || d > TM_ATTENTION_MAX_HEAD_DIM || hq / hkv > TM_ATTENTION_MAX_GROUP ||
@@ -684,7 +691,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
         if (!g_attn) return NULL;
     }
     Step S = {M, H, hq, hkv, d, inter, eps, scale, PTR(const float *, cos), PTR(const float *, sin),
-              PTR(const int64_t *, slots), PTR(const int64_t *, bt), PTR(const int64_t *, qsl),
+              PTR(const int64_t *, pos), PTR(const int64_t *, slots), PTR(const int64_t *, bt), PTR(const int64_t *, qsl),
               PTR(const int64_t *, sl), bt_stride, num_seqs, page_size, kv_kind, nt < 1 ? 1 : nt,
               !env_flag("TOKENMILL_NO_KV_PREFETCH"), env_flag("TOKENMILL_STATIC_ROWS"),
               env_flag("TOKENMILL_KV_PREFETCH_T0")};

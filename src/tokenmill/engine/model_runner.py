@@ -262,16 +262,10 @@ class ModelRunner:
         ints = torch.tensor(flat, dtype=torch.long)
         if self.device.type != "cpu":
             ints = ints.to(self.device)
-        t_rows, n_seq, cut = len(input_ids), len(seq_lens), 0
-
-        def take(n: int) -> torch.Tensor:
-            nonlocal cut
-            cut += n
-            return ints[cut - n:cut]
-
-        ids_t, pos_t, slots_t = take(t_rows), take(t_rows), take(t_rows)
-        q_start_t, seq_lens_t, logits_t = take(n_seq + 1), take(n_seq), take(len(logit_rows))
-        block_tables = take(n_seq * width).view(n_seq, width)
+        t_rows, n_seq = len(input_ids), len(seq_lens)
+        ids_t, pos_t, slots_t, q_start_t, seq_lens_t, logits_t, tables_t = ints.split(
+            [t_rows, t_rows, t_rows, n_seq + 1, n_seq, len(logit_rows), n_seq * width])   # one op, seven views
+        block_tables = tables_t.view(n_seq, width)
         state_slots = None
         if self.states is not None:
             state_slots = torch.tensor([s.request.state_slot for s in out.scheduled], dtype=torch.long,

@@ -97,23 +97,24 @@ class LlamaForCausalLM(CausalLM):
         batch = ctx.batch
         if len(ctx.kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV cache entries, got {len(ctx.kv_caches)}")
-        cs = self.rotary.lookup(batch.positions, self.dtype, batch.max_seq_len)
         h = self.embed_tokens.embedding(batch.input_ids, self.dtype)
         ctx.capture(-1, h)
         stack = self.fused_decode_stack() if self._fused_on else None
         ctx.compute_starts()
         if stack is not None and stack.applies(h.shape[0], ctx.attn, ctx.kv_caches):
-            h, logits = self._forward_fused(stack, h, cs, ctx)
+            self.rotary.ensure(batch.max_seq_len)   # the native code reads the tables' rows in place
+            h, logits = self._forward_fused(stack, h, ctx)
             if logits is not None:
                 return logits
         else:
+            cs = self.rotary.lookup(batch.positions, self.dtype, batch.max_seq_len)
             for i, (layer, cache) in enumerate(zip(self.layers, ctx.kv_caches)):
                 h = layer(h, cs, cache, ctx)
                 ctx.capture(i, h)
         h = self.norm(h[batch.logits_indices])
         return self.lm_head(h).float()
 
-    def _forward_fused(self, stack: FusedDecodeStack, h: torch.Tensor, cs: CosSin,
+    def _forward_fused(self, stack: FusedDecodeStack, h: torch.Tensor,
                        ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All layers in native calls (split only where a layer's output is captured); the last
         call also gives the logits when the stack holds the head (``FusedDecodeStack.set_head``),
@@ -121,16 +122,17 @@ class LlamaForCausalLM(CausalLM):
         if -1 in ctx.capture_layers or not h.is_contiguous():
             h = h.clone(memory_format=torch.contiguous_format)  # updated in place from here on
         start = 0
+        cos, sin, pos = self.rotary.cos_table, self.rotary.sin_table, ctx.batch.positions
         for i in sorted(c for c in ctx.capture_layers if 0 <= c < len(self.layers)):
-            h = stack.run(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, start, i + 1)
+            h = stack.run(h, cos, sin, ctx.kv_caches, ctx.meta, start, i + 1, positions=pos)
             ctx.capture(i, h.clone())
             start = i + 1
         if start < len(self.layers):
             if stack.has_head and not os.environ.get("TOKENMILL_NO_FUSED_HEAD"):   # the env: A/B runs
-                h, logits, ctx.logits_argmax = stack.run_to_logits(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta,
-                                                                   ctx.batch.logits_indices, start)
+                h, logits, ctx.logits_argmax = stack.run_to_logits(h, cos, sin, ctx.kv_caches, ctx.meta,
+                                                                   ctx.batch.logits_indices, start, positions=pos)
                 return h, logits
-            h = stack.run(h, cs.cos, cs.sin, ctx.kv_caches, ctx.meta, start)
+            h = stack.run(h, cos, sin, ctx.kv_caches, ctx.meta, start, positions=pos)
         return h, None
 
     @property

@@ -202,41 +202,55 @@ class FusedDecodeStack:
         self._kv_ptrs = ptrs
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
-            meta: NativeMetadata, start: int = 0, stop: int | None = None) -> torch.Tensor:
+            meta: NativeMetadata, start: int = 0, stop: int | None = None,
+            positions: torch.Tensor | None = None) -> torch.Tensor:
         """Layers ``[start, stop)`` on ``h [T, H]`` (updated in place and returned); ``cos``/``sin``
-        are the step's rotary rows ``[T, head_dim]``."""
-        return self._run(h, cos, sin, kv_caches, meta, start, stop)[0]
+        are the step's rotary rows ``[T, head_dim]``, or with ``positions`` (int64 ``[T]``) whole
+        contiguous tables ``[P, head_dim]`` whose row ``positions[t]`` is token t's (every
+        position below P: the caller sees to it, as ``RotaryEmbedding.ensure`` does). The native
+        code then reads the rows in place, and the step runs no gather for them."""
+        return self._run(h, cos, sin, kv_caches, meta, start, stop, positions=positions)[0]
 
     def run_to_logits(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
-                      meta: NativeMetadata, logits_rows: torch.Tensor,
-                      start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      meta: NativeMetadata, logits_rows: torch.Tensor, start: int = 0,
+                      positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layers ``[start, L)``, then the head given to :meth:`set_head` on the final-normed rows
         ``logits_rows`` of ``h``: ``(h, logits [len(logits_rows), vocab] fp32, argmax
         [len(logits_rows)] int64)``, the last each row's first largest index (as ``argmax(-1)``),
         found by the threads that wrote the row. No rows (a prefill chunk that does not finish
-        its prompt): the layers alone, and empty logits (the native head takes at least one row)."""
+        its prompt): the layers alone, and empty logits (the native head takes at least one row).
+        ``cos``/``sin``/``positions`` as for :meth:`run`."""
         if self._head is None:
             raise ValueError("run_to_logits needs set_head first")
         if logits_rows.numel() == 0:
-            h = self._run(h, cos, sin, kv_caches, meta, start, None)[0]
+            h = self._run(h, cos, sin, kv_caches, meta, start, None, positions=positions)[0]
             return h, torch.empty(0, self._head_out, dtype=torch.float32), torch.empty(0, dtype=torch.int64)
-        h, logits, argmax = self._run(h, cos, sin, kv_caches, meta, start, None, logits_rows)
+        h, logits, argmax = self._run(h, cos, sin, kv_caches, meta, start, None, logits_rows, positions)
         assert logits is not None and argmax is not None
         return h, logits, argmax
 
     def _run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
              meta: NativeMetadata, start: int, stop: int | None,
-             logits_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+             logits_rows: torch.Tensor | None = None,
+             positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         self._bind_kv(kv_caches)
         stop = len(self.layers) if stop is None else stop
         t = h.shape[0]
         if not (h.dtype == torch.float32 and h.is_contiguous()):
             h = h.float().contiguous()
-        cos, sin = cos.reshape(t, self.d).contiguous(), sin.reshape(t, self.d).contiguous()
+        pos = 0
+        if positions is None:
+            cos, sin = cos.reshape(t, self.d).contiguous(), sin.reshape(t, self.d).contiguous()
+        else:
+            if not (positions.dtype == torch.int64 and positions.numel() == t and positions.is_contiguous()
+                    and cos.dim() == 2 and cos.shape == sin.shape and cos.shape[1] == self.d
+                    and cos.dtype == torch.float32 == sin.dtype and cos.is_contiguous() and sin.is_contiguous()):
+                raise ValueError(f"positions must be int64 [{t}] and cos/sin contiguous fp32 [P, {self.d}] tables")
+            pos = positions.data_ptr()
         slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.long()
         slots = slots.contiguous()
         table = self._table[start:stop]
-        head: tuple[int, ...] = ()
+        head: tuple[int, ...] = (0, 0, 0, 0, 0, 0)   # no head
         logits = argmax = None
         if logits_rows is not None:
             assert self._head is not None and stop == len(self.layers)
@@ -250,5 +264,5 @@ class FusedDecodeStack:
             h.data_ptr(), t, table.data_ptr(), stop - start, self.hidden, self.hq, self.hkv, self.d, self.inter,
             self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), meta.block_tables.data_ptr(),
             meta.block_tables.stride(0), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(), meta.num_seqs,
-            meta.page_size, kv_kind(kv_caches[0]), meta.threads, *head)
+            meta.page_size, kv_kind(kv_caches[0]), meta.threads, *head, pos)
         return h, logits, argmax

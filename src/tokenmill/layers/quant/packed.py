@@ -51,7 +51,7 @@ import abc
 import contextlib
 import os
 import threading
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,7 @@ GEMV_MAX_ROWS_BY_KERNEL = {"amx": 2048, "avx512vnni": 24, "avxvnni": 28, "avx2":
 GEMV_MAX_ROWS_WIDE_GEMM = 16
 GEMV_MAX_ROWS_DEFAULT = 16  # a kernel set without its own entry
 GEMV_ROWS_ENV = "TOKENMILL_GEMV_MAX_ROWS"
+EMBED_IN_PLACE = 4          # embedding lookups of up to this many ids read rows in place (_Packed._embed)
 PREFILL_ENV = "TOKENMILL_PREFILL_GEMM"
 PREFILL_GEMMS = ("auto", "int16", "fp32")
 
@@ -295,6 +296,31 @@ class _Packed(LinearMethod):
     def _dequant_into(self, out: torch.Tensor, rows: slice, threads: int) -> None:
         """The native dequantizer: rows ``rows`` of ``W`` into ``out`` (fp32)."""
 
+    def _embed(self, ids: torch.Tensor, dtype: torch.dtype, parts: Sequence[torch.Tensor],
+               dequant: Callable[..., None]) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized matrix, ``[*ids.shape, in_features]`` in ``dtype``:
+        ``dequant(*row pointers of parts, rows, out pointer)`` (a native ``dequant_*``). Up to
+        ``EMBED_IN_PLACE`` ids (a decode step's) are read in place through row pointers; more are
+        gathered first. A decode step spent about 50 us here with two gathers and their tensors,
+        its Python running with caches the weight stream had just emptied."""
+        flat = ids.reshape(-1)
+        n = flat.numel()
+        out = torch.empty(n, self.in_features, dtype=torch.float32)
+        if n <= EMBED_IN_PLACE:
+            rows = flat.tolist()
+            if any(not 0 <= i < self.out_features for i in rows):
+                raise IndexError(f"token ids {rows} outside the embedding's {self.out_features} rows")
+            row_bytes = [t.stride(0) * t.element_size() for t in parts]
+            base = [t.data_ptr() for t in parts]
+            for r, i in enumerate(rows):
+                dequant(*(b + i * rb for b, rb in zip(base, row_bytes)), 1, out.data_ptr() + 4 * r * self.in_features)
+        else:
+            gathered = [t.index_select(0, flat) for t in parts]   # alive through the call
+            dequant(*(g.data_ptr() for g in gathered), n, out.data_ptr())
+        if dtype != torch.float32:
+            out = out.to(dtype)
+        return out if ids.dim() == 1 else out.reshape(*ids.shape, self.in_features)
+
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
@@ -404,12 +430,9 @@ class Int8Linear(_Packed):
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if not native.available():
             return super().embedding(ids, dtype)
-        flat = ids.reshape(-1)
-        qs, sc = self.qs.index_select(0, flat), self.scales.index_select(0, flat)
-        out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
-        native.dequant_s8(qs.data_ptr(), sc.data_ptr(), self._scale_f16(), flat.numel(), self.in_features,
-                          self.group_size, out.data_ptr(), 1)
-        return out.to(dtype).reshape(*ids.shape, self.in_features)
+        f16, k, group = self._scale_f16(), self.in_features, self.group_size
+        return self._embed(ids, dtype, (self.qs, self.scales),
+                           lambda qs, sc, n, out: native.dequant_s8(qs, sc, f16, n, k, group, out, 1))
 
     def select_rows(self, index: torch.Tensor) -> "Int8Linear":
         return Int8Linear(self.qs[index], self.scales[index], self.in_features, self.group_size)
@@ -513,12 +536,9 @@ class Int4Linear(_Packed):
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if not native.available():
             return super().embedding(ids, dtype)
-        flat = ids.reshape(-1)
-        qs, sc, mn = (t.index_select(0, flat) for t in (self.qs, self.scales, self.mins))
-        out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
-        native.dequant_u4(qs.data_ptr(), sc.data_ptr(), mn.data_ptr(), self._scale_f16(), flat.numel(),
-                          self.in_features, self.group_size, out.data_ptr(), 1)
-        return out.to(dtype).reshape(*ids.shape, self.in_features)
+        f16, k, group = self._scale_f16(), self.in_features, self.group_size
+        return self._embed(ids, dtype, (self.qs, self.scales, self.mins),
+                           lambda qs, sc, mn, n, out: native.dequant_u4(qs, sc, mn, f16, n, k, group, out, 1))
 
     def select_rows(self, index: torch.Tensor) -> "Int4Linear":
         return Int4Linear(self.qs[index], self.scales[index], self.mins[index], self.in_features, self.group_size)
