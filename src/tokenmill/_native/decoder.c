@@ -317,8 +317,15 @@ typedef struct {
  * (the CLI sets 1000, so that idle threads between steps leave the cores to other processes)
  * and then sleeps in the kernel; inside a step the waits are microseconds, and a thread put to
  * sleep there costs a wake-up, and on a busy machine a wait for a core, at every barrier. This
- * one spins (with pause) for about SPIN_PAUSES rounds, then yields the core between checks. */
-#define SPIN_PAUSES 20000
+ * one spins (with pause) for SPIN_PAUSES rounds, about 10 us, then yields the core between
+ * checks (TOKENMILL_SPIN_PAUSES overrides the count, for A/B runs). The short spin matters where
+ * the team has every core, as `tokenmill serve --threads 2` on 2 cores: the server's event loop
+ * (or the HTTP client) then takes a core from a team thread now and then, and a teammate that
+ * spins at the barrier keeps the other core from it until its spin ends. With 20,000 rounds
+ * (about 1 ms on an Intel host, where a pause takes ~140 cycles) served single-stream decode
+ * read 180-188 tok/s; with 50 / 200 / 1,000 rounds 208 / 204 / 200 (16 alternating streams
+ * each, one run). Offline decode (nothing else on the cores) and 16-row steps were level. */
+#define SPIN_PAUSES 64
 enum { C_HEAD = W_COUNT, C_COUNT };   /* claim counters: one per layer matrix, and the head's */
 typedef struct {
     atomic_int arrived, gen, next;  /* next: attention's task counter */
@@ -332,6 +339,7 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+static int g_spin = SPIN_PAUSES;   /* set per call (decode_layers) */
 static void bar_wait(SpinBar *b) {
     if (b->n <= 1) return;
     int g = atomic_load_explicit(&b->gen, memory_order_acquire);
@@ -341,7 +349,7 @@ static void bar_wait(SpinBar *b) {
         return;
     }
     for (int i = 0; atomic_load_explicit(&b->gen, memory_order_acquire) == g; i++) {
-        if (i < SPIN_PAUSES) cpu_relax();
+        if (i < g_spin) cpu_relax();
         else sched_yield();
     }
 }
@@ -689,6 +697,10 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     if (!g_attn) {
         g_attn = (const tm_attention_tasks *)PyCapsule_Import(TM_ATTENTION_TASKS_CAPSULE, 0);
         if (!g_attn) return NULL;
+    }
+    {
+        const char *e = getenv("TOKENMILL_SPIN_PAUSES");   /* an A/B switch */
+        g_spin = e && *e ? atoi(e) : SPIN_PAUSES;
     }
     Step S = {M, H, hq, hkv, d, inter, eps, scale, PTR(const float *, cos), PTR(const float *, sin),
               PTR(const int64_t *, pos), PTR(const int64_t *, slots), PTR(const int64_t *, bt), PTR(const int64_t *, qsl),
