@@ -73,8 +73,13 @@ def kv_pointers(entry: torch.Tensor | FP8Pages) -> tuple[int, int, int, int]:
         data, scale = entry.data, entry.scale
         if not (data.is_contiguous() and scale.is_contiguous()):
             raise ValueError("fp8 KV pages and scales must be contiguous for the native kernel")
-        return data[0].data_ptr(), data[1].data_ptr(), scale[0].data_ptr(), scale[1].data_ptr()
-    return entry[0].data_ptr(), entry[1].data_ptr(), 0, 0
+        return data.data_ptr(), _second_half(data), scale.data_ptr(), _second_half(scale)
+    return entry.data_ptr(), _second_half(entry), 0, 0
+
+
+def _second_half(t: torch.Tensor) -> int:
+    """The address of ``t[1]`` (no view made: the fused decode path asks every step)."""
+    return t.data_ptr() + t.stride(0) * t.element_size()
 
 
 class NativeMetadata(NamedTuple):
