@@ -983,34 +983,36 @@ TGT_512 static void dot_s8_512(const int8_t *qs, const void *sc, int f16, int64_
         D = _mm512_dpwssd_epi32(t_, _mm512_srli_epi16(w_, 12), _mm512_loadu_si512((X) + 96));             \
     } while (0)
 
+/* the integer sums of the n <= 16 blocks of one 16-block chunk of u4 weights w against quad-order
+ * activations x: lane 4L + g holds block 4g + L (blocks past n give 0) */
+TGT_512 static inline __attribute__((always_inline)) __m512i u4_chunk_sums(const uint8_t *w, int64_t n,
+                                                                         const int16_t *x) {
+    const __m512i m4 = _mm512_set1_epi16(0x000F);
+    __m512i d[4];
+    if (n == 16) {
+        for (int g = 0; g < 4; g++) QUAD_GROUP(d[g], _mm512_loadu_si512(w + 64 * g), x + 128 * g);
+    } else {
+        for (int g = 0; g < 4; g++) {
+            const int64_t left = n - 4 * g;
+            if (left <= 0) { d[g] = _mm512_setzero_si512(); continue; }
+            const __mmask64 k = left >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (left * 16)) - 1);
+            QUAD_GROUP(d[g], _mm512_maskz_loadu_epi8(k, w + 64 * g), x + 128 * g);
+        }
+    }
+    const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
+    const __m512i v = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(u, v), _mm512_unpackhi_epi64(u, v));
+}
+
 TGT_512 static void dot_u4_quad_one(const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t row_g0,
                                     int64_t nb, int64_t bpg, const int16_t *xq, const float *xdq, const float *xs,
                                     float *out) {
     __m512 acc = _mm512_setzero_ps(), am = _mm512_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi16(0x000F);
     const __m512i perm = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
     for (int64_t o = 0; o < nb * 16; o += 64) _mm_prefetch((const char *)qs + QUAD_PREFETCH + o, _MM_HINT_T0);
     for (int64_t c = 0; c < nb; c += 16) {
         const int64_t n = nb - c < 16 ? nb - c : 16;
-        const uint8_t *w = qs + c * 16;
-        const int16_t *x = xq + c * QK;
-        __m512i d[4];
-        if (n == 16) {
-            QUAD_GROUP(d[0], _mm512_loadu_si512(w), x);
-            QUAD_GROUP(d[1], _mm512_loadu_si512(w + 64), x + 128);
-            QUAD_GROUP(d[2], _mm512_loadu_si512(w + 128), x + 256);
-            QUAD_GROUP(d[3], _mm512_loadu_si512(w + 192), x + 384);
-        } else {
-            for (int g = 0; g < 4; g++) {
-                const int64_t left = n - 4 * g;
-                if (left <= 0) { d[g] = _mm512_setzero_si512(); continue; }
-                const __mmask64 k = left >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (left * 16)) - 1);
-                QUAD_GROUP(d[g], _mm512_maskz_loadu_epi8(k, w + 64 * g), x + 128 * g);
-            }
-        }
-        __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
-        __m512i v = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
-        __m512i sums = _mm512_add_epi32(_mm512_unpacklo_epi64(u, v), _mm512_unpackhi_epi64(u, v));
+        const __m512i sums = u4_chunk_sums(qs + c * 16, n, xq + c * QK);
         __m512 sw = _mm512_permutexvar_ps(perm, scales16_512(sc, f16, row_g0, c, n, nb, bpg));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sw, _mm512_loadu_ps(xdq + c)), acc);
         am = _mm512_fmadd_ps(scales16_512(mn, f16, row_g0, c, n, nb, bpg), _mm512_loadu_ps(xs + c), am);
@@ -1035,6 +1037,29 @@ TGT_512 static void dot_u4_quad_one(const uint8_t *qs, const void *sc, const voi
     } while (0)
 #define SUM4_128(A, B) _mm512_add_epi32(_mm512_unpacklo_epi32(A, B), _mm512_unpackhi_epi32(A, B))
 
+/* the integer sums of the n <= 16 blocks of one 16-block chunk of s8 weights w against word-order
+ * activations x: lane q holds block WORD_BLOCK(q) (blocks past n give 0) */
+TGT_512 static inline __attribute__((always_inline)) __m512i s8_chunk_sums(const int8_t *w, int64_t n,
+                                                                         const int16_t *x) {
+    __m512i d[8];
+    if (n == 16) {
+        for (int p = 0; p < 8; p++) WORD_PAIR(d[p], _mm512_loadu_si512(w + 64 * p), x + 64 * p);
+    } else {
+        for (int p = 0; p < 8; p++) {
+            const int64_t left = n - 2 * p;
+            if (left <= 0) { d[p] = _mm512_setzero_si512(); continue; }
+            const __mmask64 k = left >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
+            WORD_PAIR(d[p], _mm512_maskz_loadu_epi8(k, w + 64 * p), x + 64 * p);
+        }
+    }
+    const __m512i a01 = SUM4_128(d[0], d[1]), a23 = SUM4_128(d[2], d[3]), a45 = SUM4_128(d[4], d[5]),
+                  a67 = SUM4_128(d[6], d[7]);
+    const __m512i b0 = _mm512_add_epi32(_mm512_unpacklo_epi64(a01, a23), _mm512_unpackhi_epi64(a01, a23));
+    const __m512i b1 = _mm512_add_epi32(_mm512_unpacklo_epi64(a45, a67), _mm512_unpackhi_epi64(a45, a67));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(b0, b1, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(b0, b1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 TGT_512 static void dot_s8_word_one(const int8_t *qs, const void *sc, int f16, int64_t row_g0, int64_t nb,
                                     int64_t bpg, const int16_t *xq, const float *xdw, float *out) {
     __m512 acc = _mm512_setzero_ps();
@@ -1045,25 +1070,7 @@ TGT_512 static void dot_s8_word_one(const int8_t *qs, const void *sc, int f16, i
     for (int64_t o = 0; o < nb * QK; o += 64) _mm_prefetch((const char *)qs + QUAD_PREFETCH + o, _MM_HINT_T0);
     for (int64_t c = 0; c < nb; c += 16) {
         const int64_t n = nb - c < 16 ? nb - c : 16;
-        const int8_t *w = qs + c * QK;
-        const int16_t *x = xq + c * QK;
-        __m512i d[8];
-        if (n == 16) {
-            for (int p = 0; p < 8; p++) WORD_PAIR(d[p], _mm512_loadu_si512(w + 64 * p), x + 64 * p);
-        } else {
-            for (int p = 0; p < 8; p++) {
-                const int64_t left = n - 2 * p;
-                if (left <= 0) { d[p] = _mm512_setzero_si512(); continue; }
-                const __mmask64 k = left >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
-                WORD_PAIR(d[p], _mm512_maskz_loadu_epi8(k, w + 64 * p), x + 64 * p);
-            }
-        }
-        __m512i a01 = SUM4_128(d[0], d[1]), a23 = SUM4_128(d[2], d[3]), a45 = SUM4_128(d[4], d[5]),
-                a67 = SUM4_128(d[6], d[7]);
-        __m512i b0 = _mm512_add_epi32(_mm512_unpacklo_epi64(a01, a23), _mm512_unpackhi_epi64(a01, a23));
-        __m512i b1 = _mm512_add_epi32(_mm512_unpacklo_epi64(a45, a67), _mm512_unpackhi_epi64(a45, a67));
-        __m512i sums = _mm512_add_epi32(_mm512_shuffle_i32x4(b0, b1, _MM_SHUFFLE(2, 0, 2, 0)),
-                                        _mm512_shuffle_i32x4(b0, b1, _MM_SHUFFLE(3, 1, 3, 1)));
+        const __m512i sums = s8_chunk_sums(qs + c * QK, n, xq + c * QK);
         __m512 sw = _mm512_permutexvar_ps(perm, scales16_512(sc, f16, row_g0, c, n, nb, bpg));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sw, _mm512_loadu_ps(xdw + c)), acc);
     }
@@ -1092,25 +1099,10 @@ TGT_512 static inline __attribute__((always_inline)) __m512 u4_chunk512(const ui
                                                                       const void *mn, int f16, int64_t b, int64_t n,
                                                                       const int16_t *x, const float *xdq,
                                                                       const float *xs) {
-    const __m512i m4 = _mm512_set1_epi16(0x000F);
     /* lane 4L + g <-> block 4g + L (the reduced order; its own inverse) */
     const __m512i perm = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-    __m512i d[4];
-    if (n == 16) {
-        for (int g = 0; g < 4; g++) QUAD_GROUP(d[g], _mm512_loadu_si512(w + 64 * g), x + 128 * g);
-    } else {
-        for (int g = 0; g < 4; g++) {
-            const int64_t left = n - 4 * g;
-            if (left <= 0) { d[g] = _mm512_setzero_si512(); continue; }
-            const __mmask64 k = left >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (left * 16)) - 1);
-            QUAD_GROUP(d[g], _mm512_maskz_loadu_epi8(k, w + 64 * g), x + 128 * g);
-        }
-    }
-    __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
-    __m512i v = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
-    __m512i sums = _mm512_add_epi32(_mm512_unpacklo_epi64(u, v), _mm512_unpackhi_epi64(u, v));
-    __m512 val = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(_mm512_permutexvar_ps(perm, scales16_512(sc, f16, 0, b, n, 0, 1)),
-                                                                       _mm512_loadu_ps(xdq)));
+    const __m512 sw = _mm512_permutexvar_ps(perm, scales16_512(sc, f16, 0, b, n, 0, 1));
+    const __m512 val = _mm512_mul_ps(_mm512_cvtepi32_ps(u4_chunk_sums(w, n, x)), _mm512_mul_ps(sw, _mm512_loadu_ps(xdq)));
     return _mm512_fmadd_ps(scales16_512(mn, f16, 0, b, n, 0, 1), _mm512_loadu_ps(xs), _mm512_permutexvar_ps(perm, val));
 }
 
@@ -1125,21 +1117,9 @@ TGT_512 static inline __attribute__((always_inline)) __m512 s8_chunk512(const in
                                          WORD_LANE(11), WORD_LANE(10), WORD_LANE(9), WORD_LANE(8),
                                          WORD_LANE(7), WORD_LANE(6), WORD_LANE(5), WORD_LANE(4),
                                          WORD_LANE(3), WORD_LANE(2), WORD_LANE(1), WORD_LANE(0));
-    __m512i d[8];
-    for (int p = 0; p < 8; p++) {
-        const int64_t left = n - 2 * p;
-        if (left <= 0) { d[p] = _mm512_setzero_si512(); continue; }
-        const __mmask64 k = left >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
-        WORD_PAIR(d[p], _mm512_maskz_loadu_epi8(k, w + 64 * p), x + 64 * p);
-    }
-    __m512i a01 = SUM4_128(d[0], d[1]), a23 = SUM4_128(d[2], d[3]), a45 = SUM4_128(d[4], d[5]),
-            a67 = SUM4_128(d[6], d[7]);
-    __m512i b0 = _mm512_add_epi32(_mm512_unpacklo_epi64(a01, a23), _mm512_unpackhi_epi64(a01, a23));
-    __m512i b1 = _mm512_add_epi32(_mm512_unpacklo_epi64(a45, a67), _mm512_unpackhi_epi64(a45, a67));
-    __m512i sums = _mm512_add_epi32(_mm512_shuffle_i32x4(b0, b1, _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_i32x4(b0, b1, _MM_SHUFFLE(3, 1, 3, 1)));
-    __m512 sw = _mm512_permutexvar_ps(perm, scales16_512(sc, f16, 0, b, n, 0, 1));
-    return _mm512_permutexvar_ps(inv, _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sw, _mm512_loadu_ps(xdw))));
+    const __m512 sw = _mm512_permutexvar_ps(perm, scales16_512(sc, f16, 0, b, n, 0, 1));
+    return _mm512_permutexvar_ps(inv, _mm512_mul_ps(_mm512_cvtepi32_ps(s8_chunk_sums(w, n, x)),
+                                                    _mm512_mul_ps(sw, _mm512_loadu_ps(xdw))));
 }
 
 TGT_512 static void stream512(int s8, const void *qs, const void *sc, const void *mn, int f16, int64_t nb,
