@@ -217,9 +217,8 @@ typedef struct {
  * one-row decode step on a 2-thread host, most of it moving the other thread's half of the
  * 192 KB row between the cores' caches. */
 typedef struct {
-    float val;
+    float val;     /* NaN where the share holds one */
     int64_t idx;   /* -1: an empty share */
-    int nan;
 } ArgPart;
 
 /* the largest value of x[i0..n1) and whether any is NaN, from the start m, nan */
@@ -264,7 +263,7 @@ TGT_AVX2 static int64_t find_first_avx2(const float *x, int64_t i0, int64_t n1, 
 #endif
 
 static ArgPart argmax_part(const float *x, int64_t n0, int64_t n1) {
-    ArgPart p = {-INFINITY, -1, 0};
+    ArgPart p = {-INFINITY, -1};
     if (n0 >= n1) return p;
     float m = -INFINITY;
     int nan = 0;
@@ -285,17 +284,16 @@ static ArgPart argmax_part(const float *x, int64_t n0, int64_t n1) {
     }
     p.val = nan ? NAN : m;
     p.idx = i;
-    p.nan = nan;
     return p;
 }
 
-/* the row's argmax from T shares in ascending order */
-static int64_t argmax_join(const ArgPart *parts, int T) {
-    ArgPart best = {-INFINITY, -1, 0};
+/* the row's argmax from T shares in ascending order, share t at parts[t * stride] */
+static int64_t argmax_join(const ArgPart *parts, int64_t stride, int T) {
+    ArgPart best = {-INFINITY, -1};
     for (int t = 0; t < T; t++) {
-        const ArgPart *p = &parts[t];
-        if (p->idx < 0 || best.nan) continue;
-        if (best.idx < 0 || p->nan || p->val > best.val) best = *p;
+        const ArgPart *p = &parts[t * stride];
+        if (p->idx < 0 || isnan(best.val)) continue;
+        if (best.idx < 0 || isnan(p->val) || p->val > best.val) best = *p;
     }
     return best.idx;
 }
@@ -765,15 +763,8 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     for (int i = 0; i < S.nt; i++) tmq_act_free(own[i].aq);
     free(own);
     if (call) g_attn->finish(call);
-    if (hd.argmax && !err && !atomic_load(&bad)) {   /* the team's shares of each row, in thread order */
-        ArgPart *row = malloc((size_t)bar.n * sizeof(ArgPart));
-        for (int64_t r = 0; row && r < n_out; r++) {
-            for (int t = 0; t < bar.n; t++) row[t] = hd.part[(int64_t)t * n_out + r];
-            hd.argmax[r] = argmax_join(row, bar.n);
-        }
-        if (!row) err = -1;
-        free(row);
-    }
+    if (hd.argmax && !err && !atomic_load(&bad))   /* the team's shares of each row, in thread order */
+        for (int64_t r = 0; r < n_out; r++) hd.argmax[r] = argmax_join(hd.part + r, n_out, bar.n);
     free(hd.part);
     free(mem);
     if (atomic_load(&bad)) {
