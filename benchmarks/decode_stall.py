@@ -9,6 +9,10 @@ alone is measured first: single requests with cached prompts, nothing else runni
 
     .venv/bin/python benchmarks/decode_stall.py --num-requests 40
 
+``--no-chain-too`` adds the bounded server without chained decode steps
+(``--num-continuous-decode-steps 1``): what the chains do to TTFT (a request arriving during a
+chain waits for its end) and to TPOT, alone and beside prefill.
+
 ``--workload agentic`` runs the same comparison on ``tokenmill bench``'s agent sessions instead
 (closed loop, ``--duration`` seconds per run): there the prefills are turns after a cache hit,
 and the table's TTFT is the turns' time to first token beside other sessions' streams.
@@ -84,6 +88,9 @@ def main() -> int:
     ap.add_argument("--no-finish-too", action="store_true",
                     help="also run the bounded server with the finishing exception off "
                          "(--prefill-finish-slowdown 0), as a third setting")
+    ap.add_argument("--no-chain-too", action="store_true",
+                    help="also run the bounded server without chained decode steps "
+                         "(--num-continuous-decode-steps 1; chains are serve's default)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat both settings, alternating which goes first (the load here drifts)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "decode_stall")
@@ -98,6 +105,9 @@ def main() -> int:
     if args.no_finish_too:
         settings["bound on, no finishing (--prefill-finish-slowdown 0)"] = [
             "--decode-slowdown", f"{args.slowdown:g}", "--prefill-finish-slowdown", "0"]
+    if args.no_chain_too:
+        settings["bound on, no chains (--num-continuous-decode-steps 1)"] = [
+            "--decode-slowdown", f"{args.slowdown:g}", "--num-continuous-decode-steps", "1"] + finish
     settings["bound off"] = ["--decode-slowdown", "0"]
     rows: dict[str, list[tuple[dict, dict]]] = {label: [] for label in settings}
     with contextlib.ExitStack() as stack:

@@ -18,6 +18,9 @@ Systems, all on the default model's Q4_1 GGUF (SmolLM2-135M-Instruct from ``llm-
     tokenmill-q4_1-long-spin  the same with the fused decode's barrier spinning 20,000 pause rounds
                      before it yields the core, as before the twenty-fourth landing (64 now;
                      TOKENMILL_SPIN_PAUSES)
+    tokenmill-q4_1-no-chain  the same with every decode step its own trip through Python
+                     (--num-continuous-decode-steps 1), as before the twenty-fifth landing (greedy
+                     steps chained in one native call is the default)
     tokenmill-q4_1-baseline  the same from another build of tokenmill: the ``src`` directory given
                      by ``--baseline-src`` (say, a worktree of an older commit with its native
                      extensions built in place), put first on the server's PYTHONPATH; for a
@@ -65,12 +68,12 @@ from peers import PeerNotInstalled, PeerServer, default_gguf, start_llama_server
 
 SYSTEMS = ("tokenmill-q4_1", "tokenmill-q4_1-fp32kv", "tokenmill-q4_1-avx512vnni", "tokenmill-q4_1-avx2",
            "tokenmill-q4_1-kvpf-t0", "tokenmill-q4_1-prefill-fp32", "tokenmill-q4_1-baseline", "tokenmill-q4_1-no-stream",
-           "tokenmill-q4_1-long-spin", "tokenmill-int8",
+           "tokenmill-q4_1-long-spin", "tokenmill-q4_1-no-chain", "tokenmill-int8",
            "tokenmill-fp32", "llama-server")
 QUANT = {"tokenmill-q4_1": "auto", "tokenmill-q4_1-fp32kv": "auto", "tokenmill-q4_1-avx512vnni": "auto",
          "tokenmill-q4_1-avx2": "auto", "tokenmill-q4_1-kvpf-t0": "auto", "tokenmill-q4_1-prefill-fp32": "auto",
          "tokenmill-q4_1-baseline": "auto", "tokenmill-q4_1-no-stream": "auto", "tokenmill-q4_1-long-spin": "auto",
-         "tokenmill-int8": "int8",
+         "tokenmill-q4_1-no-chain": "auto", "tokenmill-int8": "int8",
          "tokenmill-fp32": "none"}
 # these rows run with a switch in the environment: the integer kernel set pinned
 # (TOKENMILL_QUANT_KERNELS) instead of the CPU's default, the KV prefetched with prefetcht0, the
@@ -82,6 +85,8 @@ SYSTEM_ENV = {"tokenmill-q4_1-prefill-fp32": {"TOKENMILL_PREFILL_GEMM": "fp32"},
               "tokenmill-q4_1-kvpf-t0": {"TOKENMILL_KV_PREFETCH_T0": "1"},
               "tokenmill-q4_1-no-stream": {"TOKENMILL_NO_BLOCK_STREAM": "1"},
               "tokenmill-q4_1-long-spin": {"TOKENMILL_SPIN_PAUSES": "20000"}}
+# these rows run with a server flag of their own
+SYSTEM_ARGS = {"tokenmill-q4_1-no-chain": ["--num-continuous-decode-steps", "1"]}
 # the KV pool: auto (fp16 for packed weights, llama-server's f16 bytes; fp32 for tokenmill-fp32);
 # this row keeps the Q4_1 weights on an fp32 pool, the default before
 KV_DTYPE = {"tokenmill-q4_1-fp32kv": "fp32"}
@@ -238,8 +243,9 @@ def start_tokenmill(quantization: str, gguf: Path, threads: int, log_dir: Path, 
             "--port", str(port), "--threads", str(threads), "--quantization", quantization,
             "--max-running-requests", str(CONC), "--kv-cache-tokens", str(CONC * 1024),
             "--max-batch-tokens", "512", "--log-level", "warning", "--kv-cache-dtype", kv_dtype]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     name = name or f"tokenmill-{quantization}"
+    argv += SYSTEM_ARGS.get(name, [])
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     env.update(SYSTEM_ENV.get(name, {}))
     env.update(extra_env or {})
     srv = PeerServer(name, argv, port, "smollm2", log_dir / f"{name}.log", env)
@@ -384,7 +390,8 @@ def _report(results: dict[str, Any]) -> None:
                           for c in ("decode_tok_s@128", "decode_tok_s@2048", "prefill_tok_s@1000", "conc16_total_tok_s"))
         print(f"  q4_1 kernel set avx2 / avx512vnni: {cells}")
     for other, what in (("tokenmill-q4_1-no-stream", "block stream / row kernels"),
-                        ("tokenmill-q4_1-long-spin", "short / long barrier spin")):
+                        ("tokenmill-q4_1-long-spin", "short / long barrier spin"),
+                        ("tokenmill-q4_1-no-chain", "chained / single decode steps")):
         if other in S:
             print(f"  q4_1 {what}: decode @128 {ratio('tokenmill-q4_1', other, 'decode_tok_s@128')}"
                   f"   @2048: {ratio('tokenmill-q4_1', other, 'decode_tok_s@2048')}"

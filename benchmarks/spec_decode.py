@@ -245,7 +245,9 @@ def main() -> int:
     print(f"tokenmill weights: {args.quantization}, {torch.get_num_threads()} thread(s)")
     prompts = {w: ps for w, ps in workloads(args.prompts, loaded.tokenizer).items()
                if w in args.workloads.split(",")}
-    configs = {"none": {}, "ngram": {"speculative_method": "ngram"}, "suffix": {"speculative_method": "suffix"}}
+    configs = {"none": {}, "none-single": {"num_continuous_decode_steps": 1}, "ngram": {"speculative_method": "ngram"},
+               "ngram-single": {"speculative_method": "ngram", "num_continuous_decode_steps": 1},
+               "suffix": {"speculative_method": "suffix"}}
     for label, path in (("dflash-base", args.base_drafter), ("dflash-ft", args.drafter)):
         if Path(path, "config.json").is_file():
             configs[label] = {"speculative_method": "dflash", "speculative_model": path}

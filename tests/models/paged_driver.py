@@ -53,12 +53,16 @@ class PagedDriver:
         self.slots: dict[str, int] = {}
 
     def step(self, chunks: Sequence[tuple[str, Sequence[int]]], all_rows: bool = False,
-             capture_layers: frozenset[int] = frozenset(), sample: bool = True) -> torch.Tensor:
+             capture_layers: frozenset[int] = frozenset(), sample: bool = True,
+             decode_steps: int = 1) -> torch.Tensor:
         """Append each ``(seq, tokens)`` chunk to its sequence and run one forward.
 
         Returns logits of each chunk's last token (``all_rows``: of every token; ``sample=False``:
         of none, as for prefill chunks that do not finish their prompts), in order. The step's
         context (with the hidden states of ``capture_layers``) is kept in ``last_ctx``.
+        ``decode_steps > 1``: one token per sequence, chained greedy steps
+        (``ForwardContext.decode_steps``): pages for the chain are allocated first, each sequence
+        grows by ``decode_steps`` tokens, and the tokens are in ``last_ctx.step_tokens``.
         """
         ps = self.page_size
         ids: list[int] = []
@@ -71,9 +75,9 @@ class PagedDriver:
             start = self.lens.get(seq, 0)
             end = start + len(toks)
             table = self.pages.setdefault(seq, [])
-            while len(table) * ps < end:
+            while len(table) * ps < end + decode_steps - 1:
                 table.append(self.free.pop())
-            self.lens[seq] = end
+            self.lens[seq] = end + decode_steps - 1
             ids.extend(toks)
             for p in range(start, end):
                 pos.append(p)
@@ -94,7 +98,21 @@ class PagedDriver:
             state_slots=(torch.tensor([self.slots[seq] for seq, _ in chunks], dtype=torch.long)
                          if self.states is not None else None))
         self.last_ctx = ForwardContext.prepare(self.attn, batch, self.kv, capture_layers, states=self.states)
+        self.last_ctx.decode_steps = decode_steps
         return self.model(self.last_ctx)
+
+    def seq_kv(self, seq: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V) rows of ``seq``'s tokens, in position order, read through its pages
+        as float32 (fp8 pages as their stored bytes)."""
+        ps, n = self.page_size, self.lens[seq]
+        slots = torch.tensor([self.pages[seq][p // ps] * ps + p % ps for p in range(n)])
+        out = []
+        for c in self.kv:
+            data = c.data if hasattr(c, "per_token") else c
+            flat = data.reshape(2, -1, *data.shape[3:])
+            k, v = flat[0][slots], flat[1][slots]
+            out.append((k.float() if k.is_floating_point() else k, v.float() if v.is_floating_point() else v))
+        return out
 
 
 def hf_logits(ref: Any, tokens: Sequence[int]) -> torch.Tensor:

@@ -471,3 +471,101 @@ def test_fused_fp16_kv_write_is_torchs_rounding_saturated():
     nan = torch.tensor([float("nan")])
     native.f16_quantize(nan.data_ptr(), out.data_ptr(), 1)
     assert torch.isnan(out[0])
+
+
+def _chain_then_singles(model: Any, kv_dtype: str, steps: int, threads: int):
+    """Three sequences prefilled, then ``steps`` greedy decode steps twice over, in two pools:
+    chained in one native call, and one step at a time feeding each argmax back. Returns the
+    tokens [steps, 3], last logits and each sequence's KV rows of both."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = []
+        for chained in (True, False):
+            drv = _driver(model, kv_dtype)
+            model.set_fused_decode(True)
+            prompts = {"a": [5, 9, 11], "b": [7, 3, 8, 21, 4, 6], "c": [13]}
+            first = drv.step(list(prompts.items())).argmax(dim=-1).tolist()
+            chunks = [(s, [t]) for s, t in zip(prompts, first)]
+            if chained:
+                logits = drv.step(chunks, decode_steps=steps)
+                tokens = drv.last_ctx.step_tokens
+                assert drv.last_ctx.logits_argmax.tolist() == tokens[-1].tolist()
+            else:
+                rows = []
+                for _ in range(steps):
+                    logits = drv.step(chunks)
+                    rows.append(drv.last_ctx.logits_argmax.tolist())
+                    chunks = [(s, [t]) for s, t in zip(prompts, rows[-1])]
+                tokens = torch.tensor(rows)
+            out.append((tokens, logits, {s: drv.seq_kv(s) for s in prompts}))
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name,kv_dtype", [("llama-int4", "float32"), ("llama-int4", "float16"),
+                                           ("qwen2-int4", "fp8-token"), ("llama-int8", "bfloat16")])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chained_decode_steps_equal_one_step_at_a_time(packed, name, kv_dtype, threads):
+    """``decode_steps`` greedy steps in one native call (each step's input the last one's argmax,
+    embedded in C) give the same tokens, the same last logits bit for bit and the same K/V bytes
+    at every position as the steps run one at a time from Python."""
+    model = packed[name].model
+    assert model.chains_decode_steps(3, select_attention_backend(model.kv_cache_spec(), "cpu", torch.float32,
+                                                                 "native"), _driver(model, "float32").kv)
+    (t1, l1, kv1), (t2, l2, kv2) = _chain_then_singles(model, kv_dtype, 5, threads)
+    assert t1.shape == (5, 3) and t1.tolist() == t2.tolist()
+    assert torch.equal(l1, l2)
+    for seq in kv1:
+        assert len(kv1[seq][0][0]) == len(kv2[seq][0][0])
+        for (k1, v1), (k2, v2) in zip(kv1[seq], kv2[seq]):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_chained_decode_steps_refusals(packed):
+    """Chains need the packed head and an embedding (an fp32 model's head is torch's, so it says
+    no), one row per sequence, and at least one step."""
+    fp32 = packed["llama-fp32"].model
+    drv = _driver(fp32, "float32")
+    assert not fp32.chains_decode_steps(1, drv.attn, drv.kv)
+    model = packed["llama-int4"].model
+    stack = model.fused_decode_stack()
+    drv = _driver(model, "float32")
+    model.set_fused_decode(True)
+    drv.step([("a", [3, 4, 5])])
+    h = torch.zeros(2, model.args.hidden_size)
+    drv.step([("a", [6, 7])], sample=False)
+    ctx = drv.last_ctx
+    model.rotary.ensure(64)
+    cos, sin = model.rotary.cos_table, model.rotary.sin_table
+    with pytest.raises(ValueError, match="one row per sequence"):   # two rows of one sequence
+        stack.run_steps(h, cos, sin, drv.kv, ctx.meta, torch.tensor([3, 4]), 3)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        stack.run_steps(h[:1], cos, sin, drv.kv, ctx.meta, torch.tensor([3]), 0)
+    emb = stack._embed
+    try:
+        stack._embed = None
+        with pytest.raises(ValueError, match="set_embedding"):
+            stack.run_steps(h[:1], cos, sin, drv.kv, ctx.meta, torch.tensor([3]), 2)
+        assert not model.chains_decode_steps(1, drv.attn, drv.kv)
+    finally:
+        stack._embed = emb
+
+
+def test_chained_steps_with_an_fp32_embedding(packed):
+    """An embedding of plain fp32 rows (a GGUF whose token table is f32 / f16) is read in place
+    by the chain: with the packed int8 table's own values as fp32 rows, the same tokens and
+    logits as with the packed table."""
+    from tokenmill.layers.linear import DenseLinear
+
+    model = packed["llama-int4"].model
+    stack = model.fused_decode_stack()
+    assert isinstance(model.embed_tokens, packed_mod.Int8Linear)
+    (t1, l1, _), _ = _chain_then_singles(model, "float32", 4, 1)
+    try:
+        assert stack.set_embedding(DenseLinear(model.embed_tokens.dequantize().contiguous()))
+        (t2, l2, _), _ = _chain_then_singles(model, "float32", 4, 1)
+    finally:
+        assert stack.set_embedding(model.embed_tokens)
+    assert t1.tolist() == t2.tolist() and torch.equal(l1, l2)

@@ -628,6 +628,51 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
 #undef MATMUL
 }
 
+/* Continuous decode steps (decode_layers' `steps` > 1): the call runs `steps` one-row-per-sequence
+ * steps back to back, each step's input the previous one's argmax (greedy decoding without a trip
+ * through Python). Between steps thread 0 joins the argmax shares into tokens[s], writes each row's
+ * embedding (row `token` of emb, dequantized as the Python embedding does) into h, and moves the
+ * step's own copies of the positions, sequence lengths and KV slots one token on (slot = the
+ * page of the new position in the sequence's block table; the caller has allocated those pages).
+ * The other threads wait at a barrier and then copy h as at the start of any step. */
+typedef struct {
+    int64_t steps;
+    int64_t *tokens;       /* [steps, M]: each step's token per row */
+    TmqMat emb;            /* the embedding (U4, S8 or F32 rows of H) */
+    int64_t *pos, *slots, *seq_lens;   /* the step's own copies (Step points at them) */
+} Chain;
+
+/* thread 0, after step s's head: record its tokens; unless it was the last, make step s + 1's
+ * inputs. A token outside the embedding, or a position past the block table, sets *err. */
+static void chain_advance(const Chain *c, int64_t s, const Step *S, const Bufs *B, const Head *hd, int T, int *err) {
+    const int64_t M = S->M, ps = S->page_size;
+    for (int64_t r = 0; r < M; r++) {
+        const int64_t tok = argmax_join(hd->part + r, hd->n, T);
+        c->tokens[s * M + r] = tok;
+        hd->argmax[r] = tok;
+        if (s + 1 == c->steps) continue;
+        const int64_t p = c->pos[r] + 1;
+        if (tok < 0 || tmq_dequant_row(&c->emb, tok, B->h + r * S->H)) { *err = -3; return; }
+        if (p / ps >= S->bt_stride) { *err = -4; return; }
+        c->pos[r] = p;
+        c->seq_lens[r] += 1;
+        c->slots[r] = S->bt[r * S->bt_stride + p / ps] * ps + p % ps;
+    }
+}
+
+/* every thread: the call's steps (one, or a chain) */
+static void run_steps_team(const Chain *c, const int64_t *tab, int64_t L, const Step *S, const Bufs *B,
+                           const Head *hd, Own *own, void **call, int *err, atomic_int *bad, SpinBar *bar) {
+    for (int64_t s = 0;; s++) {
+        run_layers_team(tab, L, S, B, hd, own, call, err, bad, bar);
+        if (!c) return;
+        bar_wait(bar);   /* every share of the argmax is written */
+        if (omp_get_thread_num() == 0 && !*err && !atomic_load(bad)) chain_advance(c, s, S, B, hd, bar->n, err);
+        bar_wait(bar);
+        if (*err || atomic_load(bad) || s + 1 == c->steps) return;
+    }
+}
+
 /* a matrix description the kernels take, with the pointers its kind reads */
 static int mat_ok(const TmqMat *m) {
     return tmq_check_mat(m) && m->qs && (m->kind == TMQ_F32 || m->sc) && (m->kind != TMQ_U4 || m->mn);
@@ -668,22 +713,26 @@ static int check_layers(const int64_t *table, int64_t L, const Step *S, size_t *
 #define PTR(T, v) ((T)(uintptr_t)(v))
 
 /* decode_layers(h, M, table, L, H, hq, hkv, d, inter, eps, scale, cos, sin, slots, bt, bt_stride,
- *               qsl, seq_lens, num_seqs, page_size, kv_kind, threads, head, norm, idx, n, logits, argmax, pos)
+ *               qsl, seq_lens, num_seqs, page_size, kv_kind, threads, head, norm, idx, n, logits, argmax, pos,
+ *               steps, tokens, embed)
  * kv_kind: TM_KV_* of the pool (attention.h); fp8 pools give each layer row its scale pointers
  * h [M, H] fp32 is updated in place through layers table[0..L). head (0: none) points at the
  * output head's MAT_FIELDS: then logits [n, head N] = head(rmsnorm(h[idx[r]]) * norm) (Head),
  * and argmax (0: not wanted) [n] int64 gets each logits row's first largest index. cos / sin are
  * the rotary rows of the M tokens [M, d], or (pos given: int64 [M]) whole tables whose row pos[t]
- * is token t's: the caller then need not gather them. */
+ * is token t's: the caller then need not gather them. steps (default 1) > 1 chains that many
+ * greedy steps (Chain): then tokens [steps, M] int64 receives each step's tokens and embed points
+ * at the embedding's MAT_FIELDS; it needs one row per sequence, all of them to the head, and
+ * the pages of the chain's positions in the block tables. */
 PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     unsigned long long h, table, cos, sin, slots, bt, qsl, sl, head = 0, norm = 0, idx = 0, logits = 0, argmax = 0,
-                       pos = 0;
-    long long M, L, H, hq, hkv, d, inter, bt_stride, n_out = 0;
+                       pos = 0, tokens = 0, embed = 0;
+    long long M, L, H, hq, hkv, d, inter, bt_stride, n_out = 0, steps = 1;
     float eps, scale;
     int num_seqs, page_size, kv_kind, nt;
-    if (!PyArg_ParseTuple(args, "KLKLLLLLLffKKKKLKKiiii|KKKLKKK", &h, &M, &table, &L, &H, &hq, &hkv, &d, &inter, &eps,
-                          &scale, &cos, &sin, &slots, &bt, &bt_stride, &qsl, &sl, &num_seqs, &page_size, &kv_kind,
-                          &nt, &head, &norm, &idx, &n_out, &logits, &argmax, &pos))
+    if (!PyArg_ParseTuple(args, "KLKLLLLLLffKKKKLKKiiii|KKKLKKKLKK", &h, &M, &table, &L, &H, &hq, &hkv, &d, &inter,
+                          &eps, &scale, &cos, &sin, &slots, &bt, &bt_stride, &qsl, &sl, &num_seqs, &page_size,
+                          &kv_kind, &nt, &head, &norm, &idx, &n_out, &logits, &argmax, &pos, &steps, &tokens, &embed))
         return NULL;
     if (M <= 0 || L < 0 || H <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || inter <= 0 ||
         num_seqs <= 0 || page_size <= 0 || d > TM_ATTENTION_MAX_HEAD_DIM || hq / hkv > TM_ATTENTION_MAX_GROUP ||
@@ -720,6 +769,32 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
+    Chain chain = {steps, PTR(int64_t *, tokens), {0}, NULL, NULL, NULL};
+    if (steps != 1) {   /* a chain: one row per sequence, every row to the head, the embedding given */
+        int ok = steps > 1 && head && argmax && pos && tokens && embed && n_out == M && num_seqs == M;
+        for (int64_t r = 0; ok && r < M; r++) ok = hd.idx[r] == r && PTR(const int64_t *, qsl)[r] == r;
+        if (ok) {
+            chain.emb = mat_at(PTR(const int64_t *, embed));
+            ok = chain.emb.K == H && (chain.emb.kind == TMQ_F32 ? chain.emb.qs != NULL : mat_ok(&chain.emb));
+        }
+        if (!ok) {
+            PyErr_Format(PyExc_ValueError, "decode_layers: %lld chained steps need one row per sequence, the head "
+                         "with every row, argmax, positions, a tokens buffer and an embedding of width %lld",
+                         steps, H);
+            return NULL;
+        }
+        int64_t *own_ints = malloc(sizeof(int64_t) * (size_t)(3 * M));
+        if (!own_ints) return PyErr_NoMemory();
+        memcpy(own_ints, PTR(const int64_t *, pos), sizeof(int64_t) * (size_t)M);
+        memcpy(own_ints + M, PTR(const int64_t *, slots), sizeof(int64_t) * (size_t)M);
+        memcpy(own_ints + 2 * M, PTR(const int64_t *, sl), sizeof(int64_t) * (size_t)M);
+        chain.pos = own_ints;
+        chain.slots = own_ints + M;
+        chain.seq_lens = own_ints + 2 * M;
+        S.pos = chain.pos;
+        S.slots = chain.slots;
+        S.seq_lens = chain.seq_lens;
+    }
     const int64_t qsz = hq * d, qn = qsz + 2 * hkv * d;
     /* shared scratch, then each thread's own (Own: h for threads 1.., x, act), cache-line aligned */
     const size_t shared = ((size_t)M * (H + qn + qsz + 2 * inter) + 15) / 16 * 16,
@@ -743,6 +818,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
         free(own);
         free(mem);
         free(hd.part);
+        free(chain.pos);
         return PyErr_NoMemory();
     }
     float *tmp = mem, *qkv = tmp + M * H, *att = qkv + M * qn, *gu = att + M * qsz;
@@ -758,12 +834,13 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     bar.n = 1;
     Py_BEGIN_ALLOW_THREADS
     #pragma omp parallel num_threads(S.nt)
-    run_layers_team(tab, L, &S, &B, &hd, own, &call, &err, &bad, &bar);
+    run_steps_team(steps > 1 ? &chain : NULL, tab, L, &S, &B, &hd, own, &call, &err, &bad, &bar);
     Py_END_ALLOW_THREADS
     for (int i = 0; i < S.nt; i++) tmq_act_free(own[i].aq);
     free(own);
     if (call) g_attn->finish(call);
-    if (hd.argmax && !err && !atomic_load(&bad))   /* the team's shares of each row, in thread order */
+    free(chain.pos);
+    if (hd.argmax && steps == 1 && !err && !atomic_load(&bad))   /* the team's shares of each row, in thread order */
         for (int64_t r = 0; r < n_out; r++) hd.argmax[r] = argmax_join(hd.part + r, n_out, bar.n);
     free(hd.part);
     free(mem);
@@ -775,6 +852,11 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     if (err == -2) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: the attention kernel refused the head shape "
                         "(or ran out of memory)");
+        return NULL;
+    }
+    if (err == -3 || err == -4) {
+        PyErr_SetString(PyExc_ValueError, err == -3 ? "decode_layers: a chained step's token is outside the embedding"
+                                                    : "decode_layers: a chained step's position is past its block table");
         return NULL;
     }
     Py_RETURN_NONE;

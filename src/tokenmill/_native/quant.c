@@ -2265,6 +2265,53 @@ static PyObject *py_gemm_s8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Row n of a packed matrix dequantized into o[K] (the dequant_* bindings and tmq_dequant_row):
+ * rows [n] of qs, scale (and min) groups from g0 = n * G on */
+static void deq_u4_row(const uint8_t *row, const void *sc, const void *mn, int64_t g0, int f16, int64_t K,
+                       int64_t group, float *o, int use) {
+    const int64_t nb = (K + QK - 1) / QK, bpg = group / QK;
+    (void)use;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t g = g0 + b / bpg, cnt = K - b * QK < QK ? K - b * QK : QK;
+        const float s = load_scale(sc, g, f16), m = load_scale(mn, g, f16);
+#if TM_X86 && defined(__GNUC__)
+        if (use >= ISA_AVX2) { deq_u4_block_avx2(row + b * 16, s, m, o + b * QK, cnt); continue; }
+#endif
+        deq_u4_block_scalar(row + b * 16, s, m, o + b * QK, cnt);
+    }
+}
+
+static void deq_s8_row(const int8_t *row, const void *sc, int64_t g0, int f16, int64_t K, int64_t group, float *o,
+                       int use) {
+    const int64_t nb = (K + QK - 1) / QK, bpg = group / QK;
+    (void)use;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t cnt = K - b * QK < QK ? K - b * QK : QK;
+        const float s = load_scale(sc, g0 + b / bpg, f16);
+#if TM_X86 && defined(__GNUC__)
+        if (use >= ISA_AVX2) { deq_s8_block_avx2(row + b * QK, s, o + b * QK, cnt); continue; }
+#endif
+        deq_s8_block_scalar(row + b * QK, s, o + b * QK, cnt);
+    }
+}
+
+int tmq_dequant_row(const TmqMat *w, int64_t n, float *out) {
+    if (n < 0 || n >= w->N) return -1;
+    const int64_t K = w->K, Kp = (K + QK - 1) / QK * QK, G = (K + w->group - 1) / w->group;
+    switch (w->kind) {
+    case TMQ_U4:
+        deq_u4_row((const uint8_t *)w->qs + n * (Kp / 2), w->sc, w->mn, n * G, (int)w->f16, K, w->group, out, isa());
+        return 0;
+    case TMQ_S8:
+        deq_s8_row((const int8_t *)w->qs + n * Kp, w->sc, n * G, (int)w->f16, K, w->group, out, isa());
+        return 0;
+    case TMQ_F32:
+        memcpy(out, (const float *)w->qs + n * K, (size_t)K * sizeof(float));
+        return 0;
+    }
+    return -1;
+}
+
 /* dequant_u4(qs, sc, mn, f16, N, K, group, out, threads): out fp32 [N, K] */
 static PyObject *py_dequant_u4(PyObject *self, PyObject *args) {
     unsigned long long qs, sc, mn, out;
@@ -2275,23 +2322,13 @@ static PyObject *py_dequant_u4(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "dequant_u4: bad sizes N=%lld K=%lld group=%lld", N, K, group);
         return NULL;
     }
-    int use = isa();
-    (void)use;
+    const int use = isa();
     Py_BEGIN_ALLOW_THREADS
-    int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
+    const int64_t Kp = (K + QK - 1) / QK * QK, G = (K + group - 1) / group;
     #pragma omp parallel for num_threads(nt < 1 ? 1 : nt) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = PTR(const uint8_t *, qs) + n * (Kp / 2);
-        float *o = PTR(float *, out) + n * K;
-        for (int64_t b = 0; b < nb; b++) {
-            int64_t g = n * G + b / bpg, cnt = K - b * QK < QK ? K - b * QK : QK;
-            float s = load_scale(PTR(const void *, sc), g, f16), m = load_scale(PTR(const void *, mn), g, f16);
-#if TM_X86 && defined(__GNUC__)
-            if (use >= ISA_AVX2) { deq_u4_block_avx2(row + b * 16, s, m, o + b * QK, cnt); continue; }
-#endif
-            deq_u4_block_scalar(row + b * 16, s, m, o + b * QK, cnt);
-        }
-    }
+    for (int64_t n = 0; n < N; n++)
+        deq_u4_row(PTR(const uint8_t *, qs) + n * (Kp / 2), PTR(const void *, sc), PTR(const void *, mn), n * G, f16,
+                   K, group, PTR(float *, out) + n * K, use);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -2305,23 +2342,13 @@ static PyObject *py_dequant_s8(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "dequant_s8: bad sizes N=%lld K=%lld group=%lld", N, K, group);
         return NULL;
     }
-    int use = isa();
-    (void)use;
+    const int use = isa();
     Py_BEGIN_ALLOW_THREADS
-    int64_t nb = (K + QK - 1) / QK, Kp = nb * QK, G = (K + group - 1) / group, bpg = group / QK;
+    const int64_t Kp = (K + QK - 1) / QK * QK, G = (K + group - 1) / group;
     #pragma omp parallel for num_threads(nt < 1 ? 1 : nt) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *row = PTR(const int8_t *, qs) + n * Kp;
-        float *o = PTR(float *, out) + n * K;
-        for (int64_t b = 0; b < nb; b++) {
-            int64_t cnt = K - b * QK < QK ? K - b * QK : QK;
-            float s = load_scale(PTR(const void *, sc), n * G + b / bpg, f16);
-#if TM_X86 && defined(__GNUC__)
-            if (use >= ISA_AVX2) { deq_s8_block_avx2(row + b * QK, s, o + b * QK, cnt); continue; }
-#endif
-            deq_s8_block_scalar(row + b * QK, s, o + b * QK, cnt);
-        }
-    }
+    for (int64_t n = 0; n < N; n++)
+        deq_s8_row(PTR(const int8_t *, qs) + n * Kp, PTR(const void *, sc), n * G, f16, K, group,
+                   PTR(float *, out) + n * K, use);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -38,6 +38,10 @@ void tmq_act_free(void *act);
 size_t tmq_act_bytes(const TmqMat *w, int64_t M);
 void *tmq_act_buffer(size_t bytes);
 int tmq_act_quantize_into(void *buf, const TmqMat *w, const float *x, int64_t M);
+/* row n of w dequantized into out [K] fp32, with the dequant_u4 / dequant_s8 bindings' values
+ * (the embedding rows of tokenmill's packed embeddings); TMQ_F32 copies the row. 0, or -1 for a row
+ * outside w. */
+int tmq_dequant_row(const TmqMat *w, int64_t n, float *out);
 /* 1 when the matrix description is one the kernels take. */
 int tmq_check_mat(const TmqMat *w);
 

@@ -41,6 +41,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a prefill that keeps the step within this many times the "
                         "decodes-only step time whole is prefilled at once instead of in bounded chunks (an agent "
                         "turn after a cache hit); 0: every chunk keeps --decode-slowdown")
+    g.add_argument("--num-continuous-decode-steps", type=int, default=d.num_continuous_decode_steps,
+                   help="greedy decode steps run back to back in one native call while every running request "
+                        "decodes greedily and nothing waits (fewer trips through Python per token; tokens "
+                        "stream in bursts of this many); 1 turns it off")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    help="worker ranks sharing the model (torch.distributed: gloo on cpu, NCCL on cuda)")
     g.add_argument("--tp-pin-cores", action="store_true",

@@ -80,6 +80,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
                                           # (x the decodes-only step; None: prefill fills the step)
     prefill_finish_slowdown: float | None = 6.0   # ... or this many x, for a step that does a short
                                           # whole prefill at once (None: always the bound)
+    num_continuous_decode_steps: int = 8   # most greedy decode steps chained in one forward (1: off;
+                                           # see Engine._decode_steps)
     quantization: str = "auto"       # weight format, see tokenmill.layers.quant.methods.QuantConfig
     quant_group_size: int = 128      # int4: inputs per scale group (a multiple of 32)
     quant_symmetric: bool = False    # int4: symmetric (scale only) instead of scale + min
@@ -156,6 +158,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quant_group_size <= 0 or self.quant_group_size % 32:
             raise ValueError(f"quant_group_size must be a positive multiple of 32, got {self.quant_group_size}")
+        if not self.num_continuous_decode_steps >= 1:
+            raise ValueError(f"num_continuous_decode_steps must be >= 1, got {self.num_continuous_decode_steps}")
         if self.speculative_method is not None:
             if self.speculative_method not in SPECULATIVE_METHODS:
                 raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, "

@@ -35,7 +35,7 @@ from tokenmill.engine.parallel import ParallelRunner, WorkerSpec, check_tensor_p
 from tokenmill.engine.request import ListView, Request, RequestOutput, RequestStatus
 from tokenmill.contracts.kv import KVCacheSpec, PagedKV
 from tokenmill.contracts.sampling import SamplingParams
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.step_cost import StepCost, StepTimes, step_kind
 from tokenmill.engine.structured import GrammarCompiler, GrammarWaitRoom
 
@@ -44,6 +44,11 @@ if TYPE_CHECKING:
     from tokenmill.loader import LoadedModel
 
 log = logging.getLogger(__name__)
+
+# Chained greedy decode steps (EngineConfig.num_continuous_decode_steps) run for at most about this
+# long, at the decode step time measured for the batch size: a request arriving meanwhile waits
+# for the chain to end before its prefill starts.
+CHAIN_BUDGET_S = 0.03
 
 
 @dataclass
@@ -96,6 +101,7 @@ class Engine:
         self.step_cost = (StepCost(config.decode_slowdown, finish_slowdown=config.prefill_finish_slowdown)
                           if config.decode_slowdown else None)
         self.step_times = StepTimes()   # wall time of steps by kind (decode, mixed, prefill)
+        self._decode_step_s: dict[int, float] = {}   # decode-only step seconds by rows (chain lengths)
         self.scheduler = Scheduler(self.kv, max_batch_tokens=config.max_batch_tokens,
                                    max_running_requests=config.max_running_requests,
                                    step_cost=self.step_cost)
@@ -403,10 +409,16 @@ class Engine:
             return expired + failed
         if self.spec is not None:   # a learned drafter's hidden states, for the requests that may draft soon
             self.runner.capture_layers = self.spec.plan_capture(out)
+        steps = self._decode_steps(out) if self.config.num_continuous_decode_steps > 1 else 1
         t0 = time.perf_counter()
-        result = self.runner.execute(out)
-        seconds = time.perf_counter() - t0
-        self.step_times.observe(step_kind(out.scheduled), seconds)
+        result = self.runner.execute(out) if steps == 1 else self.runner.execute(out, decode_steps=steps)
+        seconds = (time.perf_counter() - t0) / steps   # the step-time models learn one step's time
+        kind = step_kind(out.scheduled)
+        self.step_times.observe(kind, seconds)
+        if kind == "decode" and self.config.num_continuous_decode_steps > 1:
+            rows = len(out.scheduled)
+            last = self._decode_step_s.get(rows)
+            self._decode_step_s[rows] = seconds if last is None else last + 0.3 * (seconds - last)
         if self.step_cost is not None:
             self.step_cost.observe_step(out.scheduled, seconds)
         if self.spec is not None:
@@ -419,6 +431,37 @@ class Engine:
             self.tiers.end_step()
         self._maybe_check_idle()
         return expired + outputs
+
+    def _decode_steps(self, out: SchedulerOutput) -> int:
+        """How many greedy decode steps to chain in this step: up to ``num_continuous_decode_steps``
+        and as many as fit in ``CHAIN_BUDGET_S`` at the decode step time measured for this many
+        rows (1: none), so that a request arriving meanwhile waits at most that long. Only when the
+        step is every running request's decode without drafts and nothing waits, every request
+        decodes greedily from plain logits (no penalties, logprobs or grammar) with room for the
+        tokens, and the runner can (a learned drafter's captures rule it out). The chain's pages
+        are allocated here (none found: no chain)."""
+        sched = self.scheduler
+        if self.spec is not None and any(s.num_draft for s in out.scheduled):
+            return 1   # a verify step (a step without drafts may chain; the proposer drafts again after it)
+        if sched.waiting or len(self._compiling) or len(out.scheduled) != len(sched.running):
+            return 1
+        step_s = self._decode_step_s.get(len(out.scheduled))
+        if step_s is None:   # a batch size not timed yet: this step times it
+            return 1
+        n = min(self.config.num_continuous_decode_steps, int(CHAIN_BUDGET_S / max(step_s, 1e-6)))
+        for s in out.scheduled:
+            req, p = s.request, s.request.params
+            if (s.num_tokens != 1 or s.num_draft or not s.samples or not p.greedy or p.uses_penalties
+                    or p.logprobs is not None or req.grammar is not None):
+                return 1
+            n = min(n, p.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        chains = getattr(self.runner, "chains_decode_steps", None)
+        if n < 2 or chains is None or not chains(len(out.scheduled)):
+            return 1
+        for s in out.scheduled:
+            if not sched.kv.allocate(s.request, s.request.num_tokens + n - 1):
+                return 1
+        return n
 
     def _take_compiled(self) -> list[RequestOutput]:
         """Queue the requests whose grammar is ready; finish those whose grammar failed."""
@@ -441,7 +484,8 @@ class Engine:
             accepted_draft = j < s.num_accepted
             if accepted_draft:   # its K/V was written by this step
                 req.num_accepted_draft_tokens += 1
-            if self._append(req, token, s.logprobs[j] if s.logprobs is not None else None, accepted_draft):
+            computed = accepted_draft or j < s.num_chained   # (a chained step's K/V too)
+            if self._append(req, token, s.logprobs[j] if s.logprobs is not None else None, computed):
                 break
         return self._output(req, num_new=n)
 

@@ -59,6 +59,7 @@ class SampledTokens(NamedTuple):
     logprobs: list[TokenLogprob] | None
     num_draft: int = 0       # drafts verified
     num_accepted: int = 0    # drafts accepted (the first ``num_accepted`` of ``token_ids``)
+    num_chained: int = 0     # chained decode steps: the first ``num_chained`` tokens' K/V is written
 
 
 class StepResult(NamedTuple):
@@ -284,11 +285,20 @@ class ModelRunner:
         )
         return batch, samplers
 
-    def forward(self, batch: ForwardBatch, capture_layers: frozenset[int] = frozenset()) -> ForwardContext:
+    def chains_decode_steps(self, rows: int) -> bool:
+        """Whether :meth:`execute` can chain greedy decode steps for a decode batch of ``rows``
+        sequences (``decode_steps``): the model's native path can, and nothing this runner
+        does per step (hidden-state capture, recurrent states) would be skipped by it."""
+        return (self.states is None and not self.capture_layers
+                and self.model.chains_decode_steps(rows, self.attn, self.kv_caches))
+
+    def forward(self, batch: ForwardBatch, capture_layers: frozenset[int] = frozenset(),
+                decode_steps: int = 1) -> ForwardContext:
         """Run the model over ``batch``; the context holds the logits' inputs and any captures.
         ``compute_hook`` (when set) runs once as the computation starts: inside the model where
         it calls ``ForwardContext.compute_starts`` (``calls_compute_hook``), else before it."""
         ctx = ForwardContext.prepare(self.attn, batch, self.kv_caches, capture_layers, self.states)
+        ctx.decode_steps = decode_steps
         ctx.on_compute = self.compute_hook
         if not getattr(self.model, "calls_compute_hook", False):
             ctx.compute_starts()
@@ -307,7 +317,13 @@ class ModelRunner:
                 self.states.copy(snap, s.request.state_slot)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput, decode_steps: int = 1) -> StepResult:
+        """Run the step. ``decode_steps > 1`` (only where :meth:`chains_decode_steps` allowed
+        it, for a batch of greedy decodes whose pages reach ``decode_steps - 1`` tokens past
+        their ends): that many greedy steps in one forward; each request gets ``decode_steps``
+        tokens, the first ``decode_steps - 1`` with their K/V written (``num_chained``)."""
+        if decode_steps > 1:
+            return self._execute_chained(out, decode_steps)
         self.restore_states(out)
         batch, samplers = self.build_batch(out)
         if self.states is not None:   # linear layers keep per-position states for verify rows
@@ -352,6 +368,20 @@ class ModelRunner:
             logprobs = [_token_logprob(tok, lp)] if lp is not None else None
             sampled.append(SampledTokens(req, [tok], logprobs))
         return StepResult(sampled, ctx.captured, q_start)
+
+    def _execute_chained(self, out: SchedulerOutput, steps: int) -> StepResult:
+        batch, samplers = self.build_batch(out)
+        ps = self.page_size
+        for s in out.scheduled:   # the engine allocated the chain's pages; a gap would write into page 0
+            if len(s.request.page_table) * ps < s.start + steps:
+                raise RuntimeError(f"request {s.request.request_id}: {len(s.request.page_table)} pages for a chain "
+                                   f"of {steps} steps from position {s.start}")
+        ctx = self.forward(batch, frozenset(), steps)
+        if ctx.step_tokens is None:
+            raise RuntimeError(f"the model did not chain the {steps} decode steps it said it could")
+        columns = ctx.step_tokens.t().tolist()
+        sampled = [SampledTokens(req, col, None, num_chained=steps - 1) for req, col in zip(samplers, columns)]
+        return StepResult(sampled, {}, [])
 
     def _commit_states(self, out: SchedulerOutput, sampled: list[SampledTokens]) -> None:
         """Hybrid models: roll each verified request's state slot back to its last accepted

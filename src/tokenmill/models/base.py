@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -70,6 +70,12 @@ class CausalLM(nn.Module, abc.ABC):
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Run one step over ``ctx.batch``; write the new tokens' KV through ``ctx.attn`` into
         ``ctx.kv_caches``; return fp32 logits ``[len(ctx.batch.logits_indices), vocab]``."""
+
+    def chains_decode_steps(self, rows: int, attn: Any, kv_caches: Sequence[Any]) -> bool:
+        """Whether :meth:`forward` can run ``ctx.decode_steps > 1`` (greedy steps chained in one
+        call, ``ForwardContext.decode_steps``) for a batch of ``rows`` decode rows, one per
+        sequence, on this backend and pool. No model can unless it says so."""
+        return False
 
     @abc.abstractmethod
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:

@@ -11,7 +11,7 @@ matrix and gate/up into one ``gate_up_proj``. Every matmul goes through a linear
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -102,7 +102,8 @@ class LlamaForCausalLM(CausalLM):
         stack = self.fused_decode_stack() if self._fused_on else None
         ctx.compute_starts()
         if stack is not None and stack.applies(h.shape[0], ctx.attn, ctx.kv_caches):
-            self.rotary.ensure(batch.max_seq_len)   # the native code reads the tables' rows in place
+            # the native code reads the tables' rows in place (chained steps: past the batch's end)
+            self.rotary.ensure(batch.max_seq_len + ctx.decode_steps - 1)
             h, logits = self._forward_fused(stack, h, ctx)
             if logits is not None:
                 return logits
@@ -123,6 +124,10 @@ class LlamaForCausalLM(CausalLM):
             h = h.clone(memory_format=torch.contiguous_format)  # updated in place from here on
         start = 0
         cos, sin, pos = self.rotary.cos_table, self.rotary.sin_table, ctx.batch.positions
+        if ctx.decode_steps > 1:   # chained greedy steps (chains_decode_steps said yes)
+            h, logits, ctx.step_tokens = stack.run_steps(h, cos, sin, ctx.kv_caches, ctx.meta, pos, ctx.decode_steps)
+            ctx.logits_argmax = ctx.step_tokens[-1]
+            return h, logits
         for i in sorted(c for c in ctx.capture_layers if 0 <= c < len(self.layers)):
             h = stack.run(h, cos, sin, ctx.kv_caches, ctx.meta, start, i + 1, positions=pos)
             ctx.capture(i, h.clone())
@@ -162,7 +167,15 @@ class LlamaForCausalLM(CausalLM):
                 scale=self.layers[0].scale)
             if self._fused is not None:
                 self._fused.set_head(self.norm.weight, self.lm_head)
+                self._fused.set_embedding(self.embed_tokens)
         return self._fused
+
+    def chains_decode_steps(self, rows: int, attn: Any, kv_caches: Sequence[Any]) -> bool:
+        """Chained greedy steps run on the fused native path with its head and embedding, and
+        without captured layers (the runner checks those)."""
+        stack = self.fused_decode_stack() if self._fused_on else None
+        return (stack is not None and stack.chains and stack.applies(rows, attn, kv_caches)
+                and not os.environ.get("TOKENMILL_NO_FUSED_HEAD"))
 
     # ---- weights -------------------------------------------------------------------------
     def _hf_layout(self) -> dict[str, tuple[int, ...]]:

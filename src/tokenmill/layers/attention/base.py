@@ -115,6 +115,12 @@ class ForwardContext:
     states: Any = None
     # called once when the step's long computation starts (compute_starts); set by the runner
     on_compute: Callable[[], None] | None = None
+    # Continuous decode steps (set by the runner, only where the model's
+    # ``chains_decode_steps`` allowed it): a batch of one decode row per sequence runs this many
+    # greedy steps in one forward, each step's input the previous one's argmax; the model puts
+    # the tokens in ``step_tokens`` ([decode_steps, rows] int64) and returns the last step's logits.
+    decode_steps: int = 1
+    step_tokens: torch.Tensor | None = None
 
     @classmethod
     def prepare(cls, attn: AttentionBackend, batch: ForwardBatch, kv_caches: Sequence[Any],

@@ -122,6 +122,7 @@ class FusedDecodeStack:
         self._head: torch.Tensor | None = None   # the output head's fields (set_head)
         self._head_norm = 0
         self._head_out = 0
+        self._embed: torch.Tensor | None = None   # the embedding's fields (set_embedding)
 
     def set_head(self, norm: torch.Tensor, head: LinearMethod) -> bool:
         """Let a run through the last layer end with the final RMSNorm (weight ``norm``, this
@@ -140,6 +141,30 @@ class FusedDecodeStack:
     @property
     def has_head(self) -> bool:
         return self._head is not None
+
+    def set_embedding(self, embed: LinearMethod) -> bool:
+        """The token embedding, for chained steps (:meth:`run_steps`): packed rows (int4 / int8,
+        dequantized in C as the embedding's own ``embedding`` does) or plain fp32 rows. Returns
+        whether it took the embedding."""
+        self._embed = None
+        if isinstance(embed, (Int4Linear, Int8Linear)):
+            fields = _mat_fields(embed, self._keep)
+        elif (isinstance(embed, DenseLinear) and embed.weight.dtype == torch.float32
+              and embed.weight.device.type == "cpu" and embed.weight.is_contiguous()):
+            w = embed.weight.detach()
+            self._keep.append(w)   # its rows in place, no copy
+            fields = [_F32, w.data_ptr(), 0, 0, 0, embed.out_features, embed.in_features, embed.in_features]
+        else:
+            return False
+        if embed.in_features != self.hidden:
+            return False
+        self._embed = torch.tensor(fields, dtype=torch.int64)
+        return True
+
+    @property
+    def chains(self) -> bool:
+        """Whether :meth:`run_steps` can run here (the head and the embedding are set)."""
+        return self._head is not None and self._embed is not None
 
     def _ptr(self, t: torch.Tensor) -> int:
         t = t.detach().float().contiguous()
@@ -229,10 +254,35 @@ class FusedDecodeStack:
         assert logits is not None and argmax is not None
         return h, logits, argmax
 
+    def run_steps(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
+                  meta: NativeMetadata, positions: torch.Tensor,
+                  steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``steps`` greedy decode steps in one native call, for a batch of one row per sequence
+        (``h [T, H]``, the embeddings of each sequence's last token): step s + 1's input is step
+        s's argmax, embedded in C. Returns ``(h, logits, tokens)``: the last step's hidden states
+        and logits, and ``tokens [steps, T]`` int64. Every step writes its rows' K/V, at
+        positions ``positions + s``; the caller has allocated the pages for them, and the
+        rotary tables reach ``positions.max() + steps``. Each step computes exactly what a
+        one-step call would: the same kernels on the same rows."""
+        if not self.chains:
+            raise ValueError("run_steps needs set_head and set_embedding first")
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        t = h.shape[0]
+        rows = torch.arange(t, dtype=torch.int64)
+        if steps == 1:
+            h, logits, argmax = self._run(h, cos, sin, kv_caches, meta, 0, None, rows, positions)
+            assert logits is not None and argmax is not None
+            return h, logits, argmax.view(1, t)
+        h, logits, tokens = self._run(h, cos, sin, kv_caches, meta, 0, None, rows, positions, steps)
+        assert logits is not None and tokens is not None
+        return h, logits, tokens
+
     def _run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
              meta: NativeMetadata, start: int, stop: int | None,
              logits_rows: torch.Tensor | None = None,
-             positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+             positions: torch.Tensor | None = None,
+             steps: int = 1) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         self._bind_kv(kv_caches)
         stop = len(self.layers) if stop is None else stop
         t = h.shape[0]
@@ -264,9 +314,14 @@ class FusedDecodeStack:
             argmax = torch.empty(rows.numel(), dtype=torch.int64)
             head = (self._head.data_ptr(), self._head_norm, rows.data_ptr(), rows.numel(), logits.data_ptr(),
                     argmax.data_ptr())
+        chain: tuple[int, ...] = ()
+        if steps > 1:   # tokens [steps, t]; argmax (the last step's) stays a separate buffer
+            assert self._embed is not None and logits_rows is not None
+            tokens = torch.empty(steps, t, dtype=torch.int64)
+            chain = (steps, tokens.data_ptr(), self._embed.data_ptr())
         native.decode_layers(
             h.data_ptr(), t, table.data_ptr(), stop - start, self.hidden, self.hq, self.hkv, self.d, self.inter,
             self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), meta.block_tables.data_ptr(),
             meta.block_tables.stride(0), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(), meta.num_seqs,
-            meta.page_size, kv_kind(kv_caches[0]), meta.threads, *head, pos)
-        return h, logits, argmax
+            meta.page_size, kv_kind(kv_caches[0]), meta.threads, *head, pos, *chain)
+        return h, logits, (tokens if steps > 1 else argmax)
