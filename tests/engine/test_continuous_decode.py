@@ -177,3 +177,72 @@ def test_speculation_chains_the_steps_without_drafts(int4, monkeypatch):
     assert any(n > 1 for n, _ in seen), "no chain"
     assert not any(n > 1 and d for n, d in seen)
     assert llm.engine.stats().spec.accepted > 0
+
+
+def test_interrupt_chain_cuts_chains_to_a_step(int4, monkeypatch):
+    """Engine.interrupt_chain (what AsyncEngine calls when a command arrives) makes every chain
+    stop after its first step until it is turned off: the same outputs, one token per step."""
+    prompts = random_prompts([9], seed=3)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    want = _run(_llm(int4, 1), prompts, params)
+    llm = _llm(int4, 8)
+    tokens: list[int] = []
+    orig = ModelRunner.execute
+
+    def execute(runner, out, decode_steps: int = 1):
+        result = orig(runner, out, decode_steps)
+        if decode_steps > 1:
+            tokens.append(len(result.sampled[0].token_ids))
+        return result
+
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    llm.engine.interrupt_chain(True)
+    assert _run(llm, prompts, params) == want
+    assert tokens and set(tokens) == {1}
+    llm.engine.interrupt_chain(False)
+    tokens.clear()
+    assert _run(llm, prompts, params) == want
+    assert max(tokens) > 1
+
+
+def test_async_engine_interrupts_a_chain_when_a_request_arrives(int4, monkeypatch):
+    """AsyncEngine sets the chain's stop flag whenever it queues a command and clears it before it
+    hands the engine its commands; a request submitted while another streams in chains gets
+    in, and both outputs are those without chains."""
+    import asyncio
+
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.engine import Engine
+
+    prompts = random_prompts([9, 6], seed=8)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = _run(_llm(int4, 1), prompts, params)
+    calls: list[bool] = []
+    orig = Engine.interrupt_chain
+    monkeypatch.setattr(Engine, "interrupt_chain", lambda self, on=True: (calls.append(on), orig(self, on))[1])
+    engine = Engine(EngineConfig(model=str(int4.source), kv_cache_tokens=2048, num_continuous_decode_steps=8),
+                    loaded=int4)
+    ae = AsyncEngine(engine)
+
+    async def one(i: int, after: asyncio.Event | None, started: asyncio.Event | None):
+        if after is not None:
+            await after.wait()
+        toks = []
+        async for out in ae.generate(f"r{i}", prompts[i], params):
+            toks.extend(out.new_token_ids)
+            if started is not None and len(toks) >= 5:
+                started.set()
+        return toks
+
+    async def main():
+        started = asyncio.Event()
+        return await asyncio.gather(one(0, None, started), one(1, started, None))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        ae.shutdown()
+    assert [list(t) for t in got] == [list(w[0]) for w in want]
+    # each submission set the flag, and a drain after it cleared it
+    assert calls.count(True) >= 2 and calls[-1] is False
+    assert all(False in calls[i + 1:] for i, on in enumerate(calls) if on)

@@ -512,6 +512,7 @@ def test_chained_decode_steps_equal_one_step_at_a_time(packed, name, kv_dtype, t
     embedded in C) give the same tokens, the same last logits bit for bit and the same K/V bytes
     at every position as the steps run one at a time from Python."""
     model = packed[name].model
+    model.set_fused_decode(True)   # (other tests leave it off)
     assert model.chains_decode_steps(3, select_attention_backend(model.kv_cache_spec(), "cpu", torch.float32,
                                                                  "native"), _driver(model, "float32").kv)
     (t1, l1, kv1), (t2, l2, kv2) = _chain_then_singles(model, kv_dtype, 5, threads)
@@ -528,6 +529,8 @@ def test_chained_decode_steps_refusals(packed):
     no), one row per sequence, and at least one step."""
     fp32 = packed["llama-fp32"].model
     drv = _driver(fp32, "float32")
+    fp32.set_fused_decode(True)
+    assert fp32.fused_decode_stack() is not None and not fp32.fused_decode_stack().has_head
     assert not fp32.chains_decode_steps(1, drv.attn, drv.kv)
     model = packed["llama-int4"].model
     stack = model.fused_decode_stack()
@@ -569,3 +572,26 @@ def test_chained_steps_with_an_fp32_embedding(packed):
     finally:
         assert stack.set_embedding(model.embed_tokens)
     assert t1.tolist() == t2.tolist() and torch.equal(l1, l2)
+
+
+def test_a_set_stop_flag_ends_the_chain_after_its_step(packed):
+    """The stop flag (set by the engine from another thread when work arrives) is read after
+    each step: set before the call, the chain runs one step, whose token is the first of the
+    whole chain's; cleared, all steps run."""
+    model = packed["llama-int4"].model
+    (whole, _, _), _ = _chain_then_singles(model, "float32", 4, 1)
+    drv = _driver(model, "float32")
+    model.set_fused_decode(True)
+    first = drv.step([("a", [5, 9, 11]), ("b", [7, 3, 8, 21, 4, 6]), ("c", [13])]).argmax(dim=-1).tolist()
+    stack = model.fused_decode_stack()
+    run = stack.run_steps
+    stop = torch.ones(1, dtype=torch.int32)
+    try:
+        stack.run_steps = lambda *a: run(*a[:7], stop)   # type: ignore[method-assign]
+        drv.step([(s, [t]) for s, t in zip("abc", first)], decode_steps=4)
+    finally:
+        del stack.run_steps
+    assert drv.last_ctx.step_tokens.tolist() == whole[:1].tolist()
+    with pytest.raises(ValueError, match="stop must be an int32"):
+        run(torch.zeros(1, model.args.hidden_size), model.rotary.cos_table, model.rotary.sin_table, drv.kv,
+            drv.last_ctx.meta, torch.tensor([3]), 2, torch.ones(1, dtype=torch.int64))

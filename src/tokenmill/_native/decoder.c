@@ -640,17 +640,24 @@ typedef struct {
     int64_t *tokens;       /* [steps, M]: each step's token per row */
     TmqMat emb;            /* the embedding (U4, S8 or F32 rows of H) */
     int64_t *pos, *slots, *seq_lens;   /* the step's own copies (Step points at them) */
+    const int32_t *stop;   /* NULL, or a flag another thread may set: end after the current step */
+    int64_t done;          /* steps run */
+    int more;              /* thread 0's word to the team after a step: go on */
 } Chain;
 
-/* thread 0, after step s's head: record its tokens; unless it was the last, make step s + 1's
- * inputs. A token outside the embedding, or a position past the block table, sets *err. */
-static void chain_advance(const Chain *c, int64_t s, const Step *S, const Bufs *B, const Head *hd, int T, int *err) {
+/* thread 0, after step s's head: record its tokens; unless it was the last (or the stop flag
+ * is set), make step s + 1's inputs. A token outside the embedding, or a position past the block
+ * table, sets *err. */
+static void chain_advance(Chain *c, int64_t s, const Step *S, const Bufs *B, const Head *hd, int T, int *err) {
     const int64_t M = S->M, ps = S->page_size;
+    const int last = s + 1 == c->steps || (c->stop && __atomic_load_n(c->stop, __ATOMIC_RELAXED));
+    c->done = s + 1;
+    c->more = !last;
     for (int64_t r = 0; r < M; r++) {
         const int64_t tok = argmax_join(hd->part + r, hd->n, T);
         c->tokens[s * M + r] = tok;
         hd->argmax[r] = tok;
-        if (s + 1 == c->steps) continue;
+        if (last) continue;
         const int64_t p = c->pos[r] + 1;
         if (tok < 0 || tmq_dequant_row(&c->emb, tok, B->h + r * S->H)) { *err = -3; return; }
         if (p / ps >= S->bt_stride) { *err = -4; return; }
@@ -661,7 +668,7 @@ static void chain_advance(const Chain *c, int64_t s, const Step *S, const Bufs *
 }
 
 /* every thread: the call's steps (one, or a chain) */
-static void run_steps_team(const Chain *c, const int64_t *tab, int64_t L, const Step *S, const Bufs *B,
+static void run_steps_team(Chain *c, const int64_t *tab, int64_t L, const Step *S, const Bufs *B,
                            const Head *hd, Own *own, void **call, int *err, atomic_int *bad, SpinBar *bar) {
     for (int64_t s = 0;; s++) {
         run_layers_team(tab, L, S, B, hd, own, call, err, bad, bar);
@@ -669,7 +676,7 @@ static void run_steps_team(const Chain *c, const int64_t *tab, int64_t L, const 
         bar_wait(bar);   /* every share of the argmax is written */
         if (omp_get_thread_num() == 0 && !*err && !atomic_load(bad)) chain_advance(c, s, S, B, hd, bar->n, err);
         bar_wait(bar);
-        if (*err || atomic_load(bad) || s + 1 == c->steps) return;
+        if (*err || atomic_load(bad) || !c->more) return;
     }
 }
 
@@ -714,7 +721,7 @@ static int check_layers(const int64_t *table, int64_t L, const Step *S, size_t *
 
 /* decode_layers(h, M, table, L, H, hq, hkv, d, inter, eps, scale, cos, sin, slots, bt, bt_stride,
  *               qsl, seq_lens, num_seqs, page_size, kv_kind, threads, head, norm, idx, n, logits, argmax, pos,
- *               steps, tokens, embed)
+ *               steps, tokens, embed, stop)
  * kv_kind: TM_KV_* of the pool (attention.h); fp8 pools give each layer row its scale pointers
  * h [M, H] fp32 is updated in place through layers table[0..L). head (0: none) points at the
  * output head's MAT_FIELDS: then logits [n, head N] = head(rmsnorm(h[idx[r]]) * norm) (Head),
@@ -723,16 +730,18 @@ static int check_layers(const int64_t *table, int64_t L, const Step *S, size_t *
  * is token t's: the caller then need not gather them. steps (default 1) > 1 chains that many
  * greedy steps (Chain): then tokens [steps, M] int64 receives each step's tokens and embed points
  * at the embedding's MAT_FIELDS; it needs one row per sequence, all of them to the head, and
- * the pages of the chain's positions in the block tables. */
+ * the pages of the chain's positions in the block tables; stop (optional) points at an int32 that
+ * another thread may set to end the chain after its current step. Returns the steps run. */
 PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     unsigned long long h, table, cos, sin, slots, bt, qsl, sl, head = 0, norm = 0, idx = 0, logits = 0, argmax = 0,
-                       pos = 0, tokens = 0, embed = 0;
+                       pos = 0, tokens = 0, embed = 0, stop = 0;
     long long M, L, H, hq, hkv, d, inter, bt_stride, n_out = 0, steps = 1;
     float eps, scale;
     int num_seqs, page_size, kv_kind, nt;
-    if (!PyArg_ParseTuple(args, "KLKLLLLLLffKKKKLKKiiii|KKKLKKKLKK", &h, &M, &table, &L, &H, &hq, &hkv, &d, &inter,
+    if (!PyArg_ParseTuple(args, "KLKLLLLLLffKKKKLKKiiii|KKKLKKKLKKK", &h, &M, &table, &L, &H, &hq, &hkv, &d, &inter,
                           &eps, &scale, &cos, &sin, &slots, &bt, &bt_stride, &qsl, &sl, &num_seqs, &page_size,
-                          &kv_kind, &nt, &head, &norm, &idx, &n_out, &logits, &argmax, &pos, &steps, &tokens, &embed))
+                          &kv_kind, &nt, &head, &norm, &idx, &n_out, &logits, &argmax, &pos, &steps, &tokens, &embed,
+                          &stop))
         return NULL;
     if (M <= 0 || L < 0 || H <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || inter <= 0 ||
         num_seqs <= 0 || page_size <= 0 || d > TM_ATTENTION_MAX_HEAD_DIM || hq / hkv > TM_ATTENTION_MAX_GROUP ||
@@ -769,7 +778,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
-    Chain chain = {steps, PTR(int64_t *, tokens), {0}, NULL, NULL, NULL};
+    Chain chain = {steps, PTR(int64_t *, tokens), {0}, NULL, NULL, NULL, PTR(const int32_t *, stop), 1, 1};
     if (steps != 1) {   /* a chain: one row per sequence, every row to the head, the embedding given */
         int ok = steps > 1 && head && argmax && pos && tokens && embed && n_out == M && num_seqs == M;
         for (int64_t r = 0; ok && r < M; r++) ok = hd.idx[r] == r && PTR(const int64_t *, qsl)[r] == r;
@@ -859,7 +868,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
                                                     : "decode_layers: a chained step's position is past its block table");
         return NULL;
     }
-    Py_RETURN_NONE;
+    return PyLong_FromLongLong(steps > 1 ? chain.done : 1);
 }
 
 PyObject *tmq_py_layer_fields(PyObject *self, PyObject *args) { return PyLong_FromLong(LAYER_FIELDS); }

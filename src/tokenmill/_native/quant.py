@@ -144,10 +144,11 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return xq, xd, xs
 
 
-def decode_layers(*args) -> None:
+def decode_layers(*args) -> int:
     """Fused decode through packed Llama layers (``decoder.c``); see
-    ``tokenmill.layers.quant.fused_decode`` for the arguments."""
-    _need().decode_layers(*args)
+    ``tokenmill.layers.quant.fused_decode`` for the arguments. Returns the steps run (1, or a
+    chain's, which its stop flag may have cut short)."""
+    return _need().decode_layers(*args)
 
 
 def fp8_quantize(src_ptr: int, dst_ptr: int, n: int, scale_ptr: int, per_token: bool) -> None:

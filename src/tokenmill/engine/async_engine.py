@@ -296,6 +296,7 @@ class AsyncEngine:
             self._live_ids.discard(cmd.request_id)
         self._inbox.put(cmd)
         self._wake.set()
+        self._interrupt(True)   # a chain of decode steps running now ends after its current step
 
     # ------------------------------------------------------------------ engine thread
     def run_forever(self) -> None:
@@ -331,7 +332,13 @@ class AsyncEngine:
             logger.exception("closing the engine failed")
         self._refresh_stats()
 
+    def _interrupt(self, on: bool) -> None:
+        interrupt = getattr(self.engine, "interrupt_chain", None)
+        if interrupt is not None:
+            interrupt(on)
+
     def _drain_inbox(self) -> bool:
+        self._interrupt(False)   # before the commands are taken: one sent after this sets it again
         handled = False
         accepted: list[_Add] = []
         while True:

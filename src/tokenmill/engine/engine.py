@@ -46,8 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Chained greedy decode steps (EngineConfig.num_continuous_decode_steps) run for at most about this
-# long, at the decode step time measured for the batch size: a request arriving meanwhile waits
-# for the chain to end before its prefill starts.
+# long, at the decode step time measured for the batch size (a caller that queues new work, as
+# AsyncEngine does, ends a chain after its current step: interrupt_chain).
 CHAIN_BUDGET_S = 0.03
 
 
@@ -412,6 +412,8 @@ class Engine:
         steps = self._decode_steps(out) if self.config.num_continuous_decode_steps > 1 else 1
         t0 = time.perf_counter()
         result = self.runner.execute(out) if steps == 1 else self.runner.execute(out, decode_steps=steps)
+        if steps > 1 and result.sampled:   # the steps that ran (interrupt_chain may end a chain early)
+            steps = len(result.sampled[0].token_ids)
         seconds = (time.perf_counter() - t0) / steps   # the step-time models learn one step's time
         kind = step_kind(out.scheduled)
         self.step_times.observe(kind, seconds)
@@ -435,7 +437,7 @@ class Engine:
     def _decode_steps(self, out: SchedulerOutput) -> int:
         """How many greedy decode steps to chain in this step: up to ``num_continuous_decode_steps``
         and as many as fit in ``CHAIN_BUDGET_S`` at the decode step time measured for this many
-        rows (1: none), so that a request arriving meanwhile waits at most that long. Only when the
+        rows (1: none; ``interrupt_chain`` ends one early). Only when the
         step is every running request's decode without drafts and nothing waits, every request
         decodes greedily from plain logits (no penalties, logprobs or grammar) with room for the
         tokens, and the runner can (a learned drafter's captures rule it out). The chain's pages
@@ -462,6 +464,15 @@ class Engine:
             if not sched.kv.allocate(s.request, s.request.num_tokens + n - 1):
                 return 1
         return n
+
+    def interrupt_chain(self, on: bool = True) -> None:
+        """From any thread: a chain of decode steps running now ends after its current step, and
+        later ones after their first (``on``), so that new work (a request, an abort) waits at most
+        a step; ``on=False`` lets chains run whole again (the caller's loop, before it hands the
+        engine its new work)."""
+        stop = getattr(self.runner, "chain_stop", None)
+        if stop is not None:
+            stop[0] = 1 if on else 0
 
     def _take_compiled(self) -> list[RequestOutput]:
         """Queue the requests whose grammar is ready; finish those whose grammar failed."""

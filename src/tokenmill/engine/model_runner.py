@@ -134,6 +134,8 @@ class ModelRunner:
         self.sampler = Sampler(seed, device=self.device)
         self.capture_layers: frozenset[int] = frozenset()   # set by a learned drafter
         self.compute_hook: Callable[[], None] | None = None   # set by a server (AsyncEngine)
+        # int32 [1]: set from another thread, it ends a chain of decode steps after its current step
+        self.chain_stop = torch.zeros(1, dtype=torch.int32)
         self.prompt_rows: list[PromptRows] = []
 
     def calibrate_fp8_scales(self, tokens: list[int]) -> None:
@@ -299,6 +301,7 @@ class ModelRunner:
         it calls ``ForwardContext.compute_starts`` (``calls_compute_hook``), else before it."""
         ctx = ForwardContext.prepare(self.attn, batch, self.kv_caches, capture_layers, self.states)
         ctx.decode_steps = decode_steps
+        ctx.chain_stop = self.chain_stop
         ctx.on_compute = self.compute_hook
         if not getattr(self.model, "calls_compute_hook", False):
             ctx.compute_starts()
@@ -321,7 +324,9 @@ class ModelRunner:
         """Run the step. ``decode_steps > 1`` (only where :meth:`chains_decode_steps` allowed
         it, for a batch of greedy decodes whose pages reach ``decode_steps - 1`` tokens past
         their ends): that many greedy steps in one forward; each request gets ``decode_steps``
-        tokens, the first ``decode_steps - 1`` with their K/V written (``num_chained``)."""
+        tokens, the first ``decode_steps - 1`` with their K/V written (``num_chained``); fewer
+        when ``chain_stop`` (an int32 ``[1]`` flag, set by the engine from another thread when
+        work arrives) ends the chain early."""
         if decode_steps > 1:
             return self._execute_chained(out, decode_steps)
         self.restore_states(out)
@@ -380,7 +385,7 @@ class ModelRunner:
         if ctx.step_tokens is None:
             raise RuntimeError(f"the model did not chain the {steps} decode steps it said it could")
         columns = ctx.step_tokens.t().tolist()
-        sampled = [SampledTokens(req, col, None, num_chained=steps - 1) for req, col in zip(samplers, columns)]
+        sampled = [SampledTokens(req, col, None, num_chained=len(col) - 1) for req, col in zip(samplers, columns)]
         return StepResult(sampled, {}, [])
 
     def _commit_states(self, out: SchedulerOutput, sampled: list[SampledTokens]) -> None:

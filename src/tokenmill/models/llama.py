@@ -125,7 +125,8 @@ class LlamaForCausalLM(CausalLM):
         start = 0
         cos, sin, pos = self.rotary.cos_table, self.rotary.sin_table, ctx.batch.positions
         if ctx.decode_steps > 1:   # chained greedy steps (chains_decode_steps said yes)
-            h, logits, ctx.step_tokens = stack.run_steps(h, cos, sin, ctx.kv_caches, ctx.meta, pos, ctx.decode_steps)
+            h, logits, ctx.step_tokens = stack.run_steps(h, cos, sin, ctx.kv_caches, ctx.meta, pos, ctx.decode_steps,
+                                                         ctx.chain_stop)
             ctx.logits_argmax = ctx.step_tokens[-1]
             return h, logits
         for i in sorted(c for c in ctx.capture_layers if 0 <= c < len(self.layers)):

@@ -121,6 +121,9 @@ class ForwardContext:
     # the tokens in ``step_tokens`` ([decode_steps, rows] int64) and returns the last step's logits.
     decode_steps: int = 1
     step_tokens: torch.Tensor | None = None
+    # an int32 [1] flag the engine sets from another thread when work arrives: the chain then
+    # ends after its current step (``step_tokens`` holds the steps that ran)
+    chain_stop: torch.Tensor | None = None
 
     @classmethod
     def prepare(cls, attn: AttentionBackend, batch: ForwardBatch, kv_caches: Sequence[Any],

@@ -255,15 +255,17 @@ class FusedDecodeStack:
         return h, logits, argmax
 
     def run_steps(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
-                  meta: NativeMetadata, positions: torch.Tensor,
-                  steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  meta: NativeMetadata, positions: torch.Tensor, steps: int,
+                  stop: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``steps`` greedy decode steps in one native call, for a batch of one row per sequence
         (``h [T, H]``, the embeddings of each sequence's last token): step s + 1's input is step
         s's argmax, embedded in C. Returns ``(h, logits, tokens)``: the last step's hidden states
         and logits, and ``tokens [steps, T]`` int64. Every step writes its rows' K/V, at
         positions ``positions + s``; the caller has allocated the pages for them, and the
         rotary tables reach ``positions.max() + steps``. Each step computes exactly what a
-        one-step call would: the same kernels on the same rows."""
+        one-step call would: the same kernels on the same rows. ``stop`` (an int32 ``[1]``
+        tensor): when another thread sets it, the chain ends after its current step, and
+        ``tokens`` has the rows of the steps that ran."""
         if not self.chains:
             raise ValueError("run_steps needs set_head and set_embedding first")
         if steps < 1:
@@ -274,15 +276,17 @@ class FusedDecodeStack:
             h, logits, argmax = self._run(h, cos, sin, kv_caches, meta, 0, None, rows, positions)
             assert logits is not None and argmax is not None
             return h, logits, argmax.view(1, t)
-        h, logits, tokens = self._run(h, cos, sin, kv_caches, meta, 0, None, rows, positions, steps)
+        if stop is not None and not (stop.dtype == torch.int32 and stop.numel() == 1 and stop.device.type == "cpu"):
+            raise ValueError("stop must be an int32 [1] CPU tensor")
+        h, logits, tokens = self._run(h, cos, sin, kv_caches, meta, 0, None, rows, positions, steps, stop)
         assert logits is not None and tokens is not None
         return h, logits, tokens
 
     def _run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[Any],
              meta: NativeMetadata, start: int, stop: int | None,
              logits_rows: torch.Tensor | None = None,
-             positions: torch.Tensor | None = None,
-             steps: int = 1) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+             positions: torch.Tensor | None = None, steps: int = 1,
+             stop_flag: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         self._bind_kv(kv_caches)
         stop = len(self.layers) if stop is None else stop
         t = h.shape[0]
@@ -318,10 +322,10 @@ class FusedDecodeStack:
         if steps > 1:   # tokens [steps, t]; argmax (the last step's) stays a separate buffer
             assert self._embed is not None and logits_rows is not None
             tokens = torch.empty(steps, t, dtype=torch.int64)
-            chain = (steps, tokens.data_ptr(), self._embed.data_ptr())
-        native.decode_layers(
+            chain = (steps, tokens.data_ptr(), self._embed.data_ptr(), 0 if stop_flag is None else stop_flag.data_ptr())
+        ran = native.decode_layers(
             h.data_ptr(), t, table.data_ptr(), stop - start, self.hidden, self.hq, self.hkv, self.d, self.inter,
             self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), meta.block_tables.data_ptr(),
             meta.block_tables.stride(0), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(), meta.num_seqs,
             meta.page_size, kv_kind(kv_caches[0]), meta.threads, *head, pos, *chain)
-        return h, logits, (tokens if steps > 1 else argmax)
+        return h, logits, (tokens[:ran] if steps > 1 else argmax)
