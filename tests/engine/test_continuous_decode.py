@@ -61,9 +61,12 @@ def test_chained_steps_give_the_outputs_of_single_steps(int4, monkeypatch):
     want = _run(_llm(int4, 1), prompts, params)
     want1 = _run(_llm(int4, 1), prompts[:1], params)
     chains = _Chains(monkeypatch)
-    assert _run(_llm(int4, 6), prompts, params) == want
+    llm = _llm(int4, 6)
+    assert _run(llm, prompts, params) == want
     assert _run(_llm(int4, 6), prompts[:1], params) == want1
     assert max(chains.lengths) == 6 and len(chains.lengths) <= 2 * 6   # 23 tokens in 6 steps, not 23
+    st = llm.engine.stats()   # 21 decode tokens after the prefill and the timed step: chains 6, 6, 6, 3
+    assert (st.decode_chains_total, st.decode_chain_steps_total) == (4, 21)
 
 
 def test_a_stop_inside_a_chain_ends_the_request_there(int4, monkeypatch):

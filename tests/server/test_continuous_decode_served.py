@@ -41,6 +41,10 @@ def test_streamed_bursts_match_the_whole_and_unchained_outputs(int4_server, tiny
     assert "".join(texts) == whole.choices[0].text
     assert whole.usage.completion_tokens == 40
     assert len(texts) < 40 / 2   # bursts of several tokens: the chains ran on this path
+    metrics = httpx.get(int4_server.base_url + "/metrics", timeout=30).text
+    chains = [float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith(("tokenmill:decode_chains_total", "tokenmill:decode_chain_steps_total"))]
+    assert len(chains) == 2 and 0 < chains[0] and 2 * chains[0] <= chains[1]
     offline = LLM(str(tiny_checkpoint), quantization="int4", num_continuous_decode_steps=1, kv_cache_tokens=1024)
     out = offline.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
     assert out.text == whole.choices[0].text

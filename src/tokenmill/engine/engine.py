@@ -83,6 +83,8 @@ class EngineStats:
     predicted_wait_s: float = 0.0    # how long a request queued now would wait to start (admission.py)
     # step wall time by kind: kind -> (cumulative counts per STEP_SECONDS_BUCKETS bound, sum, count)
     step_seconds: dict[str, tuple[list[int], float, int]] | None = None
+    decode_chains_total: int = 0         # chains of decode steps (num_continuous_decode_steps) run
+    decode_chain_steps_total: int = 0    # decode steps run inside them
 
     @property
     def cache_hit_rate(self) -> float:
@@ -102,6 +104,8 @@ class Engine:
                           if config.decode_slowdown else None)
         self.step_times = StepTimes()   # wall time of steps by kind (decode, mixed, prefill)
         self._decode_step_s: dict[int, float] = {}   # decode-only step seconds by rows (chain lengths)
+        self.decode_chains_total = 0
+        self.decode_chain_steps_total = 0
         self.scheduler = Scheduler(self.kv, max_batch_tokens=config.max_batch_tokens,
                                    max_running_requests=config.max_running_requests,
                                    step_cost=self.step_cost)
@@ -414,6 +418,8 @@ class Engine:
         result = self.runner.execute(out) if steps == 1 else self.runner.execute(out, decode_steps=steps)
         if steps > 1 and result.sampled:   # the steps that ran (interrupt_chain may end a chain early)
             steps = len(result.sampled[0].token_ids)
+            self.decode_chains_total += 1
+            self.decode_chain_steps_total += steps
         seconds = (time.perf_counter() - t0) / steps   # the step-time models learn one step's time
         kind = step_kind(out.scheduled)
         self.step_times.observe(kind, seconds)
@@ -625,6 +631,8 @@ class Engine:
             tiers=self.tiers.snapshot_stats() if self.tiers is not None else None,
             predicted_wait_s=self.start_estimator.predicted_wait(s, time.monotonic()),
             step_seconds=self.step_times.snapshot(),
+            decode_chains_total=self.decode_chains_total,
+            decode_chain_steps_total=self.decode_chain_steps_total,
             **self._state_stats(),
         )
 

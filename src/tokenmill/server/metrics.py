@@ -167,6 +167,9 @@ class _EngineCollector:
         yield family(c, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.cached_tokens_total)
         yield family(c, "prompt_tokens", "Prompt tokens received by the engine.", stats.prompt_tokens_total)
         yield family(c, "generation_tokens", "Tokens generated.", stats.generation_tokens_total)
+        yield family(c, "decode_chains", "Chains of greedy decode steps run in one native call.",
+                     stats.decode_chains_total)
+        yield family(c, "decode_chain_steps", "Decode steps run inside chains.", stats.decode_chain_steps_total)
         try:
             tasks = len(asyncio.all_tasks())
         except RuntimeError:   # scraped outside the event loop
