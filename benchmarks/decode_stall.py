@@ -13,6 +13,10 @@ alone is measured first: single requests with cached prompts, nothing else runni
 (``--num-continuous-decode-steps 1``): what the chains do to TTFT (a request arriving during a
 chain waits for its end) and to TPOT, alone and beside prefill.
 
+``--quantization none`` serves fp32 weights, the precision the issue's aim was set on (the engine
+had no packed weights then); the default is serve's, the GGUF's int4 blocks, on which a decode
+step of 4 streams already takes about 2.2x one stream's (``benchmarks/decode_batch_rows.py``).
+
 ``--workload agentic`` runs the same comparison on ``tokenmill bench``'s agent sessions instead
 (closed loop, ``--duration`` seconds per run): there the prefills are turns after a cache hit,
 and the table's TTFT is the turns' time to first token beside other sessions' streams.
@@ -91,6 +95,10 @@ def main() -> int:
     ap.add_argument("--no-chain-too", action="store_true",
                     help="also run the bounded server without chained decode steps "
                          "(--num-continuous-decode-steps 1; chains are serve's default)")
+    ap.add_argument("--quantization", default=None,
+                    help="serve's --quantization for every server (default: serve's default, the "
+                         "GGUF's packed int4 blocks; none = fp32 weights, the precision the issue was "
+                         "written against)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat both settings, alternating which goes first (the load here drifts)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "decode_stall")
@@ -115,6 +123,8 @@ def main() -> int:
         for i, (label, extra) in enumerate(settings.items()):
             argv = ["serve", "--model", args.model, "--served-model-name", "m", "--threads", str(args.threads),
                     "--kv-cache-tokens", "65536"] + extra
+            if args.quantization:
+                argv += ["--quantization", args.quantization]
             log = args.out.parent / f"decode_stall_server_{i}.log"
             servers[label] = stack.enter_context(ServiceProcess(argv, start_timeout=600, log_path=log))
         for r in range(args.rounds):

@@ -5,7 +5,7 @@ from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.step_cost import STEP_SECONDS_BUCKETS
-from tokenmill.layers.quant.fused_decode import FUSED_FP32_MAX_ROWS
+from tokenmill.layers.quant.fused_decode import fused_fp32_max_rows
 from tokenmill.layers.quant.packed import gemv_max_rows, gemv_row_group
 from tokenmill.server.metrics import ServerMetrics
 
@@ -18,7 +18,7 @@ def _engine(path: str, **kw) -> Engine:
 def test_packed_weights_give_the_cost_model_two_kinds_of_step(tiny_dir):
     path = str(tiny_dir("LlamaForCausalLM"))
     # fp32: fused decode steps up to the stack's limit, oneDNN GEMM steps above it
-    assert _engine(path).step_cost.split_rows == FUSED_FP32_MAX_ROWS
+    assert _engine(path).step_cost.split_rows == fused_fp32_max_rows()
     int4 = _engine(path, quantization="int4").step_cost
     assert int4.split_rows == gemv_max_rows()
     # and the kernels' row groups (16 on the amx set, 1 elsewhere); fp32 weights have none

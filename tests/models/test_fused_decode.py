@@ -18,7 +18,7 @@ from tokenmill.layers.attention.base import to_kv_dtype
 from tokenmill.layers.attention.fp8 import FP8, calibrate_static_scales, quantize, quantize_static
 from tokenmill.layers.quant import packed as packed_mod
 from tokenmill.layers.linear import OneDNNLinear, onednn_available, use_linear_backend
-from tokenmill.layers.quant.fused_decode import FUSED_FP32_MAX_ROWS, DecoderLayerWeights, FusedDecodeStack
+from tokenmill.layers.quant.fused_decode import fused_fp32_max_rows, DecoderLayerWeights, FusedDecodeStack
 from tokenmill.loader import load_model
 
 from paged_driver import PagedDriver
@@ -122,7 +122,7 @@ def packed(tiny_dirs: dict[str, Path]) -> dict[str, Any]:
 
 
 def _row_limit(name: str) -> int:
-    return FUSED_FP32_MAX_ROWS if "fp32" in name else packed_mod.gemv_max_rows()
+    return fused_fp32_max_rows() if "fp32" in name else packed_mod.gemv_max_rows()
 
 
 def test_a_fused_step_that_samples_no_row(packed):
@@ -160,8 +160,10 @@ def test_fused_decode_matches_layer_by_layer(packed, name, kv_dtype):
     assert ran == [sum(n for _, n in s) <= limit for s in STEPS]  # fused wherever a step fits the row limit
     assert any(ran) and not ran[3]  # the 72-row step is above every row limit
     assert not any(ran_ref)
-    # fp32 weights: the same products in another summation order, so far closer than int16 rounding
-    atol, rtol = (2e-5, 1e-4) if "fp32" in name else (ATOL, RTOL)
+    # fp32 weights: the same products in another summation order, so far closer than int16 rounding;
+    # with a 16-bit pool, K/V that differ in their last fp32 bits may round to neighbouring 16-bit
+    # values (more so with the 512-bit sets' larger fused row limit), which the logits then carry
+    atol, rtol = ((2e-5 if kv_dtype == "float32" else 5e-4), 1e-4) if "fp32" in name else (ATOL, RTOL)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=atol * float(w.abs().max()), rtol=rtol)
     for g, w in zip(kv_got, kv_want):  # every K/V entry the steps wrote, in every layer

@@ -19,7 +19,7 @@ It applies when (:meth:`FusedDecodeStack.unsupported_reason` says why not otherw
   path's ``write_fp8`` stores: x / scale saturated at +-448, rounded to nearest even);
 - the step has at most :func:`~tokenmill.layers.quant.packed.gemv_max_rows` token rows for
   packed matrices (larger steps keep the dequantize + GEMM path) and no forced activation mode,
-  and at most :data:`FUSED_FP32_MAX_ROWS` for fp32 ones (larger steps keep oneDNN's GEMM).
+  and at most :func:`fused_fp32_max_rows` for fp32 ones (larger steps keep oneDNN's GEMM).
 
 A packed output head (a GGUF Q8_0 / Q4 head, or int8 / int4) joins the call as well
 (:meth:`FusedDecodeStack.set_head`): after the last layer the same parallel region applies the
@@ -55,8 +55,22 @@ _NORM1, _NORM2, _QKV_BIAS, _K_CACHE, _V_CACHE, _K_SCALE, _V_SCALE, _MATS = range
 _MAT_FIELDS = 8  # kind, qs, scales, mins, f16, N, K, group
 _LAYER_FIELDS = _MATS + 4 * _MAT_FIELDS
 _U4, _S8, _F32 = 0, 1, 2
-FUSED_FP32_MAX_ROWS = 4   # fp32 stacks: token rows up to which a step runs fused (more go layer by layer;
-                          # benchmarks/fused_decode_ab.py: 1.41x / 1.06x / 0.79x oneDNN at 1 / 4 / 8 rows)
+FUSED_FP32_MAX_ROWS = 4   # fp32 stacks: token rows up to which a step runs fused (more go layer by layer
+                          # through oneDNN's GEMM), on kernel sets without an entry below: on an AVX2
+                          # host oneDNN was ahead from about 5 rows (benchmarks/fused_decode_ab.py:
+                          # 1.41x / 1.06x / 0.79x oneDNN at 1 / 4 / 8 rows)
+# ... and on the sets whose fp32 GEMV is 512 bits wide. There, on an Intel host with AMX, the fused
+# step stayed ahead of oneDNN (AVX-512) up to 16 rows (1.33x at 5 rows, 1.19x at 8, 1.05x at 16:
+# docs/benchmarks.md, "fp32 verify and batch steps"), but it stops at 8: fused and GEMM rows differ
+# in summation order, and the 9-row chunk of tests/models/test_batch_invariance.py, alone (fused
+# at a limit of 16) against inside a batch of 32 (GEMM), then differed by 1.05e-5, past that
+# test's 1e-5
+FUSED_FP32_MAX_ROWS_BY_KERNEL = {"amx": 8, "avx512vnni": 8}
+
+
+def fused_fp32_max_rows() -> int:
+    """Token rows up to which a step of an fp32 stack runs fused on the kernel set in use."""
+    return FUSED_FP32_MAX_ROWS_BY_KERNEL.get(native.kernel(), FUSED_FP32_MAX_ROWS)
 
 
 @dataclass(frozen=True)
@@ -192,8 +206,8 @@ class FusedDecodeStack:
     def max_rows(self) -> int:
         """Token rows up to which a step can run fused: the packed kernels' limit
         (:func:`~tokenmill.layers.quant.packed.gemv_max_rows`) and, with fp32 matrices,
-        :data:`FUSED_FP32_MAX_ROWS`."""
-        limits = ([packed.gemv_max_rows()] if self.packed else []) + ([FUSED_FP32_MAX_ROWS] if self.dense else [])
+        :func:`fused_fp32_max_rows`."""
+        limits = ([packed.gemv_max_rows()] if self.packed else []) + ([fused_fp32_max_rows()] if self.dense else [])
         return min(limits)
 
     def applies(self, rows: int, attn: Any, kv_caches: Sequence[Any]) -> bool:

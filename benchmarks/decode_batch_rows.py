@@ -1,0 +1,81 @@
+"""What a decode step of several sequences costs against one sequence's: the floor under the
+Mooncake decode-stall aim (benchmarks/decode_stall.py), where a stream decoding beside 3 others
+can be no faster than a decode-only step of their rows, before any prefill joins it.
+
+The offline engine (chains off, so every step is one forward) decodes ``--tokens`` greedy tokens
+for B sequences of ``--context`` random prompt tokens each, for every B in ``--batches``, and
+reports the mean wall time of the decode-only steps (the engine's own step timer) and its ratio
+to B = 1. With ``--profile`` it also splits the native fused step by phase
+(``tokenmill._native.quant.decode_profile``: thread 0's wall time in each). Rounds interleave the
+batch sizes, and the median round is reported.
+
+    .venv/bin/python benchmarks/decode_batch_rows.py [--quantization auto|none] [--batches 1,2,3,4,8]
+        [--context 400] [--rounds 3] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+
+from tokenmill.contracts.sampling import SamplingParams
+from tokenmill.engine.llm import LLM
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--quantization", default="auto", help="auto (the GGUF's Q4_1 blocks) or none (fp32)")
+    ap.add_argument("--batches", default="1,2,3,4,8")
+    ap.add_argument("--context", type=int, default=400, help="prompt tokens per sequence (the Mooncake "
+                    "trace at --block-tokens 16 averages about 400)")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = LLM(args.model, quantization=args.quantization, num_threads=args.threads, num_continuous_decode_steps=1)
+    eng = llm.engine
+    from tokenmill._native import quant as native
+    rng = random.Random(0)
+    vocab = int(eng.runner.model.args.vocab_size)
+    times: dict[int, list[float]] = {b: [] for b in batches}
+    phases: dict[int, list[dict[str, float]]] = {b: [] for b in batches}
+    print(f"load average {os.getloadavg()[0]:.2f}; {args.model}, weights {args.quantization}, "
+          f"{args.threads} thread(s), context {args.context}", flush=True)
+    for rnd in range(args.rounds):
+        for b in batches:
+            prompts = [[rng.randrange(100, vocab) for _ in range(args.context)] for _ in range(b)]
+            # the prompts' prefill and first token first, so that only decode steps are timed
+            llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
+            s0 = eng.step_times.snapshot()["decode"]
+            if args.profile:
+                native.decode_profile(True)
+            llm.generate(prompts, SamplingParams(max_tokens=args.tokens + 1, temperature=0.0, ignore_eos=True))
+            s1 = eng.step_times.snapshot()["decode"]
+            n = s1[2] - s0[2]
+            if args.profile:
+                phases[b].append({k: v / n for k, v in native.decode_profile(False).items() if v})
+            times[b].append((s1[1] - s0[1]) / n)
+        print(f"round {rnd + 1}: " + ", ".join(f"B={b} {times[b][-1] * 1e3:.2f} ms" for b in batches), flush=True)
+    base = statistics.median(times[batches[0]])
+    print(f"\n| sequences | decode step (median of rounds) | / {batches[0]} sequence(s) | tok/s |")
+    print("|---|---|---|---|")
+    for b in batches:
+        med = statistics.median(times[b])
+        print(f"| {b} | {med * 1e3:.2f} ms | {med / base:.2f}x | {b / med:.0f} |")
+    if args.profile:
+        print("\nphases of the fused step (ms per step, median round; thread 0's wall time):")
+        for b in batches:
+            runs = phases[b]
+            if runs:
+                keys = runs[0].keys()
+                print(f"B={b}: " + " ".join(f"{k}={statistics.median(r.get(k, 0.0) for r in runs) * 1e3:.2f}" for k in keys))
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
