@@ -19,6 +19,7 @@ import os
 import random
 import statistics
 
+from tokenmill._native import quant as native
 from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.llm import LLM
 
@@ -38,7 +39,6 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(args.model, quantization=args.quantization, num_threads=args.threads, num_continuous_decode_steps=1)
     eng = llm.engine
-    from tokenmill._native import quant as native
     rng = random.Random(0)
     vocab = int(eng.runner.model.args.vocab_size)
     times: dict[int, list[float]] = {b: [] for b in batches}
@@ -50,14 +50,17 @@ def main() -> int:
             prompts = [[rng.randrange(100, vocab) for _ in range(args.context)] for _ in range(b)]
             # the prompts' prefill and first token first, so that only decode steps are timed
             llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
-            s0 = eng.step_times.snapshot()["decode"]
+            snap0 = eng.step_times.snapshot()
+            s0 = snap0["decode"]
             if args.profile:
                 native.decode_profile(True)
             llm.generate(prompts, SamplingParams(max_tokens=args.tokens + 1, temperature=0.0, ignore_eos=True))
-            s1 = eng.step_times.snapshot()["decode"]
+            snap1 = eng.step_times.snapshot()
+            s1 = snap1["decode"]
             n = s1[2] - s0[2]
-            if args.profile:
-                phases[b].append({k: v / n for k, v in native.decode_profile(False).items() if v})
+            if args.profile:   # per step of any kind: the prompts' last tokens come back as a 1-row prefill
+                steps = sum(snap1[k][2] - snap0[k][2] for k in snap1)
+                phases[b].append({k: v / steps for k, v in native.decode_profile(False).items() if v})
             times[b].append((s1[1] - s0[1]) / n)
         print(f"round {rnd + 1}: " + ", ".join(f"B={b} {times[b][-1] * 1e3:.2f} ms" for b in batches), flush=True)
     base = statistics.median(times[batches[0]])

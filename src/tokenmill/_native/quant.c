@@ -1965,10 +1965,8 @@ static void gemm_f32_rows(int64_t M, int64_t K, const float *w, int64_t N, const
     for (int64_t n = n0; n < n1; n++) {
         const float *row = w + n * K;
 #if TM_X86 && defined(__GNUC__)
-        if (n + F32_PREFETCH_ROWS < N)   /* into L2, F32_PREFETCH_ROWS weight rows ahead (see F32_TILE) */
+        if (n + F32_PREFETCH_ROWS < N)   /* into L2 (see F32_PREFETCH_ROWS) */
             for (int64_t o = 0; o < K * 4; o += 64) _mm_prefetch((const char *)(row + F32_PREFETCH_ROWS * K) + o, _MM_HINT_T1);
-#endif
-#if TM_X86 && defined(__GNUC__)
 #if __GNUC__ >= 9
         if (use >= ISA_AVX512) f32_rows_512(row, x, K, M, y + n, N);
         else
