@@ -15,7 +15,18 @@ load of the machine; ``spec_decode.py`` measures those. Prompts: agent turns ove
 standard-library functions (a seed neither the drafter's traces nor ``spec_decode.py`` use)
 and prose prompts of their own, plus ``spec_decode.py``'s two workloads with ``--with-bench``.
 
+Bounds (``--bounds``): what a drafter that knew the answer would get from the same step times.
+Each step sends exactly the drafts that will be accepted, or none where ``L + 1`` tokens in a
+step of ``L + 1`` rows do not beat one token in a one-row step, so the figure is a ceiling on
+any rule that decides how many drafts to send:
+  - ``clairvoyant-ngram`` / ``-suffix``: the proposer's own draft, cut where it goes wrong (the
+    ceiling of the decision rule, with that proposer's choice of what to copy);
+  - ``copy-m2`` / ``copy-m1``: the best copy anywhere in the context (prompt and answer so far)
+    that follows an occurrence of the last 2 / 1 tokens (the ceiling of any model-free copying
+    drafter that keys on 2 / 1 tokens, however it chooses among the occurrences).
+
     python benchmarks/spec_gate_replay.py [--prompts 24] [--max-tokens 96] [--with-bench]
+        [--quantization none] [--k 8] [--bounds]
 """
 from __future__ import annotations
 
@@ -99,11 +110,79 @@ def replay(decoder, proposer_factory, answers: list[tuple[list[int], list[int]]]
     return seconds, steps, drafted, drafted_tokens
 
 
+def _copy_run(full: list[int], c: int, p: int, limit: int) -> int:
+    """How many tokens from ``full[c]`` on equal those from ``full[p]`` on (p < c), copying only
+    what precedes ``c`` and at most ``limit``."""
+    n = 0
+    while n < limit and p + n < c and full[p + n] == full[c + n]:
+        n += 1
+    return n
+
+
+def bound(proposer_factory, answers: list[tuple[list[int], list[int]]], costs: dict[int, float], k: int,
+          min_match: int = 0) -> tuple[float, int, int, int]:
+    """The clairvoyant ceilings of the module docstring, as ``replay``'s tuple: drafts from
+    ``proposer_factory`` if given, else the best copy after an occurrence of the last
+    ``min_match`` tokens. At each position the longest draft that would be accepted is known, and
+    a backward pass over the answer picks how many of it each step sends so that the answer's
+    total modelled time is least (sending fewer may pay where a row costs more than it brings)."""
+    from tokenmill import SamplingParams
+    from tokenmill.engine.request import Request
+
+    top = max(costs)
+    cost = [0.0] + [costs[min(r, top)] for r in range(1, k + 2)]
+    seconds = 0.0
+    steps = drafted = drafted_tokens = 0
+    for i, (prompt, answer) in enumerate(answers):
+        proposer = proposer_factory() if proposer_factory else None
+        req = Request(f"r{i}", list(prompt), SamplingParams(max_tokens=len(answer) + 1))
+        full = list(prompt) + list(answer)
+        most = [0] * len(answer)        # the longest accepted draft at each answer position
+        for done in range(1, len(answer)):
+            c = len(prompt) + done
+            kk = min(k, len(answer) - done - 1)
+            if kk <= 0:
+                continue
+            if proposer is not None:
+                req.all_token_ids = full[:c]
+                draft = proposer.propose([req], [kk])[0]
+                n = 0
+                while n < len(draft.token_ids) and draft.token_ids[n] == full[c + n]:
+                    n += 1
+            else:
+                n, key = 0, full[c - min_match:c]
+                for p in range(min_match, c):
+                    if full[p] == full[c] and full[p - min_match:p] == key:
+                        n = max(n, _copy_run(full, c, p, kk))
+                        if n == kk:
+                            break
+            most[done] = n
+        # least time from each position to the end, and the drafts sent there
+        best, send = [0.0] * (len(answer) + 1), [0] * (len(answer) + 1)
+        for done in range(len(answer) - 1, 0, -1):
+            options = [(cost[m + 1] + best[min(done + m + 1, len(answer))], m) for m in range(most[done] + 1)]
+            best[done], send[done] = min(options)
+        done = 1
+        while done < len(answer):
+            n = send[done]
+            seconds += cost[n + 1]
+            steps += 1
+            if n:
+                drafted += 1
+                drafted_tokens += n + 1
+            done += n + 1
+    return seconds, steps, drafted, drafted_tokens
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=24, help="prompts per workload")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--with-bench", action="store_true", help="also spec_decode.py's agent and prose prompts")
+    ap.add_argument("--quantization", default=None,
+                    help="weights as in serve (default: the GGUF's blocks; none: fp32), which set the step times")
+    ap.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the engine's)")
+    ap.add_argument("--bounds", action="store_true", help="also the clairvoyant ceilings (module docstring)")
     args = ap.parse_args()
     import torch
 
@@ -114,8 +193,9 @@ def main() -> int:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     print(f"load average at start: {open('/proc/loadavg').read().strip()}")
-    loaded = load_model("smollm2-135m-instruct")
-    llm = LLM(loaded=loaded, kv_cache_tokens=32768, speculative_method="suffix")
+    loaded = load_model("smollm2-135m-instruct", quantization=args.quantization)
+    llm = LLM(loaded=loaded, kv_cache_tokens=32768, speculative_method="suffix",
+              **({"num_speculative_tokens": args.k} if args.k else {}))
     eng = llm.engine
     decoder = eng.spec
     costs = dict(decoder.table.calibrated)
@@ -135,7 +215,7 @@ def main() -> int:
         return p
 
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    print(f"\n{'workload':12s} {'config':14s} {'x none':>7s} {'steps':>6s} {'drafted':>8s} {'per drafted':>11s}")
+    print(f"\n{'workload':12s} {'config':18s} {'x none':>7s} {'steps':>6s} {'drafted':>8s} {'per drafted':>11s}")
     for name, ps in prompts(args.prompts, loaded.tokenizer, args.with_bench).items():
         plain = LLM(loaded=loaded, kv_cache_tokens=32768)
         answers = [(p, list(o.token_ids)) for p, o in zip(ps, plain.generate(ps, greedy))]
@@ -146,7 +226,14 @@ def main() -> int:
             s, steps, drafted, dtok = replay(decoder, factory, answers, costs, gate)
             rate = sum(len(a) - 1 for _, a in answers) / s
             per = f"{dtok / drafted:11.2f}" if drafted else f"{'-':>11s}"
-            print(f"{name:12s} {label:14s} {rate / base_rate:7.3f} {steps:6d} {drafted:8d} {per}", flush=True)
+            print(f"{name:12s} {label:18s} {rate / base_rate:7.3f} {steps:6d} {drafted:8d} {per}", flush=True)
+        if args.bounds:
+            for label, factory, m in (("clairvoyant-ngram", ngram, 0), ("clairvoyant-suffix", suffix, 0),
+                                      ("copy-m2", None, 2), ("copy-m1", None, 1)):
+                s, steps, drafted, dtok = bound(factory, answers, costs, decoder.k, m)
+                rate = sum(len(a) - 1 for _, a in answers) / s
+                per = f"{dtok / drafted:11.2f}" if drafted else f"{'-':>11s}"
+                print(f"{name:12s} {label:18s} {rate / base_rate:7.3f} {steps:6d} {drafted:8d} {per}", flush=True)
     print(f"\nload average at end: {open('/proc/loadavg').read().strip()}")
     return 0
 

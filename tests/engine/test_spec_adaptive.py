@@ -150,6 +150,28 @@ def test_load_scales_calibrated_step_times_alike(decoder) -> None:
     assert decoder.step_time(12) == pytest.approx(0.080)
 
 
+
+def test_a_calibrated_size_learns_its_shape_and_keeps_it_under_load(decoder) -> None:
+    # start-up says a 4-row step costs 2x a one-row step; at the workload's context it costs 3x.
+    # The table must learn the 3x from the 4-row steps it runs, and then keep the 3x when the
+    # machine gets busy and every step takes 1.5x as long (the load factor moves, not the shape).
+    for n, t in ((1, 0.010), (4, 0.020)):
+        decoder.table.calibrate(n, t)
+    for _ in range(80):
+        decoder.observe_step(_decode_only(1), 0.010)
+        decoder.observe_step(_decode_only(4), 0.030)
+    assert decoder.step_time(1) == pytest.approx(0.010, rel=0.02)
+    assert decoder.step_time(4) == pytest.approx(0.030, rel=0.02)
+    for _ in range(80):
+        decoder.observe_step(_decode_only(1), 0.015)
+        decoder.observe_step(_decode_only(4), 0.045)
+    assert decoder.step_time(1) == pytest.approx(0.015, rel=0.02)
+    assert decoder.step_time(4) / decoder.step_time(1) == pytest.approx(3.0, rel=0.02)
+    # the load alone, seen on one-row steps only, scales the learnt shape
+    for _ in range(60):
+        decoder.observe_step(_decode_only(1), 0.020)
+    assert decoder.step_time(4) == pytest.approx(0.060, rel=0.03)
+
 def _decode_only(num_tokens: int):
     """A decode-only step: one request one token behind, with ``num_tokens - 1`` drafts."""
     from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput

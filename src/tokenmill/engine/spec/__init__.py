@@ -437,17 +437,29 @@ class StepTable:
     2-core machine a one-row step ran 1.35x its start-up time while 4-row steps were still
     predicted at theirs, and suffix drafts that did not pay went out: 0.91x on prose).
     Sizes not calibrated keep a moving average of their own.
+
+    The start-up shape can be wrong for the workload: it is timed at a short context, and a
+    verify row's attention grows with the context (int4 weights, 2 threads: a 4-row step took
+    1.85x a one-row step at 128 tokens of context, 2.07x at 600 and 2.35x at 2,000), and it leaves
+    out the verification after the forward. So every calibrated size above the smallest also
+    learns a *shape correction*, its observed time over ``load x calibrated`` (a slow moving
+    average), and is predicted as ``load x calibrated x correction``. The smallest size anchors
+    the load factor (its correction stays 1), so a change of the machine's load moves the load
+    factor and leaves every correction where it was.
     """
 
     MIN_WEIGHT = 2.0    # observations of a size before its mean is used
     WEIGHT = 0.2        # weight of the newest observation once a size has 1 / WEIGHT of them
     LOAD_WEIGHT = 0.1   # weight of the newest calibrated-size step in the load factor
+    SHAPE_WEIGHT = 0.05  # weight of the newest step in its size's shape correction, after 1 / SHAPE_WEIGHT
 
     def __init__(self) -> None:
         self.mean: dict[int, float] = {}
         self.count: dict[int, float] = {}
         self.calibrated: dict[int, float] = {}
         self.load = 1.0
+        self.shape: dict[int, float] = {}           # calibrated size -> shape correction
+        self.shape_count: dict[int, float] = {}
         self._cache: dict[int, float] | None = None   # _known() until the next change
 
     def calibrate(self, num_tokens: int, seconds: float) -> None:
@@ -459,7 +471,16 @@ class StepTable:
         self._cache = None
         cal = self.calibrated.get(num_tokens)
         if cal is not None:
-            self.load += self.LOAD_WEIGHT * (seconds / cal - self.load)
+            ratio = seconds / cal
+            if num_tokens == min(self.calibrated):   # the anchor: its shape is the calibration's
+                self.load += self.LOAD_WEIGHT * (ratio - self.load)
+                return
+            shape = self.shape.get(num_tokens, 1.0)
+            c = self.shape_count.get(num_tokens, 0.0) + 1.0
+            self.shape_count[num_tokens] = c
+            shape += max(1.0 / c, self.SHAPE_WEIGHT) * (ratio / self.load - shape)
+            self.shape[num_tokens] = shape
+            self.load += self.LOAD_WEIGHT * (ratio / shape - self.load)
             return
         c = self.count.get(num_tokens, 0.0) + 1.0
         self.count[num_tokens] = c
@@ -469,7 +490,7 @@ class StepTable:
     def _known(self) -> dict[int, float]:
         if self._cache is None:
             known = {k: self.mean[k] for k, c in self.count.items() if c >= self.MIN_WEIGHT}
-            known.update((k, self.load * t) for k, t in self.calibrated.items())
+            known.update((k, self.load * t * self.shape.get(k, 1.0)) for k, t in self.calibrated.items())
             self._cache = known
         return self._cache
 
