@@ -39,6 +39,9 @@ def _run(backend_name, spec, pool, shapes, page_size, q, k, v, tables):
     (2, 1, 64, 16, [(3000, 1)]),                                            # one long decode: split-K
     (6, 3, 32, 16, [(1500, 1), (2100, 1), (0, 1)]),                         # several, some split
     (10, 2, 128, 16, [(2500, 1), (5, 1), (30, 3)]),                         # group of 5, wide heads, split
+    # chunks of a few rows after a long context (verify steps) are split over keys too: 2-3
+    # rows on the per-row bodies, 5 on the AVX2 tiles, 16 on the widest; 17 rows are not split
+    (9, 3, 64, 16, [(2500, 2), (2045, 3), (3000, 5), (4100, 16), (2100, 17), (2600, 1)]),
 ])
 def test_native_matches_torch_reference(hq, hkv, d, page_size, shapes, kv_dtype, isa, monkeypatch):
     if isa == "no-avx512":   # the AVX2 path on a CPU that also has AVX-512
@@ -104,7 +107,7 @@ def test_tiled_prefill_matches_torch_reference(hq, hkv, d, page_size, shapes, kv
 @pytest.mark.parametrize("isa", ["best", "no-avx512"])
 def test_chunks_of_a_few_rows_skip_the_tiles(isa, monkeypatch):
     """Chunks are cut by how many query vectors they hold (head groups of 3 here): 2 and 3 rows
-    (6 and 9 vectors, under 5/8 of an AVX2 tile group) take the per-row path, bit for bit what
+    (6 and 9 vectors, under 5/8 of an AVX2 tile group) take the decode bodies, bit for bit what
     TOKENMILL_NO_PREFILL_TILES=1 gives; 4 rows (12) take the AVX2 tiles (one group of 16) on any
     x86 CPU, AVX-512 ones included, bit for bit what TOKENMILL_NO_AVX512=1 gives; 40 rows take the
     CPU's widest tiles, where TOKENMILL_TILES_FOR_FEW_ROWS=1 also puts the few rows. The paths
@@ -132,6 +135,33 @@ def test_chunks_of_a_few_rows_skip_the_tiles(isa, monkeypatch):
     for other in (rows, narrow, widest):
         assert (out - other).abs().max().item() < 2e-5
 
+
+@pytest.mark.parametrize("isa", ["best", "no-avx512"])
+def test_few_rows_take_the_decode_bodies_and_split_after_a_long_context(isa, monkeypatch):
+    """Verify-step-shaped chunks (2 and 3 rows) run the decode bodies with every row's query
+    vectors, each masked to its own keys, and after 2,048 keys they are split over keys like a
+    decode row. Each switch off (TOKENMILL_NO_FEW_ROW_DECODE=1: the per-row bodies;
+    TOKENMILL_NO_FEW_ROW_SPLIT=1: one task per kv head) changes the order of summation, so the
+    bits, and every variant matches the torch reference."""
+    if isa == "no-avx512":
+        monkeypatch.setenv("TOKENMILL_NO_AVX512", "1")
+    shapes = [(2500, 2), (3000, 3), (40, 2), (57, 3)]
+    spec, pool, tables, q, k, v = _random_case(9, 3, 64, 16, shapes, "float16", 33)
+    ref, _ = _run("torch", spec, pool, shapes, 16, q, k, v, tables)
+
+    def run(**env):
+        with monkeypatch.context() as m:
+            for name in env:
+                m.setenv(name, "1")
+            return _run("native", spec, pool, shapes, 16, q, k, v, tables)[0]
+
+    out, per_row, unsplit = run(), run(TOKENMILL_NO_FEW_ROW_DECODE=1), run(TOKENMILL_NO_FEW_ROW_SPLIT=1)
+    long, short = slice(0, 5), slice(5, 10)
+    for got in (out, per_row, unsplit):
+        assert (got - ref).abs().max().item() < 2e-5
+    assert not torch.equal(out[long], per_row[long]) and not torch.equal(out[short], per_row[short])
+    assert not torch.equal(out[long], unsplit[long])
+    assert torch.equal(out[short], unsplit[short])   # short contexts are never split
 
 def test_tiled_prefill_after_long_cached_context():
     """A 256-token chunk after 4k cached tokens in mixed company: a fresh prompt, a decode."""

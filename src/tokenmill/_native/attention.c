@@ -16,13 +16,15 @@
  * the online-softmax recurrence over its keys page by page and either writes normalised output
  * (it covers all keys its rows can see) or a partial (running max, sum, unnormalised
  * accumulator) that a merge pass combines. Long single-sequence decodes are split over keys so
- * that every thread has work (split-K, as in flash-decoding). Decode rows (a sequence with one
- * query row) take the decode bodies ("decode rows" below: each K/V row read and widened once
- * for the G query heads of its kv head); prefill chunks take the tiled path ("tiled prefill
- * path"), which scores groups of query vectors against blocks of keys as small matrix
- * products. Chunks of a few rows (tiles_for) and CPUs without the vector paths take the
- * per-row bodies, which also serve A/B checks (TOKENMILL_NO_DECODE_BODY=1,
- * TOKENMILL_NO_PREFILL_TILES=1, TOKENMILL_TILES_FOR_FEW_ROWS=1). Each query row's result depends
+ * that every thread has work (split-K, as in flash-decoding), and so are chunks of a few rows
+ * (a verify step) after a long context. Decode rows (a sequence with one query row) and chunks
+ * of a few rows that tiles_for keeps off the tiles take the decode bodies ("decode rows" below:
+ * each K/V row read and widened once for up to 4 (AVX2: 3) query vectors of its kv head);
+ * prefill chunks take the tiled path ("tiled prefill path"), which scores groups of query
+ * vectors against blocks of keys as small matrix products. CPUs without the vector paths take
+ * the per-row bodies, which also serve A/B checks (TOKENMILL_NO_DECODE_BODY=1,
+ * TOKENMILL_NO_FEW_ROW_DECODE=1, TOKENMILL_NO_FEW_ROW_SPLIT=1, TOKENMILL_NO_PREFILL_TILES=1,
+ * TOKENMILL_TILES_FOR_FEW_ROWS=1). Each query row's result depends
  * only on its own sequence, so a request gives the same bits whatever else is in the batch.
  *
  * Vector code is compiled for AVX-512 and for AVX2+FMA through function target attributes and
@@ -56,6 +58,12 @@
 #define MAX_QVEC TM_ATTENTION_MAX_GROUP   /* query vectors (rows x heads of one group) in one task */
 #define MAX_HEAD_DIM TM_ATTENTION_MAX_HEAD_DIM
 #define SPLIT_KEYS 1024  /* keys per split-K chunk of a long decode */
+#ifndef DEC_MAX_ROWS
+#define DEC_MAX_ROWS 16    /* chunks of up to this many rows not on tiles take the decode bodies */
+#endif
+#ifndef SPLIT_MAX_ROWS
+#define SPLIT_MAX_ROWS 16  /* chunks of up to this many rows are split over keys too (plan_tasks) */
+#endif
 /* How K/V lines are asked for ahead of use: prefetcht1 (into L2). On Zen 4 a decode reading its
  * KV from DRAM took 46 ns per key and kv head with prefetcht0 and 23 ns with t1 (t2 the same;
  * docs/benchmarks.md, "A Zen 4 host"), likely because a prefetcht0 holds one of the few L1 miss
@@ -1161,7 +1169,9 @@ static const TileKernel tile_kernel_avx512 = {tile_avx512, widen_avx512, widenh_
  * A decode row (a sequence's one query row: every key of its task is visible) has G query
  * vectors per kv head, all reading the same K/V rows. The decode task bodies below read each
  * K and V row once for all G (the per-row bodies above read a K row once per query vector and
- * fp8 rows went through a float32 copy):
+ * fp8 rows went through a float32 copy). A task of a few rows (a verify step's k + 1 rows) runs
+ * the same bodies over all its rows' vectors (v = r * G + g), each vector's scores masked past
+ * the last key its row sees (dec_queries); a block a vector sees none of leaves it as it was:
  *   - scores: a key row is widened once, chunk by chunk, and multiplied into G accumulators
  *     (the queries come from L1); 4 keys' accumulators are folded into one vector by an
  *     in-register transpose-reduce, 16 keys (8 on AVX2) into one vector of scores per query;
@@ -1351,19 +1361,20 @@ static inline DecScales dec_scales(const Problem *P, const Task *T, int kind, in
 /* the task's output (normalised) or its partial, from acc in the order the body kept it */
 static inline void dec_store(const Problem *P, const Task *T, const float *acc, const float *m, const float *l,
                              float vmul, int perm, float *part_m, float *part_l, float *part_acc) {
-    const int D = P->d, G = P->group;
+    const int D = P->d, G = P->group, Q = (T->r1 - T->r0) * G;
     const int64_t row = P->qsl[T->seq] + T->r0;
-    for (int g = 0; g < G; g++) {
-        const float *a = acc + (size_t)g * D;
+    for (int v = 0; v < Q; v++) {
+        const int r = v / G, g = v % G;
+        const float *a = acc + (size_t)v * D;
         float *dst;
         float mul = vmul;
         if (T->part < 0) {
-            dst = P->out + row * (int64_t)P->hq * D + (int64_t)(T->kvh * G + g) * D;
-            mul = l[g] > 0.f ? vmul / l[g] : 0.f;
+            dst = P->out + (row + r) * (int64_t)P->hq * D + (int64_t)(T->kvh * G + g) * D;
+            mul = l[v] > 0.f ? vmul / l[v] : 0.f;
         } else {
-            dst = part_acc + (size_t)g * D;
-            part_m[g] = m[g];
-            part_l[g] = l[g];
+            dst = part_acc + (size_t)v * D;
+            part_m[v] = m[v];
+            part_l[v] = l[v];
         }
         if (perm)
             for (int x = 0; x < D; x++) dst[dec_perm(x)] = a[x] * mul;
@@ -1372,17 +1383,33 @@ static inline void dec_store(const Problem *P, const Task *T, const float *acc, 
     }
 }
 
+/* The decode bodies' queries for the task's rows (Q = rows x G vectors, vector v = r * G + g, in
+ * dim order or dec_perm's), scaled by qmul, and each vector's count of visible keys from the
+ * task's first key: row r of a chunk of n rows at the end of a sequence of L tokens sees the keys
+ * before L - n + r + 1. A decode row (n = 1) sees every key of its task. */
+static inline void dec_queries(const Problem *P, const Task *T, float qmul, int perm, float *qs, int64_t *vis) {
+    const int D = P->d, G = P->group, Q = (T->r1 - T->r0) * G;
+    const int64_t row = P->qsl[T->seq] + T->r0;
+    const int64_t n = P->qsl[T->seq + 1] - P->qsl[T->seq], L = P->seq_lens[T->seq];
+    for (int v = 0; v < Q; v++) {
+        const int r = v / G, g = v % G;
+        const float *src = P->q + (row + r) * P->q_stride + (int64_t)(T->kvh * G + g) * D;
+        for (int x = 0; x < D; x++) qs[(size_t)v * D + x] = src[perm ? dec_perm(x) : x] * qmul;
+        vis[v] = L - n + T->r0 + r + 1 - T->k0;
+    }
+}
+
 AVX512V static inline __attribute__((always_inline)) void dec512_body(const Problem *P, const Task *T, float *part_m,
                                                                    float *part_l, float *part_acc, const int kind) {
-    const int D = P->d, G = P->group;
+    const int D = P->d, G = P->group, Q = (T->r1 - T->r0) * G;
     const int perm = (kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN) && D % 64 == 0;
     const size_t esz = kv_esz(kind);
-    const int64_t row = P->qsl[T->seq] + T->r0;
     const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
     const DecScales sc = dec_scales(P, T, kind, perm);
-    float *qs = alloc64((size_t)G * D), *acc = alloc64((size_t)G * D), *sb = alloc64((size_t)G * DEC_BLOCK);
+    float *qs = alloc64((size_t)Q * D), *acc = alloc64((size_t)Q * D), *sb = alloc64((size_t)Q * DEC_BLOCK);
     float ksb[DEC_BLOCK] __attribute__((aligned(64))), vsb[DEC_BLOCK] __attribute__((aligned(64)));
     float m[MAX_QVEC], l[MAX_QVEC], alph[MAX_QVEC];
+    int64_t vis[MAX_QVEC];
     const char *kp[DEC_BLOCK], *vp[DEC_BLOCK];
     /* the element offsets of the task's keys, computed once (per block, and again for the
      * prefetch, they cost as much as a fifth of the decode) */
@@ -1391,12 +1418,11 @@ AVX512V static inline __attribute__((always_inline)) void dec512_body(const Prob
     key_offsets(P, table, T->kvh, T->k0, T->k1, offs);
     const E4m3Tab tab = e4m3_tab();
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    memset(acc, 0, sizeof(float) * (size_t)G * D);
-    for (int g = 0; g < G; g++) {
-        const float *src = P->q + row * P->q_stride + (int64_t)(T->kvh * G + g) * D;
-        for (int x = 0; x < D; x++) qs[(size_t)g * D + x] = src[perm ? dec_perm(x) : x] * sc.qmul;
-        m[g] = -INFINITY;
-        l[g] = 0.f;
+    memset(acc, 0, sizeof(float) * (size_t)Q * D);
+    dec_queries(P, T, sc.qmul, perm, qs, vis);
+    for (int v = 0; v < Q; v++) {
+        m[v] = -INFINITY;
+        l[v] = 0.f;
     }
     {   /* the first PREFETCH_BLOCKS blocks (later ones are asked for a block at a time below) */
         prefetch_rows(P, offs, nkeys < DEC_PF ? nkeys : DEC_PF, esz);
@@ -1418,10 +1444,10 @@ AVX512V static inline __attribute__((always_inline)) void dec512_body(const Prob
         const int64_t *pfo = pfn ? o + DEC_PF : o;
         for (int jb = 0; jb < nks; jb += 16) {
             if (jb < pfn) prefetch_rows(P, pfo + jb, pfn - jb < 16 ? pfn - jb : 16, esz);
-            for (int g0 = 0; g0 < G; g0 += 4) {
+            for (int g0 = 0; g0 < Q; g0 += 4) {
                 const float *qg = qs + (size_t)g0 * D;
                 float *s = sb + (size_t)g0 * DEC_BLOCK;
-                switch (G - g0 < 4 ? G - g0 : 4) {
+                switch (Q - g0 < 4 ? Q - g0 : 4) {
                 case 1: DEC_SCORE512(1); break;
                 case 2: DEC_SCORE512(2); break;
                 case 3: DEC_SCORE512(3); break;
@@ -1429,14 +1455,21 @@ AVX512V static inline __attribute__((always_inline)) void dec512_body(const Prob
                 }
             }
         }
-        for (int g = 0; g < G; g++) {
+        for (int g = 0; g < Q; g++) {
             float *s = sb + (size_t)g * DEC_BLOCK;
+            /* the keys of the block this vector sees (a row of a verify step sees fewer) */
+            const int seen = vis[g] - j0 < nk ? (int)(vis[g] - j0) : nk;
+            if (seen <= 0) {   /* none: no weight, the running max and sum stay */
+                memset(s, 0, sizeof(float) * (size_t)nks);
+                alph[g] = 1.f;
+                continue;
+            }
             __m512 sv[DEC_BLOCK / 16], mx = ninf;
             for (int h = 0; h < nks / 16; h++) {
                 __m512 v = _mm512_load_ps(s + 16 * h);
                 if (kind == TM_KV_FP8_TOKEN) v = _mm512_mul_ps(v, _mm512_load_ps(ksb + 16 * h));
-                const int cnt = nk - 16 * h;
-                if (cnt < 16) v = _mm512_mask_mov_ps(ninf, (__mmask16)((1u << cnt) - 1), v);
+                const int cnt = seen - 16 * h;
+                if (cnt < 16) v = cnt > 0 ? _mm512_mask_mov_ps(ninf, (__mmask16)((1u << cnt) - 1), v) : ninf;
                 sv[h] = v;
                 mx = _mm512_max_ps(mx, v);
             }
@@ -1454,7 +1487,7 @@ AVX512V static inline __attribute__((always_inline)) void dec512_body(const Prob
             m[g] = mn;
             alph[g] = alpha;
         }
-        dec_vacc512(acc, sb, alph, vp, nk, G, D, kind, perm, &tab);
+        dec_vacc512(acc, sb, alph, vp, nk, Q, D, kind, perm, &tab);
     }
     dec_store(P, T, acc, m, l, sc.vmul, perm, part_m, part_l, part_acc);
     free(qs); free(acc); free(sb); free(offs);
@@ -1603,14 +1636,14 @@ AVX2 static inline __attribute__((always_inline)) __m256 red4_256(__m256 a0, __m
 
 AVX2 static inline __attribute__((always_inline)) void dec256_body(const Problem *P, const Task *T, float *part_m,
                                                                  float *part_l, float *part_acc, const int kind) {
-    const int D = P->d, G = P->group;
+    const int D = P->d, G = P->group, Q = (T->r1 - T->r0) * G;
     const size_t esz = kv_esz(kind);
-    const int64_t row = P->qsl[T->seq] + T->r0;
     const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
     const DecScales sc = dec_scales(P, T, kind, 0);
-    float *qs = alloc64((size_t)G * D), *acc = alloc64((size_t)G * D), *sb = alloc64((size_t)G * DEC_BLOCK);
+    float *qs = alloc64((size_t)Q * D), *acc = alloc64((size_t)Q * D), *sb = alloc64((size_t)Q * DEC_BLOCK);
     float ksb[DEC_BLOCK] __attribute__((aligned(64))), vsb[DEC_BLOCK] __attribute__((aligned(64)));
     float m[MAX_QVEC], l[MAX_QVEC], alph[MAX_QVEC];
+    int64_t vis[MAX_QVEC];
     const char *kp[DEC_BLOCK], *vp[DEC_BLOCK];
     /* the element offsets of the task's keys, computed once (per block, and again for the
      * prefetch, they cost as much as a fifth of the decode) */
@@ -1618,12 +1651,11 @@ AVX2 static inline __attribute__((always_inline)) void dec256_body(const Problem
     int64_t *offs = malloc(sizeof(int64_t) * ((size_t)nkeys + DEC_BLOCK));
     key_offsets(P, table, T->kvh, T->k0, T->k1, offs);
     const __m256 ninf = _mm256_set1_ps(-INFINITY), lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    memset(acc, 0, sizeof(float) * (size_t)G * D);
-    for (int g = 0; g < G; g++) {
-        const float *src = P->q + row * P->q_stride + (int64_t)(T->kvh * G + g) * D;
-        for (int x = 0; x < D; x++) qs[(size_t)g * D + x] = src[x] * sc.qmul;
-        m[g] = -INFINITY;
-        l[g] = 0.f;
+    memset(acc, 0, sizeof(float) * (size_t)Q * D);
+    dec_queries(P, T, sc.qmul, 0, qs, vis);
+    for (int v = 0; v < Q; v++) {
+        m[v] = -INFINITY;
+        l[v] = 0.f;
     }
     {
         prefetch_rows(P, offs, nkeys < DEC_PF ? nkeys : DEC_PF, esz);
@@ -1644,23 +1676,29 @@ AVX2 static inline __attribute__((always_inline)) void dec256_body(const Problem
         const int64_t *pfo = pfn ? o + DEC_PF : o;
         for (int jb = 0; jb < nks; jb += 8) {
             if (jb < pfn) prefetch_rows(P, pfo + jb, pfn - jb < 8 ? pfn - jb : 8, esz);
-            for (int g0 = 0; g0 < G; g0 += 3) {
+            for (int g0 = 0; g0 < Q; g0 += 3) {
                 const float *qg = qs + (size_t)g0 * D;
                 float *s = sb + (size_t)g0 * DEC_BLOCK;
-                switch (G - g0 < 3 ? G - g0 : 3) {
+                switch (Q - g0 < 3 ? Q - g0 : 3) {
                 case 1: DEC_SCORE256(1); break;
                 case 2: DEC_SCORE256(2); break;
                 default: DEC_SCORE256(3); break;
                 }
             }
         }
-        for (int g = 0; g < G; g++) {
+        for (int g = 0; g < Q; g++) {
             float *s = sb + (size_t)g * DEC_BLOCK;
+            const int seen = vis[g] - j0 < nk ? (int)(vis[g] - j0) : nk;   /* as in dec512_body */
+            if (seen <= 0) {
+                memset(s, 0, sizeof(float) * (size_t)nks);
+                alph[g] = 1.f;
+                continue;
+            }
             __m256 sv[DEC_BLOCK / 8], mx = ninf;
             for (int h = 0; h < nks / 8; h++) {
                 __m256 v = _mm256_load_ps(s + 8 * h);
                 if (kind == TM_KV_FP8_TOKEN) v = _mm256_mul_ps(v, _mm256_load_ps(ksb + 8 * h));
-                const int cnt = nk - 8 * h;
+                const int cnt = seen - 8 * h;
                 if (cnt < 8) v = _mm256_blendv_ps(ninf, v, _mm256_cmp_ps(lane, _mm256_set1_ps((float)cnt), _CMP_LT_OQ));
                 sv[h] = v;
                 mx = _mm256_max_ps(mx, v);
@@ -1682,7 +1720,7 @@ AVX2 static inline __attribute__((always_inline)) void dec256_body(const Problem
             m[g] = mn;
             alph[g] = alpha;
         }
-        dec_vacc256(acc, sb, alph, vp, nk, G, D, kind);
+        dec_vacc256(acc, sb, alph, vp, nk, Q, D, kind);
     }
     dec_store(P, T, acc, m, l, sc.vmul, 0, part_m, part_l, part_acc);
     free(qs); free(acc); free(sb); free(offs);
@@ -1750,9 +1788,11 @@ typedef struct {
     int narrow_min_q;       /* query vectors from which a chunk takes tk_narrow */
     int vec, vec512;
     int dec;   /* decode rows: 2 the AVX-512 (VBMI) decode body, 1 the AVX2 one, 0 the per-row bodies */
+    int split_rows;   /* chunks of up to this many rows are split over keys after a long context */
+    int dec_rows;     /* chunks of up to this many rows not on tiles take the decode bodies */
 } Kernels;
 
-/* The tiles a sequence's n query rows take, or NULL for the per-row bodies. A tile group costs
+/* The tiles a sequence's n query rows take, or NULL for the decode (or per-row) bodies. A tile group costs
  * about the same for any number of its qw lanes in use, while the per-row path's cost grows with
  * the query vectors, so a chunk of a few rows (a verify step, the last rows of a prompt) is
  * cheaper there: with head groups of 3, 2 rows over 1,024 keys took 2.2 against 6.1 ms per step
@@ -1800,23 +1840,28 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, const Kernel
                 if (rows > n) rows = (int)n;
             }
         }
-        if (n == 1 && L >= 2 * SPLIT_KEYS) {
-            /* A long decode row: its key chunks with the kv heads inside, so the heads of one
-             * chunk run back to back (on one thread). A head's K/V rows are pieces of each
-             * token's row, and the lines around them, which the hardware fetches anyway, are
-             * the next heads' rows: still in L2 when those run right after, but long gone when
-             * every head walked the whole context in turn (the decode read DRAM at about 12
-             * GB/s that way). The merge finds a row's parts by (sequence, kv head). */
+        if (n <= k->split_rows && n <= rows && L >= 2 * SPLIT_KEYS) {
+            /* A long decode row, or the few rows of a verify step (or of a prompt's tail) after a
+             * long context: its key chunks with the kv heads inside, so the heads of one chunk
+             * run back to back (on one thread). A head's K/V rows are pieces of each token's
+             * row, and the lines around them, which the hardware fetches anyway, are the next
+             * heads' rows: still in L2 when those run right after, but long gone when every
+             * head walked the whole context in turn (the decode read DRAM at about 12 GB/s that
+             * way). Unsplit, a few-row chunk was one task per kv head: 3 tasks on 2 threads for
+             * the default model, one thread idle a third of the time. A part holds n rows of G
+             * query vectors (n slots); a row's chunks past its last visible key leave it empty.
+             * The merge finds a chunk's parts by (sequence, kv head). */
             int splits = (int)(L / SPLIT_KEYS);
             int64_t chunk = (L + splits - 1) / splits;
             for (int sidx = 0; sidx < splits; sidx++)
                 for (int h = 0; h < P->hkv; h++) {
                     if (count == cap) { cap *= 2; tasks = realloc(tasks, sizeof(Task) * cap); }
                     Task *t = &tasks[count++];
-                    t->seq = i; t->kvh = h; t->r0 = 0; t->r1 = 1;
+                    t->seq = i; t->kvh = h; t->r0 = 0; t->r1 = (int)n;
                     t->k0 = (int)(sidx * chunk);
                     t->k1 = (int)((sidx + 1) * chunk < L ? (sidx + 1) * chunk : L);
-                    t->part = parts++;
+                    t->part = parts;
+                    parts += (int)n;
                 }
             continue;
         }
@@ -1851,6 +1896,11 @@ static Kernels pick_kernels(const Problem *P) {
     k.vec512 = k.vec && have_avx512() && D % 16 == 0 && !no512;
     /* TOKENMILL_NO_DECODE_BODY=1 sends decode rows through the per-row bodies (for A/B checks) */
     k.dec = getenv("TOKENMILL_NO_DECODE_BODY") ? 0 : k.vec512 && have_vbmi() ? 2 : k.vec ? 1 : 0;
+    /* TOKENMILL_NO_FEW_ROW_SPLIT=1 splits decode rows only, as before (for A/B checks) */
+    k.split_rows = getenv("TOKENMILL_NO_FEW_ROW_SPLIT") ? 1 : SPLIT_MAX_ROWS;
+    /* TOKENMILL_NO_FEW_ROW_DECODE=1: the decode bodies take decode rows only, as before (for A/B
+     * checks); a few rows then run the per-row bodies */
+    k.dec_rows = getenv("TOKENMILL_NO_FEW_ROW_DECODE") ? 1 : DEC_MAX_ROWS;
     /* prefill chunks (sequences with more than a few query rows: tiles_for) take the tiled path;
      * TOKENMILL_NO_PREFILL_TILES=1 sends them through the per-row path (for A/B checks) */
     k.tk = getenv("TOKENMILL_NO_PREFILL_TILES") ? NULL : &tile_kernel_scalar;
@@ -1902,7 +1952,9 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
         return;
     }
 #if TM_X86
-    if (k->dec == 2 && P->qsl[t->seq + 1] - P->qsl[t->seq] == 1) {
+    const int64_t nrows = P->qsl[t->seq + 1] - P->qsl[t->seq];
+    const int dec_rows = nrows <= k->dec_rows;   /* a decode row, or a few (tiles_for said no tiles) */
+    if (k->dec == 2 && dec_rows) {
         switch (P->kind) {
         case TM_KV_BF16: dec512_bf16(P, t, m, l, a); break;
         case TM_KV_F16: dec512_f16(P, t, m, l, a); break;
@@ -1912,7 +1964,7 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
         }
         return;
     }
-    if (k->dec == 1 && P->qsl[t->seq + 1] - P->qsl[t->seq] == 1) {
+    if (k->dec == 1 && dec_rows) {
         switch (P->kind) {
         case TM_KV_BF16: dec256_bf16(P, t, m, l, a); break;
         case TM_KV_F16: dec256_f16(P, t, m, l, a); break;
@@ -1959,23 +2011,28 @@ static void finish_plan(const Problem *P, Plan *p) {
         for (int u = i; u < count && tasks[u].seq == tasks[i].seq; u++)
             if (tasks[u].part >= 0 && tasks[u].kvh == tasks[i].kvh && tasks[u].r0 == tasks[i].r0) mem[nm++] = u;
         const Task *t0 = &tasks[i];
-        int64_t row = P->qsl[t0->seq] + t0->r0;
-        for (int g = 0; g < G; g++) {
-            float mx = -INFINITY;
-            for (int e = 0; e < nm; e++) { float mu = pm[(size_t)tasks[mem[e]].part * G + g]; mx = mu > mx ? mu : mx; }
-            float *dst = P->out + row * (int64_t)P->hq * D + (int64_t)(t0->kvh * G + g) * D;
-            float den = 0.f;
-            for (int x = 0; x < D; x++) dst[x] = 0.f;
-            for (int e = 0; e < nm; e++) {
-                size_t slot = (size_t)tasks[mem[e]].part * G + g;
-                if (pl[slot] == 0.f) continue;
-                float w = expf(pm[slot] - mx);
-                den += w * pl[slot];
-                const float *src = pa + slot * D;
-                for (int x = 0; x < D; x++) dst[x] += w * src[x];
+        for (int r = 0; r < t0->r1 - t0->r0; r++) {   /* a part holds its rows' slots in turn */
+            int64_t row = P->qsl[t0->seq] + t0->r0 + r;
+            for (int g = 0; g < G; g++) {
+                float mx = -INFINITY;
+                for (int e = 0; e < nm; e++) {
+                    float mu = pm[(size_t)(tasks[mem[e]].part + r) * G + g];
+                    mx = mu > mx ? mu : mx;
+                }
+                float *dst = P->out + row * (int64_t)P->hq * D + (int64_t)(t0->kvh * G + g) * D;
+                float den = 0.f;
+                for (int x = 0; x < D; x++) dst[x] = 0.f;
+                for (int e = 0; e < nm; e++) {
+                    size_t slot = (size_t)(tasks[mem[e]].part + r) * G + g;
+                    if (pl[slot] == 0.f) continue;
+                    float w = expf(pm[slot] - mx);
+                    den += w * pl[slot];
+                    const float *src = pa + slot * D;
+                    for (int x = 0; x < D; x++) dst[x] += w * src[x];
+                }
+                float inv = den > 0.f ? 1.f / den : 0.f;
+                for (int x = 0; x < D; x++) dst[x] *= inv;
             }
-            float inv = den > 0.f ? 1.f / den : 0.f;
-            for (int x = 0; x < D; x++) dst[x] *= inv;
         }
     }
     free(mem);
