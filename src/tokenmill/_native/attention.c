@@ -1191,6 +1191,16 @@ static const TileKernel tile_kernel_avx512 = {tile_avx512, widen_avx512, widenh_
  * the AVX2 body sums a block's V rows for even and odd keys apart and adds the two at the end.
  */
 
+/* Vectors per pass when the decode bodies walk Q query vectors at most maxv at a time: as many
+ * passes as needed, of sizes as equal as they can be (9 vectors as 3 + 3 + 3, not 4 + 4 + 1: a
+ * pass of one vector re-reads every K/V row for that vector alone, and its few accumulator chains
+ * leave the multiply-add units waiting on latency). Every vector's arithmetic is its own, so the
+ * grouping never changes a result. */
+static inline int dec_pass(int Q, int maxv) {
+    const int passes = (Q + maxv - 1) / maxv;
+    return (Q + passes - 1) / passes;
+}
+
 /* the dim order of fp8x64's output within each 64-dim chunk: position 16c + 4L + i holds dim
  * 16L + 4c + i (and the map is its own inverse) */
 static inline int dec_perm(int x) {
@@ -1314,8 +1324,9 @@ AVX512V static inline __attribute__((always_inline)) void dec_vacc512(float *acc
     const size_t esz = kv_esz(kind);
     const int DW = D / 16;
     const int xc = DW % 4 == 0 ? 4 : DW % 2 == 0 ? 2 : 1;   /* perm: D % 64 == 0, so 4 */
-    for (int g0 = 0; g0 < G; g0 += 4, acc += (size_t)4 * D, p += 4 * DEC_BLOCK, alpha += 4) {
-        const int gc = G - g0 < 4 ? G - g0 : 4;
+    const int per = dec_pass(G, 4);
+    for (int g0 = 0; g0 < G; g0 += per, acc += (size_t)per * D, p += per * DEC_BLOCK, alpha += per) {
+        const int gc = G - g0 < per ? G - g0 : per;
         switch (gc * 8 + xc) {
         case 9: DEC_VACC512(1, 1); break;
         case 10: DEC_VACC512(1, 2); break;
@@ -1444,10 +1455,10 @@ AVX512V static inline __attribute__((always_inline)) void dec512_body(const Prob
         const int64_t *pfo = pfn ? o + DEC_PF : o;
         for (int jb = 0; jb < nks; jb += 16) {
             if (jb < pfn) prefetch_rows(P, pfo + jb, pfn - jb < 16 ? pfn - jb : 16, esz);
-            for (int g0 = 0; g0 < Q; g0 += 4) {
+            for (int g0 = 0, per = dec_pass(Q, 4); g0 < Q; g0 += per) {
                 const float *qg = qs + (size_t)g0 * D;
                 float *s = sb + (size_t)g0 * DEC_BLOCK;
-                switch (Q - g0 < 4 ? Q - g0 : 4) {
+                switch (Q - g0 < per ? Q - g0 : per) {
                 case 1: DEC_SCORE512(1); break;
                 case 2: DEC_SCORE512(2); break;
                 case 3: DEC_SCORE512(3); break;
@@ -1579,8 +1590,9 @@ AVX2 static inline __attribute__((always_inline)) void dec_vacc256(float *acc, c
         vaccum_avx2(acc, p, alpha, vp, nk, G, D, kind, DEC_BLOCK);
         return;
     }
-    for (int g0 = 0; g0 < G; g0 += 3, acc += (size_t)3 * D, p += 3 * DEC_BLOCK, alpha += 3) {
-        switch (G - g0 < 3 ? G - g0 : 3) {
+    const int per = dec_pass(G, 3);
+    for (int g0 = 0; g0 < G; g0 += per, acc += (size_t)per * D, p += per * DEC_BLOCK, alpha += per) {
+        switch (G - g0 < per ? G - g0 : per) {
         case 1: DEC_VACC256(1); break;
         case 2: DEC_VACC256(2); break;
         default: DEC_VACC256(3); break;
@@ -1676,10 +1688,10 @@ AVX2 static inline __attribute__((always_inline)) void dec256_body(const Problem
         const int64_t *pfo = pfn ? o + DEC_PF : o;
         for (int jb = 0; jb < nks; jb += 8) {
             if (jb < pfn) prefetch_rows(P, pfo + jb, pfn - jb < 8 ? pfn - jb : 8, esz);
-            for (int g0 = 0; g0 < Q; g0 += 3) {
+            for (int g0 = 0, per = dec_pass(Q, 3); g0 < Q; g0 += per) {
                 const float *qg = qs + (size_t)g0 * D;
                 float *s = sb + (size_t)g0 * DEC_BLOCK;
-                switch (Q - g0 < 3 ? Q - g0 : 3) {
+                switch (Q - g0 < per ? Q - g0 : per) {
                 case 1: DEC_SCORE256(1); break;
                 case 2: DEC_SCORE256(2); break;
                 default: DEC_SCORE256(3); break;
