@@ -16,9 +16,10 @@ standard-library functions (a seed neither the drafter's traces nor ``spec_decod
 and prose prompts of their own, plus ``spec_decode.py``'s two workloads with ``--with-bench``.
 
 Bounds (``--bounds``): what a drafter that knew the answer would get from the same step times.
-Each step sends exactly the drafts that will be accepted, or none where ``L + 1`` tokens in a
-step of ``L + 1`` rows do not beat one token in a one-row step, so the figure is a ceiling on
-any rule that decides how many drafts to send:
+Its steps send only drafts that will be accepted, and a backward pass over the answer chooses
+how many of them each step sends so that the answer's modelled time is least (a row that costs
+more than it brings is left out), so the figure is a ceiling on any rule that decides how many
+drafts to send:
   - ``clairvoyant-ngram`` / ``-suffix``: the proposer's own draft, cut where it goes wrong (the
     ceiling of the decision rule, with that proposer's choice of what to copy);
   - ``copy-m2`` / ``copy-m1``: the best copy anywhere in the context (prompt and answer so far)
