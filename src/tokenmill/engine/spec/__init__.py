@@ -460,26 +460,26 @@ class StepTable:
         self.load = 1.0
         self.shape: dict[int, float] = {}           # calibrated size -> shape correction
         self.shape_count: dict[int, float] = {}
+        self.anchor: int | None = None              # the smallest calibrated size
         self._cache: dict[int, float] | None = None   # _known() until the next change
 
     def calibrate(self, num_tokens: int, seconds: float) -> None:
         """The start-up time of a step of ``num_tokens`` (the shape the load factor scales)."""
         self.calibrated[num_tokens] = max(seconds, 1e-9)
+        self.anchor = min(self.calibrated)
         self._cache = None
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         self._cache = None
         cal = self.calibrated.get(num_tokens)
         if cal is not None:
-            ratio = seconds / cal
-            if num_tokens == min(self.calibrated):   # the anchor: its shape is the calibration's
-                self.load += self.LOAD_WEIGHT * (ratio - self.load)
-                return
-            shape = self.shape.get(num_tokens, 1.0)
-            c = self.shape_count.get(num_tokens, 0.0) + 1.0
-            self.shape_count[num_tokens] = c
-            shape += max(1.0 / c, self.SHAPE_WEIGHT) * (ratio / self.load - shape)
-            self.shape[num_tokens] = shape
+            ratio, shape = seconds / cal, 1.0
+            if num_tokens != self.anchor:   # the anchor's shape is the calibration's
+                shape = self.shape.get(num_tokens, 1.0)
+                c = self.shape_count.get(num_tokens, 0.0) + 1.0
+                self.shape_count[num_tokens] = c
+                shape += max(1.0 / c, self.SHAPE_WEIGHT) * (ratio / self.load - shape)
+                self.shape[num_tokens] = shape
             self.load += self.LOAD_WEIGHT * (ratio / shape - self.load)
             return
         c = self.count.get(num_tokens, 0.0) + 1.0
