@@ -19,7 +19,9 @@ engine resolves it, fp16 for packed weights).
 
 Kernel switches that the native attention kernel reads at each call (``TOKENMILL_NO_AVX512``,
 ``TOKENMILL_NO_DECODE_BODY``, ``TOKENMILL_TILES_FOR_FEW_ROWS``) can be compared in one process with
-``--env-ab NAME``: every round then times each length without and with ``NAME=1``.
+``--env-ab NAME``: every round then times each length without and with ``NAME=1``. A setting may
+give values and join several switches (``--env-ab TOKENMILL_KV_PREFETCH=1+TOKENMILL_CHUNK_HEADS_APART=1``),
+and ``--env-ab`` may be repeated: each setting is timed against the default in every round.
 
 ``--rows 1,2,4`` times steps of that many new tokens of the one sequence instead (a speculative
 verify step's shape, logits for every row), each at each context:
@@ -51,7 +53,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5, help="timed forwards per length and round (best is kept)")
-    ap.add_argument("--env-ab", default=None, help="a kernel switch to time off and on in every round")
+    ap.add_argument("--env-ab", action="append", default=None,
+                    help="a kernel switch to time off and on in every round: NAME (set to 1), NAME=VALUE, "
+                         "or several joined by + (A=1+B=0); repeat it to time several settings against the default")
     ap.add_argument("--rows", default="1", help="new tokens per step (comma-separated: each is timed)")
     args = ap.parse_args()
 
@@ -70,7 +74,7 @@ def main() -> int:
         runners[f"{name} ({spec.dtype})"] = runner = ModelRunner(model, 8, 16, int(model.args.vocab_size), kv_spec=spec)
         print(f"load average {os.getloadavg()[0]:.2f}; {args.model} weights {args.quantization}, KV {name}: "
               f"{spec.dtype}, {args.threads} thread(s), attention backend {runner.attn.name}")
-    switches = [None] if not args.env_ab else [None, args.env_ab]
+    switches = [None, *(args.env_ab or [])]
     modes = [(kv, sw) for kv in runners for sw in switches]
     label = {m: " ".join(x for x in ((m[0] if len(runners) > 1 else ""), ((m[1] or "default") if args.env_ab else ""))
                          if x) for m in modes}
@@ -80,16 +84,16 @@ def main() -> int:
         line = []
         for mode in modes:
             kv, switch = mode
-            if switch:
-                os.environ[switch] = "1"
+            setting = dict((a.partition("=")[0], a.partition("=")[2] or "1") for a in switch.split("+")) if switch else {}
+            os.environ.update(setting)
             try:
                 for p in points:
                     ms = runners[kv].time_rows(p[0], context=p[1], repeats=args.repeats) * 1e3
                     times[(mode, p)].append(ms)
                     line.append(f"{label[mode] + ' ' if label[mode] else ''}{pname[p]}: {ms:.2f} ms")
             finally:
-                if switch:
-                    os.environ.pop(switch, None)
+                for name in setting:
+                    os.environ.pop(name, None)
         print(f"round {rnd + 1}: " + ", ".join(line), flush=True)
     print(f"\n| KV / switch | {'context' if rows == [1] else 'rows @ context'} | step ms (median of rounds) | "
           f"tok/s | rate / rate at {pname[points[0]]} | rate / first row's at this point |")

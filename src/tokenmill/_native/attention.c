@@ -84,6 +84,7 @@ typedef struct {
     int r0, r1;     /* query rows of the sequence's chunk, [r0, r1) */
     int k0, k1;     /* keys [k0, k1) */
     int part;       /* -1: writes output directly; else index of its partial slot */
+    int joins;      /* 1: runs in the previous task's job (see make_plan) */
 } Task;
 
 typedef struct {
@@ -1802,6 +1803,13 @@ typedef struct {
     int dec;   /* decode rows: 2 the AVX-512 (VBMI) decode body, 1 the AVX2 one, 0 the per-row bodies */
     int split_rows;   /* chunks of up to this many rows are split over keys after a long context */
     int dec_rows;     /* chunks of up to this many rows not on tiles take the decode bodies */
+    int chunk_jobs;   /* a split chunk's heads run as one job: on one thread, back to back. Claimed one
+                       * task at a time, two threads took the heads of a chunk side by side and each
+                       * core fetched lines around its head's rows that the other one reads: one
+                       * thread per chunk read 30 layers of a 16k fp8 context 1.09x faster, and the
+                       * decode step was 1.05x-1.08x faster at 8k-16k (docs/benchmarks.md, "Long
+                       * contexts on an Intel host"). TOKENMILL_CHUNK_HEADS_APART=1: one job per task,
+                       * as before (A/B checks). */
 } Kernels;
 
 /* The tiles a sequence's n query rows take, or NULL for the decode (or per-row) bodies. A tile group costs
@@ -1865,6 +1873,13 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, const Kernel
              * The merge finds a chunk's parts by (sequence, kv head). */
             int splits = (int)(L / SPLIT_KEYS);
             int64_t chunk = (L + splits - 1) / splits;
+            /* A chunk's heads as one job (see Kernels.chunk_jobs), where there are at least two
+             * jobs per thread and they share out evenly: 3 jobs on 2 threads left one idle a third
+             * of the time, and with one job per thread (2 chunks) a thread that came late to the
+             * call held the other back (an fp8 step at 2,048 keys 0.91x). Which thread runs a
+             * task never changes its result, so this may follow the thread count. */
+            const int one_job = k->chunk_jobs && splits >= 2 * nthreads &&
+                                (splits % nthreads == 0 || splits >= 4 * nthreads);
             for (int sidx = 0; sidx < splits; sidx++)
                 for (int h = 0; h < P->hkv; h++) {
                     if (count == cap) { cap *= 2; tasks = realloc(tasks, sizeof(Task) * cap); }
@@ -1873,6 +1888,7 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, const Kernel
                     t->k0 = (int)(sidx * chunk);
                     t->k1 = (int)((sidx + 1) * chunk < L ? (sidx + 1) * chunk : L);
                     t->part = parts;
+                    t->joins = h > 0 && one_job;
                     parts += (int)n;
                 }
             continue;
@@ -1890,6 +1906,7 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, const Kernel
                     t->k0 = (int)(sidx * chunk);
                     t->k1 = (int)((sidx + 1) * chunk < kend ? (sidx + 1) * chunk : kend);
                     t->part = splits > 1 ? parts++ : -1;
+                    t->joins = 0;
                 }
             }
     }
@@ -1913,6 +1930,7 @@ static Kernels pick_kernels(const Problem *P) {
     /* TOKENMILL_NO_FEW_ROW_DECODE=1: the decode bodies take decode rows only, as before (for A/B
      * checks); a few rows then run the per-row bodies */
     k.dec_rows = getenv("TOKENMILL_NO_FEW_ROW_DECODE") ? 1 : DEC_MAX_ROWS;
+    k.chunk_jobs = getenv("TOKENMILL_CHUNK_HEADS_APART") == NULL;
     /* prefill chunks (sequences with more than a few query rows: tiles_for) take the tiled path;
      * TOKENMILL_NO_PREFILL_TILES=1 sends them through the per-row path (for A/B checks) */
     k.tk = getenv("TOKENMILL_NO_PREFILL_TILES") ? NULL : &tile_kernel_scalar;
@@ -1940,6 +1958,7 @@ static Kernels pick_kernels(const Problem *P) {
 typedef struct {
     Task *tasks;
     int count, parts;
+    int *job, jobs;   /* job j runs tasks [job[j], job[j + 1]) */
     float *pm, *pl, *pa;
 } Plan;
 
@@ -1947,6 +1966,11 @@ typedef struct {
 static void make_plan(const Problem *P, int num_seqs, int nthreads, const Kernels *k, Plan *pl) {
     const int G = P->group, D = P->d;
     pl->count = plan_tasks(P, num_seqs, nthreads, k, &pl->tasks, &pl->parts);
+    pl->job = malloc(sizeof(int) * ((size_t)pl->count + 1));
+    pl->jobs = 0;
+    for (int i = 0; i < pl->count; i++)
+        if (!pl->tasks[i].joins || i == 0) pl->job[pl->jobs++] = i;
+    pl->job[pl->jobs] = pl->count;
     pl->pm = pl->parts ? malloc(sizeof(float) * pl->parts * G) : NULL;
     pl->pl = pl->parts ? malloc(sizeof(float) * pl->parts * G) : NULL;
     pl->pa = pl->parts ? malloc(sizeof(float) * (size_t)pl->parts * G * D) : NULL;
@@ -2048,15 +2072,16 @@ static void finish_plan(const Problem *P, Plan *p) {
         }
     }
     free(mem);
-    free(p->pm); free(p->pl); free(p->pa); free(p->tasks);
+    free(p->pm); free(p->pl); free(p->pa); free(p->tasks); free(p->job);
 }
 
 static void run_problem(const Problem *P, int num_seqs, int nthreads) {
     Kernels k = pick_kernels(P);
     Plan pl;
     make_plan(P, num_seqs, nthreads, &k, &pl);
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (pl.count > 1 && nthreads > 1)
-    for (int i = 0; i < pl.count; i++) run_task(P, &pl, i, &k);
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (pl.jobs > 1 && nthreads > 1)
+    for (int j = 0; j < pl.jobs; j++)
+        for (int i = pl.job[j]; i < pl.job[j + 1]; i++) run_task(P, &pl, i, &k);
     finish_plan(P, &pl);
 }
 
@@ -2090,11 +2115,11 @@ static void *tasks_plan(const float *q, int64_t q_stride, float *out, const void
     return c;
 }
 
-static int tasks_count(const void *call) { return ((const TaskCall *)call)->pl.count; }
+static int tasks_count(const void *call) { return ((const TaskCall *)call)->pl.jobs; }
 
-static void tasks_run(const void *call, int i) {
+static void tasks_run(const void *call, int j) {
     const TaskCall *c = call;
-    run_task(&c->P, &c->pl, i, &c->k);
+    for (int i = c->pl.job[j]; i < c->pl.job[j + 1]; i++) run_task(&c->P, &c->pl, i, &c->k);
 }
 
 static void tasks_finish(void *call) {

@@ -29,6 +29,9 @@
 #include <omp.h>
 #include <sched.h>
 #include <stdatomic.h>
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
 
 #include "attention.h"
 #include "quant.h"
@@ -365,10 +368,35 @@ static int env_flag(const char *name) {
  * and leave read bandwidth unused, so each thread prefetches its share of the next layer's KV
  * lines while it runs them, spread evenly over its slices of PF_SLICE output rows (layer 0's
  * over its qkv matmul). Spreading them over the next layer's qkv as well measured no better.
- * A prefetch changes no result. TOKENMILL_NO_KV_PREFETCH=1 turns it off (A/B runs). The lines are
- * asked for with prefetcht1 (into L2), as in the attention kernel (TOKENMILL_KV_PREFETCH_T0=1:
- * prefetcht0, for both). */
+ * A prefetch changes no result. The lines are asked for with prefetcht1 (into L2), as in the
+ * attention kernel (TOKENMILL_KV_PREFETCH_T0=1: prefetcht0, for both).
+ *
+ * It is on by default except on Intel CPUs (kv_prefetch_default). It was measured on an AVX2 Zen 3
+ * host, where it made a decode step 1.04x-1.08x faster from 2k to 8k tokens of context. On the
+ * Intel Xeon hosts (Sapphire Rapids class, 2 MB of L2 per core) it gained nothing at 512 tokens
+ * and cost more the longer the context: one sequence on int4 weights and an fp16 pool was 1.08x
+ * slower at 2k, 1.18x at 4k and 1.36x at 16k, and 4 or 8 sequences of 1,500 tokens 1.2x-1.3x
+ * (docs/benchmarks.md, "The fused step's KV prefetch on an Intel host"). There the lines it
+ * brings compete with the weight stream and are gone from L2 before attention reads them.
+ * TOKENMILL_KV_PREFETCH=1 turns it on and TOKENMILL_NO_KV_PREFETCH=1 off, on any CPU (A/B runs). */
 #define PF_SLICE 16
+
+/* the prefetch's default: off on Intel CPUs ("GenuineIntel"), on elsewhere */
+static int kv_prefetch_default(void) {
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+    unsigned a, b, c, d;
+    if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu)
+        return 0;   /* "GenuineIntel" */
+#endif
+    return 1;
+}
+
+/* on or off for this call: the switches above, else the CPU's default */
+static int kv_prefetch_on(void) {
+    if (env_flag("TOKENMILL_NO_KV_PREFETCH")) return 0;
+    if (env_flag("TOKENMILL_KV_PREFETCH")) return 1;
+    return kv_prefetch_default();
+}
 
 typedef struct {
     const char *pool[2];      /* the layer's K and V pages */
@@ -761,7 +789,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     Step S = {M, H, hq, hkv, d, inter, eps, scale, PTR(const float *, cos), PTR(const float *, sin),
               PTR(const int64_t *, pos), PTR(const int64_t *, slots), PTR(const int64_t *, bt), PTR(const int64_t *, qsl),
               PTR(const int64_t *, sl), bt_stride, num_seqs, page_size, kv_kind, nt < 1 ? 1 : nt,
-              !env_flag("TOKENMILL_NO_KV_PREFETCH"), env_flag("TOKENMILL_STATIC_ROWS"),
+              kv_prefetch_on(), env_flag("TOKENMILL_STATIC_ROWS"),
               env_flag("TOKENMILL_KV_PREFETCH_T0")};
     const int64_t *tab = PTR(const int64_t *, table);
     size_t act_bytes = 0;   /* room for the largest activations any matmul of the step quantizes */
@@ -903,6 +931,13 @@ PyObject *tmq_py_f16_quantize(PyObject *self, PyObject *args) {
     const int64_t slot = 0;
     kv_write((void *)(uintptr_t)dst, NULL, (const float *)(uintptr_t)src, n, &slot, 1, 1, n, TM_KV_F16);
     Py_RETURN_NONE;
+}
+
+/* decode_kv_prefetch(): (this CPU's default, on for a call made now) of the fused step's KV prefetch */
+PyObject *tmq_py_decode_kv_prefetch(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return Py_BuildValue("(OO)", kv_prefetch_default() ? Py_True : Py_False, kv_prefetch_on() ? Py_True : Py_False);
 }
 
 /* decode_profile(on): turn the phase timers on or off (and zero them); returns the seconds spent

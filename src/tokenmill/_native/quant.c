@@ -2517,6 +2517,8 @@ static PyMethodDef methods[] = {
     {"fp8_quantize", tmq_py_fp8_quantize, METH_VARARGS, "decode_layers' fp8 KV write of one vector (for tests)"},
     {"f16_quantize", tmq_py_f16_quantize, METH_VARARGS, "decode_layers' fp16 KV write of n floats (for tests)"},
     {"decode_profile", tmq_py_decode_profile, METH_VARARGS, "phase timers of decode_layers: (on) -> seconds so far"},
+    {"decode_kv_prefetch", tmq_py_decode_kv_prefetch, METH_NOARGS,
+     "decode_layers' KV prefetch: (this CPU's default, on for a call now)"},
     {"isa", py_isa, METH_NOARGS, "kernel set in use"},
     {"gemm_isa", py_gemm_isa, METH_NOARGS, "kernels of the prefill GEMM (gemm_tiled) by default"},
     {"set_gemm_isa", py_set_gemm_isa, METH_VARARGS, "choose the prefill GEMM's kernels (None: the default rule)"},

@@ -61,5 +61,6 @@ PyObject *tmq_py_layer_fields(PyObject *self, PyObject *args);
 PyObject *tmq_py_fp8_quantize(PyObject *self, PyObject *args);
 PyObject *tmq_py_f16_quantize(PyObject *self, PyObject *args);
 PyObject *tmq_py_decode_profile(PyObject *self, PyObject *args);
+PyObject *tmq_py_decode_kv_prefetch(PyObject *self, PyObject *args);
 
 #endif

@@ -174,3 +174,11 @@ def decode_profile(on: bool | None = None) -> dict[str, float]:
     ...). ``on`` True / False also zeroes the timers and turns them on / off (off by default)."""
     ext = _need()
     return dict(ext.decode_profile() if on is None else ext.decode_profile(int(on)))
+
+
+def decode_kv_prefetch() -> tuple[bool, bool]:
+    """``decode_layers``' prefetch of each layer's KV during the matmuls before it: ``(this CPU's
+    default, on for a call made now)``. The default is off on Intel CPUs and on elsewhere;
+    ``TOKENMILL_KV_PREFETCH=1`` / ``TOKENMILL_NO_KV_PREFETCH=1`` turn it on / off (``decoder.c``)."""
+    default, now = _need().decode_kv_prefetch()
+    return bool(default), bool(now)

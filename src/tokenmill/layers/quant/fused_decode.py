@@ -26,7 +26,9 @@ A packed output head (a GGUF Q8_0 / Q4 head, or int8 / int4) joins the call as w
 final RMSNorm to the rows that need logits and runs the head's integer kernel, instead of a
 torch norm and a second native call (and, with two threads, a second fork) from Python. Each
 layer's KV pages are prefetched during the previous layer's gate_up and down matmuls
-(``decoder.c``, ``KvPf``; ``TOKENMILL_NO_KV_PREFETCH=1`` turns that off for A/B runs).
+(``decoder.c``, ``KvPf``), except on Intel CPUs, where that measured slower from 2k tokens of
+context on (``TOKENMILL_KV_PREFETCH=1`` / ``TOKENMILL_NO_KV_PREFETCH=1`` turn it on / off on any
+CPU; ``tokenmill._native.quant.decode_kv_prefetch()`` says which).
 
 The results equal the layer-by-layer path up to float summation order (RMSNorm's sum, the
 residual adds, the fp32 dot products): packed matrices see the same int16-quantized activations
