@@ -239,7 +239,6 @@ def test_tiled_prefill_does_not_depend_on_threads_or_company():
         row += n
 
 
-
 @pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
 def test_split_decodes_do_not_depend_on_threads_or_on_the_chunk_jobs(kv_dtype, monkeypatch):
     """A long decode (or a verify step's few rows) is split over keys, and a chunk's kv heads run

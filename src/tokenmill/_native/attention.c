@@ -1806,10 +1806,10 @@ typedef struct {
     int chunk_jobs;   /* a split chunk's heads run as one job: on one thread, back to back. Claimed one
                        * task at a time, two threads took the heads of a chunk side by side and each
                        * core fetched lines around its head's rows that the other one reads: one
-                       * thread per chunk read 30 layers of a 16k fp8 context 1.09x faster, and the
-                       * decode step was 1.05x-1.08x faster at 8k-16k (docs/benchmarks.md, "Long
-                       * contexts on an Intel host"). TOKENMILL_CHUNK_HEADS_APART=1: one job per task,
-                       * as before (A/B checks). */
+                       * thread per chunk read 30 layers of a 16k context 1.06x (fp8) and 1.17x
+                       * (fp16) faster, and the decode step was 1.07x-1.13x faster at 16k
+                       * (docs/benchmarks.md, "Long contexts on an Intel host").
+                       * TOKENMILL_CHUNK_HEADS_APART=1: one job per task, as before (A/B checks). */
 } Kernels;
 
 /* The tiles a sequence's n query rows take, or NULL for the decode (or per-row) bodies. A tile group costs

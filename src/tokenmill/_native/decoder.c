@@ -376,7 +376,7 @@ static int env_flag(const char *name) {
  * Intel Xeon hosts (Sapphire Rapids class, 2 MB of L2 per core) it gained nothing at 512 tokens
  * and cost more the longer the context: one sequence on int4 weights and an fp16 pool was 1.08x
  * slower at 2k, 1.18x at 4k and 1.36x at 16k, and 4 or 8 sequences of 1,500 tokens 1.2x-1.3x
- * (docs/benchmarks.md, "The fused step's KV prefetch on an Intel host"). There the lines it
+ * (docs/benchmarks.md, "Long contexts on an Intel host"). There the lines it
  * brings compete with the weight stream and are gone from L2 before attention reads them.
  * TOKENMILL_KV_PREFETCH=1 turns it on and TOKENMILL_NO_KV_PREFETCH=1 off, on any CPU (A/B runs). */
 #define PF_SLICE 16
