@@ -13,7 +13,7 @@ arithmetic, not by memory; the #18 aim (16k decode >= 0.7x the 512 rate) needs t
 layer under (step_512 / 0.7 - step_512) / 30.
 
     .venv/bin/python benchmarks/decode_attention_kernel.py [--contexts 512,4096,16384] [--rounds 2]
-        [--kinds fp8,fp16,bf16,fp32] [--threads 2] [--env-ab TOKENMILL_CHUNK_HEADS_APART]
+        [--kinds fp8,fp16,bf16,fp32] [--threads 2] [--env-ab TOKENMILL_KV_HEADS_APART]
 
 ``--env-ab NAME`` (or ``NAME=VALUE``) times every point a second time with that kernel switch set
 (the kernel reads its switches at each call), in the same round.

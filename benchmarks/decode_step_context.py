@@ -20,7 +20,7 @@ engine resolves it, fp16 for packed weights).
 Kernel switches that the native attention kernel reads at each call (``TOKENMILL_NO_AVX512``,
 ``TOKENMILL_NO_DECODE_BODY``, ``TOKENMILL_TILES_FOR_FEW_ROWS``) can be compared in one process with
 ``--env-ab NAME``: every round then times each length without and with ``NAME=1``. A setting may
-give values and join several switches (``--env-ab TOKENMILL_KV_PREFETCH=1+TOKENMILL_CHUNK_HEADS_APART=1``),
+give values and join several switches (``--env-ab TOKENMILL_KV_PREFETCH=1+TOKENMILL_KV_HEADS_APART=1``),
 and ``--env-ab`` may be repeated: each setting is timed against the default in every round.
 
 ``--rows 1,2,4`` times steps of that many new tokens of the one sequence instead (a speculative

@@ -240,13 +240,15 @@ def test_tiled_prefill_does_not_depend_on_threads_or_company():
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
-def test_split_decodes_do_not_depend_on_threads_or_on_the_chunk_jobs(kv_dtype, monkeypatch):
+def test_decodes_do_not_depend_on_threads_or_on_the_head_jobs(kv_dtype, monkeypatch):
     """A long decode (or a verify step's few rows) is split over keys, and a chunk's kv heads run
     as one job on one thread where the chunks share out evenly over the threads (3 chunks on 2
-    threads stay one task per head). Neither the thread count nor the grouping
-    (TOKENMILL_CHUNK_HEADS_APART=1: every task claimed alone) may change a bit, and the result
+    threads stay one task per head); so do a short decode row's heads where there are at least
+    two such rows per thread (here: 2 threads). Neither the thread count nor the grouping
+    (TOKENMILL_KV_HEADS_APART=1: every task claimed alone) may change a bit, and the result
     matches the torch reference."""
-    shapes = [(3100, 1), (8200, 1), (4100, 3), (300, 1)]   # 3, 8 and 4 chunks of keys; one unsplit
+    # 3, 8 and 4 chunks of keys; four short decode rows and a prefill chunk
+    shapes = [(3100, 1), (8200, 1), (4100, 3), (300, 1), (1500, 1), (40, 1), (900, 1), (20, 30)]
     spec, pool, tables, q, k, v = _random_case(9, 3, 64, 16, shapes, kv_dtype, 21)
     ref, _ = _run("torch", spec, pool, shapes, 16, q, k, v, tables)
     threads = torch.get_num_threads()
@@ -254,9 +256,9 @@ def test_split_decodes_do_not_depend_on_threads_or_on_the_chunk_jobs(kv_dtype, m
     try:
         for apart in (False, True):
             if apart:
-                monkeypatch.setenv("TOKENMILL_CHUNK_HEADS_APART", "1")
+                monkeypatch.setenv("TOKENMILL_KV_HEADS_APART", "1")
             else:
-                monkeypatch.delenv("TOKENMILL_CHUNK_HEADS_APART", raising=False)
+                monkeypatch.delenv("TOKENMILL_KV_HEADS_APART", raising=False)
             for n in (1, 2, 3, 4):
                 torch.set_num_threads(n)
                 results.append(_run("native", spec, pool, shapes, 16, q, k, v, tables)[0])

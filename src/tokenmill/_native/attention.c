@@ -1803,13 +1803,15 @@ typedef struct {
     int dec;   /* decode rows: 2 the AVX-512 (VBMI) decode body, 1 the AVX2 one, 0 the per-row bodies */
     int split_rows;   /* chunks of up to this many rows are split over keys after a long context */
     int dec_rows;     /* chunks of up to this many rows not on tiles take the decode bodies */
-    int chunk_jobs;   /* a split chunk's heads run as one job: on one thread, back to back. Claimed one
-                       * task at a time, two threads took the heads of a chunk side by side and each
-                       * core fetched lines around its head's rows that the other one reads: one
-                       * thread per chunk read 30 layers of a 16k context 1.06x (fp8) and 1.17x
-                       * (fp16) faster, and the decode step was 1.07x-1.13x faster at 16k
-                       * (docs/benchmarks.md, "Long contexts on an Intel host").
-                       * TOKENMILL_CHUNK_HEADS_APART=1: one job per task, as before (A/B checks). */
+    int head_jobs;    /* the kv heads of a split chunk, or of a short decode row among many, run as
+                       * one job: on one thread, back to back. Claimed one task at a time, two
+                       * threads took the heads of one chunk or row side by side, and each core
+                       * fetched the lines around its head's rows (a token's rows of all heads share
+                       * lines) that the other one then read again. One thread per chunk read 30
+                       * layers of a 16k context 1.06x (fp8) and 1.17x (fp16) faster, and the decode
+                       * step was 1.07x-1.13x faster at 16k; a step of 4 or 8 sequences of 1,500
+                       * tokens 1.12x-1.13x faster (docs/benchmarks.md, "Long contexts on an Intel
+                       * host"). TOKENMILL_KV_HEADS_APART=1: one job per task, as before (A/B checks). */
 } Kernels;
 
 /* The tiles a sequence's n query rows take, or NULL for the decode (or per-row) bodies. A tile group costs
@@ -1842,6 +1844,13 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, const Kernel
      * count, since their results do not depend on it.) */
     int cap = 16, count = 0, parts = 0;
     Task *tasks = malloc(sizeof(Task) * cap);
+    /* Decode rows too short to split run their kv heads as one job (Kernels.head_jobs) where there
+     * are at least two such rows per thread; with fewer, a row's heads are what keeps the threads
+     * busy (one row: 3 tasks for the default model). */
+    int short_decodes = 0;
+    for (int i = 0; i < num_seqs; i++)
+        short_decodes += P->qsl[i + 1] - P->qsl[i] == 1 && P->seq_lens[i] < 2 * SPLIT_KEYS;
+    const int group_decodes = k->head_jobs && short_decodes >= 2 * nthreads;
     for (int i = 0; i < num_seqs; i++) {
         int64_t n = P->qsl[i + 1] - P->qsl[i], L = P->seq_lens[i];
         if (n <= 0) continue;
@@ -1873,12 +1882,12 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, const Kernel
              * The merge finds a chunk's parts by (sequence, kv head). */
             int splits = (int)(L / SPLIT_KEYS);
             int64_t chunk = (L + splits - 1) / splits;
-            /* A chunk's heads as one job (see Kernels.chunk_jobs), where there are at least two
+            /* A chunk's heads as one job (see Kernels.head_jobs), where there are at least two
              * jobs per thread and they share out evenly: 3 jobs on 2 threads left one idle a third
              * of the time, and with one job per thread (2 chunks) a thread that came late to the
              * call held the other back (an fp8 step at 2,048 keys 0.91x). Which thread runs a
              * task never changes its result, so this may follow the thread count. */
-            const int one_job = k->chunk_jobs && splits >= 2 * nthreads &&
+            const int one_job = k->head_jobs && splits >= 2 * nthreads &&
                                 (splits % nthreads == 0 || splits >= 4 * nthreads);
             for (int sidx = 0; sidx < splits; sidx++)
                 for (int h = 0; h < P->hkv; h++) {
@@ -1906,7 +1915,7 @@ static int plan_tasks(const Problem *P, int num_seqs, int nthreads, const Kernel
                     t->k0 = (int)(sidx * chunk);
                     t->k1 = (int)((sidx + 1) * chunk < kend ? (sidx + 1) * chunk : kend);
                     t->part = splits > 1 ? parts++ : -1;
-                    t->joins = 0;
+                    t->joins = n == 1 && splits == 1 && h > 0 && group_decodes;
                 }
             }
     }
@@ -1930,7 +1939,7 @@ static Kernels pick_kernels(const Problem *P) {
     /* TOKENMILL_NO_FEW_ROW_DECODE=1: the decode bodies take decode rows only, as before (for A/B
      * checks); a few rows then run the per-row bodies */
     k.dec_rows = getenv("TOKENMILL_NO_FEW_ROW_DECODE") ? 1 : DEC_MAX_ROWS;
-    k.chunk_jobs = getenv("TOKENMILL_CHUNK_HEADS_APART") == NULL;
+    k.head_jobs = getenv("TOKENMILL_KV_HEADS_APART") == NULL;
     /* prefill chunks (sequences with more than a few query rows: tiles_for) take the tiled path;
      * TOKENMILL_NO_PREFILL_TILES=1 sends them through the per-row path (for A/B checks) */
     k.tk = getenv("TOKENMILL_NO_PREFILL_TILES") ? NULL : &tile_kernel_scalar;
