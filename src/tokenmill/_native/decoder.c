@@ -381,14 +381,20 @@ static int env_flag(const char *name) {
  * TOKENMILL_KV_PREFETCH=1 turns it on and TOKENMILL_NO_KV_PREFETCH=1 off, on any CPU (A/B runs). */
 #define PF_SLICE 16
 
-/* the prefetch's default: off on Intel CPUs ("GenuineIntel"), on elsewhere */
+/* the prefetch's default: off on Intel CPUs ("GenuineIntel"), on elsewhere. Read once: every
+ * decode_layers call asks, and in a virtual machine each CPUID traps to the hypervisor. */
 static int kv_prefetch_default(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        int on = 1;
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
-    unsigned a, b, c, d;
-    if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu)
-        return 0;   /* "GenuineIntel" */
+        unsigned a, b, c, d;
+        if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu)
+            on = 0;   /* "GenuineIntel" */
 #endif
-    return 1;
+        cached = on;
+    }
+    return cached;
 }
 
 /* on or off for this call: the switches above, else the CPU's default */
