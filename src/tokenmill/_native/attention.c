@@ -1261,7 +1261,10 @@ AVX512V static inline __attribute__((always_inline)) __m512 red16_512(__m512 d01
 }
 
 /* scores of the 16 keys kp[jb .. jb+15] for GC query vectors at qg (rows of D floats) into
- * s[g * DEC_BLOCK + jb + k] */
+ * s[g * DEC_BLOCK + jb + k]. The 4 keys' loop is unrolled, and 64-dim rows of the fp16 / bf16 /
+ * fp32 pools are read whole, so that the GC x 4 accumulators stay in registers: with the dims in
+ * a loop of runtime length, gcc kept them on the stack and every multiply-add went through a
+ * store and a load (1.35x slower in cache; docs/benchmarks.md, "Decode scores in registers"). */
 #define DEC_SCORE512(GC) do { \
     __m512 d01[GC], c2[GC]; \
     for (int g = 0; g < (GC); g++) d01[g] = c2[g] = _mm512_setzero_ps(); \
@@ -1269,6 +1272,7 @@ AVX512V static inline __attribute__((always_inline)) __m512 red16_512(__m512 d01
         __m512 a[GC][4]; \
         for (int g = 0; g < (GC); g++) \
             for (int k = 0; k < 4; k++) a[g][k] = _mm512_setzero_ps(); \
+        _Pragma("GCC unroll 4") \
         for (int k = 0; k < 4; k++) { \
             const char *kk = kp[jb + 4 * kq + k]; \
             if (perm) { \
@@ -1279,6 +1283,12 @@ AVX512V static inline __attribute__((always_inline)) __m512 red16_512(__m512 d01
                         for (int g = 0; g < (GC); g++) \
                             a[g][k] = _mm512_fmadd_ps(w[t], _mm512_load_ps(qg + g * D + x + 16 * t), a[g][k]); \
                 } \
+            } else if (D == 64) { \
+                __m512 w[4]; \
+                for (int t = 0; t < 4; t++) w[t] = ld16(kk + (size_t)t * 16 * esz, kind); \
+                for (int t = 0; t < 4; t++) \
+                    for (int g = 0; g < (GC); g++) \
+                        a[g][k] = _mm512_fmadd_ps(w[t], _mm512_load_ps(qg + g * 64 + 16 * t), a[g][k]); \
             } else { \
                 for (int x = 0; x < D; x += 16) { \
                     const __m512 w = ld16(kk + (size_t)x * esz, kind); \
