@@ -341,3 +341,44 @@ def test_bound_is_shared_by_every_chunk_and_admission_of_a_step():
                 s.request.all_token_ids.append(7)
     assert most_chunks >= 2                             # chunks and admissions share one bound
     assert all(r.num_computed_tokens > 0 for r in prefills)
+
+
+def _amx_like(cost: StepCost) -> None:
+    """Packed int4 on the amx set: a lone decode on the one-row kernel (7 ms plus its context),
+    two rows and up on the tiles (from 11 ms), contexts varying apart from the rows."""
+    for ctx in (200, 400, 600, 800) * 2:
+        cost.observe(1, 0.007 + 1e-6 * ctx, ctx)
+    for i, rows in enumerate((2, 5, 9, 14, 16) * 2):
+        cost.observe(rows, 0.011 + 0.0008 * rows, 300 + 53 * i)
+
+
+def test_a_lone_decode_step_is_a_kind_of_its_own():
+    """With ``single_row`` one-row steps have their own fit (on context alone, their rows never
+    vary), and the bound of a step with one decode is relative to that; a line through 1 to 16
+    rows put the lone decode near the tiles' intercept and let the mixed step grow with it."""
+    # the amx set's limit: every step up to 2,048 rows runs the integer kernels (one kind besides)
+    shared, own = StepCost(slowdown=1.75, split_rows=2048), StepCost(slowdown=1.75, split_rows=2048, single_row=True)
+    _amx_like(shared)
+    _amx_like(own)
+    assert own.kind(1) == 2 and own.kind(2) == 0 and shared.kind(1) == 0
+    assert own.predict(1, 400) == pytest.approx(0.0074, rel=1e-6)
+    assert own.fit(2) == pytest.approx((0.011, 0.0008, 0.0), abs=1e-9)
+    assert shared.predict(1, 400) > 0.009                     # the shared line misses the lone step (+22%)
+    k_own = own.prefill_budget(1, 500, decode_pairs=400, context=0)
+    k_shared = shared.prefill_budget(1, 500, decode_pairs=400, context=0)
+    assert k_own == 1 and 0.011 + 0.0008 * (1 + k_own) <= 1.75 * 0.0074   # the largest chunk within 1.75x
+    assert k_shared > k_own
+
+
+def test_a_single_row_fit_without_spread_is_the_mean():
+    cost = StepCost(slowdown=2.0, split_rows=16, single_row=True)
+    assert cost.fit(1) is None
+    for t in (0.008, 0.010, 0.009, 0.009):
+        cost.observe(1, t, 500)                               # same rows, same context
+    a, b, c = cost.fit(1)
+    assert b == 0.0 and c == 0.0 and 0.008 < a < 0.010
+    plain = StepCost(slowdown=2.0, split_rows=16)            # without single_row: no line in rows yet
+    for t in (0.008, 0.010, 0.009, 0.009):
+        plain.observe(1, t, 500)
+    assert plain.fit(1) is None
+

@@ -23,6 +23,8 @@ def test_packed_weights_give_the_cost_model_two_kinds_of_step(tiny_dir):
     assert int4.split_rows == gemv_max_rows()
     # and the kernels' row groups (16 on the amx set, 1 elsewhere); fp32 weights have none
     assert int4.row_group == gemv_row_group() and _engine(path).step_cost.row_group == 1
+    # a lone decode step is a kind of its own on packed weights (their one-row kernels), not at fp32
+    assert int4.single_row and not _engine(path).step_cost.single_row
     # no fused stack (per-head q/k norms), or fused decode turned off, fp32: one kind
     assert _engine(str(tiny_dir("Qwen3ForCausalLM"))).step_cost.split_rows is None
     off = _engine(path, fused_decode=False)

@@ -30,7 +30,8 @@ from tokenmill.engine.config import (DEFAULT_SNAPSHOT_MEMORY_CAP_GIB, DEFAULT_SN
                                      default_kv_cache_tokens, resolve_kv_dtype)
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVManager
-from tokenmill.engine.model_runner import ModelRunner, SampledTokens, step_kind_rows, step_row_group
+from tokenmill.engine.model_runner import (ModelRunner, SampledTokens, step_kind_rows, step_row_group,
+                                           step_single_row_kind)
 from tokenmill.engine.parallel import ParallelRunner, WorkerSpec, check_tensor_parallel_devices, new_init_method
 from tokenmill.engine.request import ListView, Request, RequestOutput, RequestStatus
 from tokenmill.contracts.kv import KVCacheSpec, PagedKV
@@ -140,6 +141,7 @@ class Engine:
         if self.step_cost is not None:   # fused / packed steps: small steps are a cheaper kind
             self.step_cost.split_rows = step_kind_rows(self.loaded.model, fused=fused)
             self.step_cost.row_group = step_row_group(self.loaded.model)
+            self.step_cost.single_row = step_single_row_kind(self.loaded.model)
         self.generation_tokens_total = 0
         self._arrivals = 0
         self._num_timed = 0   # requests added with a deadline (expiry is skipped while there are none)

@@ -91,6 +91,12 @@ def step_kind_rows(model: torch.nn.Module, fused: bool = True) -> int | None:
     return None
 
 
+def step_single_row_kind(model: torch.nn.Module) -> bool:
+    """Whether a one-row step of ``model`` is a kind of its own for the step-cost model: packed
+    int4/int8 weights, whose kernels run one row on paths of their own (``StepCost.single_row``)."""
+    return any(isinstance(m, (packed.Int4Linear, packed.Int8Linear)) for m in model.modules())
+
+
 def step_row_group(model: torch.nn.Module) -> int:
     """Token rows per group of the integer kernels that run the packed matmuls of ``model`` (a
     step's cost rises in steps of them; ``packed.gemv_row_group``), 1 where it has none."""

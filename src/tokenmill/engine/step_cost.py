@@ -71,12 +71,16 @@ def chunk_pairs(start: int, n: int) -> int:
 
 
 class _Fit:
-    """Exponentially weighted least squares of ``y`` on ``(1, x1, x2)`` with non-negative slopes."""
+    """Exponentially weighted least squares of ``y`` on ``(1, x1, x2)`` with non-negative slopes.
 
-    __slots__ = ("decay", "w", "s1", "s2", "sy", "s11", "s12", "s22", "s1y", "s2y", "_coef")
+    ``flat``: ``x1`` may never vary (a kind of steps that all have the same rows); the fit is then
+    ``y`` on ``(1, x2)``, or the mean of ``y`` without spread in ``x2`` either."""
 
-    def __init__(self, decay: float) -> None:
+    __slots__ = ("decay", "flat", "w", "s1", "s2", "sy", "s11", "s12", "s22", "s1y", "s2y", "_coef")
+
+    def __init__(self, decay: float, flat: bool = False) -> None:
         self.decay = decay
+        self.flat = flat
         self.w = self.s1 = self.s2 = self.sy = 0.0
         self.s11 = self.s12 = self.s22 = self.s1y = self.s2y = 0.0
         self._coef: tuple[float, float, float] | None | bool = False   # False: not solved yet
@@ -111,7 +115,10 @@ class _Fit:
         ok1 = v11 > 1e-9 * max(1.0, m1 * m1)
         ok2 = v22 > 1e-9 * max(1.0, m2 * m2)
         if not ok1:
-            return None            # every step had the same rows: no line in rows yet
+            if not self.flat:
+                return None        # every step had the same rows: no line in rows yet
+            c = c2 / v22 if ok2 and c2 > 0.0 else 0.0
+            return my - c * m2, 0.0, c
         best: tuple[float, float] | None = None
         best_gain = -math.inf      # explained variance; the largest feasible one wins
         det = v11 * v22 - v12 * v12
@@ -162,6 +169,7 @@ class StepCost:
     decay: float = 0.95            # weight kept by each older observation (of the same kind)
     min_samples: float = 3.0       # effective observations needed before trusting a kind's fit
     split_rows: int | None = None  # steps of at most this many rows are a kind of their own
+    single_row: bool = False       # ... and so are steps of one row (see StepCost.kind)
     row_group: int = 1             # rows the kernels handle together: chunks end on whole groups
     _fits: list[_Fit] = field(init=False, repr=False)
     _warm_half: bool = field(default=False, init=False, repr=False)   # alternates warm-up chunk sizes
@@ -180,11 +188,22 @@ class StepCost:
             raise ValueError(f"split_rows must be >= 1 (or None), got {self.split_rows}")
         if self.row_group < 1:
             raise ValueError(f"row_group must be >= 1, got {self.row_group}")
-        self._fits = [_Fit(self.decay), _Fit(self.decay)]
+        self._fits = [_Fit(self.decay), _Fit(self.decay), _Fit(self.decay, flat=True)]
 
     # -- the model --------------------------------------------------------------------------------
     def kind(self, rows: int) -> int:
-        """0 for steps of at most ``split_rows`` rows (all steps without a split), else 1."""
+        """0 for steps of at most ``split_rows`` rows (all steps without a split), else 1; with
+        ``single_row``, 2 for a step of one row.
+
+        A lone decode step is the reference of the bound (a stream's TPOT alone), and where its
+        one row runs on other kernels than a few rows do (the packed kernels' one-row paths; the
+        amx set's tiles from two rows), a line through 1 to ``split_rows`` rows misses it: fitted
+        mostly on mixed steps and prefill chunks, it put a lone int4 decode step at 13-15 ms where
+        it took 7-8 (docs/benchmarks.md, "A lone decode step as a kind of its own"), and the bound
+        of a step with one decode was twice as loose as asked. One-row steps then have their own
+        fit (on context alone: their rows never vary)."""
+        if self.single_row and rows == 1:
+            return 2
         return 0 if self.split_rows is None or rows <= self.split_rows else 1
 
     def observe(self, num_tokens: int, seconds: float, pairs: int = 0) -> None:
