@@ -354,8 +354,8 @@ def _amx_like(cost: StepCost) -> None:
 
 def test_a_lone_decode_step_is_a_kind_of_its_own():
     """With ``single_row`` one-row steps have their own fit (on context alone, their rows never
-    vary), and the bound of a step with one decode is relative to that; a line through 1 to 16
-    rows put the lone decode near the tiles' intercept and let the mixed step grow with it."""
+    vary), and the bound of a step with one decode is relative to that; one line through every
+    row count put the lone decode near the tiles' intercept and let the mixed step grow with it."""
     # the amx set's limit: every step up to 2,048 rows runs the integer kernels (one kind besides)
     shared, own = StepCost(slowdown=1.75, split_rows=2048), StepCost(slowdown=1.75, split_rows=2048, single_row=True)
     _amx_like(shared)

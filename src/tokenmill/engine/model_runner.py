@@ -42,6 +42,7 @@ from tokenmill.layers.attention import ForwardContext, select_attention_backend
 from tokenmill.layers import fused
 from tokenmill.layers.linear import select_linear_backend, use_linear_backend
 from tokenmill.layers.quant import packed
+from tokenmill.layers.quant.methods import packed_weights
 from tokenmill.engine.structured import apply_grammar_masks
 from tokenmill.layers.sampling import PenaltyState, Sampler, SamplingInputs
 from tokenmill.layers.speculative import VerifyInputs, verify
@@ -86,7 +87,7 @@ def step_kind_rows(model: torch.nn.Module, fused: bool = True) -> int | None:
     stack = stack_of() if callable(stack_of) else None
     if stack is not None:
         return stack.max_rows()
-    if any(isinstance(m, (packed.Int4Linear, packed.Int8Linear)) for m in model.modules()):
+    if packed_weights(model):
         return packed.gemv_max_rows()
     return None
 
@@ -94,13 +95,13 @@ def step_kind_rows(model: torch.nn.Module, fused: bool = True) -> int | None:
 def step_single_row_kind(model: torch.nn.Module) -> bool:
     """Whether a one-row step of ``model`` is a kind of its own for the step-cost model: packed
     int4/int8 weights, whose kernels run one row on paths of their own (``StepCost.single_row``)."""
-    return any(isinstance(m, (packed.Int4Linear, packed.Int8Linear)) for m in model.modules())
+    return packed_weights(model)
 
 
 def step_row_group(model: torch.nn.Module) -> int:
     """Token rows per group of the integer kernels that run the packed matmuls of ``model`` (a
     step's cost rises in steps of them; ``packed.gemv_row_group``), 1 where it has none."""
-    if any(isinstance(m, (packed.Int4Linear, packed.Int8Linear)) for m in model.modules()):
+    if packed_weights(model):
         return packed.gemv_row_group()
     return 1
 
