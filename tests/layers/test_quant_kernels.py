@@ -424,6 +424,34 @@ def test_a_q4_row_has_the_same_bits_alone_or_with_others_on_avx2(n, k, group):
         native.set_kernel(before)
 
 
+@pytest.mark.parametrize("n,k,group", [(37, 576, 32), (29, 544, 32), (40, 1536, 32), (21, 576, 64), (13, 45, 32)])
+@pytest.mark.parametrize("kernel", [k for k in ("avx512vnni", "amx") if k in KERNELS])
+def test_a_q4_row_has_the_same_bits_alone_or_with_others_on_avx512(kernel, n, k, group):
+    """On the avx512vnni set 2 to 4 x rows, on amx 2 and 3 (from 4 the tiles), against a Q4 matrix
+    run the one-row kernels' arithmetic per row (u4_rows_quad512): the block stream where one row runs it (a scale per
+    block, rows not whole 16-block chunks), quad order elsewhere. So a decode row of a batch of a
+    few sequences, or a verify row, gets the bits of the same row decoded alone; with the quad
+    kernels switched off (TOKENMILL_QUAD_ROWS_MAX=1: pair order or AMX tiles) it would not."""
+    before = native.kernel()
+    native.set_kernel(kernel)
+    try:
+        gen = torch.Generator().manual_seed(n * 13 + k)
+        w = torch.randn(n, k, generator=gen) * 0.1
+        for method in (Int4Linear.from_float(w, group), _fp16_scales(Int4Linear.from_float(w, group))):
+            wd = method.dequantize()
+            for m in (2, 3) if kernel == "amx" else (2, 3, 4):
+                x = torch.randn(m, k, generator=gen) * 3
+                together = torch.empty(m, n)
+                method._gemm(x, together, 0, 2)
+                _check(together, q16_reference(x), wd)
+                for i in range(m):
+                    alone = torch.empty(1, n)
+                    method._gemm(x[i:i + 1].contiguous(), alone, 0, 1)
+                    assert torch.equal(together[i], alone[0]), f"rows={m}, row {i}"
+    finally:
+        native.set_kernel(before)
+
+
 GEMMS = [k for k in native.GEMM_KERNELS
          if k == "scalar" or (k == "avx2" and "avx2" in KERNELS) or (k == "avx512vnni" and "avx512vnni" in KERNELS)]
 

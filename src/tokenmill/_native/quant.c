@@ -26,7 +26,9 @@
  * __builtin_cpu_supports (sets: avx2, avxvnni, avx512vnni, amx; each checked on its own; the best
  * one is used, except on Zen 4, see default_isa); a portable scalar path does the same arithmetic
  * everywhere else. The amx set runs 2 or more x rows through the AMX tile unit (see the AMX
- * section) and is avx512vnni otherwise. With 2 to 16 x rows the avx512vnni set
+ * section; u4 from 4 rows) and is avx512vnni otherwise. With 2 to 4 x rows (amx: 2 and 3) the u4
+ * matmuls of both sets run the one-row kernels' quad order / block stream for several rows at once
+ * (u4_rows_quad512). Above that the avx512vnni set
  * runs 512-bit kernels over tiles of up to 6 rows that share each widened weight block (u4: two
  * blocks per 32-byte load against "pair order" activations; see the AVX-512 section). With one x
  * row the u4 kernels (every vector set) and the avx512vnni s8 kernel widen nothing: they split
@@ -1147,6 +1149,163 @@ TGT_512 static void stream512(int s8, const void *qs, const void *sc, const void
         }
     }
 }
+
+/* Several x rows (2..QS_ROWS_MAX) against u4 weights on the avx512vnni set, in the one-row
+ * kernels' orders (quad order; the block stream for rows that are not whole 16-block chunks).
+ * Each 64-byte load of weights is split into its 4 nibble vectors once and meets every x row's
+ * activations: per x row the same madd / dpwssd chain, reduction and scale arithmetic as the
+ * one-row kernels, lane for lane, so every row's output has the bits it has alone (a request gives
+ * the same logits alone and beside others). Against the AMX tiles, whose products are free but
+ * whose unpacking, tile stores and per-pair scaling cost the same per weight at 2 x rows as at 4,
+ * this keeps a decode step of a few sequences near the weights' read time. */
+#ifndef QS_ROWS_MAX
+#define QS_ROWS_MAX 4       /* the most x rows the kernels below take in one pass */
+#endif
+#ifndef QS_ROWS_AMX
+#define QS_ROWS_AMX 3       /* x rows up to which the amx set uses them (qs_rows_max); from 4 the tiles */
+#endif
+
+/* the 16-block chunk sums of MR x rows (x + j * xs_stride) against u4 weights w (n <= 16 blocks),
+ * each as u4_chunk_sums gives them */
+TGT_512 static inline __attribute__((always_inline)) void u4_chunk_sums_rows(const uint8_t *w, int64_t n,
+                                                                           const int16_t *x, int64_t x_stride,
+                                                                           const int MR, __m512i *out) {
+    const __m512i m4 = _mm512_set1_epi16(0x000F);
+    __m512i half[2][QS_ROWS_MAX];   /* per x row: loads 0-1 and 2-3 summed pairwise (u4_chunk_sums' u, v) */
+    for (int h = 0; h < 2; h++) {   /* two loads at a time, so that a row keeps 2 sums live, not 4 */
+        __m512i nib[2][4];
+        for (int e = 0; e < 2; e++) {
+            const int64_t g = 2 * h + e, left = n - 4 * g;
+            const __mmask64 k = left >= 4 ? ~(__mmask64)0 : left <= 0 ? 0 : (((__mmask64)1 << (left * 16)) - 1);
+            const __m512i w_ = n == 16 ? _mm512_loadu_si512(w + 64 * g) : _mm512_maskz_loadu_epi8(k, w + 64 * g);
+            nib[e][0] = _mm512_and_si512(w_, m4);
+            nib[e][1] = _mm512_and_si512(_mm512_srli_epi16(w_, 4), m4);
+            nib[e][2] = _mm512_and_si512(_mm512_srli_epi16(w_, 8), m4);
+            nib[e][3] = _mm512_srli_epi16(w_, 12);
+        }
+        for (int j = 0; j < MR; j++) {
+            __m512i d[2];
+            for (int e = 0; e < 2; e++) {
+                const int16_t *X = x + j * x_stride + 128 * (2 * h + e);
+                __m512i t = _mm512_madd_epi16(nib[e][0], _mm512_loadu_si512(X));
+                t = _mm512_dpwssd_epi32(t, nib[e][1], _mm512_loadu_si512(X + 32));
+                t = _mm512_dpwssd_epi32(t, nib[e][2], _mm512_loadu_si512(X + 64));
+                d[e] = _mm512_dpwssd_epi32(t, nib[e][3], _mm512_loadu_si512(X + 96));
+            }
+            half[h][j] = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
+        }
+    }
+    for (int j = 0; j < MR; j++)
+        out[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(half[0][j], half[1][j]),
+                                  _mm512_unpackhi_epi64(half[0][j], half[1][j]));
+}
+
+/* stream512 (u4) for MR x rows: activations row j at xq + j * qstride, scales at + j * bstride */
+TGT_512 static inline __attribute__((always_inline)) void u4_stream512_rows(
+        const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t nb, const int16_t *xq, const float *xd,
+        const float *xs, int64_t qstride, int64_t bstride, float *y, int64_t N, int64_t n0, int64_t n1, const int MR) {
+    const int64_t R = stream_rows16(nb);
+    const __m512i perm = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    float buf[QS_ROWS_MAX][QSTREAM_BUF] __attribute__((aligned(64)));   /* R * nb + 16 <= QSTREAM_BUF */
+    for (int64_t gs = n0; gs < n1; gs += R) {
+        const int64_t ge = gs + R < n1 ? gs + R : n1, nblk = (ge - gs) * nb, b0 = gs * nb;
+        const uint8_t *w0 = qs + b0 * (QK / 2);
+        for (int64_t c = 0; c < nblk; c += 16) {
+            const int64_t n = nblk - c < 16 ? nblk - c : 16;
+            const uint8_t *w = w0 + c * (QK / 2);
+            for (int64_t o = 0; o < 16 * (QK / 2); o += 64) _mm_prefetch((const char *)w + QUAD_PREFETCH + o, _MM_HINT_T0);
+            __m512i sums[QS_ROWS_MAX];
+            u4_chunk_sums_rows(w, n, xq + c * QK, qstride, MR, sums);
+            const __m512 sw = _mm512_permutexvar_ps(perm, scales16_512(sc, f16, 0, b0 + c, n, 0, 1));
+            const __m512 mw = scales16_512(mn, f16, 0, b0 + c, n, 0, 1);
+            for (int j = 0; j < MR; j++) {   /* u4_chunk512's arithmetic */
+                const __m512 val = _mm512_mul_ps(_mm512_cvtepi32_ps(sums[j]),
+                                                 _mm512_mul_ps(sw, _mm512_loadu_ps(xd + j * bstride + c)));
+                _mm512_storeu_ps(buf[j] + c, _mm512_fmadd_ps(mw, _mm512_loadu_ps(xs + j * bstride + c),
+                                                             _mm512_permutexvar_ps(perm, val)));
+            }
+        }
+        for (int j = 0; j < MR; j++)
+            for (int64_t r = gs; r < ge; r++) {   /* as stream512 */
+                const float *v = buf[j] + (r - gs) * nb;
+                __m512 acc = _mm512_setzero_ps();
+                int64_t i = 0;
+                for (; i + 16 <= nb; i += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(v + i));
+                if (i < nb) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps((__mmask16)((1u << (nb - i)) - 1), v + i));
+                y[j * N + r] = _mm512_reduce_add_ps(acc);
+            }
+    }
+}
+
+/* dot_u4_quad_one for MR x rows, over weight rows [n0, n1) (out: y[j * N + n]) */
+TGT_512 static inline __attribute__((always_inline)) void u4_quad_rows(
+        const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t nb, int64_t bpg, int64_t G,
+        const int16_t *xq, const float *xdq, const float *xs, int64_t qstride, int64_t bstride, float *y, int64_t N,
+        int64_t n0, int64_t n1, const int MR) {
+    const __m512i perm = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    const int64_t rb = nb * (QK / 2);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = qs + n * rb;
+        __m512 acc[QS_ROWS_MAX], am[QS_ROWS_MAX];
+        for (int j = 0; j < MR; j++) acc[j] = am[j] = _mm512_setzero_ps();
+        for (int64_t o = 0; o < rb; o += 64) _mm_prefetch((const char *)row + QUAD_PREFETCH + o, _MM_HINT_T0);
+        for (int64_t c = 0; c < nb; c += 16) {
+            const int64_t cn = nb - c < 16 ? nb - c : 16;
+            __m512i sums[QS_ROWS_MAX];
+            u4_chunk_sums_rows(row + c * 16, cn, xq + c * QK, qstride, MR, sums);
+            const __m512 sw = _mm512_permutexvar_ps(perm, scales16_512(sc, f16, n * G, c, cn, nb, bpg));
+            const __m512 mw = scales16_512(mn, f16, n * G, c, cn, nb, bpg);
+            for (int j = 0; j < MR; j++) {
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[j]), _mm512_mul_ps(sw, _mm512_loadu_ps(xdq + j * bstride + c)),
+                                         acc[j]);
+                am[j] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xs + j * bstride + c), am[j]);
+            }
+        }
+        for (int j = 0; j < MR; j++) y[j * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], am[j]));
+    }
+}
+
+#define U4_QS_FN(MR)                                                                                       \
+TGT_512 static __attribute__((noinline)) void u4_stream512_rows_##MR(                                     \
+        const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t nb, const int16_t *xq,        \
+        const float *xd, const float *xs, int64_t qstride, int64_t bstride, float *y, int64_t N,          \
+        int64_t n0, int64_t n1) {                                                                         \
+    u4_stream512_rows(qs, sc, mn, f16, nb, xq, xd, xs, qstride, bstride, y, N, n0, n1, MR);              \
+}                                                                                                         \
+TGT_512 static __attribute__((noinline)) void u4_quad_rows_##MR(                                          \
+        const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t nb, int64_t bpg, int64_t G,   \
+        const int16_t *xq, const float *xd, const float *xs, int64_t qstride, int64_t bstride, float *y,  \
+        int64_t N, int64_t n0, int64_t n1) {                                                              \
+    u4_quad_rows(qs, sc, mn, f16, nb, bpg, G, xq, xd, xs, qstride, bstride, y, N, n0, n1, MR);           \
+}
+U4_QS_FN(1)
+U4_QS_FN(2)
+U4_QS_FN(3)
+U4_QS_FN(4)
+
+/* M (<= QS_ROWS_MAX) x rows of quad-order (stream: with `stream`) activations against u4 rows
+ * [n0, n1), in tiles of up to 4 x rows */
+TGT_512 static void u4_rows_quad512(int stream, const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t nb,
+                                    int64_t bpg, int64_t G, const int16_t *xq, const float *xd, const float *xs,
+                                    int64_t M, int64_t qstride, int64_t bstride, float *y, int64_t N, int64_t n0,
+                                    int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t mr = M - m0 < 4 ? M - m0 : 4;
+        const int16_t *q = xq + m0 * qstride;
+        const float *d = xd + m0 * bstride, *s = xs + m0 * bstride;
+        float *o = y + m0 * N;
+#define QS_CALL(K)                                                                                          \
+        if (stream) u4_stream512_rows_##K(qs, sc, mn, f16, nb, q, d, s, qstride, bstride, o, N, n0, n1); \
+        else u4_quad_rows_##K(qs, sc, mn, f16, nb, bpg, G, q, d, s, qstride, bstride, o, N, n0, n1)
+        switch (mr) {
+        case 1: QS_CALL(1); break;
+        case 2: QS_CALL(2); break;
+        case 3: QS_CALL(3); break;
+        default: QS_CALL(4); break;
+        }
+#undef QS_CALL
+    }
+}
 #endif /* __GNUC__ >= 9 */
 
 /* AVX2 activation quantization, same arithmetic as quantize_rows */
@@ -1221,7 +1380,7 @@ TGT_AVX2 static void deq_s8_block_avx2(const int8_t *p, float s, float *out, int
 /* ---- AMX (Sapphire Rapids and later): 2+ x rows through the tile unit ----------------------
  * The "amx" kernel set is avx512vnni plus Intel AMX's int8 tile multiply, used for matmuls of
  * AMX_MIN_ROWS (2) or more x rows (one row keeps the avx512vnni kernel, which reads its weights at
- * the memory's pace).
+ * the memory's pace; u4 matrices keep its quad-order kernels up to QS_ROWS_AMX rows).
  * Every int16 activation splits exactly into two signed bytes, x = 256 hi + lo with lo and hi in
  * -128..127 (the reason QMAX is 32639 rather than 32767), so the int16 dot products of the other
  * kernels come out of int8 tile products (TDPBSSD) exactly: the results equal theirs up to float
@@ -1674,8 +1833,28 @@ static int stream512_fits(int64_t K, int64_t group) {
  * quad order) for one row on AVX2 / AVX-VNNI and for 2 to QUAD256_ROWS_MAX rows on AVX2
  * (u4_quad256_tile; AVX-VNNI keeps its dpwssd row kernels) */
 #define QUAD256_ROWS_MAX 64
+/* x rows up to which the avx512vnni and amx sets keep the quad-order kernels (u4_rows_quad512)
+ * rather than the pair-order kernels (avx512vnni, 5+ rows) or the AMX tiles (amx, 4+ rows). One
+ * thread, in cache, ns per weight of a Q4_1 [1536, 576] matrix on an Intel host with AMX: 2 rows
+ * 0.065-0.070 (quad) / 0.075-0.082 (tiles) / 0.095-0.097 (pairs), 3 rows 0.074-0.096 /
+ * 0.076-0.081 / 0.121-0.124 (level in the model's step), 4 rows 0.106-0.136 / 0.078-0.082 /
+ * 0.142-0.143 (docs/quantization.md, "Quad order for a few rows").
+ * TOKENMILL_QUAD_ROWS_MAX=N (1-4) sets it for A/B checks (read at each call). */
+static int qs_rows_max(void) {
+#if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
+    const char *e = getenv("TOKENMILL_QUAD_ROWS_MAX");
+    if (e && *e) {
+        const int v = atoi(e);
+        return v < 1 ? 1 : v > QS_ROWS_MAX ? QS_ROWS_MAX : v;
+    }
+    return isa() == ISA_AMX ? QS_ROWS_AMX : QS_ROWS_MAX;
+#else
+    return 1;
+#endif
+}
 static int u4_act_order(int64_t M, int64_t K, int64_t group) {
-    if (isa() >= ISA_AVX512 && M == 1) return stream512_fits(K, group) ? ACT_QSTREAM : ACT_QUAD;
+    if (isa() >= ISA_AVX512 && M <= qs_rows_max())
+        return stream512_fits(K, group) ? ACT_QSTREAM : ACT_QUAD;
     if (isa() >= ISA_AVX512) return isa() == ISA_AMX && M >= AMX_MIN_ROWS ? ACT_AMX : ACT_PAIRS;
     if (isa() < ISA_AVX2 || M > QUAD256_ROWS_MAX || (M > 1 && isa() != ISA_AVX2)) return ACT_NATURAL;
     return block_stream(K, group) ? ACT_STREAM256 : ACT_QUAD256;
@@ -2019,9 +2198,15 @@ static void gemm_u4_rows(int64_t M, int64_t K, const uint8_t *qs, const void *sc
     }
 #endif
 #if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
-    if (a->order == ACT_QSTREAM) {   /* one x row, a scale per block (u4_act_order) */
+    if (a->order == ACT_QSTREAM && M == 1) {   /* one x row, a scale per block (u4_act_order) */
         stream512(0, qs, sc, mn, f16, nb, a->xq, a->xd, a->xs, y, n0, n1);
         if (bias) for (int64_t n = n0; n < n1; n++) y[n] += bias[n];
+        return;
+    }
+    if ((a->order == ACT_QSTREAM || a->order == ACT_QUAD) && M > 1) {   /* 2 to QS_ROWS_MAX x rows */
+        u4_rows_quad512(a->order == ACT_QSTREAM, qs, sc, mn, f16, nb, bpg, G, a->xq, a->xd, a->xs, M, a->qstride,
+                        a->bstride, y, N, n0, n1);
+        if (bias) for (int64_t m = 0; m < M; m++) for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
         return;
     }
     if (a->order == ACT_STREAM256   /* a scale per block (u4_act_order) */
