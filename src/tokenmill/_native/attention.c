@@ -1632,7 +1632,10 @@ AVX2 static inline __attribute__((always_inline)) __m256 red4_256(__m256 a0, __m
         for (int g = 0; g < (GC); g++) \
             for (int k = 0; k < 4; k++) a[g][k] = _mm256_setzero_ps(); \
         int x = 0; \
-        for (; x + 16 <= D; x += 16) { \
+        /* 16 dims a step while the queries' vectors and 4 x GC accumulators fit the 16 ymm \
+         * registers; with 3 queries 8 a step (3 query vectors, 12 accumulators, one key vector): \
+         * 16 a step, gcc kept four accumulators on the stack */ \
+        for (; (GC) < 3 && x + 16 <= D; x += 16) { \
             for (int k = 0; k < 4; k++) { \
                 __m256 w0, w1; \
                 ld8x2(k4[k] + (size_t)x * esz, kind, &w0, &w1); \
@@ -1640,6 +1643,12 @@ AVX2 static inline __attribute__((always_inline)) __m256 red4_256(__m256 a0, __m
                     a[g][k] = _mm256_fmadd_ps(w0, _mm256_load_ps(qg + g * D + x), a[g][k]); \
                     a[g][k] = _mm256_fmadd_ps(w1, _mm256_load_ps(qg + g * D + x + 8), a[g][k]); \
                 } \
+            } \
+        } \
+        for (; (GC) >= 3 && x + 8 <= D; x += 8) { \
+            for (int k = 0; k < 4; k++) { \
+                const __m256 w = ld8(k4[k] + (size_t)x * esz, kind); \
+                for (int g = 0; g < (GC); g++) a[g][k] = _mm256_fmadd_ps(w, _mm256_load_ps(qg + g * D + x), a[g][k]); \
             } \
         } \
         if (x < D) { \
