@@ -1835,10 +1835,10 @@ static int stream512_fits(int64_t K, int64_t group) {
 #define QUAD256_ROWS_MAX 64
 /* x rows up to which the avx512vnni and amx sets keep the quad-order kernels (u4_rows_quad512)
  * rather than the pair-order kernels (avx512vnni, 5+ rows) or the AMX tiles (amx, 4+ rows). One
- * thread, in cache, ns per weight of a Q4_1 [1536, 576] matrix on an Intel host with AMX: 2 rows
- * 0.065-0.070 (quad) / 0.075-0.082 (tiles) / 0.095-0.097 (pairs), 3 rows 0.074-0.096 /
- * 0.076-0.081 / 0.121-0.124 (level in the model's step), 4 rows 0.106-0.136 / 0.078-0.082 /
- * 0.142-0.143 (docs/quantization.md, "Quad order for a few rows").
+ * thread, in cache, ns per weight of Q4_1 [1536, 576] and [576, 1536] matrices on an Intel host
+ * with AMX: 2 rows 0.055-0.070 (quad) / 0.075-0.087 (tiles) / 0.068-0.097 (pairs), 3 rows
+ * 0.065-0.097 / 0.076-0.086 / 0.106-0.124 (level in the model's step), 4 rows 0.093-0.136 /
+ * 0.078-0.089 / 0.106-0.143 (docs/quantization.md, "Quad order for a few rows").
  * TOKENMILL_QUAD_ROWS_MAX=N (1-4) sets it for A/B checks (read at each call). */
 static int qs_rows_max(void) {
 #if TM_X86 && defined(__GNUC__) && __GNUC__ >= 9
