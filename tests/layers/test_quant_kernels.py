@@ -392,6 +392,22 @@ def test_one_row_q4_block_stream_is_exact_for_any_thread_split(kernel, n, k, mon
         torch.testing.assert_close(y, runs[1], rtol=1e-5, atol=1e-5)
 
 
+def _rows_have_their_bits_alone(method, row_counts, gen):
+    """For each count m: m random x rows through `method` on 2 threads match the q16 reference,
+    and each row's output has the bits of that row run alone."""
+    n, k = method.out_features, method.in_features
+    wd = method.dequantize()
+    for m in row_counts:
+        x = torch.randn(m, k, generator=gen) * 3
+        together = torch.empty(m, n)
+        method._gemm(x, together, 0, 2)
+        _check(together, q16_reference(x), wd)
+        for i in range(m):
+            alone = torch.empty(1, n)
+            method._gemm(x[i:i + 1].contiguous(), alone, 0, 1)
+            assert torch.equal(together[i], alone[0]), f"rows={m}, row {i}"
+
+
 @pytest.mark.parametrize("n,k,group", [(37, 576, 32), (29, 544, 32), (13, 45, 32), (40, 1024, 32), (21, 576, 64)])
 def test_a_q4_row_has_the_same_bits_alone_or_with_others_on_avx2(n, k, group):
     """On the avx2 set, 2 to 64 x rows against a Q4 matrix run the one-row kernel's arithmetic per
@@ -410,16 +426,7 @@ def test_a_q4_row_has_the_same_bits_alone_or_with_others_on_avx2(n, k, group):
         if group == 32 and ((k + 31) // 32) % 8:   # Q8_0's blocks run the same stream (s8_stream_group)
             methods.append(Int8Linear.from_float(w, group))
         for method in methods:
-            wd = method.dequantize()
-            for m in (2, 3, 5, 8, 9):
-                x = torch.randn(m, k, generator=gen) * 3
-                together = torch.empty(m, n)
-                method._gemm(x, together, 0, 2)
-                _check(together, q16_reference(x), wd)
-                for i in range(m):
-                    alone = torch.empty(1, n)
-                    method._gemm(x[i:i + 1].contiguous(), alone, 0, 1)
-                    assert torch.equal(together[i], alone[0]), f"rows={m}, row {i}"
+            _rows_have_their_bits_alone(method, (2, 3, 5, 8, 9), gen)
     finally:
         native.set_kernel(before)
 
@@ -438,16 +445,7 @@ def test_a_q4_row_has_the_same_bits_alone_or_with_others_on_avx512(kernel, n, k,
         gen = torch.Generator().manual_seed(n * 13 + k)
         w = torch.randn(n, k, generator=gen) * 0.1
         for method in (Int4Linear.from_float(w, group), _fp16_scales(Int4Linear.from_float(w, group))):
-            wd = method.dequantize()
-            for m in (2, 3) if kernel == "amx" else (2, 3, 4):
-                x = torch.randn(m, k, generator=gen) * 3
-                together = torch.empty(m, n)
-                method._gemm(x, together, 0, 2)
-                _check(together, q16_reference(x), wd)
-                for i in range(m):
-                    alone = torch.empty(1, n)
-                    method._gemm(x[i:i + 1].contiguous(), alone, 0, 1)
-                    assert torch.equal(together[i], alone[0]), f"rows={m}, row {i}"
+            _rows_have_their_bits_alone(method, (2, 3) if kernel == "amx" else (2, 3, 4), gen)
     finally:
         native.set_kernel(before)
 
