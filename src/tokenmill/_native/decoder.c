@@ -511,14 +511,10 @@ static void matmul_claiming(const TmqMat *w, const void *act, int64_t M, const f
  * with one, or with TOKENMILL_STATIC_ROWS=1 (an A/B switch), split evenly up front, with p's
  * prefetch between slices when p is given. Claims paid for several rows (decode batches, verify
  * steps); for one row they measured 0.94x-1.03x, inside this host's noise, so a lone decode keeps
- * the even split (benchmarks/claim_rows_ab.py, docs/benchmarks.md). So do the rows that run the
- * one-row kernels' order (tmq_streams_rows: 2 or 3 Q4 rows on amx, 2 to 4 on avx512vnni), which
- * read the weights as one row does: with the even split, steps of 2 and 3 sequences were 1.10x
- * and 1.05x faster than claiming on an Intel host with AMX, 8 rounds (docs/benchmarks.md,
- * "Decode steps of 2 to 4 sequences on Q4 weights"). */
+ * the even split (benchmarks/claim_rows_ab.py, docs/benchmarks.md). */
 static inline void matmul_phase(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int t, int T,
                                 atomic_llong *ctr, KvPf *p, const Step *S) {
-    if (!S->static_rows && M > 1 && !tmq_streams_rows(w, M)) {
+    if (!S->static_rows && M > 1) {
         matmul_claiming(w, act, M, bias, y, ctr, T, p, S);
     } else {
         int64_t n0, n1;

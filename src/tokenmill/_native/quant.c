@@ -2332,13 +2332,6 @@ static int act_order(const TmqMat *w, int64_t M) {
     return w->kind == TMQ_U4 ? u4_act_order(M, w->K, w->group) : s8_act_order(M, w->K, w->group);
 }
 
-int tmq_streams_rows(const TmqMat *w, int64_t M) {
-    if (M <= 1) return 1;
-    if (w->kind == TMQ_F32) return 0;
-    const int o = act_order(w, M);
-    return isa() >= ISA_AVX512 && (o == ACT_QSTREAM || o == ACT_QUAD);
-}
-
 void *tmq_act_quantize(const TmqMat *w, const float *x, int64_t M) {
     ActBuf *a = calloc(1, sizeof *a);
     if (!a) return NULL;

@@ -31,10 +31,6 @@ void tmq_row_range(int64_t N, int t, int T, int64_t *n0, int64_t *n1);
  * not depend on the range it is computed in, so a caller may cut its range into pieces */
 void tmq_matmul_range(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int64_t n0, int64_t n1);
 void tmq_act_free(void *act);
-/* 1 when the kernels for M rows of w stream its weights as one row's do (one row; 2 to 4 rows of
- * Q4 in the avx512 sets' quad order): decoder.c then splits the rows evenly between its threads
- * instead of letting them claim slices (matmul_phase) */
-int tmq_streams_rows(const TmqMat *w, int64_t M);
 /* A reusable activation buffer, for a caller whose every thread quantizes its own copy of x
  * (decoder.c): tmq_act_bytes is what quantizing M rows for w needs (0 for TMQ_F32),
  * tmq_act_buffer(bytes) a buffer of that room (NULL: no memory; freed by tmq_act_free), and
