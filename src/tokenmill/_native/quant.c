@@ -1853,7 +1853,7 @@ static int qs_rows_max(void) {
 #endif
 }
 static int u4_act_order(int64_t M, int64_t K, int64_t group) {
-    if (isa() >= ISA_AVX512 && M <= qs_rows_max())
+    if (isa() >= ISA_AVX512 && (M == 1 || M <= qs_rows_max()))   /* (one row: no getenv) */
         return stream512_fits(K, group) ? ACT_QSTREAM : ACT_QUAD;
     if (isa() >= ISA_AVX512) return isa() == ISA_AMX && M >= AMX_MIN_ROWS ? ACT_AMX : ACT_PAIRS;
     if (isa() < ISA_AVX2 || M > QUAD256_ROWS_MAX || (M > 1 && isa() != ISA_AVX2)) return ACT_NATURAL;
