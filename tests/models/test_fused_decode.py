@@ -327,9 +327,10 @@ def test_fused_head_argmax_ties_and_nans(packed):
 @pytest.mark.parametrize("name", ["llama-int4", "llama-fp32"])
 @pytest.mark.parametrize("kernel", native.supported_kernels())
 def test_fused_decode_is_the_same_bits_on_any_thread_count(packed, kernel, name, monkeypatch):
-    """The step runs in one parallel region whose threads claim matmul rows as they go (or, with
-    TOKENMILL_STATIC_ROWS=1, split them evenly up front) and take attention tasks; no row's sum
-    depends on the split, so 1, 2 and 3 threads, claimed or static, give identical logits and KV.
+    """The step runs in one parallel region whose threads claim matmul rows as they go (two
+    threads each from its own half first; with TOKENMILL_SHARED_CLAIMS=1 from one counter; with
+    TOKENMILL_STATIC_ROWS=1 split evenly up front) and take attention tasks; no row's sum depends
+    on the split, so 1, 2 and 3 threads, claimed or static, give identical logits and KV.
     (For fp32 only the steps that run fused: torch's GEMM on the larger ones may split by threads.)"""
     before_kernel = native.kernel()
     model = packed[name].model
@@ -338,9 +339,10 @@ def test_fused_decode_is_the_same_bits_on_any_thread_count(packed, kernel, name,
     native.set_kernel(kernel)
     try:
         runs = []
-        for nt, static in ((1, ""), (2, ""), (3, ""), (2, "1"), (3, "1")):
+        for nt, static, shared in ((1, "", ""), (2, "", ""), (3, "", ""), (2, "", "1"), (2, "1", ""), (3, "1", "")):
             torch.set_num_threads(nt)
             monkeypatch.setenv("TOKENMILL_STATIC_ROWS", static)
+            monkeypatch.setenv("TOKENMILL_SHARED_CLAIMS", shared)
             logits, kv, _, ran = _run(model, True, "float32", steps=steps)
             assert any(ran)
             runs.append((logits, kv))

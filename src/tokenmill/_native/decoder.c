@@ -204,6 +204,7 @@ typedef struct {
     int num_seqs, page_size, kv_kind, nt;   /* kv_kind: TM_KV_* (attention.h) */
     int kv_prefetch;                        /* prefetch each layer's KV during the matmuls before it */
     int static_rows;                        /* split each matmul's rows evenly up front (no claiming) */
+    int shared_claims;                      /* 2 threads: claims from one counter (not halves first) */
     int kv_pf_t0;                           /* that prefetch with prefetcht0 (else t1: into L2) */
 } Step;
 
@@ -507,14 +508,49 @@ static void matmul_claiming(const TmqMat *w, const void *act, int64_t M, const f
     }
 }
 
-/* one matmul of the team over M activation rows: with 2 or more, rows claimed (matmul_claiming);
+/* Two threads: each claims from its own half of the rows first (thread 0 from row 0, thread 1
+ * from the middle, each half in guided sizes of 1/CLAIM_SHARE of what is left of it), then from
+ * the other half. One atomic word holds both halves' counts (low and high 32 bits), so the
+ * counter's reset to 0 serves as before. On a quiet machine each thread then reads its half of
+ * the weights as one stream, as with the even split; a thread that loses its core leaves the
+ * rest of its half to the other one, as with claims. Against claims from one counter, on an Intel
+ * host with AMX (benchmarks/decode_batch_rows.py --env-ab TOKENMILL_SHARED_CLAIMS=1): int4 steps
+ * of 2 / 3 / 4 sequences 1.05x / 1.13x / 1.05x faster quiet, and 0.94x / 1.12x / 1.13x beside a
+ * busy-loop process; fp32 steps of 2 / 4 sequences 1.08x / 1.05x (docs/benchmarks.md, "Decode
+ * steps of 2 to 4 sequences on Q4 weights"). TOKENMILL_SHARED_CLAIMS=1: one counter (A/B). */
+static void matmul_halves(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, atomic_llong *ctr,
+                          int t, KvPf *p, const Step *S) {
+    const int64_t N = w->N, h = N / 2 / 16 * 16;
+    const int64_t start[2] = {0, h}, len[2] = {h, N - h};
+    long long v = atomic_load_explicit(ctr, memory_order_relaxed);
+    for (;;) {
+        const int64_t c[2] = {(int64_t)(v & 0xFFFFFFFFLL), (int64_t)((unsigned long long)v >> 32)};
+        int s = t & 1;
+        if (c[s] >= len[s]) s ^= 1;
+        if (c[s] >= len[s]) return;
+        const int64_t left = len[s] - c[s];
+        int64_t n = left / CLAIM_SHARE / 16 * 16;
+        if (n < CLAIM_MIN) n = CLAIM_MIN;
+        if (n > left) n = left;
+        const long long nv = s == 0 ? v + n : v + (long long)((unsigned long long)n << 32);
+        if (!atomic_compare_exchange_weak_explicit(ctr, &v, nv, memory_order_relaxed, memory_order_relaxed))
+            continue;   /* v now holds the counter's value */
+        rows_prefetching(w, act, M, bias, y, start[s] + c[s], start[s] + c[s] + n, p, S);
+        v = atomic_load_explicit(ctr, memory_order_relaxed);
+    }
+}
+
+/* one matmul of the team over M activation rows: with 2 or more, rows claimed (two threads:
+ * matmul_halves; more: matmul_claiming);
  * with one, or with TOKENMILL_STATIC_ROWS=1 (an A/B switch), split evenly up front, with p's
  * prefetch between slices when p is given. Claims paid for several rows (decode batches, verify
  * steps); for one row they measured 0.94x-1.03x, inside this host's noise, so a lone decode keeps
  * the even split (benchmarks/claim_rows_ab.py, docs/benchmarks.md). */
 static inline void matmul_phase(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y, int t, int T,
                                 atomic_llong *ctr, KvPf *p, const Step *S) {
-    if (!S->static_rows && M > 1) {
+    if (!S->static_rows && M > 1 && T == 2 && !S->shared_claims) {
+        matmul_halves(w, act, M, bias, y, ctr, t, p, S);
+    } else if (!S->static_rows && M > 1) {
         matmul_claiming(w, act, M, bias, y, ctr, T, p, S);
     } else {
         int64_t n0, n1;
@@ -795,7 +831,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
     Step S = {M, H, hq, hkv, d, inter, eps, scale, PTR(const float *, cos), PTR(const float *, sin),
               PTR(const int64_t *, pos), PTR(const int64_t *, slots), PTR(const int64_t *, bt), PTR(const int64_t *, qsl),
               PTR(const int64_t *, sl), bt_stride, num_seqs, page_size, kv_kind, nt < 1 ? 1 : nt,
-              kv_prefetch_on(), env_flag("TOKENMILL_STATIC_ROWS"),
+              kv_prefetch_on(), env_flag("TOKENMILL_STATIC_ROWS"), env_flag("TOKENMILL_SHARED_CLAIMS"),
               env_flag("TOKENMILL_KV_PREFETCH_T0")};
     const int64_t *tab = PTR(const int64_t *, table);
     size_t act_bytes = 0;   /* room for the largest activations any matmul of the step quantizes */
