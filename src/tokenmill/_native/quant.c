@@ -1161,6 +1161,7 @@ TGT_512 static void stream512(int s8, const void *qs, const void *sc, const void
 #ifndef QS_ROWS_MAX
 #define QS_ROWS_MAX 4       /* the most x rows the kernels below take in one pass */
 #endif
+_Static_assert(QS_ROWS_MAX >= 2 && QS_ROWS_MAX <= 4, "u4_rows_quad512 has kernels for 2 to 4 rows");
 #ifndef QS_ROWS_AMX
 #define QS_ROWS_AMX 3       /* x rows up to which the amx set uses them (qs_rows_max); from 4 the tiles */
 #endif
@@ -1278,33 +1279,25 @@ TGT_512 static __attribute__((noinline)) void u4_quad_rows_##MR(                
         int64_t N, int64_t n0, int64_t n1) {                                                              \
     u4_quad_rows(qs, sc, mn, f16, nb, bpg, G, xq, xd, xs, qstride, bstride, y, N, n0, n1, MR);           \
 }
-U4_QS_FN(1)
 U4_QS_FN(2)
 U4_QS_FN(3)
 U4_QS_FN(4)
 
-/* M (<= QS_ROWS_MAX) x rows of quad-order (stream: with `stream`) activations against u4 rows
- * [n0, n1), in tiles of up to 4 x rows */
+/* M (2 to QS_ROWS_MAX; one row has its own kernels) x rows of quad-order (stream: with `stream`)
+ * activations against u4 rows [n0, n1) */
 TGT_512 static void u4_rows_quad512(int stream, const uint8_t *qs, const void *sc, const void *mn, int f16, int64_t nb,
                                     int64_t bpg, int64_t G, const int16_t *xq, const float *xd, const float *xs,
                                     int64_t M, int64_t qstride, int64_t bstride, float *y, int64_t N, int64_t n0,
                                     int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int64_t mr = M - m0 < 4 ? M - m0 : 4;
-        const int16_t *q = xq + m0 * qstride;
-        const float *d = xd + m0 * bstride, *s = xs + m0 * bstride;
-        float *o = y + m0 * N;
 #define QS_CALL(K)                                                                                          \
-        if (stream) u4_stream512_rows_##K(qs, sc, mn, f16, nb, q, d, s, qstride, bstride, o, N, n0, n1); \
-        else u4_quad_rows_##K(qs, sc, mn, f16, nb, bpg, G, q, d, s, qstride, bstride, o, N, n0, n1)
-        switch (mr) {
-        case 1: QS_CALL(1); break;
-        case 2: QS_CALL(2); break;
-        case 3: QS_CALL(3); break;
-        default: QS_CALL(4); break;
-        }
-#undef QS_CALL
+    if (stream) u4_stream512_rows_##K(qs, sc, mn, f16, nb, xq, xd, xs, qstride, bstride, y, N, n0, n1);    \
+    else u4_quad_rows_##K(qs, sc, mn, f16, nb, bpg, G, xq, xd, xs, qstride, bstride, y, N, n0, n1)
+    switch (M) {
+    case 2: QS_CALL(2); break;
+    case 3: QS_CALL(3); break;
+    default: QS_CALL(4); break;   /* M <= QS_ROWS_MAX (u4_act_order) */
     }
+#undef QS_CALL
 }
 #endif /* __GNUC__ >= 9 */
 

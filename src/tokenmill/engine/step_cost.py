@@ -197,7 +197,7 @@ class StepCost:
 
         A lone decode step is the reference of the bound (a stream's TPOT alone), and where its
         one row runs on other kernels than a few rows do (the packed kernels' one-row paths; the
-        amx set's tiles from two rows), a line through 1 to ``split_rows`` rows misses it: fitted
+        amx set's tiles from four rows), a line through 1 to ``split_rows`` rows misses it: fitted
         mostly on mixed steps and prefill chunks, it put a lone int4 decode step at 13-15 ms where
         it took 7-8 (docs/benchmarks.md, "A lone decode step as a kind of its own"), and the bound
         of a step with one decode was twice as loose as asked. One-row steps then have their own
