@@ -78,7 +78,7 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     cache_storage_timeout_s: float = 1.0  # socket timeout of one storage call
     decode_slowdown: float | None = 1.75  # bound on a decode step's time while prefill shares it
                                           # (x the decodes-only step; None: prefill fills the step)
-    prefill_finish_slowdown: float | None = 6.0   # ... or this many x, for a step that does a short
+    prefill_finish_slowdown: float | None = 12.0  # ... or this many x, for a step that does a short
                                           # whole prefill at once (None: always the bound)
     num_continuous_decode_steps: int = 8   # most greedy decode steps chained in one forward (1: off;
                                            # see Engine._decode_steps)

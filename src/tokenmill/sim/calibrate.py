@@ -247,7 +247,7 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
                    help="the server's bound on prefill while decodes run (tokenmill serve's "
                         "--decode-slowdown, 1.75 by default there); unset: no bound")
     p.add_argument("--prefill-finish-slowdown", type=float, default=None,
-                   help="the server's --prefill-finish-slowdown (6 by default there) when --decode-slowdown "
+                   help="the server's --prefill-finish-slowdown (12 by default there) when --decode-slowdown "
                         "is set; unset: every chunk keeps the bound")
     p.add_argument("--prefill-sizes", default="32,128,256,512,1024,1536", help="comma-separated prompt lengths")
     p.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated decode batch sizes")
