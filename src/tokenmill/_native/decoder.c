@@ -493,17 +493,23 @@ static void rows_prefetching(const TmqMat *w, const void *act, int64_t M, const 
  * computes it (the kernels' row ranges are exact for any split). */
 #define CLAIM_MIN 32
 #define CLAIM_SHARE 4
+/* the size of the next claim when `left` rows of a range are unclaimed and `share` is the claim's
+ * fraction of them (see matmul_claiming): a multiple of 16, at least CLAIM_MIN, at most left */
+static inline int64_t claim_size(int64_t left, int64_t share) {
+    int64_t n = left / share / 16 * 16;
+    if (n < CLAIM_MIN) n = CLAIM_MIN;
+    return n < left ? n : left;
+}
 static void matmul_claiming(const TmqMat *w, const void *act, int64_t M, const float *bias, float *y,
                             atomic_llong *ctr, int T, KvPf *p, const Step *S) {
     const int64_t N = w->N;
     long long a = atomic_load_explicit(ctr, memory_order_relaxed);
     for (;;) {
         if (a >= N) return;
-        int64_t n = (N - a) / (CLAIM_SHARE * T) / 16 * 16;
-        if (n < CLAIM_MIN) n = CLAIM_MIN;
+        const int64_t n = claim_size(N - a, (int64_t)CLAIM_SHARE * T);
         if (!atomic_compare_exchange_weak_explicit(ctr, &a, a + n, memory_order_relaxed, memory_order_relaxed))
             continue;   /* a now holds the counter's value */
-        rows_prefetching(w, act, M, bias, y, a, a + n < N ? a + n : N, p, S);
+        rows_prefetching(w, act, M, bias, y, a, a + n, p, S);
         a = atomic_load_explicit(ctr, memory_order_relaxed);
     }
 }
@@ -528,10 +534,7 @@ static void matmul_halves(const TmqMat *w, const void *act, int64_t M, const flo
         int s = t & 1;
         if (c[s] >= len[s]) s ^= 1;
         if (c[s] >= len[s]) return;
-        const int64_t left = len[s] - c[s];
-        int64_t n = left / CLAIM_SHARE / 16 * 16;
-        if (n < CLAIM_MIN) n = CLAIM_MIN;
-        if (n > left) n = left;
+        const int64_t n = claim_size(len[s] - c[s], CLAIM_SHARE);
         const long long nv = s == 0 ? v + n : v + (long long)((unsigned long long)n << 32);
         if (!atomic_compare_exchange_weak_explicit(ctr, &v, nv, memory_order_relaxed, memory_order_relaxed))
             continue;   /* v now holds the counter's value */
