@@ -133,7 +133,7 @@ def main() -> int:
     ap.add_argument("--output-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-dtypes", default="fp32",
-                    help="comma-separated KV dtypes tokenmill runs with, one server each (fp32, bf16, fp8_e4m3)")
+                    help="comma-separated KV dtypes tokenmill runs with, one server each (fp32, bf16, fp16, fp8_e4m3, int8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sequential", action="store_true",
                     help="one server at a time, every length, then the next (default: all servers up, lengths interleaved)")

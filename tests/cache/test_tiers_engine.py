@@ -228,9 +228,9 @@ def test_redis_shared_by_two_engines(tiny_llama: Any, redis_server: Any) -> None
 
 
 @pytest.mark.parametrize("arch,kv_dtype", [("DeepseekV3ForCausalLM", "auto"), ("LlamaForCausalLM", "fp8_e4m3"),
-                                           ("DeepseekV3ForCausalLM", "fp8_e4m3")])
+                                           ("DeepseekV3ForCausalLM", "fp8_e4m3"), ("LlamaForCausalLM", "int8")])
 def test_other_kv_layouts_round_trip(tmp_path: Any, arch: str, kv_dtype: str) -> None:
-    """MLA latent pages ([N, P, E]) and fp8 pages (bytes + scales) through L2 and L3 files:
+    """MLA latent pages ([N, P, E]) and fp8 / int8 pages (bytes + scales) through L2 and L3 files:
     the outputs equal an engine whose L1 holds everything and hits the same pages there. (With
     fp8 a cached prefix is read back quantized, so a hit may differ from a cold prefill in
     the last bits: the oracle is an L1 hit on the same pages, not a cold run.)"""

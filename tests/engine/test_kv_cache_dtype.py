@@ -160,3 +160,44 @@ def test_auto_is_fp16_for_packed_weights_of_standard_attention(tiny_dir, tiny_mo
     assert eng.stats().kv_bytes_per_token * 2 == _engine(packed, "fp32", caplog)[0].stats().kv_bytes_per_token
     out = LLM(loaded=packed, kv_cache_tokens=256).generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0))
     assert len(out[0].token_ids) == 6
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "LlamaForCausalLM"])
+def test_int8_costs_its_scales_and_matches_the_planner(tiny_model, arch, caplog) -> None:
+    """int8 pages: a byte per element plus a 4-byte scale per vector, as fp8's token scheme; the
+    engine's capacity and the planner's agree."""
+    lm, _ = tiny_model(arch)
+    eng, line = _engine(lm, "int8", caplog)
+    s = eng.stats()
+    assert eng.kv_spec.dtype == "int8" and eng.kv_spec.per_token_scales and "int8" in line
+    plan = _plan(lm.source / "config.json", "int8")
+    assert plan["kv"]["per_token_per_device_bytes"] == s.kv_bytes_per_token
+    assert plan["capacity"]["kv_tokens_for_memory"] == s.kv_capacity_tokens
+    fp8_token = lm.model.kv_cache_spec().with_dtype("float8_e4m3fn").with_fp8_scales("token")
+    assert s.kv_bytes_per_token == fp8_token.bytes_per_token()
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "LlamaForCausalLM"])
+def test_int8_engine_serves_with_prefix_cache_and_chunks(tiny_model, arch) -> None:
+    """int8 pages through the whole engine (MLA latents on the torch path, standard attention on
+    the native kernel): chunked prefill, prefix hits (accuracy against fp32 is
+    tests/models/test_kv_fp8_accuracy.py)."""
+    lm, _ = tiny_model(arch)
+    prompts = random_prompts([30, 12, 45], seed=9)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(loaded=lm, kv_cache_tokens=1024, kv_cache_dtype="int8", max_batch_tokens=16, debug_checks=True)
+    got = [o.token_ids for o in llm.generate(prompts + prompts[:1], params)]
+    assert got[3] == got[0] and len(got[0]) == 8
+    assert llm.engine.stats().cached_tokens_total >= 16
+    entry = llm.engine.runner.kv_caches[0]
+    assert entry.data.dtype == torch.int8 and entry.per_token and entry.is_int8
+    assert entry.data.abs().max() <= 127 and (entry.scale >= 0).all()
+
+
+def test_int8_refuses_static_scales_and_is_not_calibrated() -> None:
+    spec = KVCacheSpec.dense(2, 2, 16, "int8")
+    assert spec.is_int8 and spec.is_scaled and spec.per_token_scales and not spec.is_fp8
+    assert spec.bytes_per_token() == 2 * (2 * 2 * 16 + 2 * 2 * 4)
+    from tokenmill.layers.attention.fp8 import allocate_fp8
+    with pytest.raises(ValueError, match="scale per vector"):
+        allocate_fp8((2, 1, 4, 2, 16), torch.device("cpu"), (2, 1, 1, 2, 1), int8=True)

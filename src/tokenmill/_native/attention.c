@@ -2,9 +2,10 @@
  *
  * KV layout of one layer (the torch reference backend's layout):
  *     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim], contiguous, float32,
- *     bfloat16, float16 (F16C's vcvtph2ps) or float8_e4m3fn bytes with float32 scales (see
- *     "fp8 pages" below); narrow elements are widened to float32 as they are read, all
- *     arithmetic is float32
+ *     bfloat16, float16 (F16C's vcvtph2ps), float8_e4m3fn bytes with float32 scales (see
+ *     "fp8 pages" below) or int8 codes with a float32 scale per vector; narrow elements are
+ *     widened to float32 as they are read and the arithmetic is float32, except in the int8
+ *     decode body on AVX-512 VNNI (see "int8 pages on AVX-512 VNNI")
  * Token at context position p of sequence i lives in page block_tables[i][p / page_size] at
  * offset p % page_size.
  *
@@ -132,11 +133,11 @@ static void init_e4m3_table(void) {
 
 static inline size_t kv_esz(int kind) { return kind == TM_KV_F32 ? 4 : kind == TM_KV_BF16 || kind == TM_KV_F16 ? 2 : 1; }
 
-/* the fp8 scale of the K (which = 0) or V (1) row at element offset off (kv head kvh); else 1 */
+/* the fp8 / int8 scale of the K (which = 0) or V (1) row at element offset off (kv head kvh); else 1 */
 static inline float row_scale(const Problem *P, int which, int64_t off, int kvh) {
     const float *sc = which ? P->vs : P->ks;
     if (P->kind == TM_KV_FP8) return sc[kvh];
-    if (P->kind == TM_KV_FP8_TOKEN) return sc[off / P->d];
+    if (TM_KV_TOKEN_SCALES(P->kind)) return sc[off / P->d];
     return 1.f;
 }
 
@@ -152,13 +153,12 @@ static inline void key_offsets(const Problem *P, const int64_t *table, int kvh, 
     const int64_t row = (int64_t)P->hkv * P->d, head = (int64_t)kvh * P->d;
     int64_t page = j0 / ps;
     int slot = j0 % ps;
-    int64_t base = table[page] * ps * row + head;
-    for (int j = 0; j < j1 - j0; j++) {
-        off[j] = base + slot * row;
-        if (++slot == ps) {
-            slot = 0;
-            if (j0 + j + 1 < j1) base = table[++page] * ps * row + head;
-        }
+    const int n = j1 - j0;
+    for (int j = 0; j < n; slot = 0) {   /* a page's run of keys at a time (the inner loop vectorises) */
+        const int64_t base = table[page++] * ps * row + head;
+        const int cnt = ps - slot < n - j ? ps - slot : n - j;
+        for (int s = 0; s < cnt; s++) off[j + s] = base + (int64_t)(slot + s) * row;
+        j += cnt;
     }
 }
 
@@ -185,6 +185,7 @@ static inline void prefetch_keys(const Problem *P, const int64_t *table, int kvh
 static inline float kv_at(const void *base, int64_t i, int kind) {
     if (kind == TM_KV_F32) return ((const float *)base)[i];
     if (kind == TM_KV_F16) return tm_f16_to_float(((const uint16_t *)base)[i]);
+    if (kind == TM_KV_INT8) return (float)((const int8_t *)base)[i];
     if (kind != TM_KV_BF16) return g_e4m3[((const uint8_t *)base)[i]];
     uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
     float f;
@@ -303,13 +304,14 @@ typedef struct {
 
 typedef void (*tile_fn)(const TileArgs *A);
 typedef void (*widen_fn)(float *dst, const uint16_t *src, int n);
-typedef void (*widen8_fn)(float *dst, const uint8_t *src, int n, float scale);  /* fp8 bytes * scale */
+typedef void (*widen8_fn)(float *dst, const uint8_t *src, int n, float scale);  /* fp8 (int8) bytes * scale */
 
 typedef struct {
     tile_fn tile;
     widen_fn widen;      /* bf16 */
     widen_fn widenh;     /* fp16 */
     widen8_fn widen8;
+    widen8_fn widen8i;   /* int8 */
     int qw;      /* query vectors per group */
     int kstep;   /* the kernel scores keys in steps of this many */
 } TileKernel;
@@ -327,6 +329,10 @@ static void widenh_scalar(float *dst, const uint16_t *src, int n) {
 
 static void widen8_scalar(float *dst, const uint8_t *src, int n, float scale) {
     for (int x = 0; x < n; x++) dst[x] = g_e4m3[src[x]] * scale;
+}
+
+static void widen8i_scalar(float *dst, const uint8_t *src, int n, float scale) {
+    for (int x = 0; x < n; x++) dst[x] = (float)(int8_t)src[x] * scale;
 }
 
 #define SCALAR_QW 8
@@ -413,8 +419,9 @@ static void task_tiled(const Problem *P, const Task *T, float *part_m, float *pa
                     K->widenh(kr, (const uint16_t *)P->kc + off, D);
                     K->widenh(vr, (const uint16_t *)P->vc + off, D);
                 } else {
-                    K->widen8(kr, (const uint8_t *)P->kc + off, D, row_scale(P, 0, off, T->kvh));
-                    K->widen8(vr, (const uint8_t *)P->vc + off, D, row_scale(P, 1, off, T->kvh));
+                    const widen8_fn w8 = P->kind == TM_KV_INT8 ? K->widen8i : K->widen8;
+                    w8(kr, (const uint8_t *)P->kc + off, D, row_scale(P, 0, off, T->kvh));
+                    w8(vr, (const uint8_t *)P->vc + off, D, row_scale(P, 1, off, T->kvh));
                 }
                 kp[j] = kr; vp[j] = vr;
             } else {
@@ -455,7 +462,8 @@ static void task_tiled(const Problem *P, const Task *T, float *part_m, float *pa
     free(qt); free(acc); free(m); free(l); free(qpos); free(s); free(kv);
 }
 
-static const TileKernel tile_kernel_scalar = {tile_scalar, widen_scalar, widenh_scalar, widen8_scalar, SCALAR_QW, 1};
+static const TileKernel tile_kernel_scalar = {tile_scalar, widen_scalar, widenh_scalar, widen8_scalar, widen8i_scalar,
+                                              SCALAR_QW, 1};
 
 /* ---------------------------------------------------------------------------------------- */
 /* AVX2 + FMA path                                                                          */
@@ -508,10 +516,16 @@ AVX2 static inline __attribute__((always_inline)) __m256 fp8x8(const void *p) {
     return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xBFFF)));
 }
 
+/* Eight int8 bytes as float32 values */
+AVX2 static inline __attribute__((always_inline)) __m256 i8x8(const void *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
 /* Eight cache elements at p (an element pointer of the cache's kind) as float32 (fp8: times 2^-8). */
 AVX2 static inline __attribute__((always_inline)) __m256 ld8(const void *p, int kind) {
     if (kind == TM_KV_F32) return _mm256_loadu_ps((const float *)p);
     if (kind == TM_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    if (kind == TM_KV_INT8) return i8x8(p);
     if (kind != TM_KV_BF16) return fp8x8(p);
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -579,9 +593,10 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
     float *sb = aligned_alloc(64, sizeof(float) * (size_t)G * KEY_BLOCK);
     float alph[MAX_QVEC];
     const char *kp[KEY_BLOCK], *vp[KEY_BLOCK];   /* element pointers (byte addressed) */
-    /* fp8 pages: each block's K and V rows are widened once (times their scales) into wbuf and
-     * read from there as float32 by every query vector of the task */
-    const int wide = kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN;
+    /* fp8 / int8 pages: each block's K and V rows are widened once (times their scales) into wbuf
+     * and read from there as float32 by every query vector of the task */
+    const int wide = TM_KV_SCALED(kind);
+    const float wf = kind == TM_KV_INT8 ? 1.f : 256.f;   /* fp8x8 / fp8x16 give e * 2^-8 */
     const int lk = wide ? TM_KV_F32 : kind;           /* the kind the inner loops read */
     const size_t lesz = wide ? 4 : esz;
     float *wbuf = wide ? aligned_alloc(64, sizeof(float) * 2 * KEY_BLOCK * (size_t)D) : NULL;
@@ -606,10 +621,10 @@ AVX2 static inline __attribute__((always_inline)) void task_avx2_body(const Prob
                 for (int j = 0; j < j1 - j0; j++) {
                     float *kr = wbuf + (size_t)j * D, *vr = wbuf + (size_t)(KEY_BLOCK + j) * D;
                     const int64_t si = kind == TM_KV_FP8 ? T->kvh : offs[j] / D;
-                    const __m256 mk = _mm256_set1_ps(256.f * P->ks[si]), mv = _mm256_set1_ps(256.f * P->vs[si]);
+                    const __m256 mk = _mm256_set1_ps(wf * P->ks[si]), mv = _mm256_set1_ps(wf * P->vs[si]);
                     for (int x = 0; x < D; x += 8) {
-                        _mm256_store_ps(kr + x, _mm256_mul_ps(fp8x8(kp[j] + x), mk));
-                        _mm256_store_ps(vr + x, _mm256_mul_ps(fp8x8(vp[j] + x), mv));
+                        _mm256_store_ps(kr + x, _mm256_mul_ps(kind == TM_KV_INT8 ? i8x8(kp[j] + x) : fp8x8(kp[j] + x), mk));
+                        _mm256_store_ps(vr + x, _mm256_mul_ps(kind == TM_KV_INT8 ? i8x8(vp[j] + x) : fp8x8(vp[j] + x), mv));
                     }
                     kp[j] = (const char *)kr;
                     vp[j] = (const char *)vr;
@@ -717,6 +732,10 @@ AVX2 static void task_avx2_fp8_token(const Problem *P, const Task *T, float *m, 
     task_avx2_body(P, T, m, l, a, TM_KV_FP8_TOKEN);
 }
 
+AVX2 static void task_avx2_int8(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    task_avx2_body(P, T, m, l, a, TM_KV_INT8);
+}
+
 /* The tile with 8-wide vectors: groups of 16 query vectors (two registers), keys scored four
  * at a time (8 accumulators), the output updated four dims at a time (8 accumulators). */
 #define AVX2_QW 16
@@ -806,7 +825,14 @@ AVX2 static void widen8_avx2(float *dst, const uint8_t *src, int n, float scale)
     widen8_scalar(dst + x, src + x, n - x, scale);
 }
 
-static const TileKernel tile_kernel_avx2 = {tile_avx2, widen_avx2, widenh_avx2, widen8_avx2, AVX2_QW, 4};
+AVX2 static void widen8i_avx2(float *dst, const uint8_t *src, int n, float scale) {
+    const __m256 mul = _mm256_set1_ps(scale);
+    int x = 0;
+    for (; x + 8 <= n; x += 8) _mm256_storeu_ps(dst + x, _mm256_mul_ps(i8x8(src + x), mul));
+    widen8i_scalar(dst + x, src + x, n - x, scale);
+}
+
+static const TileKernel tile_kernel_avx2 = {tile_avx2, widen_avx2, widenh_avx2, widen8_avx2, widen8i_avx2, AVX2_QW, 4};
 
 #define AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c")))
 
@@ -816,9 +842,15 @@ AVX512 static inline __attribute__((always_inline)) __m512 fp8x16(const void *p)
     return _mm512_cvtph_ps(_mm256_and_si256(w, _mm256_set1_epi16((short)0xBFFF)));  /* as fp8x8 */
 }
 
+/* Sixteen int8 bytes as float32 values */
+AVX512 static inline __attribute__((always_inline)) __m512 i8x16(const void *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
 AVX512 static inline __attribute__((always_inline)) __m512 ld16(const void *p, int kind) {
     if (kind == TM_KV_F32) return _mm512_loadu_ps((const float *)p);
     if (kind == TM_KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    if (kind == TM_KV_INT8) return i8x16(p);
     if (kind != TM_KV_BF16) return fp8x16(p);
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -895,9 +927,10 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
     float *sb = aligned_alloc(64, sizeof(float) * (size_t)G * KEY_BLOCK);
     float alph[MAX_QVEC];
     const char *kp[KEY_BLOCK], *vp[KEY_BLOCK];   /* element pointers (byte addressed) */
-    /* fp8 pages: each block's K and V rows are widened once (times their scales) into wbuf and
-     * read from there as float32 by every query vector of the task */
-    const int wide = kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN;
+    /* fp8 / int8 pages: each block's K and V rows are widened once (times their scales) into wbuf
+     * and read from there as float32 by every query vector of the task */
+    const int wide = TM_KV_SCALED(kind);
+    const float wf = kind == TM_KV_INT8 ? 1.f : 256.f;   /* fp8x8 / fp8x16 give e * 2^-8 */
     const int lk = wide ? TM_KV_F32 : kind;           /* the kind the inner loops read */
     const size_t lesz = wide ? 4 : esz;
     float *wbuf = wide ? aligned_alloc(64, sizeof(float) * 2 * KEY_BLOCK * (size_t)D) : NULL;
@@ -922,10 +955,10 @@ AVX512 static inline __attribute__((always_inline)) void task_avx512_body(const 
                 for (int j = 0; j < j1 - j0; j++) {
                     float *kr = wbuf + (size_t)j * D, *vr = wbuf + (size_t)(KEY_BLOCK + j) * D;
                     const int64_t si = kind == TM_KV_FP8 ? T->kvh : offs[j] / D;
-                    const __m512 mk = _mm512_set1_ps(256.f * P->ks[si]), mv = _mm512_set1_ps(256.f * P->vs[si]);
+                    const __m512 mk = _mm512_set1_ps(wf * P->ks[si]), mv = _mm512_set1_ps(wf * P->vs[si]);
                     for (int x = 0; x < D; x += 16) {
-                        _mm512_store_ps(kr + x, _mm512_mul_ps(fp8x16(kp[j] + x), mk));
-                        _mm512_store_ps(vr + x, _mm512_mul_ps(fp8x16(vp[j] + x), mv));
+                        _mm512_store_ps(kr + x, _mm512_mul_ps(kind == TM_KV_INT8 ? i8x16(kp[j] + x) : fp8x16(kp[j] + x), mk));
+                        _mm512_store_ps(vr + x, _mm512_mul_ps(kind == TM_KV_INT8 ? i8x16(vp[j] + x) : fp8x16(vp[j] + x), mv));
                     }
                     kp[j] = (const char *)kr;
                     vp[j] = (const char *)vr;
@@ -1046,6 +1079,10 @@ AVX512 static void task_avx512_fp8_token(const Problem *P, const Task *T, float 
     task_avx512_body(P, T, m, l, a, TM_KV_FP8_TOKEN);
 }
 
+AVX512 static void task_avx512_int8(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    task_avx512_body(P, T, m, l, a, TM_KV_INT8);
+}
+
 /* exp(x) for x <= 0 (and -inf -> 0), 16 lanes: exp256's range reduction and polynomial. */
 AVX512 static inline __m512 exp512(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.3f);
@@ -1162,7 +1199,15 @@ AVX512 static void widen8_avx512(float *dst, const uint8_t *src, int n, float sc
     widen8_scalar(dst + x, src + x, n - x, scale);
 }
 
-static const TileKernel tile_kernel_avx512 = {tile_avx512, widen_avx512, widenh_avx512, widen8_avx512, AVX512_QW, AVX512_KS};
+AVX512 static void widen8i_avx512(float *dst, const uint8_t *src, int n, float scale) {
+    const __m512 mul = _mm512_set1_ps(scale);
+    int x = 0;
+    for (; x + 16 <= n; x += 16) _mm512_storeu_ps(dst + x, _mm512_mul_ps(i8x16(src + x), mul));
+    widen8i_scalar(dst + x, src + x, n - x, scale);
+}
+
+static const TileKernel tile_kernel_avx512 = {tile_avx512, widen_avx512, widenh_avx512, widen8_avx512, widen8i_avx512,
+                                              AVX512_QW, AVX512_KS};
 
 /* ---------------------------------------------------------------------------------------- */
 /* decode rows                                                                              */
@@ -1275,6 +1320,10 @@ AVX512V static inline __attribute__((always_inline)) __m512 red16_512(__m512 d01
         _Pragma("GCC unroll 4") \
         for (int k = 0; k < 4; k++) { \
             const char *kk = kp[jb + 4 * kq + k]; \
+            if (pf_on) {   /* the K and V rows DEC_PF keys ahead, one key at a time */ \
+                const int64_t pj = pf0 + jb + 4 * kq + k; \
+                if (pj < nkeys) prefetch_row_pair(P, offs[pj], esz); \
+            } \
             if (perm) { \
                 for (int x = 0; x < D; x += 64) { \
                     __m512 w[4]; \
@@ -1355,6 +1404,15 @@ AVX512V static inline __attribute__((always_inline)) void dec_vacc512(float *acc
     }
 }
 
+/* Request the K and V lines of the key at element offset off */
+static inline void prefetch_row_pair(const Problem *P, int64_t off, size_t esz) {
+    const char *k = (const char *)P->kc + off * esz, *v = (const char *)P->vc + off * esz;
+    for (size_t c = 0; c < (size_t)P->d * esz; c += 64) {
+        kv_prefetch(k + c);
+        kv_prefetch(v + c);
+    }
+}
+
 /* Request the K and V lines of the keys at element offsets off[0 .. n) */
 static inline void prefetch_rows(const Problem *P, const int64_t *off, int n, size_t esz) {
     const size_t bytes = (size_t)P->d * esz;
@@ -1364,6 +1422,17 @@ static inline void prefetch_rows(const Problem *P, const int64_t *off, int n, si
             kv_prefetch(k + c);
             kv_prefetch(v + c);
         }
+    }
+}
+
+/* prefetch_rows, and the lines of the keys' per-vector K and V scales (at offset / D; dsh: log2 D,
+ * or -1): a gather of the scales that waited on memory took a sixth of the int8 decode */
+static inline void prefetch_rows_scales(const Problem *P, const int64_t *off, int n, int dsh) {
+    prefetch_rows(P, off, n, 1);
+    for (int j = 0; j < n; j++) {
+        const int64_t si = dsh >= 0 ? off[j] >> dsh : off[j] / P->d;
+        kv_prefetch((const char *)(P->ks + si));
+        kv_prefetch((const char *)(P->vs + si));
     }
 }
 
@@ -1457,16 +1526,16 @@ AVX512V static inline __attribute__((always_inline)) void dec512_body(const Prob
             vp[j] = (const char *)P->vc + o[j] * esz;
         }
         for (int j = nk; j < nks; j++) kp[j] = kp[nk - 1];   /* padding: a real row, its score masked */
-        if (kind == TM_KV_FP8_TOKEN) {   /* a per-token scale sits at slot * hkv + head = offset / D */
+        if (TM_KV_TOKEN_SCALES(kind)) {   /* a per-token scale sits at slot * hkv + head = offset / D */
             for (int j = 0; j < nk; j++) { ksb[j] = P->ks[o[j] / D]; vsb[j] = P->vs[o[j] / D]; }
             for (int j = nk; j < nks; j++) ksb[j] = vsb[j] = 0.f;
         }
-        /* the block DEC_PF keys ahead, asked for a group at a time as the scores go */
-        const int pfn = j0 + DEC_PF >= nkeys ? 0 : nkeys - j0 - DEC_PF < DEC_BLOCK ? nkeys - j0 - DEC_PF : DEC_BLOCK;
-        const int64_t *pfo = pfn ? o + DEC_PF : o;
+        /* the keys DEC_PF ahead are asked for one at a time as the scores go: asked for 16 at a
+         * time, the requests queued up behind each other and the scores waited on them (an int8
+         * or fp8 layer at 16k read from DRAM 1.4x-1.7x slower) */
+        const int64_t pf0 = j0 + DEC_PF;
         for (int jb = 0; jb < nks; jb += 16) {
-            if (jb < pfn) prefetch_rows(P, pfo + jb, pfn - jb < 16 ? pfn - jb : 16, esz);
-            for (int g0 = 0, per = dec_pass(Q, 4); g0 < Q; g0 += per) {
+            for (int g0 = 0, per = dec_pass(Q, 4), pf_on = 1; g0 < Q; g0 += per, pf_on = 0) {
                 const float *qg = qs + (size_t)g0 * D;
                 float *s = sb + (size_t)g0 * DEC_BLOCK;
                 switch (Q - g0 < per ? Q - g0 : per) {
@@ -1489,7 +1558,7 @@ AVX512V static inline __attribute__((always_inline)) void dec512_body(const Prob
             __m512 sv[DEC_BLOCK / 16], mx = ninf;
             for (int h = 0; h < nks / 16; h++) {
                 __m512 v = _mm512_load_ps(s + 16 * h);
-                if (kind == TM_KV_FP8_TOKEN) v = _mm512_mul_ps(v, _mm512_load_ps(ksb + 16 * h));
+                if (TM_KV_TOKEN_SCALES(kind)) v = _mm512_mul_ps(v, _mm512_load_ps(ksb + 16 * h));
                 const int cnt = seen - 16 * h;
                 if (cnt < 16) v = cnt > 0 ? _mm512_mask_mov_ps(ninf, (__mmask16)((1u << cnt) - 1), v) : ninf;
                 sv[h] = v;
@@ -1503,7 +1572,7 @@ AVX512V static inline __attribute__((always_inline)) void dec512_body(const Prob
             for (int h = 0; h < nks / 16; h++) {
                 const __m512 p = exp512(_mm512_sub_ps(sv[h], vmn));
                 vsum = _mm512_add_ps(vsum, p);
-                _mm512_store_ps(s + 16 * h, kind == TM_KV_FP8_TOKEN ? _mm512_mul_ps(p, _mm512_load_ps(vsb + 16 * h)) : p);
+                _mm512_store_ps(s + 16 * h, TM_KV_TOKEN_SCALES(kind) ? _mm512_mul_ps(p, _mm512_load_ps(vsb + 16 * h)) : p);
             }
             l[g] = l[g] * alpha + _mm512_reduce_add_ps(vsum);
             m[g] = mn;
@@ -1529,6 +1598,301 @@ AVX512V static void dec512_fp8(const Problem *P, const Task *T, float *m, float 
 }
 AVX512V static void dec512_fp8_token(const Problem *P, const Task *T, float *m, float *l, float *a) {
     dec512_body(P, T, m, l, a, TM_KV_FP8_TOKEN);
+}
+AVX512V static void dec512_int8(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    dec512_body(P, T, m, l, a, TM_KV_INT8);
+}
+
+/* int8 pages on AVX-512 VNNI (vpdpwssd: 32 int16 products summed 2 by 2 into 16 int32 lanes):
+ *   - scores: each query vector is rounded once per task to int16 with its own scale (amax /
+ *     32767); a K row, widened to int16, takes two vpdpwssd per 64 dims and query vector, and
+ *     the 16 keys' lanes fold by the transpose tree in int32 (exact), then times q's scale and
+ *     each key's K scale (an earlier form, vpdpbusd over K's bytes flipped to unsigned and the
+ *     query as two bytes, cost 3% more in cache);
+ *   - the softmax update is dec512_body's, in float32 (the block's rescale factors and weight
+ *     bounds by one vector exp for 8 vectors, no libm call);
+ *   - V: a block's weights times their keys' V scales are rounded to int16 against a bound of
+ *     their largest (the block's largest weight times its largest V scale, so nothing
+ *     saturates), and two keys' V rows, widened to int16 and interleaved, take one vpdpwssd per
+ *     16 dims and query vector: the int32 sums over the block (at most 128 x 32767 x 128) are
+ *     exact, and go into the float32 output times the bound / 32767 at the block's end. (8-bit
+ *     weights, four keys a vpdpbusd, ran the body 1.18x faster in cache, but a block holding an
+ *     attention sink rounded its other weights to nothing: SmolLM2's top-1 agreement with an
+ *     fp32 pool fell from 99.0% to 94.3%.)
+ * So two roundings more than the widening bodies, both far finer than the int8 elements: on
+ * SmolLM2's decode rows the logits stay about as close to an fp32 pool's as the widening body's
+ * (mean |diff| 0.065 against 0.060, top-1 agreement 98.4% against 99.0% over 192 rows;
+ * tests/models/test_kv_fp8_accuracy.py).
+ * The row prefetches go one key at a time as the scores go, as in dec512_body. Needs
+ * head_dim % 64 == 0 (else dec512_int8 runs). */
+#ifndef I8_BLOCK
+#define I8_BLOCK 128   /* keys of one softmax update in the int8 VNNI body (its per-block work is a larger share than in the float bodies) */
+#endif
+#define AVX512VNNI __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+AVX512VNNI static inline __attribute__((always_inline)) __m512i red4_epi32(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+    const __m512i b01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+    const __m512i b23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(b01, b23), _mm512_unpackhi_epi64(b01, b23));
+}
+
+/* as red8_512 / red16_512, on int32 lanes */
+AVX512VNNI static inline __attribute__((always_inline)) __m512i red8_epi32(__m512i c0, __m512i c1) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(c0, c1, 0x44), _mm512_shuffle_i32x4(c0, c1, 0xEE));
+}
+AVX512VNNI static inline __attribute__((always_inline)) __m512i red16_epi32(__m512i d01, __m512i d23) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(d01, d23, 0x88), _mm512_shuffle_i32x4(d01, d23, 0xDD));
+}
+
+/* integer scores of 16 keys (offsets o[jb ..]) for GC query vectors (rows of D int16 at qg), as
+ * floats (times q's scale) into s[g * I8_BLOCK + jb + k]. DX is D,
+ * as the constant 64 where it is (a loop of runtime length kept the accumulators on the stack,
+ * as DEC_SCORE512 notes). */
+#define DEC_SCORE_I8(GC, DX) do { \
+    __m512i d01[GC], c2[GC]; \
+    for (int g = 0; g < (GC); g++) d01[g] = c2[g] = _mm512_setzero_si512(); \
+    for (int kq = 0; kq < 4; kq++) { \
+        __m512i a[GC][4]; \
+        for (int g = 0; g < (GC); g++) \
+            for (int k = 0; k < 4; k++) a[g][k] = _mm512_setzero_si512(); \
+        for (int x = 0; x < (DX); x += 64) { \
+            _Pragma("GCC unroll 4") \
+            for (int k = 0; k < 4; k++) { \
+                if (x == 0 && pf_on) {   /* the K and V rows DEC_PF keys ahead, one key at a time */ \
+                    const int64_t pj = pf0 + jb + 4 * kq + k; \
+                    if (pj < nkeys) { kv_prefetch((const char *)P->kc + offs[pj]); kv_prefetch((const char *)P->vc + offs[pj]); } \
+                } \
+                const char *kr = kc + o[jb + 4 * kq + k] + x; \
+                const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)kr)); \
+                const __m512i k1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kr + 32))); \
+                for (int g = 0; g < (GC); g++) \
+                    a[g][k] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(a[g][k], k0, _mm512_load_si512(qg + (size_t)g * (DX) + x)), \
+                                                  k1, _mm512_load_si512(qg + (size_t)g * (DX) + x + 32)); \
+            } \
+        } \
+        for (int g = 0; g < (GC); g++) { \
+            const __m512i c = red4_epi32(a[g][0], a[g][1], a[g][2], a[g][3]); \
+            if (kq == 0 || kq == 2) c2[g] = c; \
+            else if (kq == 1) d01[g] = red8_epi32(c2[g], c); \
+            else { \
+                const __m512i t = red16_epi32(d01[g], red8_epi32(c2[g], c)); \
+                _mm512_store_ps(s + g * I8_BLOCK + jb, _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(qsc[g]))); \
+            } \
+        } \
+    } \
+} while (0)
+
+/* acc[g][64 dims of chunk x0] = acc * alpha + the block's V sums (16-bit weights times int8
+ * rows, two keys a vpdpwssd) * wsc, for GC vectors; the 64 dims come out in i8_perm's order */
+#define DEC_VACC_I8(GC) do { \
+    for (int x0 = 0; x0 < D; x0 += 64) { \
+        __m512i oa[GC][4]; \
+        for (int g = 0; g < (GC); g++) \
+            for (int x = 0; x < 4; x++) oa[g][x] = _mm512_setzero_si512(); \
+        for (int u = 0; u < nk2; u += 2) { \
+            const char *r0 = vc + o[u] + x0, *r1 = vc + o[u + 1] + x0; \
+            const __m512i a0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)r0)); \
+            const __m512i a1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(r0 + 32))); \
+            const __m512i b0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)r1)); \
+            const __m512i b1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(r1 + 32))); \
+            const __m512i w[4] = {_mm512_unpacklo_epi16(a0, b0), _mm512_unpackhi_epi16(a0, b0), \
+                                  _mm512_unpacklo_epi16(a1, b1), _mm512_unpackhi_epi16(a1, b1)}; \
+            for (int g = 0; g < (GC); g++) { \
+                int32_t pw; \
+                memcpy(&pw, pg + (size_t)g * I8_BLOCK + u, 4); \
+                const __m512i pp = _mm512_set1_epi32(pw); \
+                for (int x = 0; x < 4; x++) oa[g][x] = _mm512_dpwssd_epi32(oa[g][x], pp, w[x]); \
+            } \
+        } \
+        for (int g = 0; g < (GC); g++) { \
+            const __m512 va = _mm512_set1_ps(ag[g]), vw = _mm512_set1_ps(wg[g]); \
+            for (int x = 0; x < 4; x++) { \
+                float *dst = accg + (size_t)g * D + x0 + 16 * x; \
+                _mm512_store_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(oa[g][x]), vw, _mm512_mul_ps(_mm512_load_ps(dst), va))); \
+            } \
+        } \
+    } \
+} while (0)
+
+/* the dim that position p of DEC_VACC_I8's output holds within its 64-dim chunk: p = 16x + 4L + i
+ * (accumulator x, 128-bit lane L, int32 i) holds dim 32 (x >> 1) + 8L + 4 (x & 1) + i */
+static inline int i8_perm(int p) {
+    const int x = (p >> 4) & 3, L = (p >> 2) & 3, i = p & 3;
+    return (p & ~63) | (32 * (x >> 1) + 8 * L + 4 * (x & 1) + i);
+}
+
+AVX512VNNI static void dec512_i8vnni(const Problem *P, const Task *T, float *part_m, float *part_l, float *part_acc) {
+    const int D = P->d, G = P->group, Q = (T->r1 - T->r0) * G;
+    const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
+    const DecScales sc = dec_scales(P, T, TM_KV_INT8, 1);
+    float *qs = alloc64((size_t)Q * D), *acc = alloc64((size_t)Q * D), *sb = alloc64((size_t)Q * I8_BLOCK);
+    int16_t *qi = aligned_alloc(64, sizeof(int16_t) * (size_t)Q * D);
+    int16_t *pb = aligned_alloc(64, sizeof(int16_t) * (size_t)Q * I8_BLOCK);
+    float ksb[I8_BLOCK] __attribute__((aligned(64))), vsb[I8_BLOCK] __attribute__((aligned(64)));
+    float m[MAX_QVEC], l[MAX_QVEC], alph[MAX_QVEC], wsc[MAX_QVEC], qscale[MAX_QVEC], bmax[MAX_QVEC];
+    int seen_v[MAX_QVEC];
+    int64_t vis[MAX_QVEC];
+    const char *kc = (const char *)P->kc, *vc = (const char *)P->vc;
+    const int nkeys = T->k1 - T->k0;
+    int64_t *offs = malloc(sizeof(int64_t) * ((size_t)nkeys + I8_BLOCK));
+    key_offsets(P, table, T->kvh, T->k0, T->k1, offs);
+    /* past the last key: its row again (a padding key's score is masked and its weight 0) */
+    for (int j = nkeys; j < nkeys + I8_BLOCK; j++) offs[j] = offs[nkeys - 1];
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    /* an integer division per key cost as much as the key's arithmetic: a shift where D is a power of 2 */
+    const int dsh = (D & (D - 1)) == 0 ? __builtin_ctz((unsigned)D) : -1;
+    memset(acc, 0, sizeof(float) * (size_t)Q * D);
+    dec_queries(P, T, sc.qmul, 0, qs, vis);
+    for (int v = 0; v < Q; v++) {   /* each query vector to int16 with its own scale (D % 64 == 0) */
+        const float *src = qs + (size_t)v * D;
+        __m512 mx = _mm512_setzero_ps();
+        for (int x = 0; x < D; x += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_load_ps(src + x)));
+        const float amax = _mm512_reduce_max_ps(mx);
+        const float qsv = amax > 0.f ? amax / 32767.f : 1.f;
+        const __m512 inv = _mm512_set1_ps(1.f / qsv);
+        for (int x = 0; x < D; x += 16)   /* rounded to nearest even (the default rounding mode), saturated */
+            _mm256_store_si256((__m256i *)(qi + (size_t)v * D + x),
+                               _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(src + x), inv))));
+        qscale[v] = qsv;
+        m[v] = -INFINITY;
+        l[v] = 0.f;
+    }
+    prefetch_rows_scales(P, offs, nkeys < DEC_PF ? nkeys : DEC_PF, dsh);
+    for (int j0 = 0; j0 < nkeys; j0 += I8_BLOCK) {
+        const int64_t *o = offs + j0;
+        const int nk = nkeys - j0 < I8_BLOCK ? nkeys - j0 : I8_BLOCK, nks = (nk + 15) & ~15, nk2 = (nk + 1) & ~1;
+        /* each key's K and V scale, at slot * hkv + head = offset / D (gathered 8 at a time) */
+        if (dsh >= 0) {
+            for (int j = 0; j < nks; j += 8) {
+                const __m512i si = _mm512_srli_epi64(_mm512_loadu_si512(o + j), (unsigned)dsh);
+                _mm256_store_ps(ksb + j, _mm512_i64gather_ps(si, P->ks, 4));
+                _mm256_store_ps(vsb + j, _mm512_i64gather_ps(si, P->vs, 4));
+            }
+        } else {
+            for (int j = 0; j < nks; j++) {
+                ksb[j] = P->ks[o[j] / D];
+                vsb[j] = P->vs[o[j] / D];
+            }
+        }
+        __m512 vmx = _mm512_setzero_ps();
+        for (int h = 0; h < nks / 16; h++) {   /* padding keys: scales 0 */
+            const int cnt = nk - 16 * h;
+            const __mmask16 live = cnt >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cnt) - 1);
+            _mm512_store_ps(ksb + 16 * h, _mm512_maskz_mov_ps(live, _mm512_load_ps(ksb + 16 * h)));
+            const __m512 vv = _mm512_maskz_mov_ps(live, _mm512_load_ps(vsb + 16 * h));
+            _mm512_store_ps(vsb + 16 * h, vv);
+            vmx = _mm512_max_ps(vmx, vv);
+        }
+        const float vmax = _mm512_reduce_max_ps(vmx);
+        const int pfn = j0 + DEC_PF >= nkeys ? 0 : nkeys - j0 - DEC_PF < I8_BLOCK ? nkeys - j0 - DEC_PF : I8_BLOCK;
+        const int64_t *pfo = pfn ? o + DEC_PF : o;
+        const int64_t pf0 = j0 + DEC_PF;
+        for (int jb = 0; jb < nks; jb += 16) {
+            if (jb < pfn)   /* the scales' lines DEC_PF keys ahead (the rows go one key at a time, below) */
+                for (int j = jb; j < jb + 16 && j < pfn; j++) {
+                    const int64_t si = dsh >= 0 ? pfo[j] >> dsh : pfo[j] / D;
+                    kv_prefetch((const char *)(P->ks + si));
+                    kv_prefetch((const char *)(P->vs + si));
+                }
+            for (int g0 = 0, per = dec_pass(Q, 4), pf_on = 1; g0 < Q; g0 += per, pf_on = 0) {
+                const int16_t *qg = qi + (size_t)g0 * D;
+                const float *qsc = qscale + g0;
+                float *s = sb + (size_t)g0 * I8_BLOCK;
+                const int gc = Q - g0 < per ? Q - g0 : per;
+                if (D == 64) {
+                    switch (gc) {
+                    case 1: DEC_SCORE_I8(1, 64); break;
+                    case 2: DEC_SCORE_I8(2, 64); break;
+                    case 3: DEC_SCORE_I8(3, 64); break;
+                    default: DEC_SCORE_I8(4, 64); break;
+                    }
+                } else {
+                    switch (gc) {
+                    case 1: DEC_SCORE_I8(1, D); break;
+                    case 2: DEC_SCORE_I8(2, D); break;
+                    case 3: DEC_SCORE_I8(3, D); break;
+                    default: DEC_SCORE_I8(4, D); break;
+                    }
+                }
+            }
+        }
+        /* the block's softmax update, in three passes over the vectors: every vector's masked
+         * scores and block maximum; then the rescale factor and the weight bound of 8 vectors
+         * at a time by one vector exp (no libm call per vector: 3% of the body in cache); then
+         * the weights */
+        for (int g = 0; g < Q; g++) {
+            float *s = sb + (size_t)g * I8_BLOCK;
+            const int seen = vis[g] - j0 < nk ? (int)(vis[g] - j0) : nk;   /* as in dec512_body */
+            seen_v[g] = seen;
+            if (seen <= 0) continue;
+            __m512 mx = ninf;
+            for (int h = 0; h < nks / 16; h++) {
+                __m512 v = _mm512_mul_ps(_mm512_load_ps(s + 16 * h), _mm512_load_ps(ksb + 16 * h));
+                const int cnt = seen - 16 * h;
+                if (cnt < 16) v = cnt > 0 ? _mm512_mask_mov_ps(ninf, (__mmask16)((1u << cnt) - 1), v) : ninf;
+                _mm512_store_ps(s + 16 * h, v);
+                mx = _mm512_max_ps(mx, v);
+            }
+            bmax[g] = _mm512_reduce_max_ps(mx);
+        }
+        for (int g0 = 0; g0 < Q; g0 += 8) {
+            float arg[16] __attribute__((aligned(64))), ex[16] __attribute__((aligned(64)));
+            for (int i = 0; i < 8; i++) {
+                const int g = g0 + i;
+                arg[i] = arg[8 + i] = -INFINITY;   /* exp: 0 */
+                if (g >= Q || seen_v[g] <= 0) continue;
+                const float mn = m[g] > bmax[g] ? m[g] : bmax[g];
+                arg[i] = m[g] - mn;          /* the old sums' rescale factor (m = -inf at first: 0) */
+                arg[8 + i] = bmax[g] - mn;   /* the block's largest weight */
+                m[g] = mn;
+            }
+            _mm512_store_ps(ex, exp512(_mm512_load_ps(arg)));
+            for (int i = 0; i < 8 && g0 + i < Q; i++) {
+                alph[g0 + i] = ex[i];
+                /* the bound of the block's weights times their V scales (with a margin for
+                 * exp512's error): no weight saturates its byte */
+                wsc[g0 + i] = ex[8 + i] * 1.0001f * vmax;
+            }
+        }
+        for (int g = 0; g < Q; g++) {
+            const float *s = sb + (size_t)g * I8_BLOCK;
+            int16_t *pq = pb + (size_t)g * I8_BLOCK;
+            if (seen_v[g] <= 0) {   /* no key of the block: no weight, the running max and sum stay */
+                memset(pq, 0, sizeof(int16_t) * (size_t)nks);
+                alph[g] = 1.f;
+                wsc[g] = 0.f;
+                continue;
+            }
+            const __m512 vmn = _mm512_set1_ps(m[g]), qmax = _mm512_set1_ps(wsc[g] > 0.f ? 32767.f / wsc[g] : 0.f);
+            __m512 vsum = _mm512_setzero_ps();
+            for (int h = 0; h < nks / 16; h++) {
+                const __m512 p = exp512(_mm512_sub_ps(_mm512_load_ps(s + 16 * h), vmn));
+                vsum = _mm512_add_ps(vsum, p);
+                const __m512 w = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_load_ps(vsb + 16 * h)), qmax);
+                _mm256_store_si256((__m256i *)(pq + 16 * h), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(w)));
+            }
+            l[g] = l[g] * alph[g] + _mm512_reduce_add_ps(vsum);
+            wsc[g] /= 32767.f;
+        }
+        for (int g0 = 0, per = dec_pass(Q, 4); g0 < Q; g0 += per) {
+            const int16_t *pg = pb + (size_t)g0 * I8_BLOCK;
+            const float *ag = alph + g0, *wg = wsc + g0;
+            float *accg = acc + (size_t)g0 * D;
+            switch (Q - g0 < per ? Q - g0 : per) {
+            case 1: DEC_VACC_I8(1); break;
+            case 2: DEC_VACC_I8(2); break;
+            case 3: DEC_VACC_I8(3); break;
+            default: DEC_VACC_I8(4); break;
+            }
+        }
+    }
+    for (int v = 0; v < Q; v++) {   /* the output's dims back in order (qs is free by now) */
+        float *a = acc + (size_t)v * D;
+        for (int x = 0; x < D; x++) qs[i8_perm(x)] = a[x];
+        memcpy(a, qs, sizeof(float) * (size_t)D);
+    }
+    dec_store(P, T, acc, m, l, sc.vmul, 0, part_m, part_l, part_acc);
+    free(qs); free(acc); free(sb); free(qi); free(pb); free(offs);
 }
 
 /* e4m3_to_float's path 3: fp8x64 (64 bytes at a time, dims back in order; tail by the table) */
@@ -1628,7 +1992,11 @@ AVX2 static inline __attribute__((always_inline)) __m256 red4_256(__m256 a0, __m
     for (int kq = 0; kq < 2; kq++) { \
         __m256 a[GC][4]; \
         const char *k4[4]; \
-        for (int k = 0; k < 4; k++) k4[k] = kp[jb + 4 * kq + k]; \
+        for (int k = 0; k < 4; k++) { \
+            k4[k] = kp[jb + 4 * kq + k]; \
+            if (pf_on && pf0 + jb + 4 * kq + k < nkeys) /* as in DEC_SCORE512 */ \
+                prefetch_row_pair(P, offs[pf0 + jb + 4 * kq + k], esz); \
+        } \
         for (int g = 0; g < (GC); g++) \
             for (int k = 0; k < 4; k++) a[g][k] = _mm256_setzero_ps(); \
         int x = 0; \
@@ -1700,15 +2068,13 @@ AVX2 static inline __attribute__((always_inline)) void dec256_body(const Problem
             vp[j] = (const char *)P->vc + o[j] * esz;
         }
         for (int j = nk; j < nks; j++) kp[j] = kp[nk - 1];   /* padding: a real row, its score masked */
-        if (kind == TM_KV_FP8_TOKEN) {
+        if (TM_KV_TOKEN_SCALES(kind)) {
             for (int j = 0; j < nk; j++) { ksb[j] = P->ks[o[j] / D]; vsb[j] = P->vs[o[j] / D]; }
             for (int j = nk; j < nks; j++) ksb[j] = vsb[j] = 0.f;
         }
-        const int pfn = j0 + DEC_PF >= nkeys ? 0 : nkeys - j0 - DEC_PF < DEC_BLOCK ? nkeys - j0 - DEC_PF : DEC_BLOCK;
-        const int64_t *pfo = pfn ? o + DEC_PF : o;
+        const int64_t pf0 = j0 + DEC_PF;   /* the keys DEC_PF ahead, one at a time (as dec512_body) */
         for (int jb = 0; jb < nks; jb += 8) {
-            if (jb < pfn) prefetch_rows(P, pfo + jb, pfn - jb < 8 ? pfn - jb : 8, esz);
-            for (int g0 = 0, per = dec_pass(Q, 3); g0 < Q; g0 += per) {
+            for (int g0 = 0, per = dec_pass(Q, 3), pf_on = 1; g0 < Q; g0 += per, pf_on = 0) {
                 const float *qg = qs + (size_t)g0 * D;
                 float *s = sb + (size_t)g0 * DEC_BLOCK;
                 switch (Q - g0 < per ? Q - g0 : per) {
@@ -1729,7 +2095,7 @@ AVX2 static inline __attribute__((always_inline)) void dec256_body(const Problem
             __m256 sv[DEC_BLOCK / 8], mx = ninf;
             for (int h = 0; h < nks / 8; h++) {
                 __m256 v = _mm256_load_ps(s + 8 * h);
-                if (kind == TM_KV_FP8_TOKEN) v = _mm256_mul_ps(v, _mm256_load_ps(ksb + 8 * h));
+                if (TM_KV_TOKEN_SCALES(kind)) v = _mm256_mul_ps(v, _mm256_load_ps(ksb + 8 * h));
                 const int cnt = seen - 8 * h;
                 if (cnt < 8) v = _mm256_blendv_ps(ninf, v, _mm256_cmp_ps(lane, _mm256_set1_ps((float)cnt), _CMP_LT_OQ));
                 sv[h] = v;
@@ -1746,7 +2112,7 @@ AVX2 static inline __attribute__((always_inline)) void dec256_body(const Problem
             for (int h = 0; h < nks / 8; h++) {
                 const __m256 p = exp256(_mm256_sub_ps(sv[h], vmn));
                 vsum = _mm256_add_ps(vsum, p);
-                _mm256_store_ps(s + 8 * h, kind == TM_KV_FP8_TOKEN ? _mm256_mul_ps(p, _mm256_load_ps(vsb + 8 * h)) : p);
+                _mm256_store_ps(s + 8 * h, TM_KV_TOKEN_SCALES(kind) ? _mm256_mul_ps(p, _mm256_load_ps(vsb + 8 * h)) : p);
             }
             l[g] = l[g] * alpha + hsum256(vsum);
             m[g] = mn;
@@ -1772,6 +2138,9 @@ AVX2 static void dec256_fp8(const Problem *P, const Task *T, float *m, float *l,
 }
 AVX2 static void dec256_fp8_token(const Problem *P, const Task *T, float *m, float *l, float *a) {
     dec256_body(P, T, m, l, a, TM_KV_FP8_TOKEN);
+}
+AVX2 static void dec256_int8(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    dec256_body(P, T, m, l, a, TM_KV_INT8);
 }
 
 
@@ -1803,10 +2172,21 @@ static int have_vbmi(void) {   /* the AVX-512 decode body's byte tables (vpermi2
     }
     return cached;
 }
+
+static int have_vnni(void) {   /* the int8 decode body's vpdpbusd */
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = have_avx512() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                 __builtin_cpu_supports("avx512vnni");
+    }
+    return cached;
+}
 #else
 static int have_avx2(void) { return 0; }
 static int have_avx512(void) { return 0; }
 static int have_vbmi(void) { return 0; }
+static int have_vnni(void) { return 0; }
 #endif
 
 /* ---------------------------------------------------------------------------------------- */
@@ -1820,6 +2200,7 @@ typedef struct {
     int narrow_min_q;       /* query vectors from which a chunk takes tk_narrow */
     int vec, vec512;
     int dec;   /* decode rows: 2 the AVX-512 (VBMI) decode body, 1 the AVX2 one, 0 the per-row bodies */
+    int dec_i8;   /* int8 decode rows take the VNNI body (dec512_i8vnni) */
     int split_rows;   /* chunks of up to this many rows are split over keys after a long context */
     int dec_rows;     /* chunks of up to this many rows not on tiles take the decode bodies */
     int head_jobs;    /* the kv heads of a split chunk, or of a short decode row among many, run as
@@ -1953,6 +2334,8 @@ static Kernels pick_kernels(const Problem *P) {
     k.vec512 = k.vec && have_avx512() && D % 16 == 0 && !no512;
     /* TOKENMILL_NO_DECODE_BODY=1 sends decode rows through the per-row bodies (for A/B checks) */
     k.dec = getenv("TOKENMILL_NO_DECODE_BODY") ? 0 : k.vec512 && have_vbmi() ? 2 : k.vec ? 1 : 0;
+    /* TOKENMILL_NO_INT8_VNNI=1: int8 decode rows widen to float32 in the other bodies (A/B checks, tests) */
+    k.dec_i8 = k.dec && k.vec512 && have_vnni() && D % 64 == 0 && !getenv("TOKENMILL_NO_INT8_VNNI");
     /* TOKENMILL_NO_FEW_ROW_SPLIT=1 splits decode rows only, as before (for A/B checks) */
     k.split_rows = getenv("TOKENMILL_NO_FEW_ROW_SPLIT") ? 1 : SPLIT_MAX_ROWS;
     /* TOKENMILL_NO_FEW_ROW_DECODE=1: the decode bodies take decode rows only, as before (for A/B
@@ -2018,12 +2401,17 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
 #if TM_X86
     const int64_t nrows = P->qsl[t->seq + 1] - P->qsl[t->seq];
     const int dec_rows = nrows <= k->dec_rows;   /* a decode row, or a few (tiles_for said no tiles) */
+    if (k->dec_i8 && dec_rows && P->kind == TM_KV_INT8) {
+        dec512_i8vnni(P, t, m, l, a);
+        return;
+    }
     if (k->dec == 2 && dec_rows) {
         switch (P->kind) {
         case TM_KV_BF16: dec512_bf16(P, t, m, l, a); break;
         case TM_KV_F16: dec512_f16(P, t, m, l, a); break;
         case TM_KV_FP8: dec512_fp8(P, t, m, l, a); break;
         case TM_KV_FP8_TOKEN: dec512_fp8_token(P, t, m, l, a); break;
+        case TM_KV_INT8: dec512_int8(P, t, m, l, a); break;
         default: dec512_f32(P, t, m, l, a);
         }
         return;
@@ -2034,6 +2422,7 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
         case TM_KV_F16: dec256_f16(P, t, m, l, a); break;
         case TM_KV_FP8: dec256_fp8(P, t, m, l, a); break;
         case TM_KV_FP8_TOKEN: dec256_fp8_token(P, t, m, l, a); break;
+        case TM_KV_INT8: dec256_int8(P, t, m, l, a); break;
         default: dec256_f32(P, t, m, l, a);
         }
         return;
@@ -2044,6 +2433,7 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
         case TM_KV_F16: task_avx512_f16(P, t, m, l, a); break;
         case TM_KV_FP8: task_avx512_fp8(P, t, m, l, a); break;
         case TM_KV_FP8_TOKEN: task_avx512_fp8_token(P, t, m, l, a); break;
+        case TM_KV_INT8: task_avx512_int8(P, t, m, l, a); break;
         default: task_avx512_f32(P, t, m, l, a);
         }
         return;
@@ -2054,6 +2444,7 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
         case TM_KV_F16: task_avx2_f16(P, t, m, l, a); break;
         case TM_KV_FP8: task_avx2_fp8(P, t, m, l, a); break;
         case TM_KV_FP8_TOKEN: task_avx2_fp8_token(P, t, m, l, a); break;
+        case TM_KV_INT8: task_avx2_int8(P, t, m, l, a); break;
         default: task_avx2_f32(P, t, m, l, a);
         }
         return;
@@ -2125,8 +2516,8 @@ typedef struct {
 /* the arguments every entry point checks: 0 when the kernel takes them */
 static int bad_args(int hq, int hkv, int d, int ps, int kind, const float *ks, const float *vs) {
     if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) return 1;
-    if (kind < TM_KV_F32 || kind > TM_KV_F16) return 2;
-    if ((kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN) && (!ks || !vs)) return 3;
+    if (kind < TM_KV_F32 || kind > TM_KV_INT8) return 2;
+    if (TM_KV_SCALED(kind) && (!ks || !vs)) return 3;
     return 0;
 }
 
@@ -2206,20 +2597,20 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* fp8_write(src_ptr, row_stride, slots_ptr, n, hkv, d, dst_ptr, scale_ptr, per_token): store n
- * token rows of hkv x d float32 values (head h of row t at src + t * row_stride + h * d) as
+/* fp8_write(src_ptr, row_stride, slots_ptr, n, hkv, d, dst_ptr, scale_ptr, per_token[, int8]): store
+ * n token rows of hkv x d float32 values (head h of row t at src + t * row_stride + h * d) as
  * e4m3 bytes at their slots of one K or V half [num_pages * page_size, hkv, d], exactly as
  * tokenmill.layers.attention.fp8.write_fp8 does (tm_fp8_write_vec): with the static [hkv]
  * scales at scale_ptr, or (per_token) computing each vector's scale into
- * scale_ptr[slot * hkv + h]. */
+ * scale_ptr[slot * hkv + h]. int8: as int8 bytes with per-vector scales (tm_i8_write_vec). */
 static PyObject *py_fp8_write(PyObject *self, PyObject *args) {
     unsigned long long src, slots, dst, sc;
     long long row_stride, n, hkv, d;
-    int per_token;
-    if (!PyArg_ParseTuple(args, "KLKLLLKKp", &src, &row_stride, &slots, &n, &hkv, &d, &dst, &sc, &per_token))
+    int per_token, int8 = 0;
+    if (!PyArg_ParseTuple(args, "KLKLLLKKp|p", &src, &row_stride, &slots, &n, &hkv, &d, &dst, &sc, &per_token, &int8))
         return NULL;
-    if (n < 0 || hkv <= 0 || d <= 0 || row_stride < hkv * d || !src || !slots || !dst || !sc) {
-        PyErr_SetString(PyExc_ValueError, "fp8_write: bad sizes or null pointers");
+    if (n < 0 || hkv <= 0 || d <= 0 || row_stride < hkv * d || !src || !slots || !dst || !sc || (int8 && !per_token)) {
+        PyErr_SetString(PyExc_ValueError, "fp8_write: bad sizes or null pointers (int8 pages take per-token scales)");
         return NULL;
     }
     const float *x = (const float *)src;
@@ -2228,9 +2619,13 @@ static PyObject *py_fp8_write(PyObject *self, PyObject *args) {
     float *scales = (float *)sc;
     Py_BEGIN_ALLOW_THREADS
     for (int64_t t = 0; t < n; t++)
-        for (int64_t h = 0; h < hkv; h++)
-            tm_fp8_write_vec(o + (sl[t] * hkv + h) * d, per_token ? scales + sl[t] * hkv + h : scales + h,
-                             x + t * row_stride + h * d, d, per_token);
+        for (int64_t h = 0; h < hkv; h++) {
+            if (int8)
+                tm_i8_write_vec((int8_t *)o + (sl[t] * hkv + h) * d, scales + sl[t] * hkv + h, x + t * row_stride + h * d, d);
+            else
+                tm_fp8_write_vec(o + (sl[t] * hkv + h) * d, per_token ? scales + sl[t] * hkv + h : scales + h,
+                                 x + t * row_stride + h * d, d, per_token);
+        }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -2265,7 +2660,7 @@ static PyObject *py_simd(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS, "Paged attention over the KV pool, pages read in place."},
     {"simd", py_simd, METH_NOARGS, "The vector instruction set the kernels use on this CPU."},
-    {"fp8_write", py_fp8_write, METH_VARARGS, "Quantize K or V rows into fp8 pages at their slots."},
+    {"fp8_write", py_fp8_write, METH_VARARGS, "Quantize K or V rows into fp8 (or int8) pages at their slots."},
     {"e4m3_to_float", py_e4m3_to_float, METH_VARARGS, "Widen fp8 (e4m3) bytes with one of the kernel's paths."},
     {NULL, NULL, 0, NULL},
 };

@@ -19,7 +19,11 @@
  * (TM_KV_FP8: a static scale per layer and head) or one per stored vector, indexed
  * slot * num_kv_heads + kv_head (TM_KV_FP8_TOKEN). fp16 pages (TM_KV_F16) hold IEEE half floats,
  * written saturated at +-65504 (tm_to_f16). */
-enum { TM_KV_F32 = 0, TM_KV_BF16 = 1, TM_KV_FP8 = 2, TM_KV_FP8_TOKEN = 3, TM_KV_F16 = 4 };
+enum { TM_KV_F32 = 0, TM_KV_BF16 = 1, TM_KV_FP8 = 2, TM_KV_FP8_TOKEN = 3, TM_KV_F16 = 4, TM_KV_INT8 = 5 };
+/* int8 pages (TM_KV_INT8) hold signed bytes q, the element being q * scale with one scale per
+ * stored vector (amax / 127), indexed as TM_KV_FP8_TOKEN's (tm_i8_write_vec). */
+#define TM_KV_SCALED(kind) ((kind) == TM_KV_FP8 || (kind) == TM_KV_FP8_TOKEN || (kind) == TM_KV_INT8)
+#define TM_KV_TOKEN_SCALES(kind) ((kind) == TM_KV_FP8_TOKEN || (kind) == TM_KV_INT8)
 
 #define TM_F16_MAX 65504.f
 
@@ -94,6 +98,21 @@ static inline void tm_fp8_write_vec(uint8_t *o, float *sc, const float *x, int64
         *sc = s;
     }
     for (int64_t i = 0; i < d; i++) o[i] = tm_to_e4m3(tm_fp8_sat(x[i], s));
+}
+
+/* One vector of d values into int8 bytes o, as tokenmill.layers.attention.fp8.write_fp8 does
+ * for int8 pages: scale max(amax / 127, 1e-12) (written to *sc), each byte x / scale rounded
+ * to nearest even and clamped to +-127 (a NaN stores 0). */
+static inline void tm_i8_write_vec(int8_t *o, float *sc, const float *x, int64_t d) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    float s = amax / 127.f;
+    s = s < 1e-12f ? 1e-12f : s;
+    *sc = s;
+    for (int64_t i = 0; i < d; i++) {
+        const float y = nearbyintf(x[i] / s);
+        o[i] = (int8_t)(y > 127.f ? 127.f : y < -127.f ? -127.f : y == y ? y : 0.f);
+    }
 }
 
 typedef int (*tm_paged_attention_fn)(const float *q, int64_t q_stride, float *out, const void *k_cache,

@@ -20,7 +20,7 @@ def unavailable_reason() -> str | None:
 
 def fp8_write(*args) -> None:
     """See ``attention.c``: ``fp8_write(src_ptr, row_stride, slots_ptr, n, hkv, head_dim, dst_ptr,
-    scale_ptr, per_token)``, the bytes and scales of ``fp8.write_fp8``."""
+    scale_ptr, per_token[, int8])``, the bytes and scales of ``fp8.write_fp8`` (int8: int8 pages)."""
     if _ext is None:
         raise RuntimeError(_ERROR)
     _ext.fp8_write(*args)
@@ -43,7 +43,7 @@ def paged_attention(*args) -> None:
     """See ``attention.c``: ``paged_attention(q_ptr, q_stride, out_ptr, k_ptr, v_ptr, bt_ptr,
     bt_stride, qsl_ptr, seq_lens_ptr, num_seqs, page_size, hq, hkv, head_dim, scale, threads,
     kv_kind[, k_scale_ptr, v_scale_ptr])`` (kv_kind: 0 fp32, 1 bf16, 2 fp8 static scales, 3 fp8
-    per-vector scales)."""
+    per-vector scales, 4 fp16, 5 int8 with per-vector scales)."""
     if _ext is None:
         raise RuntimeError(_ERROR)
     _ext.paged_attention(*args)

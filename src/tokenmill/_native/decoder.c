@@ -110,7 +110,8 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
 /* Store M token rows of hkv heads x d values at their slots. fp16 (TM_KV_F16): saturated at
  * +-65504, as tokenmill.layers.attention.base.to_kv_dtype stores them. fp8 (kind TM_KV_FP8*): the same
  * bytes (and per-vector scales) as tokenmill.layers.attention.fp8.write_fp8 writes
- * (tm_fp8_write_vec in attention.h); a per-vector scale is stored at slot * hkv + head. */
+ * (tm_fp8_write_vec in attention.h), int8 (TM_KV_INT8) likewise (tm_i8_write_vec); a per-vector
+ * scale is stored at slot * hkv + head. */
 static void kv_write(void *cache, float *scales, const float *src, int64_t src_stride, const int64_t *slots,
                      int64_t M, int64_t hkv, int64_t d, int kind) {
     const int64_t width = hkv * d;
@@ -127,6 +128,9 @@ static void kv_write(void *cache, float *scales, const float *src, int64_t src_s
             for (int64_t h = 0; h < hkv; h++)
                 tm_fp8_write_vec(o + h * d, kind == TM_KV_FP8 ? scales + h : scales + slots[t] * hkv + h, s + h * d, d,
                                  kind == TM_KV_FP8_TOKEN);
+        } else if (kind == TM_KV_INT8) {
+            int8_t *o = (int8_t *)cache + slots[t] * width;
+            for (int64_t h = 0; h < hkv; h++) tm_i8_write_vec(o + h * d, scales + slots[t] * hkv + h, s + h * d, d);
         } else {
             memcpy((float *)cache + slots[t] * width, s, (size_t)width * sizeof(float));
         }
@@ -414,7 +418,7 @@ typedef struct {
 } KvPf;
 
 static int64_t kv_elem_size(int kind) {
-    return kind == TM_KV_F32 ? 4 : kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN ? 1 : 2;
+    return kind == TM_KV_F32 ? 4 : TM_KV_SCALED(kind) ? 1 : 2;
 }
 
 /* bytes of page j of sequence s (the tokens it holds) */
@@ -770,8 +774,8 @@ static int check_layers(const int64_t *table, int64_t L, const Step *S, size_t *
             PyErr_Format(PyExc_ValueError, "decode_layers: layer %lld has a null norm or KV pointer", (long long)l);
             return -1;
         }
-        if ((S->kv_kind == TM_KV_FP8 || S->kv_kind == TM_KV_FP8_TOKEN) && (!row[F_K_SCALE] || !row[F_V_SCALE])) {
-            PyErr_Format(PyExc_ValueError, "decode_layers: layer %lld has fp8 KV pages without scales", (long long)l);
+        if (TM_KV_SCALED(S->kv_kind) && (!row[F_K_SCALE] || !row[F_V_SCALE])) {
+            PyErr_Format(PyExc_ValueError, "decode_layers: layer %lld has fp8 / int8 KV pages without scales", (long long)l);
             return -1;
         }
         for (int w = 0; w < W_COUNT; w++) {
@@ -818,7 +822,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
         return NULL;
     if (M <= 0 || L < 0 || H <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || inter <= 0 ||
         num_seqs <= 0 || page_size <= 0 || d > TM_ATTENTION_MAX_HEAD_DIM || hq / hkv > TM_ATTENTION_MAX_GROUP ||
-        kv_kind < TM_KV_F32 || kv_kind > TM_KV_F16) {
+        kv_kind < TM_KV_F32 || kv_kind > TM_KV_INT8) {
         PyErr_Format(PyExc_ValueError, "decode_layers: bad sizes (M=%lld H=%lld heads %lld/%lld d=%lld inter=%lld "
                      "seqs=%d page=%d kv kind %d)", M, H, hq, hkv, d, inter, num_seqs, page_size, kv_kind);
         return NULL;

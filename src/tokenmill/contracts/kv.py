@@ -19,8 +19,10 @@ Layer kinds:
 A new kind is one more dataclass with ``elements_per_token`` / ``scales_per_token`` /
 ``bytes_per_request`` and a backend that allocates and reads it.
 
-Storage dtypes: ``float32``, ``bfloat16``, ``float16``, ``float8_e4m3fn``. Entries stored as fp8
-carry fp32 scales, in one of two schemes (``KVCacheSpec.fp8_scales``):
+Storage dtypes: ``float32``, ``bfloat16``, ``float16``, ``float8_e4m3fn``, ``int8``. Entries stored
+as int8 carry one fp32 scale per token and head for K and for V (``amax / 127``; one per token for
+an MLA latent), counted per token like fp8's ``token`` scheme. Entries stored as fp8 carry fp32
+scales, in one of two schemes (``KVCacheSpec.fp8_scales``):
 
 * ``static`` (default): one scale per layer and KV head for K and for V (per layer for an MLA
   latent and for its rope key), calibrated at start-up. Nothing is stored per token, so fp8
@@ -33,8 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
 FP8_DTYPES = ("float8_e4m3fn",)
+INT8_DTYPES = ("int8",)
 SCALE_BYTES = 4
 FP8_SCALE_SCHEMES = ("static", "token")
 
@@ -45,6 +48,7 @@ KV_DTYPE_NAMES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16",
     "fp16": "float16", "float16": "float16",
     "fp32": "float32", "float32": "float32",
+    "int8": "int8",
 }
 
 
@@ -150,7 +154,8 @@ class KVCacheSpec:
 
     layers: tuple[LayerKV, ...]
     dtype: str = "float32"
-    fp8_scales: str = "static"   # fp8 only: "static" (per layer and head) or "token" (per token and head)
+    fp8_scales: str = "static"   # fp8 only: "static" (per layer and head) or "token" (per token and head);
+    #                              int8 always has per-token scales
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -182,9 +187,19 @@ class KVCacheSpec:
         return self.dtype in FP8_DTYPES
 
     @property
+    def is_int8(self) -> bool:
+        return self.dtype in INT8_DTYPES
+
+    @property
+    def is_scaled(self) -> bool:
+        """The pool stores 8-bit codes with fp32 scales (fp8 or int8)."""
+        return self.is_fp8 or self.is_int8
+
+    @property
     def per_token_scales(self) -> bool:
-        """fp8 entries carry a scale per token (and head), counted in :meth:`bytes_per_token`."""
-        return self.is_fp8 and self.fp8_scales == "token"
+        """fp8 (``token`` scheme) and int8 entries carry a scale per token (and head), counted in
+        :meth:`bytes_per_token`."""
+        return (self.is_fp8 and self.fp8_scales == "token") or self.is_int8
 
     @property
     def itemsize(self) -> int:

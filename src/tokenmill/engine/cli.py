@@ -58,7 +58,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="KV pool storage: auto (the model's dtype; fp16 for an fp32 model served from packed weights, "
                         "such as the default GGUF), fp8_e4m3 (float8_e4m3fn with fp32 scales, "
-                        "see --kv-cache-fp8-scales), bf16, fp16, fp32; the long torch names are aliases")
+                        "see --kv-cache-fp8-scales), int8 (per-vector fp32 scales; integer decode kernels on AVX-512 "
+                        "VNNI CPUs), bf16, fp16, fp32; the long torch names are aliases")
     g.add_argument("--kv-cache-fp8-scales", default=d.kv_cache_fp8_scales, choices=FP8_SCALE_SCHEMES,
                    help="fp8 KV scales: static = one per layer and KV head, calibrated by a short prefill at "
                         "start-up (nothing stored per token: 4x the tokens of fp32); token = one per token and "

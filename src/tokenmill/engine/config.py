@@ -13,9 +13,9 @@ from tokenmill.contracts.kv import FP8_SCALE_SCHEMES, KV_DTYPE_NAMES, kv_storage
 
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats (tokenmill.layers.quant.methods)
-# auto: the model's dtype (fp16 for packed weights: resolve_kv_dtype); fp8_e4m3 / bf16 / fp16 / fp32,
-# with the long torch names as aliases
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bf16", "fp16", "fp32", "fp8", "float8_e4m3fn", "bfloat16", "float16",
+# auto: the model's dtype (fp16 for packed weights: resolve_kv_dtype); fp8_e4m3 / int8 / bf16 / fp16 /
+# fp32, with the long torch names as aliases
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8", "bf16", "fp16", "fp32", "fp8", "float8_e4m3fn", "bfloat16", "float16",
                    "float32")
 assert set(KV_CACHE_DTYPES) == {"auto", *KV_DTYPE_NAMES}
 ATTENTION_BACKENDS = ("auto", "torch", "native")
@@ -56,7 +56,7 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     num_threads: int | None = None   # torch intra-op threads (process-wide); None: torch's default
     max_waiting_requests: int | None = None  # bounded waiting queue (engine/admission.py); None: unbounded
     device: str = "cpu"              # torch device the model runner owns ("cpu", "cuda", "cuda:1")
-    kv_cache_dtype: str = "auto"     # KV storage: auto (resolve_kv_dtype), fp8_e4m3, bf16, fp16, fp32
+    kv_cache_dtype: str = "auto"     # KV storage: auto (resolve_kv_dtype), fp8_e4m3, int8, bf16, fp16, fp32
     kv_cache_fp8_scales: str = "static"   # fp8 KV scales: static (per layer and head, calibrated at
                                           # start-up, 4x fp32's tokens) or token (per token and head)
     attention_backend: str = "auto"  # see tokenmill.layers.attention.select_attention_backend

@@ -35,7 +35,7 @@ from tokenmill.contracts.kv import (FP8_SCALE_SCHEMES, KVCacheSpec, LatentKV, La
 from tokenmill.plan.hardware import HardwareSpec, PlanError
 from tokenmill.plan.models import WEIGHT_GROUPS, ModelSpec, param_groups
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
 
 class Step(NamedTuple):

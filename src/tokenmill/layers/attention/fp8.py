@@ -1,4 +1,4 @@
-"""FP8 (``float8_e4m3fn``) KV pages and their scales.
+"""8-bit KV pages and their scales: FP8 (``float8_e4m3fn``), and int8.
 
 Layout: an fp8 KV entry is :class:`FP8Pages` ``(data, scale, per_token)``. ``data`` holds the
 e4m3 bytes (stored as ``uint8``, because CPU torch has no scatter kernels for float8 tensors; the
@@ -21,6 +21,14 @@ scale schemes (``--kv-cache-fp8-scales``, :data:`tokenmill.contracts.kv.FP8_SCAL
   being written (``amax / 448``). Slightly more accurate (the largest element of each vector is
   exact), at 4 bytes per vector in the bytes-per-token formula.
 
+int8 pages (``--kv-cache-dtype int8``) are the same :class:`FP8Pages` with ``data`` of dtype
+``int8`` (that dtype is what tells the two codes apart) and always per-token scales: a vector
+stores ``round(x / scale)`` clamped to +-127 with ``scale = amax / 127``, so its largest element
+is exact and every other one is within half a step (``amax / 254``) of its value. Against e4m3's
+3 mantissa bits (a relative step of 1/8 at every magnitude) that is finer for elements above
+about 1/16 of the vector's largest and coarser below; its point is the integer dot-product
+instructions the native decode kernel runs it on (AVX-512 VNNI).
+
 Either way a quantized entry is final on write (its scale does not depend on later tokens), so
 the same tokens store the same bytes whether prefilled whole, in chunks or found in the prefix
 cache.
@@ -35,16 +43,21 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)   # 448
 _TINY = 1e-12                           # scale floor for all-zero vectors
 STATIC_HEADROOM = 4.0                   # calibrated amax maps to 448 / STATIC_HEADROOM
+INT8_MAX = 127.0                        # int8 pages: codes in [-127, 127]
 
 
 class FP8Pages(NamedTuple):
-    data: torch.Tensor    # uint8 bytes of float8_e4m3fn values, [..., D]
+    data: torch.Tensor    # uint8 bytes of float8_e4m3fn values (int8: int8 codes), [..., D]
     scale: torch.Tensor   # fp32: data.shape[:-1] (per token), or a broadcastable static scale
     per_token: bool = True
 
     def page_tensors(self) -> list[torch.Tensor]:
         """The tensors with a page dimension (what a KV tier copies): static scales are not."""
         return [self.data, self.scale] if self.per_token else [self.data]
+
+    @property
+    def is_int8(self) -> bool:
+        return self.data.dtype == torch.int8
 
     def half(self, i: int) -> FP8Pages:
         """K (``i = 0``) or V (``i = 1``) of a dense ``[2, N, P, H, D]`` entry."""
@@ -60,11 +73,14 @@ def fp8_supported(device: torch.device) -> bool:
         return False
 
 
-def allocate_fp8(shape: tuple[int, ...], device: torch.device, static_scale_shape: tuple[int, ...] | None = None
-                 ) -> FP8Pages:
+def allocate_fp8(shape: tuple[int, ...], device: torch.device, static_scale_shape: tuple[int, ...] | None = None,
+                 int8: bool = False) -> FP8Pages:
     """Zeroed fp8 pages; ``static_scale_shape``: a static scale of that (broadcastable) shape,
-    initialised to 1 until calibrated, else one scale per vector."""
-    data = torch.zeros(shape, dtype=torch.uint8, device=device)
+    initialised to 1 until calibrated, else one scale per vector. ``int8``: int8 pages (per-vector
+    scales only)."""
+    if int8 and static_scale_shape is not None:
+        raise ValueError("int8 KV pages have a scale per vector, not static ones")
+    data = torch.zeros(shape, dtype=torch.int8 if int8 else torch.uint8, device=device)
     if static_scale_shape is not None:
         return FP8Pages(data, torch.ones(static_scale_shape, dtype=torch.float32, device=device), False)
     return FP8Pages(data, torch.zeros(shape[:-1], dtype=torch.float32, device=device), True)
@@ -78,14 +94,25 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(torch.uint8), scale
 
 
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes int8, scale fp32)`` of ``x``: one scale per vector (``amax / 127``), codes rounded to
+    nearest even and clamped to +-127 (the native ``tm_i8_write_vec`` stores the same)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / INT8_MAX).clamp_min(_TINY)
+    q = (xf / scale.unsqueeze(-1)).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Bytes of ``x / scale`` in e4m3, saturated at +-448 (``scale`` broadcasts over ``x``)."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Per-token scales: ``scale`` has ``data``'s shape minus the last dimension."""
-    return (data.view(FP8).float() * scale.unsqueeze(-1)).to(dtype)
+    """Per-token scales: ``scale`` has ``data``'s shape minus the last dimension (int8 codes or
+    e4m3 bytes, by ``data``'s dtype)."""
+    codes = data.float() if data.dtype == torch.int8 else data.view(FP8).float()
+    return (codes * scale.unsqueeze(-1)).to(dtype)
 
 
 def dequantize_static(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -113,7 +140,7 @@ def write_fp8(pages: FP8Pages, slots: torch.Tensor, x: torch.Tensor) -> None:
     d = pages.data.shape[-1]
     inner = tuple(pages.data.shape[2:-1])
     if pages.per_token:
-        q, scale = quantize(x)
+        q, scale = quantize_int8(x) if pages.is_int8 else quantize(x)
         pages.data.view(-1, *inner, d).index_copy_(0, slots, q)
         pages.scale.view(-1, *inner).index_copy_(0, slots, scale)
         return

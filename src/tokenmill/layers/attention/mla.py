@@ -66,9 +66,9 @@ class MLAAttention(AttentionBackend):
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         shape = (num_pages, page_size, self.layer.elements_per_token())
-        if self.spec.is_fp8:
+        if self.spec.is_scaled:
             static = None if self.spec.per_token_scales else (1, 1, shape[-1])
-            return per_layer(self.spec, lambda: allocate_fp8(shape, self.device, static))
+            return per_layer(self.spec, lambda: allocate_fp8(shape, self.device, static, self.spec.is_int8))
         return per_layer(self.spec, lambda: torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
 
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:

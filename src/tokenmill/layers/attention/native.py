@@ -9,13 +9,16 @@ costs nothing. Writing the step's K/V into its slots stays a torch ``index_copy_
 take the kernel's per-row online softmax; prefill chunks its tiled path, where each K/V row read
 from a page serves a whole group of query rows and heads (see ``_native/attention.c``).
 
-Supported: fp32 activations with an fp32, bf16, fp16 or fp8 (``float8_e4m3fn``) KV pool on the
+Supported: fp32 activations with an fp32, bf16, fp16, fp8 (``float8_e4m3fn``) or int8 KV pool on the
 CPU, for standard attention layers (:class:`~tokenmill.contracts.kv.PagedKV`). bf16 and fp16
 pages are widened to fp32 as they are read (half the bytes a long-context decode reads; fp16 by
 F16C's ``vcvtph2ps``, stored saturated at +-65504 by ``base.to_kv_dtype``); fp8 pages
 (:class:`~tokenmill.layers.attention.fp8.FP8Pages`, static or per-token scales) are read as bytes
 (a quarter) and widened exactly in the kernel, the scales folded into the query and the softmax
-weights. The step's K/V are quantized on write in C to the same bytes (and per-vector scales) as the
+weights. int8 pages (per-vector scales) are widened the same way, except that a decode row on an
+AVX-512 VNNI CPU takes an integer body: the query rounded to int8, K rows scored by ``vpdpbusd``,
+the softmax weights rounded to bytes for the V sum (see ``_native/attention.c``, "int8 pages on
+AVX-512 VNNI"). The step's K/V are quantized on write in C to the same bytes (and per-vector scales) as the
 torch reference's ``write_fp8``. One difference: the kernel reads every key back from the
 pool, so a fresh prefill attends its own chunk through fp8 (the reference uses the chunk's
 unrounded K/V); the start-up calibration of static scales therefore runs on the reference
@@ -33,14 +36,14 @@ from torch.profiler import record_function
 
 from tokenmill._native import attention as kernel
 from tokenmill.contracts.batch import ForwardBatch
-from tokenmill.contracts.kv import FP8_DTYPES, KVCacheSpec, PagedKV
+from tokenmill.contracts.kv import FP8_DTYPES, INT8_DTYPES, KVCacheSpec, PagedKV
 from tokenmill.layers.attention.base import AttentionBackend, attention_kinds, to_kv_dtype
 from tokenmill.layers.attention import fp8
 from tokenmill.layers.attention.fp8 import FP8Pages, write_fp8
 from tokenmill.layers.attention.torch_ref import TorchPagedAttention
 
 # the kernel's kv kinds (TM_KV_* in _native/attention.h)
-KV_F32, KV_BF16, KV_FP8, KV_FP8_TOKEN, KV_F16 = 0, 1, 2, 3, 4
+KV_F32, KV_BF16, KV_FP8, KV_FP8_TOKEN, KV_F16, KV_INT8 = 0, 1, 2, 3, 4, 5
 _KIND_OF_DTYPE = {torch.float32: KV_F32, torch.bfloat16: KV_BF16, torch.float16: KV_F16}
 
 
@@ -51,8 +54,8 @@ def unsupported_reason(spec: KVCacheSpec, device: torch.device, compute_dtype: t
         return f"it runs on the CPU only, not {device}"
     if not all(isinstance(layer, PagedKV) for layer in attention_kinds(spec)):
         return "it handles standard attention layers (PagedKV) only"
-    if compute_dtype != torch.float32 or spec.dtype not in ("float32", "bfloat16", "float16", *FP8_DTYPES):
-        return (f"it needs float32 activations and a float32, bfloat16, float16 or {'/'.join(FP8_DTYPES)} KV pool "
+    if compute_dtype != torch.float32 or spec.dtype not in ("float32", "bfloat16", "float16", *FP8_DTYPES, *INT8_DTYPES):
+        return (f"it needs float32 activations and a float32, bfloat16, float16, {'/'.join(FP8_DTYPES)} or int8 KV pool "
                 f"(got {compute_dtype}, KV {spec.dtype})")
     return None
 
@@ -60,7 +63,7 @@ def unsupported_reason(spec: KVCacheSpec, device: torch.device, compute_dtype: t
 def kv_kind(entry: torch.Tensor | FP8Pages) -> int:
     """The kernel's kind code for one layer's KV entry."""
     if isinstance(entry, FP8Pages):
-        return KV_FP8_TOKEN if entry.per_token else KV_FP8
+        return KV_INT8 if entry.is_int8 else KV_FP8_TOKEN if entry.per_token else KV_FP8
     return _KIND_OF_DTYPE[entry.dtype]
 
 
@@ -103,7 +106,7 @@ class NativePagedAttention(TorchPagedAttention):
 
     @staticmethod
     def _write_fp8(kv_cache: FP8Pages, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The step's K/V into fp8 pages: in C (``fp8_write``), the same bytes and scales as the
+        """The step's K/V into fp8 (int8) pages: in C (``fp8_write``), the same bytes and scales as the
         reference's :func:`~tokenmill.layers.attention.fp8.write_fp8` (its rounding is tested
         against torch), which still takes a calibration pass (it records the amax there)."""
         if fp8._CALIBRATING or k.dtype != torch.float32:
@@ -117,7 +120,7 @@ class NativePagedAttention(TorchPagedAttention):
             if x.stride(2) != 1 or x.stride(1) != d:
                 x = x.contiguous()
             kernel.fp8_write(x.data_ptr(), x.stride(0), slots.data_ptr(), x.shape[0], hkv, d,
-                             kv_cache.data[i].data_ptr(), sp, kv_cache.per_token)
+                             kv_cache.data[i].data_ptr(), sp, kv_cache.per_token, kv_cache.is_int8)
 
     def build_metadata(self, batch: ForwardBatch) -> NativeMetadata:
         ps = batch.page_size

@@ -74,9 +74,9 @@ class TorchPagedAttention(AttentionBackend):
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         layer = check_paged_spec(self.spec)
         shape = (2, num_pages, page_size, layer.num_kv_heads, layer.head_dim)
-        if self.spec.is_fp8:
+        if self.spec.is_scaled:
             static = None if self.spec.per_token_scales else (2, 1, 1, layer.num_kv_heads, 1)
-            return per_layer(self.spec, lambda: allocate_fp8(shape, self.device, static))
+            return per_layer(self.spec, lambda: allocate_fp8(shape, self.device, static, self.spec.is_int8))
         return per_layer(self.spec, lambda: torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
 
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
