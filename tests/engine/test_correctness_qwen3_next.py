@@ -157,3 +157,20 @@ def test_fp8_kv_pool_holds_only_attention_layers(models) -> None:
     assert all(len(o) == GREEDY.max_tokens for o in outs)
     agree = sum(a == b for o, w in zip(outs, want) for a, b in zip(o, w))
     assert agree >= 0.75 * len(PROMPTS) * GREEDY.max_tokens, (outs, want)
+
+
+def test_int8_kv_pool_holds_only_attention_layers(models) -> None:
+    """int8 pages (per-vector scales) for the attention layers of a hybrid model; the linear
+    layers' state stays fp32; greedy tokens nearly always agree with fp32's."""
+    from tokenmill.layers.attention import FP8Pages
+
+    lm, _, _, want = models["moe"]
+    llm = LLM(loaded=lm, kv_cache_tokens=2048, kv_cache_dtype="int8", debug_checks=True)
+    caches = llm.engine.runner.kv_caches
+    assert [type(c).__name__ for c in caches] == ["NoneType"] * 3 + [FP8Pages.__name__]
+    assert caches[3].is_int8 and caches[3].per_token
+    assert llm.engine.stats().kv_bytes_per_token == 2 * 2 * 16 + 2 * 2 * 4   # int8 K/V + a scale per vector
+    outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert all(len(o) == GREEDY.max_tokens for o in outs)
+    agree = sum(a == b for o, w in zip(outs, want) for a, b in zip(o, w))
+    assert agree >= 0.75 * len(PROMPTS) * GREEDY.max_tokens, (outs, want)

@@ -298,6 +298,19 @@ def test_tp2_fp8_static_scales_match_one_rank(tiny_gqa: Path) -> None:
     assert [list(g.token_ids) for g in got] == [list(r.token_ids) for r in ref]
 
 
+def test_tp2_int8_pages_match_one_rank(tiny_gqa: Path) -> None:
+    """int8 KV pages under TP: a vector's scale is its own (token, KV head), so each rank stores
+    the bytes one process stores for its head, and greedy tokens equal one rank's."""
+    loaded = load_model(str(tiny_gqa))
+    one = LLM(str(tiny_gqa), loaded=loaded, kv_cache_dtype="int8", **KW)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ref = one.generate(PROMPTS, params)
+    with LLM(str(tiny_gqa), loaded=loaded, tensor_parallel_size=2, kv_cache_dtype="int8", **KW) as two:
+        assert two.engine.kv_spec.is_int8 and two.engine.kv_spec.per_token_scales
+        got = two.generate(PROMPTS, params)
+    assert [list(g.token_ids) for g in got] == [list(r.token_ids) for r in ref]
+
+
 def test_a_rank_failing_to_start_is_reported(tiny_dir) -> None:
     """The native backend has no MLA: each rank fails building its runner; the error says so."""
     path = str(tiny_dir("DeepseekV3ForCausalLM"))
