@@ -174,12 +174,14 @@ def test_auto_takes_fp8_pools_natively():
     assert select_attention_backend(fp8, "cpu", torch.bfloat16, "auto").name == "torch"   # bf16 activations
 
 
-def test_kernel_refuses_fp8_without_scales():
+@pytest.mark.parametrize("kind,dtype", [(2, torch.uint8), (3, torch.uint8), (5, torch.int8)])
+def test_kernel_refuses_scaled_pages_without_scales(kind, dtype):
+    """fp8 (static, per-vector) and int8 pages need their scale pointers."""
     q = torch.zeros(1, 2, 16)
     out = torch.empty(1, 32)
-    pages = torch.zeros(2, 1, 4, 1, 16, dtype=torch.uint8)
+    pages = torch.zeros(2, 1, 4, 1, 16, dtype=dtype)
     meta = [torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([1])]
     with pytest.raises(ValueError, match="scale"):
         kernel.paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), pages[0].data_ptr(), pages[1].data_ptr(),
                                meta[0].data_ptr(), 1, meta[1].data_ptr(), meta[2].data_ptr(), 1, 4, 2, 1, 16,
-                               0.25, 1, 2)
+                               0.25, 1, kind)

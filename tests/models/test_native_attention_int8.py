@@ -112,14 +112,3 @@ def test_native_int8_result_does_not_depend_on_the_batch():
     shapes = [(200, 1), (0, 50), (2500, 1), (30, 3)]
     spec, pool, tables, q, k, v = _int8_case(9, 3, 64, 16, shapes, 7)
     assert_batch_invariant(spec, pool, tables, shapes, q, k, v)
-
-
-def test_kernel_refuses_int8_without_scales():
-    q = torch.zeros(1, 2, 16)
-    out = torch.empty(1, 32)
-    pages = torch.zeros(2, 1, 4, 1, 16, dtype=torch.int8)
-    meta = [torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([1])]
-    with pytest.raises(ValueError, match="scale"):
-        kernel.paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), pages[0].data_ptr(), pages[1].data_ptr(),
-                               meta[0].data_ptr(), 1, meta[1].data_ptr(), meta[2].data_ptr(), 1, 4, 2, 1, 16,
-                               0.25, 1, 5)
