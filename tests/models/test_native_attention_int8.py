@@ -4,7 +4,7 @@
   and scales as the torch reference's ``quantize_int8``, ties rounded to even.
 * The widening bodies (scalar rows, AVX2, AVX-512, prefill tiles) compute attention over the
   dequantized pool to float rounding, as they do for fp8.
-* The AVX-512 VNNI decode body (integer scores and V sums) also rounds the query (to two bytes)
+* The AVX-512 VNNI decode body (integer scores and V sums) also rounds the query (to int16)
   and the softmax weights (to 16 bits against each block's bound): its decode rows stay within
   1e-3 of the exact result (measured: at most 1.2e-4 of the largest output), and it is still
   batch invariant.

@@ -16,8 +16,8 @@ F16C's ``vcvtph2ps``, stored saturated at +-65504 by ``base.to_kv_dtype``); fp8 
 (:class:`~tokenmill.layers.attention.fp8.FP8Pages`, static or per-token scales) are read as bytes
 (a quarter) and widened exactly in the kernel, the scales folded into the query and the softmax
 weights. int8 pages (per-vector scales) are widened the same way, except that a decode row on an
-AVX-512 VNNI CPU takes an integer body: the query rounded to int8, K rows scored by ``vpdpbusd``,
-the softmax weights rounded to bytes for the V sum (see ``_native/attention.c``, "int8 pages on
+AVX-512 VNNI CPU takes an integer body: the query rounded to int16, K rows scored by ``vpdpwssd``,
+the softmax weights rounded to int16 for the V sum (see ``_native/attention.c``, "int8 pages on
 AVX-512 VNNI"). The step's K/V are quantized on write in C to the same bytes (and per-vector scales) as the
 torch reference's ``write_fp8``. One difference: the kernel reads every key back from the
 pool, so a fresh prefill attends its own chunk through fp8 (the reference uses the chunk's
