@@ -1322,7 +1322,7 @@ AVX512V static inline __attribute__((always_inline)) __m512 red16_512(__m512 d01
             const char *kk = kp[jb + 4 * kq + k]; \
             if (pf_on) {   /* the K and V rows DEC_PF keys ahead, one key at a time */ \
                 const int64_t pj = pf0 + jb + 4 * kq + k; \
-                if (pj < nkeys) prefetch_row_pair(P, offs[pj], esz); \
+                if (pj < nkeys) prefetch_row_pair(P, offs[pj], esz, rowb); \
             } \
             if (perm) { \
                 for (int x = 0; x < D; x += 64) { \
@@ -1404,10 +1404,12 @@ AVX512V static inline __attribute__((always_inline)) void dec_vacc512(float *acc
     }
 }
 
-/* Request the K and V lines of the key at element offset off */
-static inline void prefetch_row_pair(const Problem *P, int64_t off, size_t esz) {
+/* Request the K and V lines of the key at element offset off, rows of rowb bytes (the decode
+ * bodies pass it from a local: read from P->d in their unrolled score loops, it ran the int8
+ * body 2x slower and the fp8 one 1.06x) */
+static inline void prefetch_row_pair(const Problem *P, int64_t off, size_t esz, size_t rowb) {
     const char *k = (const char *)P->kc + off * esz, *v = (const char *)P->vc + off * esz;
-    for (size_t c = 0; c < (size_t)P->d * esz; c += 64) {
+    for (size_t c = 0; c < rowb; c += 64) {
         kv_prefetch(k + c);
         kv_prefetch(v + c);
     }
@@ -1415,22 +1417,20 @@ static inline void prefetch_row_pair(const Problem *P, int64_t off, size_t esz) 
 
 /* Request the K and V lines of the keys at element offsets off[0 .. n) */
 static inline void prefetch_rows(const Problem *P, const int64_t *off, int n, size_t esz) {
-    const size_t bytes = (size_t)P->d * esz;
-    for (int j = 0; j < n; j++) {
-        const char *k = (const char *)P->kc + off[j] * esz, *v = (const char *)P->vc + off[j] * esz;
-        for (size_t c = 0; c < bytes; c += 64) {
-            kv_prefetch(k + c);
-            kv_prefetch(v + c);
-        }
-    }
+    for (int j = 0; j < n; j++) prefetch_row_pair(P, off[j], esz, (size_t)P->d * esz);
 }
 
-/* prefetch_rows, and the lines of the keys' per-vector K and V scales (at offset / D; dsh: log2 D,
- * or -1): a gather of the scales that waited on memory took a sixth of the int8 decode */
-static inline void prefetch_rows_scales(const Problem *P, const int64_t *off, int n, int dsh) {
-    prefetch_rows(P, off, n, 1);
+/* The index of the per-vector scale of the row at element offset off: slot * hkv + head = off / D
+ * (dsh: log2 D where D is a power of 2, else -1; an integer division per key cost as much as the
+ * key's arithmetic) */
+static inline int64_t scale_index(const Problem *P, int64_t off, int dsh) {
+    return dsh >= 0 ? off >> dsh : off / P->d;
+}
+
+/* Request the lines of the per-vector K and V scales of the keys at element offsets off[0 .. n) */
+static inline void prefetch_scales(const Problem *P, const int64_t *off, int n, int dsh) {
     for (int j = 0; j < n; j++) {
-        const int64_t si = dsh >= 0 ? off[j] >> dsh : off[j] / P->d;
+        const int64_t si = scale_index(P, off[j], dsh);
         kv_prefetch((const char *)(P->ks + si));
         kv_prefetch((const char *)(P->vs + si));
     }
@@ -1494,7 +1494,7 @@ AVX512V static inline __attribute__((always_inline)) void dec512_body(const Prob
                                                                    float *part_l, float *part_acc, const int kind) {
     const int D = P->d, G = P->group, Q = (T->r1 - T->r0) * G;
     const int perm = (kind == TM_KV_FP8 || kind == TM_KV_FP8_TOKEN) && D % 64 == 0;
-    const size_t esz = kv_esz(kind);
+    const size_t esz = kv_esz(kind), rowb = (size_t)D * esz;   /* bytes of a K or V row */
     const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
     const DecScales sc = dec_scales(P, T, kind, perm);
     float *qs = alloc64((size_t)Q * D), *acc = alloc64((size_t)Q * D), *sb = alloc64((size_t)Q * DEC_BLOCK);
@@ -1660,7 +1660,7 @@ AVX512VNNI static inline __attribute__((always_inline)) __m512i red16_epi32(__m5
             for (int k = 0; k < 4; k++) { \
                 if (x == 0 && pf_on) {   /* the K and V rows DEC_PF keys ahead, one key at a time */ \
                     const int64_t pj = pf0 + jb + 4 * kq + k; \
-                    if (pj < nkeys) { kv_prefetch((const char *)P->kc + offs[pj]); kv_prefetch((const char *)P->vc + offs[pj]); } \
+                    if (pj < nkeys) prefetch_row_pair(P, offs[pj], 1, (DX)); \
                 } \
                 const char *kr = kc + o[jb + 4 * kq + k] + x; \
                 const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)kr)); \
@@ -1739,7 +1739,7 @@ AVX512VNNI static void dec512_i8vnni(const Problem *P, const Task *T, float *par
     /* past the last key: its row again (a padding key's score is masked and its weight 0) */
     for (int j = nkeys; j < nkeys + I8_BLOCK; j++) offs[j] = offs[nkeys - 1];
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    /* an integer division per key cost as much as the key's arithmetic: a shift where D is a power of 2 */
+    /* log2 D for scale_index where D is a power of 2 */
     const int dsh = (D & (D - 1)) == 0 ? __builtin_ctz((unsigned)D) : -1;
     memset(acc, 0, sizeof(float) * (size_t)Q * D);
     dec_queries(P, T, sc.qmul, 0, qs, vis);
@@ -1757,7 +1757,8 @@ AVX512VNNI static void dec512_i8vnni(const Problem *P, const Task *T, float *par
         m[v] = -INFINITY;
         l[v] = 0.f;
     }
-    prefetch_rows_scales(P, offs, nkeys < DEC_PF ? nkeys : DEC_PF, dsh);
+    prefetch_rows(P, offs, nkeys < DEC_PF ? nkeys : DEC_PF, 1);
+    prefetch_scales(P, offs, nkeys < DEC_PF ? nkeys : DEC_PF, dsh);
     for (int j0 = 0; j0 < nkeys; j0 += I8_BLOCK) {
         const int64_t *o = offs + j0;
         const int nk = nkeys - j0 < I8_BLOCK ? nkeys - j0 : I8_BLOCK, nks = (nk + 15) & ~15, nk2 = (nk + 1) & ~1;
@@ -1770,8 +1771,8 @@ AVX512VNNI static void dec512_i8vnni(const Problem *P, const Task *T, float *par
             }
         } else {
             for (int j = 0; j < nks; j++) {
-                ksb[j] = P->ks[o[j] / D];
-                vsb[j] = P->vs[o[j] / D];
+                ksb[j] = P->ks[scale_index(P, o[j], dsh)];
+                vsb[j] = P->vs[scale_index(P, o[j], dsh)];
             }
         }
         __m512 vmx = _mm512_setzero_ps();
@@ -1789,11 +1790,7 @@ AVX512VNNI static void dec512_i8vnni(const Problem *P, const Task *T, float *par
         const int64_t pf0 = j0 + DEC_PF;
         for (int jb = 0; jb < nks; jb += 16) {
             if (jb < pfn)   /* the scales' lines DEC_PF keys ahead (the rows go one key at a time, below) */
-                for (int j = jb; j < jb + 16 && j < pfn; j++) {
-                    const int64_t si = dsh >= 0 ? pfo[j] >> dsh : pfo[j] / D;
-                    kv_prefetch((const char *)(P->ks + si));
-                    kv_prefetch((const char *)(P->vs + si));
-                }
+                prefetch_scales(P, pfo + jb, pfn - jb < 16 ? pfn - jb : 16, dsh);
             for (int g0 = 0, per = dec_pass(Q, 4), pf_on = 1; g0 < Q; g0 += per, pf_on = 0) {
                 const int16_t *qg = qi + (size_t)g0 * D;
                 const float *qsc = qscale + g0;
@@ -1995,7 +1992,7 @@ AVX2 static inline __attribute__((always_inline)) __m256 red4_256(__m256 a0, __m
         for (int k = 0; k < 4; k++) { \
             k4[k] = kp[jb + 4 * kq + k]; \
             if (pf_on && pf0 + jb + 4 * kq + k < nkeys) /* as in DEC_SCORE512 */ \
-                prefetch_row_pair(P, offs[pf0 + jb + 4 * kq + k], esz); \
+                prefetch_row_pair(P, offs[pf0 + jb + 4 * kq + k], esz, rowb); \
         } \
         for (int g = 0; g < (GC); g++) \
             for (int k = 0; k < 4; k++) a[g][k] = _mm256_setzero_ps(); \
@@ -2037,7 +2034,7 @@ AVX2 static inline __attribute__((always_inline)) __m256 red4_256(__m256 a0, __m
 AVX2 static inline __attribute__((always_inline)) void dec256_body(const Problem *P, const Task *T, float *part_m,
                                                                  float *part_l, float *part_acc, const int kind) {
     const int D = P->d, G = P->group, Q = (T->r1 - T->r0) * G;
-    const size_t esz = kv_esz(kind);
+    const size_t esz = kv_esz(kind), rowb = (size_t)D * esz;   /* bytes of a K or V row */
     const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
     const DecScales sc = dec_scales(P, T, kind, 0);
     float *qs = alloc64((size_t)Q * D), *acc = alloc64((size_t)Q * D), *sb = alloc64((size_t)Q * DEC_BLOCK);
