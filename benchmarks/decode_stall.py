@@ -9,6 +9,10 @@ alone is measured first: single requests with cached prompts, nothing else runni
 
     .venv/bin/python benchmarks/decode_stall.py --num-requests 40
 
+``--stagger-too N`` (repeatable) adds the bounded server with ``--prefill-stagger-tokens N``; 0:
+prompts that complete in the same step decode together (the behaviour before the thirty-fourth
+landing).
+
 ``--no-chain-too`` adds the bounded server without chained decode steps
 (``--num-continuous-decode-steps 1``): what the chains do to TTFT (a request arriving during a
 chain waits for its end) and to TPOT, alone and beside prefill.
@@ -92,6 +96,9 @@ def main() -> int:
     ap.add_argument("--no-finish-too", action="store_true",
                     help="also run the bounded server with the finishing exception off "
                          "(--prefill-finish-slowdown 0), as a third setting")
+    ap.add_argument("--stagger-too", type=int, action="append", default=[], metavar="N",
+                    help="also run the bounded server with --prefill-stagger-tokens N (0: prompts that "
+                         "complete in one step decode together), as another setting; may be repeated")
     ap.add_argument("--no-chain-too", action="store_true",
                     help="also run the bounded server without chained decode steps "
                          "(--num-continuous-decode-steps 1; chains are serve's default)")
@@ -113,6 +120,9 @@ def main() -> int:
     if args.no_finish_too:
         settings["bound on, no finishing (--prefill-finish-slowdown 0)"] = [
             "--decode-slowdown", f"{args.slowdown:g}", "--prefill-finish-slowdown", "0"]
+    for n in args.stagger_too:
+        settings[f"bound on, --prefill-stagger-tokens {n}"] = [
+            "--decode-slowdown", f"{args.slowdown:g}", "--prefill-stagger-tokens", str(n)] + finish
     if args.no_chain_too:
         settings["bound on, no chains (--num-continuous-decode-steps 1)"] = [
             "--decode-slowdown", f"{args.slowdown:g}", "--num-continuous-decode-steps", "1"] + finish

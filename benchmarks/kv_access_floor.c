@@ -3,9 +3,9 @@
  * memory side of the native decode-attention kernel (benchmarks/decode_attention_kernel.py
  * times the kernel itself).
  *
- * The pools have the default model's shape with 2-byte elements (fp16 / bf16): per layer a K and
- * a V pool [pages][16 tokens][3 kv heads][64], 30 layers, the pages of each layer in a random
- * order (a page table), as in the engine. Four orders, ns per key and KV head (both K and V):
+ * The pools have the default model's shape with 2-byte elements (fp16 / bf16; -DD below for the
+ * 1-byte pools): per layer a K and a V pool [pages][16 tokens][3 kv heads][64], 30 layers, the
+ * pages of each layer in a random order (a page table), as in the engine. Four orders, ns per key and KV head (both K and V):
  *
  *   sequential      every byte of K then V, front to back (the bandwidth floor);
  *   per head        one kv head at a time over all keys in page-table order, a key's K row and
@@ -16,7 +16,8 @@
  *                   at a time (the order a kernel gets by interleaving its head tasks per block).
  *
  * Build and run (one thread; arguments: context length, a software prefetch distance in keys
- * for the per-head order, 0 = none, and the prefetch instruction: t0, t1, t2 or nta, default t0):
+ * for the per-head and heads-per-block orders, 0 = none, and the prefetch instruction: t0, t1,
+ * t2 or nta, default t0):
  *
  *     gcc -O2 -mavx2 -o /tmp/kv_access_floor benchmarks/kv_access_floor.c
  *     /tmp/kv_access_floor 2048 0
@@ -24,7 +25,18 @@
  *
  * (The last line is how the attention kernel's prefetcht1 was chosen in the nineteenth landing:
  * docs/benchmarks.md, "A Zen 4 host".)
+ *
+ * -DD=32 gives rows of 64 bytes, the K or V row of one head in an int8 or fp8 pool (D counts
+ * 2-byte elements; the default 64 is an fp16 pool's 128-byte row). With -fopenmp the layers of
+ * each order are shared by OMP_NUM_THREADS threads (two layers at a time on two threads, as the
+ * decode step's two threads read two tasks at once), and the figures are wall time per key and
+ * head of all of them. The kernel's own order is "heads per block" with -DBLK=1024 (SPLIT_KEYS:
+ * a long decode's chunks run their heads back to back):
+ *
+ *     gcc -O2 -mavx2 -fopenmp -DD=32 -DBLK=1024 -o /tmp/kv_floor_i8 benchmarks/kv_access_floor.c
+ *     OMP_NUM_THREADS=2 /tmp/kv_floor_i8 16384 64 t1
  */
+#pragma GCC diagnostic ignored "-Wunknown-pragmas"   /* the omp pragmas, in a build without -fopenmp */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -34,7 +46,9 @@
 
 #define PS 16
 #define H 3
+#ifndef D
 #define D 64
+#endif
 #define L 30
 #ifndef BLK
 #define BLK 64
@@ -59,6 +73,50 @@ __attribute__((target("avx2"))) static __m256i add_row(__m256i acc, const uint16
     for (int x = 0; x < n; x += 16) {
         acc = _mm256_add_epi16(acc, ld(k + x));
         acc = _mm256_add_epi16(acc, ld(v + x));
+    }
+    return acc;
+}
+
+/* the K and V lines of key j's row of head h, requested with hint hi (0 t0, 1 t1, 2 t2, 3 nta) */
+static inline void prefetch_key(const uint16_t *k, const uint16_t *v, const int *tab, int j, int h, int hi) {
+    const size_t o = row(tab, j, h);
+    for (int c = 0; c < D * 2; c += 64) {
+        const char *kp = (const char *)(k + o) + c, *vp = (const char *)(v + o) + c;
+        switch (hi) {
+        case 0: _mm_prefetch(kp, _MM_HINT_T0); _mm_prefetch(vp, _MM_HINT_T0); break;
+        case 1: _mm_prefetch(kp, _MM_HINT_T1); _mm_prefetch(vp, _MM_HINT_T1); break;
+        case 2: _mm_prefetch(kp, _MM_HINT_T2); _mm_prefetch(vp, _MM_HINT_T2); break;
+        default: _mm_prefetch(kp, _MM_HINT_NTA); _mm_prefetch(vp, _MM_HINT_NTA); break;
+        }
+    }
+}
+
+/* one layer, one kv head at a time over every key (pf keys of look-ahead) */
+__attribute__((target("avx2"))) static __m256i per_head(const uint16_t *k, const uint16_t *v, const int *tab, int ctx,
+                                                     int pf, int hi) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int h = 0; h < H; h++)
+        for (int j = 0; j < ctx; j++) {
+            if (pf && j + pf < ctx) prefetch_key(k, v, tab, j + pf, h, hi);
+            const size_t o = row(tab, j, h);
+            acc = add_row(acc, k + o, v + o, D);
+        }
+    return acc;
+}
+
+/* one layer in blocks of BLK keys, one kv head at a time within a block (look-ahead as above,
+ * within the block) */
+__attribute__((target("avx2"))) static __m256i heads_per_block(const uint16_t *k, const uint16_t *v, const int *tab,
+                                                            int ctx, int pf, int hi) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int j0 = 0; j0 < ctx; j0 += BLK) {
+        const int j1 = j0 + BLK < ctx ? j0 + BLK : ctx;
+        for (int h = 0; h < H; h++)
+            for (int j = j0; j < j1; j++) {
+                if (pf && j + pf < j1) prefetch_key(k, v, tab, j + pf, h, hi);
+                const size_t o = row(tab, j, h);
+                acc = add_row(acc, k + o, v + o, D);
+            }
     }
     return acc;
 }
@@ -99,45 +157,31 @@ __attribute__((target("avx2"))) int main(int argc, char **argv) {
         }
     }
     const double n = (double)L * ctx * H;
-    printf("context %d, %d layers, 2-byte elements, prefetch%s %d keys ahead (per head); ns per key and kv head\n",
-           ctx, L, hint, pf);
+    printf("context %d, %d layers, rows of %d bytes, prefetch%s %d keys ahead; ns per key and kv head\n",
+           ctx, L, D * 2, hint, pf);
     for (int rep = 0; rep < 3; rep++) {
-        __m256i acc = _mm256_setzero_si256();
+        __m256i acc = _mm256_setzero_si256(), part[L];
         double t0 = now();
         for (int l = 0; l < L; l++) acc = add_row(acc, K[l], V[l], pages * PS * H * D);
         double t1 = now();
-        for (int l = 0; l < L; l++)
-            for (int h = 0; h < H; h++)
-                for (int j = 0; j < ctx; j++) {
-                    if (pf && j + pf < ctx) {
-                        const size_t o = row(tab[l], j + pf, h);
-                        for (int c = 0; c < D * 2; c += 64) {
-                            const char *kp = (const char *)(K[l] + o) + c, *vp = (const char *)(V[l] + o) + c;
-                            switch (hi) {
-                            case 0: _mm_prefetch(kp, _MM_HINT_T0); _mm_prefetch(vp, _MM_HINT_T0); break;
-                            case 1: _mm_prefetch(kp, _MM_HINT_T1); _mm_prefetch(vp, _MM_HINT_T1); break;
-                            case 2: _mm_prefetch(kp, _MM_HINT_T2); _mm_prefetch(vp, _MM_HINT_T2); break;
-                            default: _mm_prefetch(kp, _MM_HINT_NTA); _mm_prefetch(vp, _MM_HINT_NTA); break;
-                            }
-                        }
-                    }
-                    const size_t o = row(tab[l], j, h);
-                    acc = add_row(acc, K[l] + o, V[l] + o, D);
-                }
+#pragma omp parallel for schedule(static, 1)
+        for (int l = 0; l < L; l++) part[l] = per_head(K[l], V[l], tab[l], ctx, pf, hi);
+        for (int l = 0; l < L; l++) acc = _mm256_add_epi16(acc, part[l]);
         double t2 = now();
-        for (int l = 0; l < L; l++)
+#pragma omp parallel for schedule(static, 1)
+        for (int l = 0; l < L; l++) {
+            __m256i a = _mm256_setzero_si256();
             for (int j = 0; j < ctx; j++) {
                 const size_t o = row(tab[l], j, 0);
-                acc = add_row(acc, K[l] + o, V[l] + o, H * D);
+                a = add_row(a, K[l] + o, V[l] + o, H * D);
             }
+            part[l] = a;
+        }
+        for (int l = 0; l < L; l++) acc = _mm256_add_epi16(acc, part[l]);
         double t3 = now();
-        for (int l = 0; l < L; l++)
-            for (int j0 = 0; j0 < ctx; j0 += BLK)
-                for (int h = 0; h < H; h++)
-                    for (int j = j0; j < j0 + BLK && j < ctx; j++) {
-                        const size_t o = row(tab[l], j, h);
-                        acc = add_row(acc, K[l] + o, V[l] + o, D);
-                    }
+#pragma omp parallel for schedule(static, 1)
+        for (int l = 0; l < L; l++) part[l] = heads_per_block(K[l], V[l], tab[l], ctx, pf, hi);
+        for (int l = 0; l < L; l++) acc = _mm256_add_epi16(acc, part[l]);
         double t4 = now();
         uint16_t out[16];
         _mm256_storeu_si256((__m256i *)out, acc);

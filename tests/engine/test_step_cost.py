@@ -291,8 +291,11 @@ def test_a_kind_never_measured_is_entered_to_measure_it():
     for rows, t in [(1, 0.010), (2, 0.011), (3, 0.012), (4, 0.013)] * 2:
         cost.observe(rows, t)
     assert cost.fit(4) is not None and cost.fit(5) is None
+    # in turns all of the warm-up and half of it (the kind's fit needs rows that vary): with 2
+    # decodes, the 2 rows left in the cheap kind, then 64 more, or half of those 66
     assert cost.prefill_budget(4, 500) == cost.warmup_tokens
-    assert cost.prefill_budget(2, 500) == 2 + cost.warmup_tokens   # the 2 rows left in the cheap kind, then 64 more
+    assert cost.prefill_budget(2, 500) == 3 + (2 + cost.warmup_tokens - 3) // 2
+    assert cost.prefill_budget(2, 500) == 2 + cost.warmup_tokens
     for rows, t in [(5, 0.020), (40, 0.035), (68, 0.046)] * 2:      # measured now: the bound takes over
         cost.observe(rows, t)
     assert cost.prefill_budget(4, 500) < cost.warmup_tokens
@@ -382,3 +385,86 @@ def test_a_single_row_fit_without_spread_is_the_mean():
         plain.observe(1, t, 500)
     assert plain.fit(1) is None
 
+
+
+def test_the_small_kind_is_learned_beside_a_known_lone_decode():
+    """The lone decode's kind is known, the small kind (2 to split_rows rows) is not: the chunks
+    that enter it to measure it vary in size, so its fit gets the spread in rows it needs within
+    a few steps, and the bound then holds. Entered with the whole room every time (every step 24
+    rows), it stayed unknown for as long as no other row count came by, and on an AVX-512 host
+    without AMX each of those steps took 55 ms beside a 5.6 ms lone decode."""
+    cost = StepCost(slowdown=1.75, split_rows=24, single_row=True)
+    for _ in range(4):
+        cost.observe(1, 0.0056, 400)                     # lone decodes: their kind is known
+    assert cost.fit(1) is not None and cost.fit(2) is None
+
+    def step(rows: int) -> float:                        # that host's small kind: 2 ms a row
+        return 0.0017 + 0.002 * rows
+
+    sizes, known = [], None
+    for i in range(12):
+        k = cost.prefill_budget(1, 500, decode_pairs=400, context=0)
+        sizes.append(k)
+        if cost.fit(2) is not None:
+            known = i if known is None else known
+            assert step(1 + k) <= 1.75 * 0.0056 + 1e-9      # the bound holds once the kind is known
+        cost.observe(1 + k, step(1 + k), 400 + k * (k + 1) // 2)
+    # first the GEMM kind (past 24 rows) is entered to measure it, then the small kind, in chunks
+    # of the whole room and half of it
+    assert sizes[:4] == [87, 55, 87, 55] and sizes[4:8] == [23, 12, 23, 12]
+    assert known == 8 and sizes[8:] == [3] * 4
+
+
+def test_a_known_kind_stays_known_when_its_rows_stop_varying():
+    """One decode beside a long prefill at a 2-token chunk: every step has 3 rows, and the old
+    spread in rows fades (decay 0.95 a step) below the fit's threshold after about 430 steps. The
+    kind then keeps its last slopes and follows the steps' level; it used to fall back to its
+    warm-up and fill the small kind to its last row again (24 rows, 10x the lone decode's time on
+    an AVX-512 host without AMX)."""
+    cost = StepCost(slowdown=1.75, split_rows=24, single_row=True)
+    for _ in range(4):
+        cost.observe(1, 0.0056, 400)
+    for rows in (2, 3, 5, 8, 13, 21) * 2:
+        cost.observe(rows, 0.0017 + 0.002 * rows, 400)
+    for rows in (40, 88, 200) * 2:                         # the GEMM kind, past 24 rows
+        cost.observe(rows, 0.020 + 0.001 * rows, 400)
+    a, b, c = cost.fit(3)
+    assert b == pytest.approx(0.002) and a == pytest.approx(0.0017)
+    for _ in range(1000):                                  # the machine got slower: 1 ms more a step
+        cost.observe(3, 0.0027 + 0.002 * 3, 400)
+        assert cost.prefill_budget(1, 500, decode_pairs=400, context=0) <= 3
+    a, b, c = cost.fit(3)
+    assert b == pytest.approx(0.002, rel=0.1)                 # the slope as last measured
+    assert cost.predict(3, 400) == pytest.approx(0.0087, rel=1e-3)   # the level of the recent steps
+
+
+@pytest.mark.parametrize("stagger", [0, 32])
+def test_a_step_without_decodes_completes_one_streamed_prompt(stagger):
+    """With the bound on and no streamed decode running, a second streamed prompt that would
+    complete in the same step stops ``prefill_stagger_tokens`` short, and finishes beside the first
+    one's decodes under the bound; one with no more than that left completes (the bound's finishing
+    exception would finish it a step later anyway). Responses sent whole are not held back (their
+    decodes are not paced)."""
+    cost = StepCost(slowdown=2.0, min_tokens=8)
+    for n in (1, 10, 100, 400):
+        cost.observe(n, 0.05 + 0.005 * n)             # 1 decode: 11 tokens of prefill beside it
+    sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=512, max_running_requests=8,
+                      step_cost=cost)
+    sched.prefill_stagger_tokens = stagger
+    reqs = [Request("a", list(range(100)), SamplingParams(max_tokens=4)),
+            Request("b", list(range(1000, 1100)), SamplingParams(max_tokens=4)),
+            Request("c", list(range(2000, 2020)), SamplingParams(max_tokens=4)),
+            Request("d", list(range(3000, 3100)), SamplingParams(max_tokens=4)),
+            Request("w", list(range(4000, 4100)), SamplingParams(max_tokens=4), streamed=False)]
+    for r in reqs:
+        sched.add_request(r)
+    got = _step(sched)
+    if not stagger:
+        assert got == {"a": 100, "b": 100, "c": 20, "d": 100, "w": 100}
+        return
+    # a completes; b and d stop 32 short; c (20 tokens) and w (sent whole) complete
+    assert got == {"a": 100, "b": 68, "c": 20, "d": 68, "w": 100}
+    got = _step(sched)                                  # a, c and w decode: b and d go on under the bound
+    assert got["a"] == got["c"] == got["w"] == 1
+    k = sum(got.get(r, 0) for r in "bd")
+    assert 0 < k < 32 and cost.predict(3 + k) <= 2.0 * cost.predict(3) + 1e-12 < cost.predict(4 + k)

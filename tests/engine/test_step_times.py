@@ -1,7 +1,12 @@
 """The engine's step-time record: kinds of step for the cost model, and the histogram /metrics shows."""
 from __future__ import annotations
 
+import argparse
+
+import pytest
+
 from tokenmill.contracts.sampling import SamplingParams
+from tokenmill.engine.cli import add_engine_arguments, engine_config_from_args
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.step_cost import STEP_SECONDS_BUCKETS
@@ -53,3 +58,37 @@ def test_step_seconds_by_kind_reach_metrics(tiny_dir):
     n = stats.step_seconds["mixed"][2]
     assert f'tokenmill:engine_step_seconds_count{{kind="mixed",model_name="m"}} {float(n)}' in text
     assert 'tokenmill:engine_step_seconds_bucket{kind="decode",le="+Inf",model_name="m"}' in text
+
+
+def test_prefill_stagger_reaches_the_scheduler_and_is_checked(tiny_dir):
+    """``--prefill-stagger-tokens`` (off by default) is the scheduler's setting; with it, two
+    streamed prompts admitted together finish one step apart, and both answers are the ones they
+    get alone (scheduling never changes a request's tokens)."""
+    path = str(tiny_dir("LlamaForCausalLM"))
+    assert _engine(path).scheduler.prefill_stagger_tokens == 0
+    with pytest.raises(ValueError, match="prefill_stagger_tokens must be >= 0"):
+        EngineConfig(model=path, prefill_stagger_tokens=-1)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    cfg = engine_config_from_args(parser.parse_args(["--model", path, "--prefill-stagger-tokens", "8"]))
+    assert cfg.prefill_stagger_tokens == 8
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = {"a": list(range(10, 40)), "b": list(range(50, 80))}
+    alone = {}
+    for rid, ids in prompts.items():
+        e = _engine(path)
+        e.add_request(rid, ids, params)
+        while e.has_unfinished_requests():
+            for o in e.step():
+                alone[rid] = list(o.token_ids)
+    engine = _engine(path, prefill_stagger_tokens=8)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    first, got, step = {}, {}, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for o in engine.step():
+            first.setdefault(o.request_id, step)
+            got[o.request_id] = list(o.token_ids)
+    assert got == alone
+    assert first["b"] > first["a"]                    # b stopped 8 tokens short in the first step

@@ -41,6 +41,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a prefill that keeps the step within this many times the "
                         "decodes-only step time whole is prefilled at once instead of in bounded chunks (an agent "
                         "turn after a cache hit); 0: every chunk keeps --decode-slowdown")
+    g.add_argument("--prefill-stagger-tokens", type=int, default=d.prefill_stagger_tokens,
+                   help="with --decode-slowdown: a step without streamed decodes completes one streamed prompt; "
+                        "another that would complete there stops this many tokens short and finishes beside the "
+                        "first one's decodes, so that they do not all decode together; 0 turns it off")
     g.add_argument("--num-continuous-decode-steps", type=int, default=d.num_continuous_decode_steps,
                    help="greedy decode steps run back to back in one native call while every running request "
                         "decodes greedily and nothing waits (fewer trips through Python per token; tokens "

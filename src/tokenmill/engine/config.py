@@ -80,6 +80,9 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
                                           # (x the decodes-only step; None: prefill fills the step)
     prefill_finish_slowdown: float | None = 12.0  # ... or this many x, for a step that does a short
                                           # whole prefill at once (None: always the bound)
+    prefill_stagger_tokens: int = 0       # with the bound: a step without streamed decodes completes
+                                          # one streamed prefill; others stop this many short (0: off;
+                                          # Scheduler.prefill_stagger_tokens)
     num_continuous_decode_steps: int = 8   # most greedy decode steps chained in one forward (1: off;
                                            # see Engine._decode_steps)
     quantization: str = "auto"       # weight format, see tokenmill.layers.quant.methods.QuantConfig
@@ -142,6 +145,8 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.decode_slowdown is not None and not self.decode_slowdown > 1.0:
             raise ValueError(f"decode_slowdown must be > 1 (or None to turn the bound off), got {self.decode_slowdown}")
+        if self.prefill_stagger_tokens < 0:
+            raise ValueError(f"prefill_stagger_tokens must be >= 0, got {self.prefill_stagger_tokens}")
         if (self.prefill_finish_slowdown is not None and self.decode_slowdown is not None
                 and not self.prefill_finish_slowdown >= self.decode_slowdown):
             raise ValueError(f"prefill_finish_slowdown must be >= decode_slowdown ({self.decode_slowdown}) "

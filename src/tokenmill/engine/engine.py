@@ -110,6 +110,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, max_batch_tokens=config.max_batch_tokens,
                                    max_running_requests=config.max_running_requests,
                                    step_cost=self.step_cost)
+        self.scheduler.prefill_stagger_tokens = config.prefill_stagger_tokens
         self.runner: ModelRunner | ParallelRunner
         if config.tensor_parallel_size > 1:
             self.runner = ParallelRunner(WorkerSpec(

@@ -88,6 +88,7 @@ class _StepPlan:
         self.tokens: dict[Request, int] = {}
         self.preempted: list[Request] = []
         self.bound: PrefillBound | None = None   # the step-time bound on prefill (decodes run)
+        self.stagger = 0                         # Scheduler.prefill_stagger_tokens, with a bound
 
     def prefill_limit(self, req: Request, context: int) -> int:
         """Tokens a prefill chunk of ``req`` after ``context`` computed tokens may take: what
@@ -105,6 +106,18 @@ class _StepPlan:
             if self.bound.short(start, req.num_tokens - start):
                 return n
         return cap
+
+    def staggered(self, req: Request, n: int) -> int:
+        """``n`` tokens for ``req``, or ``stagger`` fewer where they would complete its prefill
+        while another streamed prefill completes in this step and no streamed decode runs (see
+        ``Scheduler.prefill_stagger_tokens``). A prefill with no more than ``stagger`` tokens left
+        completes: beside the decodes it would finish within a step or two anyway (the bound's
+        finishing exception), so holding it back would only cost the room of this step."""
+        if (self.stagger and self.bound is None and req.streamed and n == req.num_uncomputed_tokens
+                and n > self.stagger
+                and any(r.streamed and t == r.num_uncomputed_tokens for r, t in self.tokens.items())):
+            return n - self.stagger
+        return n
 
     def add(self, req: Request, n: int, context: int | None = None) -> None:
         """``n`` tokens for ``req``; ``context``: a prefill chunk's start (counted by the bound)."""
@@ -150,6 +163,16 @@ class Scheduler:
         self.shortest_prefill_first = True
         self.prefill_max_passes = 4
         self._prefill_passes: dict[Request, int] = {}
+        # With the step-time bound on and this set (EngineConfig.prefill_stagger_tokens), a step
+        # without streamed decodes completes one streamed prefill with more than this many tokens
+        # left at most: another that would complete there stops this many tokens short, and
+        # finishes beside the first one's decodes under the bound, a few tokens a step
+        # (_StepPlan.staggered). Prompts completed together start decoding together, and every
+        # step of their decodes costs what a batch of them costs. On the Mooncake replay at
+        # concurrency 4 (int4 weights, an AVX-512 host without AMX) 32 took TPOT p50 from 16 to
+        # 13 ms, but on agent sessions it cost 30-50% of TTFT p50: off by default
+        # (docs/benchmarks.md, thirty-fourth landing).
+        self.prefill_stagger_tokens = 0
 
     # -- queue -----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -168,6 +191,7 @@ class Scheduler:
     # -- planning --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.max_batch_tokens)
+        plan.stagger = self.prefill_stagger_tokens if self.step_cost is not None else 0
         decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
         prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
         drafts = self._schedule_decodes(decodes, plan)
@@ -228,7 +252,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            n = self.kv.chunk_limit(req, plan.prefill_limit(req, req.num_computed_tokens))
+            n = self.kv.chunk_limit(req, plan.staggered(req, plan.prefill_limit(req, req.num_computed_tokens)))
             if n <= 0:
                 break
             if self._allocate_or_preempt(req, req.num_computed_tokens + n, plan):
@@ -261,7 +285,7 @@ class Scheduler:
             if not self.kv.take_slot(req):   # hybrid models: every state slot is taken
                 return
             matched = self.kv.match(req)
-            n = self.kv.chunk_limit(req, plan.prefill_limit(req, req.num_computed_tokens))
+            n = self.kv.chunk_limit(req, plan.staggered(req, plan.prefill_limit(req, req.num_computed_tokens)))
             if n <= 0 or not self.kv.allocate(req, req.num_computed_tokens + n):
                 self.kv.release(req, keep_in_cache=False)
                 req.num_computed_tokens = 0

@@ -30,11 +30,15 @@ does not see. With ``row_group`` set, a chunk that would end a few rows into a n
 first) is cut back to end on the last whole group (to nothing, when the step's rows so far end
 there; a step's first chunk keeps ``min_tokens``).
 
-Until a kind's fit is trustworthy (``min_samples`` effective observations with some spread), the
-budget is ``warmup_tokens``, or with ``split_rows`` what keeps the step in the small kind (while
-the decodes leave room in it; else ``warmup_tokens``). A kind whose fit is not known while the
-other's is gets up to ``warmup_tokens`` of chunk into it, so that it is measured: with decodes
-always running, a kind seen only in prefill-only steps would otherwise never be entered again.
+Until a kind's fit is trustworthy (``min_samples`` effective observations with some spread),
+the budget is ``warmup_tokens``, or with ``split_rows`` what keeps the step in the small kind
+(while the decodes leave room in it; else ``warmup_tokens``). A kind whose fit is not known while
+the other's is gets up to ``warmup_tokens`` of chunk into it, so that it is measured: with
+decodes always running, a kind seen only in prefill-only steps would otherwise never be entered
+again. Warm-up chunks alternate between all of their room and half of it, so that the fit sees
+rows that vary. A fit that has had a spread in rows keeps its last slopes when the rows stop
+varying (one decode beside a long prompt's small chunks: every step the same rows), and its
+level follows the recent steps.
 
 Pure Python and no I/O: the engine feeds it wall time; the simulator can feed it modelled time.
 """
@@ -76,7 +80,7 @@ class _Fit:
     ``flat``: ``x1`` may never vary (a kind of steps that all have the same rows); the fit is then
     ``y`` on ``(1, x2)``, or the mean of ``y`` without spread in ``x2`` either."""
 
-    __slots__ = ("decay", "flat", "w", "s1", "s2", "sy", "s11", "s12", "s22", "s1y", "s2y", "_coef")
+    __slots__ = ("decay", "flat", "w", "s1", "s2", "sy", "s11", "s12", "s22", "s1y", "s2y", "_coef", "_slopes")
 
     def __init__(self, decay: float, flat: bool = False) -> None:
         self.decay = decay
@@ -84,6 +88,7 @@ class _Fit:
         self.w = self.s1 = self.s2 = self.sy = 0.0
         self.s11 = self.s12 = self.s22 = self.s1y = self.s2y = 0.0
         self._coef: tuple[float, float, float] | None | bool = False   # False: not solved yet
+        self._slopes: tuple[float, float] | None = None   # (b, c) of the last fit with a spread in x1
 
     def add(self, x1: float, x2: float, y: float) -> None:
         d = self.decay
@@ -116,7 +121,14 @@ class _Fit:
         ok2 = v22 > 1e-9 * max(1.0, m2 * m2)
         if not ok1:
             if not self.flat:
-                return None        # every step had the same rows: no line in rows yet
+                if self._slopes is None:
+                    return None    # every step had the same rows: no line in rows yet
+                # the rows stopped varying (their old spread faded below the threshold): the
+                # slopes stay as last measured and the level follows the recent steps, rather
+                # than the kind falling back to its warm-up (after about 430 steps of one decode
+                # and a 2-token chunk, every step then filled the small kind again)
+                b, c = self._slopes
+                return my - b * m1 - c * m2, b, c
             c = c2 / v22 if ok2 and c2 > 0.0 else 0.0
             return my - c * m2, 0.0, c
         best: tuple[float, float] | None = None
@@ -133,6 +145,7 @@ class _Fit:
                 if b >= 0.0 and c >= 0.0 and gain > best_gain:
                     best, best_gain = (b, c), gain
         b, c = best if best is not None else (0.0, 0.0)
+        self._slopes = (b, c)
         return my - b * m1 - c * m2, b, c
 
 
@@ -311,6 +324,7 @@ class PrefillBound:
         if self.target is None:
             return max(min(self.warmup - self.added, limit), floor)
         best = 0
+        half, warming = self.cost._warm_half, False
         split = self.cost.split_rows
         ranges = [(1, limit)]
         if split is not None and self.rows < split < self.rows + limit:
@@ -318,8 +332,16 @@ class PrefillBound:
         for lo, hi in ranges:
             if self.cost.fit(self.rows + lo) is None:
                 # a kind not measured yet (e.g. GEMM steps while decodes always run): a warm-up's
-                # worth of tokens into it, so that it gets measured, rather than never entering it
-                best = max(best, min(hi, lo - 1 + max(self.cost.warmup_tokens - self.added, 0)))
+                # worth of tokens into it, so that it gets measured, rather than never entering it;
+                # in turns all of it and half of it, as in the plain warm-up: a kind entered with
+                # the same chunk every time (the small kind's whole room beside one decode, while
+                # the lone decode's own kind is known) gives its fit no spread in rows, and it
+                # stayed unknown, every step filled to its last row
+                room = min(hi, lo - 1 + max(self.cost.warmup_tokens - self.added, 0))
+                if half and room - lo >= 1:
+                    room = lo + (room - lo) // 2
+                warming = True
+                best = max(best, room)
                 continue
             if self._fits(hi, context):
                 best = max(best, hi)
@@ -333,6 +355,8 @@ class PrefillBound:
                 else:
                     hi = mid - 1
             best = max(best, lo)
+        if warming:   # the next warm-up chunk takes the other size
+            self.cost._warm_half = not half
         return max(self._whole_groups(best), floor)
 
     def _whole_groups(self, k: int) -> int:
