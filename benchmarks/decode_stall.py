@@ -9,9 +9,9 @@ alone is measured first: single requests with cached prompts, nothing else runni
 
     .venv/bin/python benchmarks/decode_stall.py --num-requests 40
 
-``--stagger-too N`` (repeatable) adds the bounded server with ``--prefill-stagger-tokens N``; 0:
-prompts that complete in the same step decode together (the behaviour before the thirty-fourth
-landing).
+``--stagger-too N`` (repeatable) adds the bounded server with ``--prefill-stagger-tokens N``: one
+streamed prompt completes per step without streamed decodes, the others N tokens later (serve's
+default is 0: prompts that complete in the same step decode together).
 
 ``--no-chain-too`` adds the bounded server without chained decode steps
 (``--num-continuous-decode-steps 1``): what the chains do to TTFT (a request arriving during a
