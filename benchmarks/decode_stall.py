@@ -13,6 +13,10 @@ alone is measured first: single requests with cached prompts, nothing else runni
 streamed prompt completes per step without streamed decodes, the others N tokens later (serve's
 default is 0: prompts that complete in the same step decode together).
 
+``--lone-too X`` (repeatable) adds the bounded server with ``--decode-slowdown-lone X``: a step of
+several streamed decodes also keeps within X times a lone decode step. ``--also 'ARGS'``
+(repeatable) adds the bounded server with any extra serve arguments, e.g. both of the above.
+
 ``--no-chain-too`` adds the bounded server without chained decode steps
 (``--num-continuous-decode-steps 1``): what the chains do to TTFT (a request arriving during a
 chain waits for its end) and to TPOT, alone and beside prefill.
@@ -99,6 +103,12 @@ def main() -> int:
     ap.add_argument("--stagger-too", type=int, action="append", default=[], metavar="N",
                     help="also run the bounded server with --prefill-stagger-tokens N (0: prompts that "
                          "complete in one step decode together), as another setting; may be repeated")
+    ap.add_argument("--lone-too", type=float, action="append", default=[], metavar="X",
+                    help="also run the bounded server with --decode-slowdown-lone X (a step of several decodes "
+                         "keeps within X times a lone decode step), as another setting; may be repeated")
+    ap.add_argument("--also", action="append", default=[], metavar="'SERVE ARGS'",
+                    help="also run the bounded server with these extra serve arguments (one string, e.g. "
+                         "'--decode-slowdown-lone 2 --prefill-stagger-tokens 32'), as another setting; may be repeated")
     ap.add_argument("--no-chain-too", action="store_true",
                     help="also run the bounded server without chained decode steps "
                          "(--num-continuous-decode-steps 1; chains are serve's default)")
@@ -123,6 +133,11 @@ def main() -> int:
     for n in args.stagger_too:
         settings[f"bound on, --prefill-stagger-tokens {n}"] = [
             "--decode-slowdown", f"{args.slowdown:g}", "--prefill-stagger-tokens", str(n)] + finish
+    for x in args.lone_too:
+        settings[f"bound on, --decode-slowdown-lone {x:g}"] = [
+            "--decode-slowdown", f"{args.slowdown:g}", "--decode-slowdown-lone", f"{x:g}"] + finish
+    for extra in args.also:
+        settings[f"bound on, {extra}"] = ["--decode-slowdown", f"{args.slowdown:g}"] + extra.split() + finish
     if args.no_chain_too:
         settings["bound on, no chains (--num-continuous-decode-steps 1)"] = [
             "--decode-slowdown", f"{args.slowdown:g}", "--num-continuous-decode-steps", "1"] + finish

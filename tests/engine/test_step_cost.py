@@ -66,7 +66,8 @@ def test_old_observations_fade():
 
 
 @pytest.mark.parametrize("bad", [dict(slowdown=1.0), dict(min_tokens=0), dict(decay=1.0), dict(split_rows=0),
-                                 dict(slowdown=2.0, finish_slowdown=1.5), dict(row_group=0)])
+                                 dict(slowdown=2.0, finish_slowdown=1.5), dict(row_group=0),
+                                 dict(lone_slowdown=1.0)])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         StepCost(**bad)
@@ -437,6 +438,40 @@ def test_a_known_kind_stays_known_when_its_rows_stop_varying():
     assert b == pytest.approx(0.002, rel=0.1)                 # the slope as last measured
     assert cost.predict(3, 400) == pytest.approx(0.0087, rel=1e-3)   # the level of the recent steps
 
+
+
+def test_the_lone_cap_holds_several_decodes_to_a_multiple_of_one():
+    """``lone_slowdown``: a step with several decodes also keeps within that many times a lone
+    decode step at their mean context (one stream's TPOT alone), so a stream beside others waits
+    at most that much longer per token than alone. One decode, and steps whose bound is already
+    tighter, are unchanged; where the decodes alone come near the cap, the first chunk gets
+    ``min_tokens`` (prefill never stops while decodes run)."""
+    def learned(**kw) -> StepCost:
+        cost = StepCost(slowdown=1.75, split_rows=24, single_row=True, **kw)
+        for ctx in (200, 400, 600, 800) * 2:
+            cost.observe(1, 0.0056 + 1e-6 * ctx, ctx)              # lone: 6 ms at 400 tokens
+        for i, rows in enumerate((2, 3, 5, 8, 13, 21) * 2):
+            cost.observe(rows, 0.0017 + 0.002 * rows, 300 + 53 * i)   # 2 ms a row beside it
+        for rows in (40, 88, 200) * 2:                              # the GEMM kind, past 24 rows
+            cost.observe(rows, 0.020 + 0.001 * rows, 400)
+        return cost
+
+    plain, capped = learned(), learned(lone_slowdown=2.0)
+    step = lambda rows: 0.0017 + 0.002 * rows                       # noqa: E731
+    # one decode: the lone cap is not consulted (its target is 1.75x that same step)
+    assert capped.prefill_budget(1, 500, decode_pairs=400) == plain.prefill_budget(1, 500, decode_pairs=400)
+    # two decodes: 1.75 x 5.7 ms is below 2 x 6.0 ms, the plain bound holds
+    assert capped.prefill_budget(2, 500, decode_pairs=800) == plain.prefill_budget(2, 500, decode_pairs=800) == 2
+    # four decodes (9.7 ms alone): plain lets the step reach 1.75x of that, 17 ms; the cap 12 ms
+    k_plain = plain.prefill_budget(4, 500, decode_pairs=1600)
+    k_capped = capped.prefill_budget(4, 500, decode_pairs=1600)
+    assert k_plain == 3 and step(4 + k_plain) > 2.0 * 0.006
+    assert k_capped == 1 and step(4 + k_capped) <= 2.0 * 0.006 < step(5 + k_capped)
+    # six decodes alone (13.7 ms) are past the cap: the first chunk's floor, no more
+    assert capped.prefill_budget(6, 500, decode_pairs=2400) == capped.min_tokens == 1
+    b = capped.bound(6, 2400)
+    b.add(0, b.cap(0, 500))
+    assert b.cap(0, 500) == 0
 
 @pytest.mark.parametrize("stagger", [0, 32])
 def test_a_step_without_decodes_completes_one_streamed_prompt(stagger):

@@ -92,3 +92,18 @@ def test_prefill_stagger_reaches_the_scheduler_and_is_checked(tiny_dir):
             got[o.request_id] = list(o.token_ids)
     assert got == alone
     assert first["b"] > first["a"]                    # b stopped 8 tokens short in the first step
+
+
+def test_the_lone_cap_reaches_the_cost_model_and_is_checked(tiny_dir):
+    """``--decode-slowdown-lone`` (off by default) is the step-cost model's ``lone_slowdown``;
+    0 on the command line turns it off, and a cap of 1x or less is refused."""
+    path = str(tiny_dir("LlamaForCausalLM"))
+    assert _engine(path).step_cost.lone_slowdown is None
+    assert _engine(path, decode_slowdown_lone=2.0).step_cost.lone_slowdown == 2.0
+    with pytest.raises(ValueError, match="decode_slowdown_lone must be > 1"):
+        EngineConfig(model=path, decode_slowdown_lone=1.0)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args(["--model", path, "--decode-slowdown-lone", "2"])).decode_slowdown_lone == 2.0
+    assert engine_config_from_args(parser.parse_args(["--model", path, "--decode-slowdown-lone", "0"])).decode_slowdown_lone is None
+    assert engine_config_from_args(parser.parse_args(["--model", path])).decode_slowdown_lone is None

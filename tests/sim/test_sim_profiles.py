@@ -62,6 +62,7 @@ def test_formulas():
     ({"colour": "blue"}, "unknown profile fields"),
     ({"decode_slowdown": 1.0}, "decode_slowdown must be > 1"),
     ({"decode_slowdown": "2"}, "decode_slowdown must be > 1"),
+    ({"decode_slowdown_lone": 1.0}, "decode_slowdown_lone must be > 1"),
 ])
 def test_bad_profiles_are_rejected_with_a_clear_error(bad, match):
     d = get_preset("tiny-random-cpu").to_dict()

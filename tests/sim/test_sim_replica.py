@@ -279,3 +279,14 @@ def test_simulator_imports_no_torch():
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_lone_cap_reaches_the_replicas_scheduler():
+    """``decode_slowdown_lone`` is the engine's ``--decode-slowdown-lone``: the replica's own
+    step-cost model gets it, so a simulated fleet schedules as the engine would."""
+    import dataclasses
+
+    prof = dataclasses.replace(profile(slowdown=1.75), decode_slowdown_lone=2.0)
+    rep = SimReplica("r0", prof, B, lambda: 0.0)
+    assert rep.scheduler.step_cost.lone_slowdown == 2.0
+    assert SimReplica("r1", profile(slowdown=1.75), B, lambda: 0.0).scheduler.step_cost.lone_slowdown is None

@@ -41,6 +41,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a prefill that keeps the step within this many times the "
                         "decodes-only step time whole is prefilled at once instead of in bounded chunks (an agent "
                         "turn after a cache hit); 0: every chunk keeps --decode-slowdown")
+    g.add_argument("--decode-slowdown-lone", type=float, default=d.decode_slowdown_lone,
+                   help="with --decode-slowdown: a step that carries several decodes also keeps within this many "
+                        "times a lone decode step (one stream's TPOT alone), so prefill waits while the decodes "
+                        "alone come near it; 0 or unset: off")
     g.add_argument("--prefill-stagger-tokens", type=int, default=d.prefill_stagger_tokens,
                    help="with --decode-slowdown: a step without streamed decodes completes one streamed prompt; "
                         "another that would complete there stops this many tokens short and finishes beside the "
@@ -177,6 +181,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {k: v for k, v in vars(args).items() if k in names}
     if not values.get("decode_slowdown", 1):   # 0 on the command line: no bound
         values["decode_slowdown"] = None
+    if not values.get("decode_slowdown_lone"):
+        values["decode_slowdown_lone"] = None
     if not values.get("prefill_finish_slowdown", 1):
         values["prefill_finish_slowdown"] = None
     return EngineConfig(**values)

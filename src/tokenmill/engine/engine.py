@@ -101,7 +101,8 @@ class Engine:
         self._init_device()
         self._init_model(loaded)
         self._init_kv()
-        self.step_cost = (StepCost(config.decode_slowdown, finish_slowdown=config.prefill_finish_slowdown)
+        self.step_cost = (StepCost(config.decode_slowdown, finish_slowdown=config.prefill_finish_slowdown,
+                                   lone_slowdown=config.decode_slowdown_lone)
                           if config.decode_slowdown else None)
         self.step_times = StepTimes()   # wall time of steps by kind (decode, mixed, prefill)
         self._decode_step_s: dict[int, float] = {}   # decode-only step seconds by rows (chain lengths)

@@ -177,6 +177,7 @@ class TokenLine:
 class StepCost:
     slowdown: float = 2.0          # a mixed step may take this many times the decodes-only step
     finish_slowdown: float | None = None   # ... or this many, when that completes a prefill
+    lone_slowdown: float | None = None     # ... and at most this many times a lone decode step
     min_tokens: int = 1            # the first prefill chunk of a step gets at least this many
     warmup_tokens: int = 64        # budget before the fit is trustworthy (no split_rows)
     decay: float = 0.95            # weight kept by each older observation (of the same kind)
@@ -193,6 +194,8 @@ class StepCost:
         if self.finish_slowdown is not None and not self.finish_slowdown >= self.slowdown:
             raise ValueError(f"finish_slowdown must be >= slowdown ({self.slowdown}) or None, "
                              f"got {self.finish_slowdown}")
+        if self.lone_slowdown is not None and not self.lone_slowdown > 1.0:
+            raise ValueError(f"lone_slowdown must be > 1 or None, got {self.lone_slowdown}")
         if self.min_tokens < 1 or self.warmup_tokens < 1:
             raise ValueError("min_tokens and warmup_tokens must be >= 1")
         if not 0.0 < self.decay < 1.0:
@@ -256,6 +259,9 @@ class PrefillBound:
     The step's decodes take ``T(d)`` seconds alone; every chunk added must keep the predicted
     step time within ``slowdown * T(d)``. ``cap(context, limit)`` is the largest next chunk
     after ``context`` cached tokens; ``add(context, n)`` records the chunk that was scheduled.
+    With ``StepCost.lone_slowdown`` and two or more decodes, the target is also at most that many
+    times a lone decode step at the decodes' mean context (a stream's TPOT alone): several
+    decodes' own step can already be 2x a lone one's, and the plain bound multiplies that.
 
     The finishing exception (``StepCost.finish_slowdown``): a short prefill (:meth:`short`: its
     whole uncached part, done beside the decodes alone, keeps the step within
@@ -277,6 +283,12 @@ class PrefillBound:
         self.added = 0
         alone = cost.predict(num_decode_tokens, decode_pairs)
         self.target = None if alone is None else cost.slowdown * max(alone, 0.0)
+        if self.target is not None and cost.lone_slowdown is not None and num_decode_tokens > 1:
+            # the lone cap: a stream's TPOT beside others is held to a multiple of its TPOT alone
+            # (one decode step at these decodes' mean context), not of the several decodes' step
+            lone = cost.predict(1, decode_pairs // num_decode_tokens)
+            if lone is not None:
+                self.target = min(self.target, cost.lone_slowdown * max(lone, 0.0))
         self.finish_target = (None if alone is None or cost.finish_slowdown is None
                               else cost.finish_slowdown * max(alone, 0.0))
         # warm-up allowance: tokens the step may take while the fit is not known: what keeps the

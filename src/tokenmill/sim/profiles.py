@@ -30,6 +30,8 @@ A profile is a small JSON document. The simulator reads four things from it:
   (``EngineConfig.decode_slowdown``, learned from the modelled step times); None leaves it off.
   **prefill_finish_slowdown** (optional): its finishing exception
   (``EngineConfig.prefill_finish_slowdown``); None keeps every chunk within the bound.
+  **decode_slowdown_lone** (optional): its cap relative to a lone decode step
+  (``EngineConfig.decode_slowdown_lone``); None leaves it off.
 
 The replica runs the engine's own scheduler (``sim/replica.py``), so what a step holds is the
 engine's choice; the profile only says how long it takes.
@@ -124,6 +126,7 @@ class ReplicaProfile:
     max_prefill_tokens: int = 8192
     decode_slowdown: float | None = None
     prefill_finish_slowdown: float | None = None
+    decode_slowdown_lone: float | None = None
     # Lower cache tiers (sim/tiers.py): L2 host memory per replica, L3 storage shared by the fleet.
     host_cache_tokens: int = 0
     storage_tokens: int = 0
@@ -153,6 +156,10 @@ class ReplicaProfile:
                 and self.prefill_finish_slowdown >= (self.decode_slowdown or 1.0)):
             raise ValueError("profile.prefill_finish_slowdown must be >= decode_slowdown (or null), "
                              f"got {self.prefill_finish_slowdown!r}")
+        if self.decode_slowdown_lone is not None and not (
+                isinstance(self.decode_slowdown_lone, (int, float)) and math.isfinite(self.decode_slowdown_lone)
+                and self.decode_slowdown_lone > 1.0):
+            raise ValueError(f"profile.decode_slowdown_lone must be > 1 (or null), got {self.decode_slowdown_lone!r}")
         self.tier_profile()   # validates the tier fields
         if self.kv_capacity_tokens < self.page_size:
             raise ValueError(f"kv_capacity_tokens ({self.kv_capacity_tokens}) is below one page ({self.page_size})")
