@@ -67,7 +67,7 @@ def test_old_observations_fade():
 
 @pytest.mark.parametrize("bad", [dict(slowdown=1.0), dict(min_tokens=0), dict(decay=1.0), dict(split_rows=0),
                                  dict(slowdown=2.0, finish_slowdown=1.5), dict(row_group=0),
-                                 dict(lone_slowdown=1.0)])
+                                 dict(lone_slowdown=1.0), dict(lone_min_prefill=-1)])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         StepCost(**bad)
@@ -440,23 +440,26 @@ def test_a_known_kind_stays_known_when_its_rows_stop_varying():
 
 
 
+def _lone_learned(**kw) -> StepCost:
+    """A learned model of int4 steps on an AVX-512 host without AMX: a lone decode 6 ms at 400
+    tokens of context, 2 ms a row beside it, a GEMM kind past 24 rows."""
+    cost = StepCost(slowdown=1.75, split_rows=24, single_row=True, **kw)
+    for ctx in (200, 400, 600, 800) * 2:
+        cost.observe(1, 0.0056 + 1e-6 * ctx, ctx)
+    for i, rows in enumerate((2, 3, 5, 8, 13, 21) * 2):
+        cost.observe(rows, 0.0017 + 0.002 * rows, 300 + 53 * i)
+    for rows in (40, 88, 200) * 2:
+        cost.observe(rows, 0.020 + 0.001 * rows, 400)
+    return cost
+
+
 def test_the_lone_cap_holds_several_decodes_to_a_multiple_of_one():
     """``lone_slowdown``: a step with several decodes also keeps within that many times a lone
     decode step at their mean context (one stream's TPOT alone), so a stream beside others waits
     at most that much longer per token than alone. One decode, and steps whose bound is already
     tighter, are unchanged; where the decodes alone come near the cap, the first chunk gets
     ``min_tokens`` (prefill never stops while decodes run)."""
-    def learned(**kw) -> StepCost:
-        cost = StepCost(slowdown=1.75, split_rows=24, single_row=True, **kw)
-        for ctx in (200, 400, 600, 800) * 2:
-            cost.observe(1, 0.0056 + 1e-6 * ctx, ctx)              # lone: 6 ms at 400 tokens
-        for i, rows in enumerate((2, 3, 5, 8, 13, 21) * 2):
-            cost.observe(rows, 0.0017 + 0.002 * rows, 300 + 53 * i)   # 2 ms a row beside it
-        for rows in (40, 88, 200) * 2:                              # the GEMM kind, past 24 rows
-            cost.observe(rows, 0.020 + 0.001 * rows, 400)
-        return cost
-
-    plain, capped = learned(), learned(lone_slowdown=2.0)
+    plain, capped = _lone_learned(), _lone_learned(lone_slowdown=2.0)
     step = lambda rows: 0.0017 + 0.002 * rows                       # noqa: E731
     # one decode: the lone cap is not consulted (its target is 1.75x that same step)
     assert capped.prefill_budget(1, 500, decode_pairs=400) == plain.prefill_budget(1, 500, decode_pairs=400)
@@ -472,6 +475,27 @@ def test_the_lone_cap_holds_several_decodes_to_a_multiple_of_one():
     b = capped.bound(6, 2400)
     b.add(0, b.cap(0, 500))
     assert b.cap(0, 500) == 0
+
+
+@pytest.mark.parametrize("prompt,expect", [(64, 3), (600, 1)])
+def test_the_lone_cap_holds_long_prefills_only(prompt, expect):
+    """Beside 4 streamed decodes (9.7 ms alone, a lone one 5.6 ms), the plain bound lets a step
+    reach 17 ms (3 prefill tokens), the lone cap at 2x 11.3 ms (none: the floor's 1 token). A
+    prefill of at most ``lone_min_prefill`` uncached tokens (an agent turn after a hit) keeps the
+    plain bound; a long prompt's chunks keep the cap."""
+    cost = _lone_learned(lone_slowdown=2.0)
+    sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=512, max_running_requests=8,
+                      step_cost=cost)
+    decoders = [Request(f"d{i}", list(range(100 * i, 100 * i + 40)), SamplingParams(max_tokens=8))
+                for i in range(4)]
+    for r in decoders:
+        sched.add_request(r)
+    assert _step(sched) == {r.request_id: 40 for r in decoders}
+    sched.add_request(Request("p", list(range(1000, 1000 + prompt)), SamplingParams(max_tokens=4)))
+    got = _step(sched)
+    assert all(got[r.request_id] == 1 for r in decoders) and got["p"] == expect
+    got = _step(sched)                                   # its next chunk: the same bound
+    assert got["p"] == expect
 
 @pytest.mark.parametrize("stagger", [0, 32])
 def test_a_step_without_decodes_completes_one_streamed_prompt(stagger):

@@ -99,10 +99,10 @@ class _StepPlan:
         n = min(req.num_uncomputed_tokens, self.budget)
         if self.bound is None:
             return n
-        cap = self.bound.cap(context, n)
+        start = req.num_cached_tokens if req.num_cached_tokens is not None else context
+        start = min(start, context)   # where the prefill's uncached part begins
+        cap = self.bound.cap(context, n, prefill_tokens=req.num_tokens - start)
         if cap < n and n == req.num_uncomputed_tokens and self.bound.finishes(context, n):
-            start = req.num_cached_tokens if req.num_cached_tokens is not None else context
-            start = min(start, context)
             if self.bound.short(start, req.num_tokens - start):
                 return n
         return cap
@@ -279,8 +279,9 @@ class Scheduler:
                 return
             if plan.bound is not None:
                 hit = self.kv.cached_prefix_tokens(req)
-                if plan.bound.cap(hit, 1) <= 0 and not (plan.bound.finishes(hit, req.num_tokens - hit)
-                                                        and plan.bound.short(hit, req.num_tokens - hit)):
+                left = req.num_tokens - hit
+                if plan.bound.cap(hit, 1, prefill_tokens=left) <= 0 and not (plan.bound.finishes(hit, left)
+                                                                             and plan.bound.short(hit, left)):
                     return                   # the step-time bound has no room for another chunk
             if not self.kv.take_slot(req):   # hybrid models: every state slot is taken
                 return

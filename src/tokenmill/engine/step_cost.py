@@ -178,6 +178,7 @@ class StepCost:
     slowdown: float = 2.0          # a mixed step may take this many times the decodes-only step
     finish_slowdown: float | None = None   # ... or this many, when that completes a prefill
     lone_slowdown: float | None = None     # ... and at most this many times a lone decode step
+    lone_min_prefill: int = 128    # ... for chunks of prefills with more uncached tokens than this
     min_tokens: int = 1            # the first prefill chunk of a step gets at least this many
     warmup_tokens: int = 64        # budget before the fit is trustworthy (no split_rows)
     decay: float = 0.95            # weight kept by each older observation (of the same kind)
@@ -196,6 +197,8 @@ class StepCost:
                              f"got {self.finish_slowdown}")
         if self.lone_slowdown is not None and not self.lone_slowdown > 1.0:
             raise ValueError(f"lone_slowdown must be > 1 or None, got {self.lone_slowdown}")
+        if self.lone_min_prefill < 0:
+            raise ValueError(f"lone_min_prefill must be >= 0, got {self.lone_min_prefill}")
         if self.min_tokens < 1 or self.warmup_tokens < 1:
             raise ValueError("min_tokens and warmup_tokens must be >= 1")
         if not 0.0 < self.decay < 1.0:
@@ -261,7 +264,10 @@ class PrefillBound:
     after ``context`` cached tokens; ``add(context, n)`` records the chunk that was scheduled.
     With ``StepCost.lone_slowdown`` and two or more decodes, the target is also at most that many
     times a lone decode step at the decodes' mean context (a stream's TPOT alone): several
-    decodes' own step can already be 2x a lone one's, and the plain bound multiplies that.
+    decodes' own step can already be 2x a lone one's, and the plain bound multiplies that. That
+    cap holds the chunks of long prefills only (more than ``StepCost.lone_min_prefill`` uncached
+    tokens, given to :meth:`cap` as ``prefill_tokens``): an agent turn after a cache hit keeps the
+    plain bound, since cutting it finer only lengthens its time to first token.
 
     The finishing exception (``StepCost.finish_slowdown``): a short prefill (:meth:`short`: its
     whole uncached part, done beside the decodes alone, keeps the step within
@@ -283,12 +289,13 @@ class PrefillBound:
         self.added = 0
         alone = cost.predict(num_decode_tokens, decode_pairs)
         self.target = None if alone is None else cost.slowdown * max(alone, 0.0)
+        self.lone_target = self.target   # the target of a long prefill's chunks (see lone_slowdown)
         if self.target is not None and cost.lone_slowdown is not None and num_decode_tokens > 1:
             # the lone cap: a stream's TPOT beside others is held to a multiple of its TPOT alone
             # (one decode step at these decodes' mean context), not of the several decodes' step
             lone = cost.predict(1, decode_pairs // num_decode_tokens)
             if lone is not None:
-                self.target = min(self.target, cost.lone_slowdown * max(lone, 0.0))
+                self.lone_target = min(self.target, cost.lone_slowdown * max(lone, 0.0))
         self.finish_target = (None if alone is None or cost.finish_slowdown is None
                               else cost.finish_slowdown * max(alone, 0.0))
         # warm-up allowance: tokens the step may take while the fit is not known: what keeps the
@@ -326,11 +333,14 @@ class PrefillBound:
         t = self.cost.predict(self._decode_rows + n, self._decode_pairs + chunk_pairs(context, n))
         return t is not None and t <= self.finish_target
 
-    def cap(self, context: int, limit: int, first: bool | None = None) -> int:
+    def cap(self, context: int, limit: int, first: bool | None = None, prefill_tokens: int | None = None) -> int:
         """The largest chunk (<= ``limit``) after ``context`` cached tokens that keeps the bound;
-        the step's first chunk gets at least ``min_tokens``."""
+        the step's first chunk gets at least ``min_tokens``. ``prefill_tokens``: the prefill's
+        whole uncached part, where known (a long one's chunks keep the lone cap as well)."""
         if limit <= 0:
             return 0
+        target = (self.lone_target if prefill_tokens is None or prefill_tokens > self.cost.lone_min_prefill
+                  else self.target)
         first = self.added == 0 if first is None else first
         floor = min(self.cost.min_tokens, limit) if first else 0
         if self.target is None:
@@ -355,14 +365,14 @@ class PrefillBound:
                 warming = True
                 best = max(best, room)
                 continue
-            if self._fits(hi, context):
+            if self._fits(hi, context, target):
                 best = max(best, hi)
                 continue
-            if not self._fits(lo, context):
+            if not self._fits(lo, context, target):
                 continue
             while lo < hi:   # largest k in [lo, hi] that fits; predictions grow with k
                 mid = (lo + hi + 1) // 2
-                if self._fits(mid, context):
+                if self._fits(mid, context, target):
                     lo = mid
                 else:
                     hi = mid - 1
