@@ -6,7 +6,7 @@ import pytest
 from tokenmill.cache.page_pool import PagePool
 from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.kv_manager import KVManager
-from tokenmill.engine.request import Request
+from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_cost import StepCost
 
@@ -527,3 +527,48 @@ def test_a_step_without_decodes_completes_one_streamed_prompt(stagger):
     assert got["a"] == got["c"] == got["w"] == 1
     k = sum(got.get(r, 0) for r in "bd")
     assert 0 < k < 32 and cost.predict(3 + k) <= 2.0 * cost.predict(3) + 1e-12 < cost.predict(4 + k)
+
+
+def test_a_long_prompt_waits_for_the_decodes_instead_of_a_token_a_step():
+    """``StepCost.hold_below``: beside 4 streamed decodes the plain bound gives a prompt 3 tokens a
+    step; a long prompt (running, or waiting for admission) waits instead, at most ``hold_steps``
+    steps in all, then takes the bound's chunks; once the decodes end it takes whole chunks."""
+    cost = _lone_learned(hold_below=8, hold_steps=3)
+    sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=200, max_running_requests=8,
+                      step_cost=cost)
+    decoders = [Request(f"d{i}", list(range(100 * i, 100 * i + 40)), SamplingParams(max_tokens=8))
+                for i in range(4)]
+    p = Request("p", list(range(1000, 1600)), SamplingParams(max_tokens=4))
+    for r in decoders + [p]:
+        sched.add_request(r)
+    assert _step(sched) == {**{r.request_id: 40 for r in decoders}, "p": 40}
+    q = Request("q", list(range(5000, 5600)), SamplingParams(max_tokens=4))
+    sched.add_request(q)
+    for _ in range(3):                                   # both wait: the decodes run alone
+        assert _step(sched) == {r.request_id: 1 for r in decoders}
+        assert q.status is RequestStatus.WAITING and p.num_computed_tokens == 40
+    assert sched._holds == {p: 3, q: 3}
+    assert _step(sched) == {**{r.request_id: 1 for r in decoders}, "p": 3}   # holds spent
+    for r in decoders:
+        sched.finish(r, "length")
+    assert _step(sched) == {"p": 200}                    # no decodes: no bound, no hold
+    sched.finish(p, "abort")
+    sched.finish(q, "abort")
+    assert sched._holds == {}
+
+
+@pytest.mark.parametrize("prompt,hold_below,expect", [(64, 8, 3), (600, 8, 0), (600, 0, 3), (600, 3, 3)])
+def test_only_long_prompts_wait_and_only_for_chunks_below_the_mark(prompt, hold_below, expect):
+    """An agent turn after a hit (at most ``lone_min_prefill`` uncached tokens) is never held; nor
+    is a prompt whose bounded chunk reaches ``hold_below``; 0 turns holding off."""
+    cost = _lone_learned(hold_below=hold_below)
+    sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=512, max_running_requests=8,
+                      step_cost=cost)
+    decoders = [Request(f"d{i}", list(range(100 * i, 100 * i + 40)), SamplingParams(max_tokens=8))
+                for i in range(4)]
+    for r in decoders:
+        sched.add_request(r)
+    _step(sched)
+    sched.add_request(Request("p", list(range(1000, 1000 + prompt)), SamplingParams(max_tokens=4)))
+    got = _step(sched)
+    assert all(got[r.request_id] == 1 for r in decoders) and got.get("p", 0) == expect

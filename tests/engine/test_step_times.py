@@ -9,7 +9,7 @@ from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.cli import add_engine_arguments, engine_config_from_args
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.engine import Engine
-from tokenmill.engine.step_cost import STEP_SECONDS_BUCKETS
+from tokenmill.engine.step_cost import PACKED_HOLD_BELOW, PACKED_LONE_SLOWDOWN, STEP_SECONDS_BUCKETS
 from tokenmill.layers.quant.fused_decode import fused_fp32_max_rows
 from tokenmill.layers.quant.packed import gemv_max_rows, gemv_row_group
 from tokenmill.server.metrics import ServerMetrics
@@ -30,6 +30,12 @@ def test_packed_weights_give_the_cost_model_two_kinds_of_step(tiny_dir):
     assert int4.row_group == gemv_row_group() and _engine(path).step_cost.row_group == 1
     # a lone decode step is a kind of its own on packed weights (their one-row kernels), not at fp32
     assert int4.single_row and not _engine(path).step_cost.single_row
+    # and there the lone cap and the prefill hold are on unless set (0: off); at fp32 both are off
+    assert (int4.lone_slowdown, int4.hold_below) == (PACKED_LONE_SLOWDOWN, PACKED_HOLD_BELOW) == (2.0, 16)
+    off = _engine(path, quantization="int4", decode_slowdown_lone=0, prefill_hold_below=0).step_cost
+    assert (off.lone_slowdown, off.hold_below) == (None, 0)
+    fp32 = _engine(path).step_cost
+    assert (fp32.lone_slowdown, fp32.hold_below) == (None, 0)
     # no fused stack (per-head q/k norms), or fused decode turned off, fp32: one kind
     assert _engine(str(tiny_dir("Qwen3ForCausalLM"))).step_cost.split_rows is None
     off = _engine(path, fused_decode=False)
@@ -102,8 +108,29 @@ def test_the_lone_cap_reaches_the_cost_model_and_is_checked(tiny_dir):
     assert _engine(path, decode_slowdown_lone=2.0).step_cost.lone_slowdown == 2.0
     with pytest.raises(ValueError, match="decode_slowdown_lone must be > 1"):
         EngineConfig(model=path, decode_slowdown_lone=1.0)
+    with pytest.raises(ValueError, match="decode_slowdown_lone must be > 1"):
+        EngineConfig(model=path, decode_slowdown_lone=0.5)
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     assert engine_config_from_args(parser.parse_args(["--model", path, "--decode-slowdown-lone", "2"])).decode_slowdown_lone == 2.0
-    assert engine_config_from_args(parser.parse_args(["--model", path, "--decode-slowdown-lone", "0"])).decode_slowdown_lone is None
+    assert engine_config_from_args(parser.parse_args(["--model", path, "--decode-slowdown-lone", "0"])).decode_slowdown_lone == 0
+    assert _engine(path, decode_slowdown_lone=0).step_cost.lone_slowdown is None
     assert engine_config_from_args(parser.parse_args(["--model", path])).decode_slowdown_lone is None
+
+
+def test_the_prefill_hold_reaches_the_cost_model_and_is_checked(tiny_dir):
+    """``--prefill-hold-below`` / ``--prefill-hold-steps`` (off by default) are the step-cost
+    model's ``hold_below`` / ``hold_steps``; negative values are refused."""
+    path = str(tiny_dir("LlamaForCausalLM"))
+    cost = _engine(path).step_cost                     # fp32: off unless set
+    assert (cost.hold_below, cost.hold_steps) == (0, 32)
+    cost = _engine(path, prefill_hold_below=16, prefill_hold_steps=8).step_cost
+    assert (cost.hold_below, cost.hold_steps) == (16, 8)
+    for bad in ({"prefill_hold_below": -1}, {"prefill_hold_steps": -1}):
+        with pytest.raises(ValueError, match="prefill_hold_below and prefill_hold_steps must be >= 0"):
+            EngineConfig(model=path, **bad)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    cfg = engine_config_from_args(parser.parse_args(["--model", path, "--prefill-hold-below", "16",
+                                                     "--prefill-hold-steps", "4"]))
+    assert (cfg.prefill_hold_below, cfg.prefill_hold_steps) == (16, 4)

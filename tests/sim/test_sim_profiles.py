@@ -63,6 +63,8 @@ def test_formulas():
     ({"decode_slowdown": 1.0}, "decode_slowdown must be > 1"),
     ({"decode_slowdown": "2"}, "decode_slowdown must be > 1"),
     ({"decode_slowdown_lone": 1.0}, "decode_slowdown_lone must be > 1"),
+    ({"prefill_hold_below": -1}, "prefill_hold_below must be an integer >= 0"),
+    ({"prefill_hold_steps": 2.5}, "prefill_hold_steps must be an integer >= 0"),
 ])
 def test_bad_profiles_are_rejected_with_a_clear_error(bad, match):
     d = get_preset("tiny-random-cpu").to_dict()

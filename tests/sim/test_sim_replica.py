@@ -290,3 +290,14 @@ def test_the_lone_cap_reaches_the_replicas_scheduler():
     rep = SimReplica("r0", prof, B, lambda: 0.0)
     assert rep.scheduler.step_cost.lone_slowdown == 2.0
     assert SimReplica("r1", profile(slowdown=1.75), B, lambda: 0.0).scheduler.step_cost.lone_slowdown is None
+
+
+def test_the_prefill_hold_reaches_the_replicas_scheduler():
+    """``prefill_hold_below`` / ``prefill_hold_steps`` are the engine's ``--prefill-hold-below`` /
+    ``--prefill-hold-steps``: the replica's step-cost model gets them (off unless set)."""
+    import dataclasses
+
+    prof = dataclasses.replace(profile(slowdown=1.75), prefill_hold_below=16, prefill_hold_steps=8)
+    cost = SimReplica("r0", prof, B, lambda: 0.0).scheduler.step_cost
+    assert (cost.hold_below, cost.hold_steps) == (16, 8)
+    assert SimReplica("r1", profile(slowdown=1.75), B, lambda: 0.0).scheduler.step_cost.hold_below == 0

@@ -44,7 +44,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-slowdown-lone", type=float, default=d.decode_slowdown_lone,
                    help="with --decode-slowdown: a step that carries several decodes also keeps within this many "
                         "times a lone decode step (one stream's TPOT alone), so prefill waits while the decodes "
-                        "alone come near it; 0 or unset: off")
+                        "alone come near it; 0: off; default: 2 on packed int4/int8 weights, off at fp32")
+    g.add_argument("--prefill-hold-below", type=int, default=d.prefill_hold_below,
+                   help="with --decode-slowdown: a long prompt (more than 128 uncached tokens) whose bounded chunk "
+                        "beside streamed decodes would be smaller than this waits for them instead (short answers "
+                        "end in a few steps; a token or two of prefill costs a decode much of its step); 0: off; "
+                        "default: 16 on packed int4/int8 weights, off at fp32")
+    g.add_argument("--prefill-hold-steps", type=int, default=d.prefill_hold_steps,
+                   help="with --prefill-hold-below: the most steps one prompt waits in all, so that long answers "
+                        "do not starve it")
     g.add_argument("--prefill-stagger-tokens", type=int, default=d.prefill_stagger_tokens,
                    help="with --decode-slowdown: a step without streamed decodes completes one streamed prompt; "
                         "another that would complete there stops this many tokens short and finishes beside the "
@@ -181,8 +189,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {k: v for k, v in vars(args).items() if k in names}
     if not values.get("decode_slowdown", 1):   # 0 on the command line: no bound
         values["decode_slowdown"] = None
-    if not values.get("decode_slowdown_lone"):
-        values["decode_slowdown_lone"] = None
     if not values.get("prefill_finish_slowdown", 1):
         values["prefill_finish_slowdown"] = None
     return EngineConfig(**values)

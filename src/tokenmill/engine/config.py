@@ -81,8 +81,13 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
     prefill_finish_slowdown: float | None = 12.0  # ... or this many x, for a step that does a short
                                           # whole prefill at once (None: always the bound)
     decode_slowdown_lone: float | None = None  # with the bound: a step with several decodes also keeps
-                                          # within this many x a lone decode step (None: off;
-                                          # StepCost.lone_slowdown)
+                                          # within this many x a lone decode step (0: off; None:
+                                          # 2 on packed weights, else off; StepCost.lone_slowdown)
+    prefill_hold_below: int | None = None  # with the bound: a long prompt (more than 128 uncached
+                                          # tokens) whose chunk beside streamed decodes would be
+                                          # below this waits for them instead (0: off; None: 16 on
+                                          # packed weights, else off; StepCost.hold_below) ...
+    prefill_hold_steps: int = 32          # ... for at most this many steps in all
     prefill_stagger_tokens: int = 0       # with the bound: a step without streamed decodes completes
                                           # one streamed prefill; others stop this many short (0: off;
                                           # Scheduler.prefill_stagger_tokens)
@@ -148,8 +153,11 @@ thread count for the whole process (on a shared, oversubscribed CPU one thread i
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.decode_slowdown is not None and not self.decode_slowdown > 1.0:
             raise ValueError(f"decode_slowdown must be > 1 (or None to turn the bound off), got {self.decode_slowdown}")
-        if self.decode_slowdown_lone is not None and not self.decode_slowdown_lone > 1.0:
-            raise ValueError(f"decode_slowdown_lone must be > 1 (or None), got {self.decode_slowdown_lone}")
+        if self.decode_slowdown_lone not in (None, 0) and not self.decode_slowdown_lone > 1.0:
+            raise ValueError(f"decode_slowdown_lone must be > 1 (0: off, None: auto), got {self.decode_slowdown_lone}")
+        if (self.prefill_hold_below is not None and self.prefill_hold_below < 0) or self.prefill_hold_steps < 0:
+            raise ValueError(f"prefill_hold_below and prefill_hold_steps must be >= 0, got "
+                             f"{self.prefill_hold_below}, {self.prefill_hold_steps}")
         if self.prefill_stagger_tokens < 0:
             raise ValueError(f"prefill_stagger_tokens must be >= 0, got {self.prefill_stagger_tokens}")
         if (self.prefill_finish_slowdown is not None and self.decode_slowdown is not None

@@ -37,7 +37,7 @@ from tokenmill.engine.request import ListView, Request, RequestOutput, RequestSt
 from tokenmill.contracts.kv import KVCacheSpec, PagedKV
 from tokenmill.contracts.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
-from tokenmill.engine.step_cost import StepCost, StepTimes, step_kind
+from tokenmill.engine.step_cost import PACKED_HOLD_BELOW, PACKED_LONE_SLOWDOWN, StepCost, StepTimes, step_kind
 from tokenmill.engine.structured import GrammarCompiler, GrammarWaitRoom
 
 if TYPE_CHECKING:
@@ -102,7 +102,8 @@ class Engine:
         self._init_model(loaded)
         self._init_kv()
         self.step_cost = (StepCost(config.decode_slowdown, finish_slowdown=config.prefill_finish_slowdown,
-                                   lone_slowdown=config.decode_slowdown_lone)
+                                   lone_slowdown=config.decode_slowdown_lone or None,
+                                   hold_below=config.prefill_hold_below or 0, hold_steps=config.prefill_hold_steps)
                           if config.decode_slowdown else None)
         self.step_times = StepTimes()   # wall time of steps by kind (decode, mixed, prefill)
         self._decode_step_s: dict[int, float] = {}   # decode-only step seconds by rows (chain lengths)
@@ -144,6 +145,11 @@ class Engine:
             self.step_cost.split_rows = step_kind_rows(self.loaded.model, fused=fused)
             self.step_cost.row_group = step_row_group(self.loaded.model)
             self.step_cost.single_row = step_single_row_kind(self.loaded.model)
+            if self.step_cost.single_row:   # packed weights: rows past the first cost much of a step
+                if config.decode_slowdown_lone is None:
+                    self.step_cost.lone_slowdown = PACKED_LONE_SLOWDOWN
+                if config.prefill_hold_below is None:
+                    self.step_cost.hold_below = PACKED_HOLD_BELOW
         self.generation_tokens_total = 0
         self._arrivals = 0
         self._num_timed = 0   # requests added with a deadline (expiry is skipped while there are none)

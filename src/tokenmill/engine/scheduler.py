@@ -89,6 +89,8 @@ class _StepPlan:
         self.preempted: list[Request] = []
         self.bound: PrefillBound | None = None   # the step-time bound on prefill (decodes run)
         self.stagger = 0                         # Scheduler.prefill_stagger_tokens, with a bound
+        self.holds: dict[Request, int] = {}      # Scheduler._holds: steps each prefill was held
+        self.held: set[Request] = set()          # prefills held in this step
 
     def prefill_limit(self, req: Request, context: int) -> int:
         """Tokens a prefill chunk of ``req`` after ``context`` computed tokens may take: what
@@ -105,7 +107,35 @@ class _StepPlan:
         if cap < n and n == req.num_uncomputed_tokens and self.bound.finishes(context, n):
             if self.bound.short(start, req.num_tokens - start):
                 return n
+        if self.hold(req, cap, n, req.num_tokens - start):
+            return 0
         return cap
+
+    def hold(self, req: Request, cap: int, n: int, uncached: int) -> bool:
+        """Whether ``req``, a long prefill (more than ``StepCost.lone_min_prefill`` uncached
+        tokens) whose bounded chunk would be ``cap`` of the ``n`` it could take, waits this step
+        instead (``StepCost.hold_below``). A chunk of a token or two beside a decode costs the
+        decode a large part of its step (on packed int4 weights, the rows past the first cost
+        most of a one-row step) and moves the prefill by almost nothing; the decodes of short
+        answers end in a few steps, and the prefill then takes whole chunks. Each prefill waits
+        at most ``StepCost.hold_steps`` steps in all, so that long answers do not starve it; the
+        count is kept across steps (``holds``) and once per step (``held``). A prefill that gets
+        nothing anyway (another took the step's room: ``cap`` 0) is not held, nor one while the
+        step-cost fit is warming up (it must see mixed steps to learn them)."""
+        if self.bound is None or self.bound.target is None:   # no bound, or its fit is warming up
+            return False
+        cost = self.bound.cost
+        if not cost.hold_below or cap <= 0 or cap >= min(cost.hold_below, n):
+            return False
+        if uncached <= cost.lone_min_prefill:
+            return False
+        if req in self.held:
+            return True
+        if self.holds.get(req, 0) >= cost.hold_steps:
+            return False
+        self.holds[req] = self.holds.get(req, 0) + 1
+        self.held.add(req)
+        return True
 
     def staggered(self, req: Request, n: int) -> int:
         """``n`` tokens for ``req``, or ``stagger`` fewer where they would complete its prefill
@@ -163,6 +193,8 @@ class Scheduler:
         self.shortest_prefill_first = True
         self.prefill_max_passes = 4
         self._prefill_passes: dict[Request, int] = {}
+        # steps each long prefill has waited for decodes so far (StepCost.hold_below; _StepPlan.hold)
+        self._holds: dict[Request, int] = {}
         # With the step-time bound on and this set (EngineConfig.prefill_stagger_tokens), a step
         # without streamed decodes completes one streamed prefill with more than this many tokens
         # left at most: another that would complete there stops this many tokens short, and
@@ -192,6 +224,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.max_batch_tokens)
         plan.stagger = self.prefill_stagger_tokens if self.step_cost is not None else 0
+        plan.holds = self._holds
         decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
         prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
         drafts = self._schedule_decodes(decodes, plan)
@@ -254,6 +287,8 @@ class Scheduler:
                 continue
             n = self.kv.chunk_limit(req, plan.staggered(req, plan.prefill_limit(req, req.num_computed_tokens)))
             if n <= 0:
+                if req in plan.held:   # waits for the decodes; another prefill may still go
+                    continue
                 break
             if self._allocate_or_preempt(req, req.num_computed_tokens + n, plan):
                 plan.add(req, n, req.num_computed_tokens)
@@ -283,6 +318,10 @@ class Scheduler:
                 if plan.bound.cap(hit, 1, prefill_tokens=left) <= 0 and not (plan.bound.finishes(hit, left)
                                                                              and plan.bound.short(hit, left)):
                     return                   # the step-time bound has no room for another chunk
+                if plan.bound.cost.hold_below and not (plan.bound.finishes(hit, left) and plan.bound.short(hit, left)):
+                    lim = min(left, plan.budget)
+                    if plan.hold(req, plan.bound.cap(hit, lim, prefill_tokens=left), lim, left):
+                        return               # a long prompt waits for the decodes (StepCost.hold_below)
             if not self.kv.take_slot(req):   # hybrid models: every state slot is taken
                 return
             matched = self.kv.match(req)
@@ -446,6 +485,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
             self._skips.pop(req, None)
+        self._holds.pop(req, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason = finish_reason
         req.stop_reason = stop_reason

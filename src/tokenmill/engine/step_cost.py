@@ -49,6 +49,16 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Protocol
 
 
+# Defaults of the lone cap and the prefill hold where steps of one row are a kind of their own
+# (packed int4/int8 weights: EngineConfig.decode_slowdown_lone / prefill_hold_below left unset).
+# On the default int4 model they took the Mooncake replay's TPOT p50 at c = 4 from 2.7x to 1.7x-1.9x
+# TPOT alone at level throughput, and agent sessions' TPOT, TTFT and throughput all improved; at
+# fp32 the hold was level on TPOT p50 and cost some TTFT, so fp32 keeps both off
+# (docs/benchmarks.md, thirty-sixth landing).
+PACKED_LONE_SLOWDOWN = 2.0
+PACKED_HOLD_BELOW = 16
+
+
 class _Scheduled(Protocol):
     start: int
     num_tokens: int
@@ -179,6 +189,8 @@ class StepCost:
     finish_slowdown: float | None = None   # ... or this many, when that completes a prefill
     lone_slowdown: float | None = None     # ... and at most this many times a lone decode step
     lone_min_prefill: int = 128    # ... for chunks of prefills with more uncached tokens than this
+    hold_below: int = 0            # such a prefill waits rather than take a chunk below this (0: off)
+    hold_steps: int = 32           # ... for at most this many steps in all (see Scheduler)
     min_tokens: int = 1            # the first prefill chunk of a step gets at least this many
     warmup_tokens: int = 64        # budget before the fit is trustworthy (no split_rows)
     decay: float = 0.95            # weight kept by each older observation (of the same kind)
@@ -199,6 +211,8 @@ class StepCost:
             raise ValueError(f"lone_slowdown must be > 1 or None, got {self.lone_slowdown}")
         if self.lone_min_prefill < 0:
             raise ValueError(f"lone_min_prefill must be >= 0, got {self.lone_min_prefill}")
+        if self.hold_below < 0 or self.hold_steps < 0:
+            raise ValueError(f"hold_below and hold_steps must be >= 0, got {self.hold_below}, {self.hold_steps}")
         if self.min_tokens < 1 or self.warmup_tokens < 1:
             raise ValueError("min_tokens and warmup_tokens must be >= 1")
         if not 0.0 < self.decay < 1.0:

@@ -32,6 +32,9 @@ A profile is a small JSON document. The simulator reads four things from it:
   (``EngineConfig.prefill_finish_slowdown``); None keeps every chunk within the bound.
   **decode_slowdown_lone** (optional): its cap relative to a lone decode step
   (``EngineConfig.decode_slowdown_lone``); None leaves it off.
+  **prefill_hold_below** / **prefill_hold_steps** (optional): a long prompt waits for the
+  decodes rather than take a smaller chunk, for at most that many steps
+  (``EngineConfig.prefill_hold_below``, ``prefill_hold_steps``); 0 leaves it off.
 
 The replica runs the engine's own scheduler (``sim/replica.py``), so what a step holds is the
 engine's choice; the profile only says how long it takes.
@@ -127,6 +130,8 @@ class ReplicaProfile:
     decode_slowdown: float | None = None
     prefill_finish_slowdown: float | None = None
     decode_slowdown_lone: float | None = None
+    prefill_hold_below: int = 0
+    prefill_hold_steps: int = 32
     # Lower cache tiers (sim/tiers.py): L2 host memory per replica, L3 storage shared by the fleet.
     host_cache_tokens: int = 0
     storage_tokens: int = 0
@@ -160,6 +165,10 @@ class ReplicaProfile:
                 isinstance(self.decode_slowdown_lone, (int, float)) and math.isfinite(self.decode_slowdown_lone)
                 and self.decode_slowdown_lone > 1.0):
             raise ValueError(f"profile.decode_slowdown_lone must be > 1 (or null), got {self.decode_slowdown_lone!r}")
+        for name in ("prefill_hold_below", "prefill_hold_steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"profile.{name} must be an integer >= 0, got {v!r}")
         self.tier_profile()   # validates the tier fields
         if self.kv_capacity_tokens < self.page_size:
             raise ValueError(f"kv_capacity_tokens ({self.kv_capacity_tokens}) is below one page ({self.page_size})")

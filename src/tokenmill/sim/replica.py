@@ -238,7 +238,8 @@ class SimReplica:
             self.kv.tiers = self.tiers
             self.cache.evict_hook = self.tiers.on_evict
         step_cost = (StepCost(profile.decode_slowdown, finish_slowdown=profile.prefill_finish_slowdown,
-                              lone_slowdown=profile.decode_slowdown_lone)
+                              lone_slowdown=profile.decode_slowdown_lone,
+                              hold_below=profile.prefill_hold_below, hold_steps=profile.prefill_hold_steps)
                      if profile.decode_slowdown is not None else None)
         self.scheduler = Scheduler(self.kv, max_batch_tokens=profile.max_prefill_tokens,
                                    max_running_requests=profile.max_running_requests, step_cost=step_cost)
