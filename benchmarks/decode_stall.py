@@ -16,6 +16,8 @@ default is 0: prompts that complete in the same step decode together).
 ``--lone-too X`` (repeatable) adds the bounded server with ``--decode-slowdown-lone X``: a step of
 several streamed decodes also keeps within X times a lone decode step. ``--also 'ARGS'``
 (repeatable) adds the bounded server with any extra serve arguments, e.g. both of the above.
+On packed weights serve's defaults include the lone cap (2) and the prefill hold (16 tokens); the
+plain bound of earlier landings is ``--also "--decode-slowdown-lone 0 --prefill-hold-below 0"``.
 
 ``--no-chain-too`` adds the bounded server without chained decode steps
 (``--num-continuous-decode-steps 1``): what the chains do to TTFT (a request arriving during a
