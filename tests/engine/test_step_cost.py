@@ -572,3 +572,24 @@ def test_only_long_prompts_wait_and_only_for_chunks_below_the_mark(prompt, hold_
     sched.add_request(Request("p", list(range(1000, 1000 + prompt)), SamplingParams(max_tokens=4)))
     got = _step(sched)
     assert all(got[r.request_id] == 1 for r in decoders) and got.get("p", 0) == expect
+
+
+def test_a_short_prompt_is_not_queued_behind_a_held_long_one():
+    """A waiting long prompt that the hold keeps out of the step does not block a short one
+    behind it in the queue (an agent turn, never held): that one is admitted with the plain
+    bound's chunk, as it would be alone."""
+    cost = _lone_learned(hold_below=8)
+    sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=512, max_running_requests=8,
+                      step_cost=cost)
+    decoders = [Request(f"d{i}", list(range(100 * i, 100 * i + 40)), SamplingParams(max_tokens=8))
+                for i in range(4)]
+    for r in decoders:
+        sched.add_request(r)
+    _step(sched)
+    long = Request("long", list(range(1000, 1600)), SamplingParams(max_tokens=4))
+    short = Request("short", list(range(3000, 3064)), SamplingParams(max_tokens=4))
+    sched.add_request(long)
+    sched.add_request(short)
+    got = _step(sched)
+    assert all(got[r.request_id] == 1 for r in decoders)
+    assert "long" not in got and got["short"] == 3 and long.status is RequestStatus.WAITING

@@ -321,7 +321,16 @@ class Scheduler:
                 if plan.bound.cost.hold_below and not (plan.bound.finishes(hit, left) and plan.bound.short(hit, left)):
                     lim = min(left, plan.budget)
                     if plan.hold(req, plan.bound.cap(hit, lim, prefill_tokens=left), lim, left):
-                        return               # a long prompt waits for the decodes (StepCost.hold_below)
+                        # a long prompt waits for the decodes (StepCost.hold_below); a short one
+                        # behind it (an agent turn after a hit, never held) need not
+                        req = self._short_behind(req, plan)
+                        if req is None:
+                            return
+                        hit = self.kv.cached_prefix_tokens(req)
+                        left = req.num_tokens - hit
+                        if plan.bound.cap(hit, 1, prefill_tokens=left) <= 0 and not (
+                                plan.bound.finishes(hit, left) and plan.bound.short(hit, left)):
+                            return
             if not self.kv.take_slot(req):   # hybrid models: every state slot is taken
                 return
             matched = self.kv.match(req)
@@ -402,6 +411,19 @@ class Scheduler:
                         plan.tokens[other] = cut
                 return True
         return False
+
+    def _short_behind(self, held: Request, plan: _StepPlan) -> Request | None:
+        """The first of the queue's front requests other than ``held`` (a long prompt waiting for
+        the decodes) with at most ``StepCost.lone_min_prefill`` tokens to compute after its
+        cached prefix, which no hold applies to; None if there is none."""
+        assert self.step_cost is not None
+        for i, req in enumerate(self.waiting):
+            if i >= self.prefer_cached_max_queue:
+                return None
+            if (req is not held and req.num_tokens - self.kv.cached_prefix_tokens(req) <= self.step_cost.lone_min_prefill
+                    and not self._waits_for_shared_prefill(req, plan)):
+                return req
+        return None
 
     def _first_not_waiting(self, plan: _StepPlan | None = None) -> Request | None:
         """The first of the queue's front requests that is not held by a shared prefill."""
