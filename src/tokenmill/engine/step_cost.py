@@ -52,8 +52,8 @@ from typing import Any, Iterable, NamedTuple, Protocol
 # Defaults of the lone cap and the prefill hold where steps of one row are a kind of their own
 # (packed int4/int8 weights: EngineConfig.decode_slowdown_lone / prefill_hold_below left unset).
 # On the default int4 model they took the Mooncake replay's TPOT p50 at c = 4 from 2.3x-2.7x to
-# 1.7x-2.0x TPOT alone at level throughput, and agent sessions' TPOT, TTFT and throughput improved; at
-# fp32 the hold was level on TPOT p50 and cost some TTFT, so fp32 keeps both off
+# 1.7x-2.0x TPOT alone at level throughput, with agent sessions level to better (two runs of three
+# better); at fp32 the hold was level on TPOT p50 and cost some TTFT, so fp32 keeps both off
 # (docs/benchmarks.md, thirty-sixth landing).
 PACKED_LONE_SLOWDOWN = 2.0
 PACKED_HOLD_BELOW = 16
