@@ -453,6 +453,17 @@ def _lone_learned(**kw) -> StepCost:
     return cost
 
 
+def _four_decoders(cost: StepCost, max_batch_tokens: int = 512) -> tuple[Scheduler, list[Request]]:
+    """A scheduler with 4 streamed 40-token prompts added (one step prefills them all)."""
+    sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=max_batch_tokens, max_running_requests=8,
+                      step_cost=cost)
+    decoders = [Request(f"d{i}", list(range(100 * i, 100 * i + 40)), SamplingParams(max_tokens=8))
+                for i in range(4)]
+    for r in decoders:
+        sched.add_request(r)
+    return sched, decoders
+
+
 def test_the_lone_cap_holds_several_decodes_to_a_multiple_of_one():
     """``lone_slowdown``: a step with several decodes also keeps within that many times a lone
     decode step at their mean context (one stream's TPOT alone), so a stream beside others waits
@@ -483,13 +494,7 @@ def test_the_lone_cap_holds_long_prefills_only(prompt, expect):
     reach 17 ms (3 prefill tokens), the lone cap at 2x 11.3 ms (none: the floor's 1 token). A
     prefill of at most ``lone_min_prefill`` uncached tokens (an agent turn after a hit) keeps the
     plain bound; a long prompt's chunks keep the cap."""
-    cost = _lone_learned(lone_slowdown=2.0)
-    sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=512, max_running_requests=8,
-                      step_cost=cost)
-    decoders = [Request(f"d{i}", list(range(100 * i, 100 * i + 40)), SamplingParams(max_tokens=8))
-                for i in range(4)]
-    for r in decoders:
-        sched.add_request(r)
+    sched, decoders = _four_decoders(_lone_learned(lone_slowdown=2.0))
     assert _step(sched) == {r.request_id: 40 for r in decoders}
     sched.add_request(Request("p", list(range(1000, 1000 + prompt)), SamplingParams(max_tokens=4)))
     got = _step(sched)
@@ -534,13 +539,9 @@ def test_a_long_prompt_waits_for_the_decodes_instead_of_a_token_a_step():
     step; a long prompt (running, or waiting for admission) waits instead, at most ``hold_steps``
     steps in all, then takes the bound's chunks; once the decodes end it takes whole chunks."""
     cost = _lone_learned(hold_below=8, hold_steps=3)
-    sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=200, max_running_requests=8,
-                      step_cost=cost)
-    decoders = [Request(f"d{i}", list(range(100 * i, 100 * i + 40)), SamplingParams(max_tokens=8))
-                for i in range(4)]
+    sched, decoders = _four_decoders(cost, max_batch_tokens=200)
     p = Request("p", list(range(1000, 1600)), SamplingParams(max_tokens=4))
-    for r in decoders + [p]:
-        sched.add_request(r)
+    sched.add_request(p)
     assert _step(sched) == {**{r.request_id: 40 for r in decoders}, "p": 40}
     q = Request("q", list(range(5000, 5600)), SamplingParams(max_tokens=4))
     sched.add_request(q)
@@ -561,13 +562,7 @@ def test_a_long_prompt_waits_for_the_decodes_instead_of_a_token_a_step():
 def test_only_long_prompts_wait_and_only_for_chunks_below_the_mark(prompt, hold_below, expect):
     """An agent turn after a hit (at most ``lone_min_prefill`` uncached tokens) is never held; nor
     is a prompt whose bounded chunk reaches ``hold_below``; 0 turns holding off."""
-    cost = _lone_learned(hold_below=hold_below)
-    sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=512, max_running_requests=8,
-                      step_cost=cost)
-    decoders = [Request(f"d{i}", list(range(100 * i, 100 * i + 40)), SamplingParams(max_tokens=8))
-                for i in range(4)]
-    for r in decoders:
-        sched.add_request(r)
+    sched, decoders = _four_decoders(_lone_learned(hold_below=hold_below))
     _step(sched)
     sched.add_request(Request("p", list(range(1000, 1000 + prompt)), SamplingParams(max_tokens=4)))
     got = _step(sched)
@@ -578,13 +573,7 @@ def test_a_short_prompt_is_not_queued_behind_a_held_long_one():
     """A waiting long prompt that the hold keeps out of the step does not block a short one
     behind it in the queue (an agent turn, never held): that one is admitted with the plain
     bound's chunk, as it would be alone."""
-    cost = _lone_learned(hold_below=8)
-    sched = Scheduler(KVManager(PagePool(256), 16), max_batch_tokens=512, max_running_requests=8,
-                      step_cost=cost)
-    decoders = [Request(f"d{i}", list(range(100 * i, 100 * i + 40)), SamplingParams(max_tokens=8))
-                for i in range(4)]
-    for r in decoders:
-        sched.add_request(r)
+    sched, decoders = _four_decoders(_lone_learned(hold_below=8))
     _step(sched)
     long = Request("long", list(range(1000, 1600)), SamplingParams(max_tokens=4))
     short = Request("short", list(range(3000, 3064)), SamplingParams(max_tokens=4))
