@@ -313,24 +313,9 @@ class Scheduler:
             if max_remaining is not None and req.num_tokens - self.kv.cached_prefix_tokens(req) > max_remaining:
                 return
             if plan.bound is not None:
-                hit = self.kv.cached_prefix_tokens(req)
-                left = req.num_tokens - hit
-                if plan.bound.cap(hit, 1, prefill_tokens=left) <= 0 and not (plan.bound.finishes(hit, left)
-                                                                             and plan.bound.short(hit, left)):
-                    return                   # the step-time bound has no room for another chunk
-                if plan.bound.cost.hold_below and not (plan.bound.finishes(hit, left) and plan.bound.short(hit, left)):
-                    lim = min(left, plan.budget)
-                    if plan.hold(req, plan.bound.cap(hit, lim, prefill_tokens=left), lim, left):
-                        # a long prompt waits for the decodes (StepCost.hold_below); a short one
-                        # behind it (an agent turn after a hit, never held) need not
-                        req = self._short_behind(req, plan)
-                        if req is None:
-                            return
-                        hit = self.kv.cached_prefix_tokens(req)
-                        left = req.num_tokens - hit
-                        if plan.bound.cap(hit, 1, prefill_tokens=left) <= 0 and not (
-                                plan.bound.finishes(hit, left) and plan.bound.short(hit, left)):
-                            return
+                req = self._bounded_admission(req, plan)
+                if req is None:
+                    return
             if not self.kv.take_slot(req):   # hybrid models: every state slot is taken
                 return
             matched = self.kv.match(req)
@@ -411,6 +396,24 @@ class Scheduler:
                         plan.tokens[other] = cut
                 return True
         return False
+
+    def _bounded_admission(self, req: Request, plan: _StepPlan) -> Request | None:
+        """``req`` when the step-time bound has room for a chunk of it (or the finishing exception
+        takes it whole); when the hold keeps it waiting (``StepCost.hold_below``), a short request
+        behind it, which no hold applies to; None when neither may go in this step."""
+        bound = plan.bound
+        assert bound is not None
+        hit = self.kv.cached_prefix_tokens(req)
+        left = req.num_tokens - hit
+        whole = bound.finishes(hit, left) and bound.short(hit, left)
+        if bound.cap(hit, 1, prefill_tokens=left) <= 0 and not whole:
+            return None                      # the step-time bound has no room for another chunk
+        if bound.cost.hold_below and not whole:
+            lim = min(left, plan.budget)
+            if plan.hold(req, bound.cap(hit, lim, prefill_tokens=left), lim, left):
+                behind = self._short_behind(req, plan)   # never held itself: one level deep
+                return None if behind is None else self._bounded_admission(behind, plan)
+        return req
 
     def _short_behind(self, held: Request, plan: _StepPlan) -> Request | None:
         """The first of the queue's front requests other than ``held`` (a long prompt waiting for
