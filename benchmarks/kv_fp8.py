@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,8 +35,10 @@ from tokenmill.loader.tiny import build_tiny_checkpoint
 PAGE = 16
 
 
-def run(loaded, tokens: list[int], kv_dtype: str, scales: str = "static", chunk: int = 73):
-    """Logits of every position, and the pool, for ``tokens`` fed as 1 + chunks of ``chunk``."""
+def run(loaded, tokens: list[int], kv_dtype: str, scales: str = "static", chunk: int = 73,
+        after_step: Callable[[int, list], None] | None = None):
+    """Logits of every position, and the pool, for ``tokens`` fed as 1 + chunks of ``chunk``;
+    ``after_step(end, pool)`` runs after each step (``end``: tokens in the pool by then)."""
     model = loaded.model
     n = len(tokens)
     pages = n // PAGE + 2
@@ -57,6 +60,8 @@ def run(loaded, tokens: list[int], kv_dtype: str, scales: str = "static", chunk:
                              max_seq_len=end)
         with torch.inference_mode():
             out.append(model(ForwardContext.prepare(attn, batch, kv)))
+            if after_step is not None:
+                after_step(end, kv)
         start = end
     return torch.cat(out), kv
 

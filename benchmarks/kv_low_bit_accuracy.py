@@ -3,8 +3,8 @@
 A 16k decode step reads about 200 MB of int8 KV, and issue 18's 16k aim is held by that read;
 half the bytes per element would halve it. This script asks what the halving costs before any
 kernel is written. SmolLM2-135M-Instruct (fp32 weights) teacher-forces ``--tokens`` tokens of
-this repository's README and architecture notes over an fp32 pool, one page (16 tokens) per
-step after a first token. After each step every full page of the sequence is rounded in place
+this repository's README and architecture notes over an fp32 pool, 16 tokens per step after a
+first token (``kv_fp8.run``). After each step every full page of the sequence is rounded in place
 to a low-bit grid and written back as float32, as a quantized pool would hold it, while the
 newest partial page stays exact (the recent-token residual of KIVI-style caches); later steps
 read the rounded pages. Rounding is symmetric with a scale of amax / qmax per group:
@@ -21,16 +21,16 @@ positions whose argmax agrees (teacher-forced greedy agreement).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
-from tokenmill.contracts.batch import ForwardBatch
-from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.layers.attention import ForwardContext
-from tokenmill.loader import load_model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kv_fp8 import PAGE, run  # noqa: E402
 
-PAGE = 16
+from tokenmill.loader import load_model  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 # (label, K bits, K scale granularity, V bits, V group): qmax = 2^(bits-1) - 1
 SETTINGS = [
@@ -57,33 +57,18 @@ def rounded(x: torch.Tensor, bits: int, dim: int, group: int | None = None) -> t
     return ((x / scale).round().clamp(-qmax, qmax) * scale).reshape(shape)
 
 
-def run(model, tokens: list[int], setting: tuple | None) -> torch.Tensor:
-    """Logits of every position, full pages rounded by ``setting`` after each step (None: exact)."""
-    n = len(tokens)
-    pages = n // PAGE + 2
-    runner = ModelRunner(model, pages, PAGE, model.args.vocab_size,
-                         kv_spec=model.kv_cache_spec().with_dtype("float32"), attention_backend="torch")
-    attn, kv = runner.attn, runner.kv_caches
-    table = torch.arange(pages)
-    out = []
-    start = 0
-    for end in [1, *range(PAGE, n, PAGE), n]:
-        pos = torch.arange(start, end)
-        batch = ForwardBatch(input_ids=torch.tensor(tokens[start:end]), positions=pos, slot_mapping=pos,
-                             query_start_loc=torch.tensor([0, end - start]), seq_lens=torch.tensor([end]),
-                             block_tables=table[None, :], logits_indices=torch.arange(end - start), page_size=PAGE,
-                             max_seq_len=end)
-        with torch.inference_mode():
-            out.append(model(ForwardContext.prepare(attn, batch, kv)))
-            if setting is not None:
-                _, kbits, kmode, vbits, vgroup = setting
-                full = table[:end // PAGE]
-                for layer in kv:   # [2, pages, page, kv heads, head dim]
-                    k, v = layer[0, full], layer[1, full]
-                    layer[0, full] = rounded(k, kbits, 1) if kmode == "chan" else rounded(k, kbits, -1, 64)
-                    layer[1, full] = rounded(v, vbits, -1, vgroup)
-        start = end
-    return torch.cat(out)
+def rounding(setting: tuple):
+    """An ``after_step`` for kv_fp8.run: the sequence's full pages rounded in place by ``setting``
+    (kv_fp8.run's page table is in order, so they are the first ``end // PAGE`` pages)."""
+    _, kbits, kmode, vbits, vgroup = setting
+
+    def apply(end: int, pool: list[torch.Tensor]) -> None:
+        full = slice(0, end // PAGE)
+        for layer in pool:   # [2, pages, page, kv heads, head dim]
+            k, v = layer[0, full], layer[1, full]
+            layer[0, full] = rounded(k, kbits, 1) if kmode == "chan" else rounded(k, kbits, -1, 64)
+            layer[1, full] = rounded(v, vbits, -1, vgroup)
+    return apply
 
 
 def main() -> int:
@@ -95,7 +80,7 @@ def main() -> int:
     loaded = load_model("smollm2-135m-instruct", quantization="none")
     text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "architecture.md").read_text()
     tokens = loaded.tokenizer(text).input_ids[:args.tokens]
-    exact = run(loaded.model, tokens, None)
+    exact, _ = run(loaded, tokens, "float32", chunk=PAGE)
     print(f"SmolLM2-135M-Instruct, fp32 weights, {len(tokens)} tokens teacher-forced, pages of {PAGE}, "
           f"the newest page exact\n")
     print("| KV rounding | bytes per token and head (K + V, with fp16 scales) | mean abs logit diff | "
@@ -103,7 +88,7 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for s in SETTINGS:
         label, kbits, kmode, vbits, vgroup = s
-        got = run(loaded.model, tokens, s)
+        got, _ = run(loaded, tokens, "float32", chunk=PAGE, after_step=rounding(s))
         d = (got - exact).abs()
         agree = (got.argmax(-1) == exact.argmax(-1)).float().mean().item()
         kbytes = 64 * kbits / 8 + (2 * 64 / PAGE if kmode == "chan" else 2)
