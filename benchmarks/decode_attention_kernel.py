@@ -2,7 +2,7 @@
 from DRAM, against a plain read of the same bytes.
 
 One decode row of SmolLM2-135M's shape (9 query heads, 3 KV heads, head_dim 64) attends to L
-cached tokens in pages of 16 tokens (fp8 by default; ``--kinds fp8,int8,fp16,bf16,fp32`` times each
+cached tokens in pages of 16 tokens (fp8 by default; ``--kinds fp8,int8,int8t,fp16,bf16,fp32`` times each
 pool dtype in turn), in random page order, through
 ``tokenmill._native.attention.paged_attention`` on one thread (``--threads N``: N; the ns per
 key-head columns are then wall time, N threads together). "cold" calls 30 layers' pools in
@@ -13,7 +13,7 @@ arithmetic, not by memory; the #18 aim (16k decode >= 0.7x the 512 rate) needs t
 layer under (step_512 / 0.7 - step_512) / 30.
 
     .venv/bin/python benchmarks/decode_attention_kernel.py [--contexts 512,4096,16384] [--rounds 2]
-        [--kinds fp8,int8,fp16,bf16,fp32] [--threads 2] [--env-ab TOKENMILL_KV_HEADS_APART]
+        [--kinds fp8,int8,int8t,fp16,bf16,fp32] [--threads 2] [--env-ab TOKENMILL_KV_HEADS_APART]
 
 ``--env-ab NAME`` (or ``NAME=VALUE``) times every point a second time with that kernel switch set
 (the kernel reads its switches at each call), in the same round.
@@ -31,7 +31,7 @@ from tokenmill._native import attention as native
 PAGE, HQ, HKV, D, LAYERS = 16, 9, 3, 64, 30
 # kv kinds of the kernel (TM_KV_* in _native/attention.h) and their element types
 KINDS = {"fp32": (0, torch.float32), "bf16": (1, torch.bfloat16), "fp8": (2, torch.uint8), "fp16": (4, torch.float16),
-         "int8": (5, torch.int8)}
+         "int8": (5, torch.int8), "int8t": (6, torch.int8)}   # int8t: int8 pages in the tiled order (random codes)
 
 
 class Pools:
@@ -54,7 +54,7 @@ class Pools:
             table = torch.randperm(self.pages + 8, generator=g)[:self.pages].to(torch.int64).contiguous()
             self.layers.append((k, v, table))
         # a static scale per head (fp8), or one per stored vector (int8)
-        self.scales = torch.full(((self.pages + 8) * PAGE * HKV if kind == "int8" else HKV,), 0.01)
+        self.scales = torch.full(((self.pages + 8) * PAGE * HKV if kind.startswith("int8") else HKV,), 0.01)
         self.q = torch.randn(1, HQ * D, generator=g)
         self.out = torch.empty(1, HQ * D)
         self.qsl = torch.tensor([0, 1], dtype=torch.int64)

@@ -19,6 +19,13 @@ KV), the others as ``tokenmill-<dtype>``.
 All servers are started first and each length is measured on each system in turn
 (``--sequential``: one server after another, the method of the runs before the seventh landing).
 
+``--rounds N`` sends every prompt N times, lengths in turn each round: after the first round the
+prompts are prefix-cache hits (the servers' pools hold them all), so a round costs only its
+decodes. The decode rate reported per length is the median of its rounds, TTFT the first round's
+(the cold prefill), and each round also gives its own 16k / 512 ratio from decodes measured a few
+seconds apart (this machine's speed moves by 1.5x over minutes, which single measurements of
+each length, minutes apart, carry into the ratio).
+
 Prints a table, the ratios tokenmill / vLLM at each length, and each system's rate at every
 length relative to its own rate at the shortest one.
 """
@@ -29,6 +36,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -80,11 +88,13 @@ def measure(base_url: str, model: str, prompt: list[int], output_tokens: int) ->
             "chunks": len(stamps)}
 
 
-def start_system(name: str, model_dir: Path, max_len: int, args, kv_dtype: str = "fp32"):
-    """Start one server; returns (base_url, model name, stop)."""
+def start_system(name: str, model_dir: Path, max_len: int, args, kv_dtype: str = "fp32", pool_tokens: int = 0):
+    """Start one server; returns (base_url, model name, stop). ``pool_tokens``: tokenmill's KV pool
+    (at least max_len + 256)."""
     if name == "tokenmill":
         argv = ["serve", "--model", str(model_dir), "--served-model-name", "m", "--max-model-len", str(max_len),
-                "--kv-cache-tokens", str(max_len + 256), "--threads", str(args.threads), "--kv-cache-dtype", kv_dtype]
+                "--kv-cache-tokens", str(max(max_len + 256, pool_tokens)), "--threads", str(args.threads),
+                "--kv-cache-dtype", kv_dtype]
         srv = ServiceProcess(argv, start_timeout=600, log_path=ROOT / "out" / f"long_context_tokenmill_{kv_dtype}.log")
         srv.start()
         return srv.base_url, "m", srv.stop
@@ -99,6 +109,8 @@ def run_all(systems: list[tuple[str, str, str]], model_dir: Path, contexts: list
     them alike; only the measured server is busy at any time. ``--sequential``: one server at a
     time, all lengths, then the next (the method of the earlier runs)."""
     max_len = max(contexts) + args.output_tokens + 64
+    # with rounds, the pool keeps every prompt cached, with room for each round's outputs
+    pool = 0 if args.rounds <= 1 else sum(contexts) + (len(contexts) * args.rounds + 2) * (args.output_tokens + 64) + 1024
     rng = random.Random(args.seed)
     prompts = {L: [rng.randrange(100, 49000) for _ in range(L)] for L in contexts}
     warm = [rng.randrange(100, 49000) for _ in range(64)]
@@ -109,21 +121,26 @@ def run_all(systems: list[tuple[str, str, str]], model_dir: Path, contexts: list
         try:
             for name, system, dt in group:
                 try:
-                    live[name] = start_system(system, model_dir, max_len, args, dt)
+                    live[name] = start_system(system, model_dir, max_len, args, dt, pool)
                 except (PeerNotInstalled, PeerStartError) as e:
                     print(f"[{name}] skipped: {e}", flush=True)
                     continue
                 measure(live[name][0], live[name][1], warm, 8)   # warm-up
                 out[name] = {}
-            for L in contexts:
-                for name, (base, model, _) in live.items():
-                    r = out[name][L] = measure(base, model, prompts[L], args.output_tokens)
-                    print(f"[{name}] context {L}: decode {r['decode_tok_s']:.2f} tok/s, TTFT {r['ttft_s']:.1f} s, "
-                          f"load {open('/proc/loadavg').read().split()[0]}", flush=True)
+            for rnd in range(args.rounds):
+                for L in contexts:
+                    for name, (base, model, _) in live.items():
+                        r = measure(base, model, prompts[L], args.output_tokens)
+                        out[name].setdefault(L, []).append(r)
+                        print(f"[{name}] {f'round {rnd + 1}, ' if args.rounds > 1 else ''}context {L}: decode "
+                              f"{r['decode_tok_s']:.2f} tok/s, TTFT {r['ttft_s']:.1f} s, "
+                              f"load {open('/proc/loadavg').read().split()[0]}", flush=True)
         finally:
             for _, _, stop in live.values():
                 stop()
-    return out
+    # per length: the median decode rate of the rounds, the first round's TTFT, and every round
+    return {name: {L: {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs), "ttft_s": runs[0]["ttft_s"],
+                       "rounds": runs} for L, runs in per.items()} for name, per in out.items()}
 
 
 def main() -> int:
@@ -135,6 +152,8 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtypes", default="fp32",
                     help="comma-separated KV dtypes tokenmill runs with, one server each (fp32, bf16, fp16, fp8_e4m3, int8)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="send every prompt this many times, lengths in turn (rounds after the first are prefix-cache hits)")
     ap.add_argument("--sequential", action="store_true",
                     help="one server at a time, every length, then the next (default: all servers up, lengths interleaved)")
     ap.add_argument("--out", default=str(ROOT / "out" / "long_context.json"))
@@ -164,6 +183,11 @@ def main() -> int:
         base = results[n][contexts[0]]["decode_tok_s"]
         rel = ", ".join(f"{L}: {results[n][L]['decode_tok_s'] / base:.2f}x" for L in contexts)
         print(f"{n}: decode rate relative to its own {contexts[0]}-token rate: {rel}")
+        if args.rounds > 1:   # each round's ratio, from decodes measured seconds apart
+            for L in contexts[1:]:
+                per = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(results[n][L]["rounds"], results[n][contexts[0]]["rounds"])]
+                print(f"{n}: {L} / {contexts[0]} by round: {', '.join(f'{x:.2f}x' for x in per)} "
+                      f"(median {statistics.median(per):.2f}x)")
     return 0
 
 

@@ -227,15 +227,20 @@ def test_redis_shared_by_two_engines(tiny_llama: Any, redis_server: Any) -> None
         llm.engine.close()
 
 
-@pytest.mark.parametrize("arch,kv_dtype", [("DeepseekV3ForCausalLM", "auto"), ("LlamaForCausalLM", "fp8_e4m3"),
-                                           ("DeepseekV3ForCausalLM", "fp8_e4m3"), ("LlamaForCausalLM", "int8")])
-def test_other_kv_layouts_round_trip(tmp_path: Any, arch: str, kv_dtype: str) -> None:
-    """MLA latent pages ([N, P, E]) and fp8 / int8 pages (bytes + scales) through L2 and L3 files:
-    the outputs equal an engine whose L1 holds everything and hits the same pages there. (With
-    fp8 a cached prefix is read back quantized, so a hit may differ from a cold prefill in
-    the last bits: the oracle is an L1 hit on the same pages, not a cold run.)"""
+@pytest.mark.parametrize("arch,kv_dtype,layout", [("DeepseekV3ForCausalLM", "auto", ""), ("LlamaForCausalLM", "fp8_e4m3", ""),
+                                                  ("DeepseekV3ForCausalLM", "fp8_e4m3", ""), ("LlamaForCausalLM", "int8", "rows"),
+                                                  ("LlamaForCausalLM", "int8", "tiled")])
+def test_other_kv_layouts_round_trip(tmp_path: Any, arch: str, kv_dtype: str, layout: str, monkeypatch) -> None:
+    """MLA latent pages ([N, P, E]) and fp8 / int8 pages (bytes + scales; int8 in rows and in the
+    tiled order) through L2 and L3 files: the outputs equal an engine whose L1 holds everything
+    and hits the same pages there. (With fp8 a cached prefix is read back quantized, so a hit may
+    differ from a cold prefill in the last bits: the oracle is an L1 hit on the same pages, not a
+    cold run.)"""
     from tokenmill.loader import load_model
     from tokenmill.loader.tiny import build_tiny_checkpoint
+
+    if layout:
+        monkeypatch.setenv("TOKENMILL_KV_INT8_LAYOUT", layout)
 
     loaded = load_model(str(build_tiny_checkpoint(tmp_path / "m", arch, seed=2)))
     prompts = sessions(4, 6 * P, seed=23)
@@ -254,3 +259,22 @@ def test_other_kv_layouts_round_trip(tmp_path: Any, arch: str, kv_dtype: str) ->
     assert [s[0].token_ids for s in again] == [o.token_ids for o in warm]
     assert [s[0].cached_tokens_by_tier["l3"] for s in again] == [o.cached_tokens for o in warm]
     assert all(o.cached_tokens > 0 for o in warm)
+
+
+def test_int8_page_orders_do_not_share_l3_pages(tiny_llama: Any, tmp_path: Any, monkeypatch) -> None:
+    """Tiled int8 pages hold a page's bytes in another order than rows-order ones, so the layout is
+    part of the L3 namespace: a rows-order engine finds none of a tiled engine's pages in shared
+    storage, and a second tiled engine finds them."""
+    prompts = sessions(3, 4 * P, seed=31)
+    store = f"file:{tmp_path / 'kv'}"
+    monkeypatch.setenv("TOKENMILL_KV_INT8_LAYOUT", "tiled")
+    with make_llm(tiny_llama, kv_cache_dtype="int8", cache_storage=store) as writer:
+        first = run_turns(writer, prompts, 1)
+    monkeypatch.setenv("TOKENMILL_KV_INT8_LAYOUT", "rows")
+    with make_llm(tiny_llama, kv_cache_dtype="int8", cache_storage=store) as rows:
+        assert _l3_hits(run_turns(rows, prompts, 1)) == 0
+    monkeypatch.setenv("TOKENMILL_KV_INT8_LAYOUT", "tiled")
+    with make_llm(tiny_llama, kv_cache_dtype="int8", cache_storage=store) as tiled:
+        again = run_turns(tiled, prompts, 1)
+    assert _l3_hits(again) > 0
+    assert [s[0].token_ids for s in again] == [s[0].token_ids for s in first]

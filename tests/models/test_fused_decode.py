@@ -15,7 +15,7 @@ from tokenmill._native import quant as native
 from tokenmill.contracts.kv import KVCacheSpec
 from tokenmill.layers.attention import FP8Pages, select_attention_backend
 from tokenmill.layers.attention.base import to_kv_dtype
-from tokenmill.layers.attention.fp8 import FP8, calibrate_static_scales, quantize, quantize_static
+from tokenmill.layers.attention.fp8 import FP8, calibrate_static_scales, quantize, quantize_static, untile_pages
 from tokenmill.layers.quant import packed as packed_mod
 from tokenmill.layers.linear import OneDNNLinear, onednn_available, use_linear_backend
 from tokenmill.layers.quant.fused_decode import fused_fp32_max_rows, DecoderLayerWeights, FusedDecodeStack
@@ -76,7 +76,7 @@ def _driver(model: Any, kv_dtype: str) -> PagedDriver:
 
 
 def _kv_copy(c: Any) -> Any:
-    return FP8Pages(c.data.clone(), c.scale.clone(), c.per_token) if isinstance(c, FP8Pages) else c.float().clone()
+    return c._replace(data=c.data.clone(), scale=c.scale.clone()) if isinstance(c, FP8Pages) else c.float().clone()
 
 
 def _run(model: Any, fused: bool, kv_dtype: str, capture: frozenset[int] = frozenset(), steps=STEPS):
@@ -406,6 +406,36 @@ def test_kv_prefetch_default_follows_the_cpu_vendor(monkeypatch):
 
 def _fp8_values(c: FP8Pages) -> torch.Tensor:
     return c.data.view(FP8).float() * (c.scale.unsqueeze(-1) if c.per_token else c.scale)
+
+
+@pytest.mark.parametrize("name", ["llama-int4", "llama-fp32"])
+def test_fused_decode_with_tiled_int8_kv(packed, name, monkeypatch):
+    """Tiled int8 pages (TOKENMILL_KV_INT8_LAYOUT=tiled) on the fused path: decoder.c's kv_write
+    stores the step's codes and scales in the tiled order as the layer path's C write does, and
+    the kernel reads them back (decode rows through the tiled prefill path at this page size of 4).
+    Close logits, the same greedy tokens, and after untiling the same codes (a code may sit one
+    step away where the two paths' K/V differ in their last float bits)."""
+    monkeypatch.setenv("TOKENMILL_KV_INT8_LAYOUT", "tiled")
+    model = packed[name].model
+    got, kv_got, _, ran = _run(model, True, "int8")
+    want, kv_want, _, ran_ref = _run(model, False, "int8")
+    assert any(ran) and not any(ran_ref)
+    atol, rtol = (2e-4, 1e-3) if "fp32" in name else (1e-2, RTOL)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=atol * float(w.abs().max()), rtol=rtol)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    same = total = 0
+    for g, w in zip(kv_got, kv_want):
+        assert isinstance(g, FP8Pages) and g.tiled and w.tiled
+        (gd, gs), (wd, ws) = untile_pages(g.data, g.scale, 4), untile_pages(w.data, w.scale, 4)
+        written = ws != 0
+        assert torch.equal(written, gs != 0)
+        torch.testing.assert_close(gs, ws, atol=0, rtol=1e-3)
+        codes_g, codes_w = gd[written].int(), wd[written].int()
+        assert (codes_g - codes_w).abs().max() <= 1
+        same += int((codes_g == codes_w).sum())
+        total += codes_w.numel()
+    assert total > 0 and same >= 0.99 * total
 
 
 @pytest.mark.parametrize("isa", ["best", "no-avx512"])

@@ -71,7 +71,7 @@ def _forward(backend_name, spec, cache, batch, q, k, v):
 
 
 def _clone(c: FP8Pages) -> FP8Pages:
-    return FP8Pages(c.data.clone(), c.scale.clone(), c.per_token)
+    return c._replace(data=c.data.clone(), scale=c.scale.clone())
 
 
 def _dequantized(c: FP8Pages) -> torch.Tensor:

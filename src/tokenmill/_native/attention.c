@@ -377,6 +377,20 @@ static void *alloc64(size_t floats) {
     return aligned_alloc(64, bytes ? bytes : 64);
 }
 
+/* The codes of one K (which = 0) or V row of kv head h at (page, slot) of tiled int8 pages, in
+ * dim order (K's bias taken off), and the row's scale. */
+static float i8t_row(const Problem *P, int which, int64_t page, int64_t slot, int h, int8_t *out) {
+    const int64_t D = P->d, ps = P->page_size, tile = (page * P->hkv + h) * ps * D;
+    if (which) {
+        const int8_t *base = (const int8_t *)P->vc;
+        for (int64_t d = 0; d < D; d++) out[d] = base[tm_i8t_v_at(tile, D, slot, d)];
+        return P->vs[(page * P->hkv + h) * ps + slot];
+    }
+    const uint8_t *base = (const uint8_t *)P->kc;
+    for (int64_t d = 0; d < D; d++) out[d] = (int8_t)((int)base[tm_i8t_k_at(tile, ps, slot, d)] - 128);
+    return P->ks[(page * P->hkv + h) * ps + slot];
+}
+
 static void task_tiled(const Problem *P, const Task *T, float *part_m, float *part_l, float *part_acc,
                        const TileKernel *K) {
     const int D = P->d, G = P->group, qw = K->qw;
@@ -418,6 +432,12 @@ static void task_tiled(const Problem *P, const Task *T, float *part_m, float *pa
                 } else if (P->kind == TM_KV_F16) {
                     K->widenh(kr, (const uint16_t *)P->kc + off, D);
                     K->widenh(vr, (const uint16_t *)P->vc + off, D);
+                } else if (P->kind == TM_KV_INT8T) {   /* a tiled row, gathered (a prefill reads it once per task) */
+                    int8_t rk[MAX_HEAD_DIM], rv[MAX_HEAD_DIM];
+                    const int64_t a = j0 + j, page = table[a / P->page_size], slot = a % P->page_size;
+                    const float sk = i8t_row(P, 0, page, slot, T->kvh, rk), sv = i8t_row(P, 1, page, slot, T->kvh, rv);
+                    K->widen8i(kr, (const uint8_t *)rk, D, sk);
+                    K->widen8i(vr, (const uint8_t *)rv, D, sv);
                 } else {
                     const widen8_fn w8 = P->kind == TM_KV_INT8 ? K->widen8i : K->widen8;
                     w8(kr, (const uint8_t *)P->kc + off, D, row_scale(P, 0, off, T->kvh));
@@ -435,7 +455,7 @@ static void task_tiled(const Problem *P, const Task *T, float *part_m, float *pa
             int64_t pa = j0 == T->k0 ? j0 + TILE_KEYS : j0 + (int64_t)TILE_PREFETCH * TILE_KEYS;
             int64_t pb = j0 + (int64_t)(TILE_PREFETCH + 1) * TILE_KEYS;
             if (pb > T->k1) pb = T->k1;
-            if (pa < pb) prefetch_keys(P, table, T->kvh, (int)pa, (int)pb, esz);
+            if (pa < pb && P->kind != TM_KV_INT8T) prefetch_keys(P, table, T->kvh, (int)pa, (int)pb, esz);
         }
         for (int g = 0; g < ngrp; g++) {
             const float pmin = qpos[g * qw], pmax = qpos[g * qw + qw - 1];
@@ -1892,6 +1912,411 @@ AVX512VNNI static void dec512_i8vnni(const Problem *P, const Task *T, float *par
     free(qs); free(acc); free(sb); free(qi); free(pb); free(offs);
 }
 
+/* ---- tiled int8 pages (TM_KV_INT8T) on AVX-512 VNNI ----
+ * The layout (attention.h) puts 4 dims of 16 keys in one K line and 4 keys of one dim in one V
+ * lane, so both products are vpdpbusd (64 byte products summed 4 by 4 into 16 int32 lanes) with
+ * no widening, no shuffles and no transpose tree. The int8 body above issues 12 512-bit
+ * multiply-adds per key and kv head for the default model's shape (3 query vectors), and on this
+ * project's Intel guest those held it: a 512-bit VNNI instruction issued about 0.6 per cycle, and
+ * a scratch body with half of them ran 1.7x faster in cache and 1.3x from DRAM
+ * (docs/benchmarks.md, thirty-eighth landing). Here 9:
+ *   - scores: each query vector is rounded once per task to 16 bits (amax / 32512) and split
+ *     into two signed bytes, q = 256 hi + lo; a 64-byte K line (4 dims of 16 keys, each byte the
+ *     code + 128) times the broadcast 4 bytes of those dims, once for hi and once for lo, gives 16
+ *     keys' partial sums in their own lanes, exact in int32; the + 128 comes off as 128 * sum(q)
+ *     per vector. Times q's scale and each key's K scale. (TOKENMILL_I8T_Q8=1: the query rounded
+ *     to int8, one vpdpbusd per line, 6 a key-head in all; 1.06x faster from DRAM, level in the
+ *     served rate, and the default model's logits further from an fp32 pool: mean |diff| 0.080
+ *     against 0.061 on its decode rows.)
+ *   - the softmax update is dec512_body's (a block of I8T_BLOCK keys, float32), the vectors of a
+ *     pass in step so that their reductions overlap, e^x by i8t_exp;
+ *   - V: in each block and query vector, the key with the largest weight (its softmax weight times
+ *     its V scale) is added exactly, in float32; the others' weights are rounded to 8 bits
+ *     against the largest of them (so a block holding an attention sink keeps its small weights:
+ *     an 8-bit rounding against the sink's weight zeroed them, which cost an earlier 8-bit body 5
+ *     points of top-1 agreement), and 4 keys' weights, broadcast, times a V lane of 4 keys gives
+ *     16 dims' sums per vpdpbusd. The int32 sums of a block (at most 128 x 255 x 127) are exact
+ *     and go into the float32 output times the bound / 255. (TOKENMILL_I8T_W16=1: 16-bit weights
+ *     against the block's largest, two vpdpbusd a lane, for A/B checks; no closer to exact.)
+ * Needs D of 64 or 128 and page_size % 16 == 0 (pick_kernels); other tasks on tiled pages take the
+ * tiled prefill path (task_tiled), which reads the same codes. */
+#ifndef I8T_BLOCK
+#define I8T_BLOCK 128   /* keys of one softmax update (8 groups of 16) */
+#endif
+#ifndef I8T_PF
+#define I8T_PF 4        /* groups of 16 keys requested ahead of use */
+#endif
+static int g_i8t_q16, g_i8t_w16;
+
+/* e^x for x <= 0 (softmax weights), to a relative error under 3e-6: 2^f by a degree-4 polynomial
+ * on f = t - round(t), t = x log2(e), scaled by 2^round(t) with vscalefps (which gives 0 far
+ * below; -inf gives 0). Half the instructions of exp512; the weights it feeds are rounded to
+ * 8 bits and their sum is taken from the same values. */
+AVX512VNNI static inline __attribute__((always_inline)) __m512 i8t_exp(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-127.f)), _mm512_set1_ps(1.44269504088896341f));
+    const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, r);
+    __m512 p = _mm512_set1_ps(9.5605105e-3f);   /* fitted to 2^f, relative error 2.7e-6 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5917040e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024981e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312197e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999917e-1f));
+    return _mm512_scalef_ps(p, r);
+}
+
+/* the lanes x .. x + 15 of a block that lie in [lo, hi) */
+static inline __mmask16 i8t_lanes(int x, int lo, int hi) {
+    const unsigned a = lo - x <= 0 ? 0xFFFFu : lo - x >= 16 ? 0u : (0xFFFFu << (lo - x)) & 0xFFFFu;
+    const unsigned b = hi - x >= 16 ? 0xFFFFu : hi - x <= 0 ? 0u : (1u << (hi - x)) - 1u;
+    return (__mmask16)(a & b);
+}
+
+/* the int8 / split int16 query of one vector: qb[0 .. D) (int8, or the high bytes) and
+ * qb[D .. 2D) (the low bytes, as signed bytes: q = 256 hi + lo), its scale and 128 * sum(q) */
+AVX512VNNI static inline void i8t_query(const float *src, int D, int q16, int8_t *qb, float *qscale, int32_t *corr) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int x = 0; x < D; x += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(src + x)));
+    const float amax = _mm512_reduce_max_ps(mx);
+    const float qmax = q16 ? 32512.f : 127.f;   /* 32512 = 127 * 256: the high byte stays within +-127 */
+    const float qs = amax > 0.f ? amax / qmax : 1.f;
+    const __m512 inv = _mm512_set1_ps(1.f / qs), lim = _mm512_set1_ps(qmax);
+    __m512i sum = _mm512_setzero_si512();
+    for (int x = 0; x < D; x += 16) {   /* rounded to nearest even, within +-qmax */
+        const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(src + x), inv), _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+        const __m512i q = _mm512_cvtps_epi32(y);
+        sum = _mm512_add_epi32(sum, q);
+        if (q16) {   /* q = 256 hi + lo, lo in [-128, 127] */
+            const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, _mm512_set1_epi32(128)), _mm512_set1_epi32(255)),
+                                                _mm512_set1_epi32(128));
+            _mm_storeu_si128((__m128i *)(qb + x), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(q, lo), 8)));
+            _mm_storeu_si128((__m128i *)(qb + D + x), _mm512_cvtepi32_epi8(lo));
+        } else {
+            _mm_storeu_si128((__m128i *)(qb + x), _mm512_cvtepi32_epi8(q));
+        }
+    }
+    *qscale = qs;
+    *corr = 128 * _mm512_reduce_add_epi32(sum);
+}
+
+/* One block's scores for GC vectors (queries qb + v * 2D, vectors v0 ..): group i's K lines at
+ * kt[i] (line of dim quad c at kt[i] + c * ps * 4), into s[v * I8T_BLOCK + 16 i + lane] as
+ * floats (unmasked). DX: D as a constant where it is one. */
+#define I8T_SCORES(GC, DX) do { \
+    __m512 bmx[GC]; \
+    _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) bmx[g] = _mm512_set1_ps(-INFINITY); \
+    for (int i = 0; i < ngr; i++) { \
+        if (v0 == 0 && b0 / 16 + i + I8T_PF < g_end) {   /* the group I8T_PF ahead, as the scores go */ \
+            const char *kp, *vp; \
+            int64_t pp; \
+            I8T_GROUP(b0 / 16 + i + I8T_PF, kp, vp, pp); \
+            for (int c = 0; c < (DX) / 4; c++) kv_prefetch(kp + (size_t)c * ps4); \
+            for (int c = 0; c < (DX) * 16; c += 64) kv_prefetch(vp + c); \
+            kv_prefetch((const char *)(P->ks + pp)); \
+            kv_prefetch((const char *)(P->vs + pp)); \
+        } \
+        __m512i ah[GC], al[GC]; \
+        _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) ah[g] = al[g] = _mm512_setzero_si512(); \
+        _Pragma("GCC unroll 16") \
+        for (int c = 0; c < (DX) / 4; c++) { \
+            const __m512i kz = _mm512_load_si512(kt[i] + (size_t)c * ps4); \
+            _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) { \
+                const int8_t *qv = qb + (size_t)(v0 + g) * 2 * (DX); \
+                int32_t qh; \
+                memcpy(&qh, qv + 4 * c, 4); \
+                if (q16) { \
+                    int32_t ql; \
+                    memcpy(&ql, qv + (DX) + 4 * c, 4); \
+                    ah[g] = _mm512_dpbusd_epi32(ah[g], kz, _mm512_set1_epi32(qh)); \
+                    al[g] = _mm512_dpbusd_epi32(al[g], kz, _mm512_set1_epi32(ql)); \
+                } else if (c & 1) {   /* int8: odd and even quads in two chains */ \
+                    al[g] = _mm512_dpbusd_epi32(al[g], kz, _mm512_set1_epi32(qh)); \
+                } else { \
+                    ah[g] = _mm512_dpbusd_epi32(ah[g], kz, _mm512_set1_epi32(qh)); \
+                } \
+            } \
+        } \
+        const __m512 ks_ = _mm512_load_ps(ksb + 16 * i); \
+        _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) {   /* times q's and the keys' scales, masked */ \
+            const int v = v0 + g; \
+            __m512i t = _mm512_add_epi32(q16 ? _mm512_slli_epi32(ah[g], 8) : ah[g], al[g]); \
+            t = _mm512_sub_epi32(t, _mm512_set1_epi32(corr[v])); \
+            const __m512 f = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), i8t_lanes(16 * i, blo[v], bhi[v]), \
+                                                _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(qscale[v])), ks_); \
+            _mm512_store_ps(sb + (size_t)v * I8T_BLOCK + 16 * i, f); \
+            bmx[g] = _mm512_max_ps(bmx[g], f); \
+        } \
+    } \
+    _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) bmax[v0 + g] = _mm512_reduce_max_ps(bmx[g]); \
+} while (0)
+
+/* One block's V sums for GC vectors: group i's slot quad u at vt[i] + u * D * 4 (D / 16 lines of
+ * 16 dims x 4 keys), each vector's byte weights at wb + v * 2 * I8T_BLOCK (high bytes after the
+ * low ones with W16), into acc[v] times wsc[v] */
+#define I8T_VSUMS(GC, DX) do { \
+    __m512i oh[GC][8], ol[GC][8];   /* fixed sizes (a size of DX / 16 made them arrays in memory) */ \
+    _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) \
+        _Pragma("GCC unroll 8") for (int c = 0; c < (DX) / 16; c++) oh[g][c] = ol[g][c] = _mm512_setzero_si512(); \
+    for (int i = 0; i < ngr; i++) \
+        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) { \
+            __m512i vz[8]; \
+            _Pragma("GCC unroll 8") for (int c = 0; c < (DX) / 16; c++) vz[c] = _mm512_load_si512(vt[i] + (size_t)u * (DX) * 4 + 64 * c); \
+            _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) { \
+                const uint8_t *w = wb + (size_t)(v0 + g) * 2 * I8T_BLOCK + 16 * i + 4 * u; \
+                int32_t x; \
+                memcpy(&x, w, 4); \
+                const __m512i bw = _mm512_set1_epi32(x); \
+                _Pragma("GCC unroll 8") for (int c = 0; c < (DX) / 16; c++) oh[g][c] = _mm512_dpbusd_epi32(oh[g][c], bw, vz[c]); \
+                if (w16) { \
+                    memcpy(&x, w + I8T_BLOCK, 4); \
+                    const __m512i bh = _mm512_set1_epi32(x); \
+                    _Pragma("GCC unroll 8") for (int c = 0; c < (DX) / 16; c++) ol[g][c] = _mm512_dpbusd_epi32(ol[g][c], bh, vz[c]); \
+                } \
+            } \
+        } \
+    _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) { \
+        const __m512 ws = _mm512_set1_ps(wsc[v0 + g]); \
+        float *a = acc + (size_t)(v0 + g) * (DX); \
+        _Pragma("GCC unroll 8") for (int c = 0; c < (DX) / 16; c++) { \
+            const __m512i t = w16 ? _mm512_add_epi32(oh[g][c], _mm512_slli_epi32(ol[g][c], 8)) : oh[g][c]; \
+            _mm512_store_ps(a + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), ws, _mm512_load_ps(a + 16 * c))); \
+        } \
+    } \
+} while (0)
+
+/* One block's softmax update for GC vectors from v0, in step (their reductions overlap): each
+ * vector's keys [lo, hi) of the block (the task's that its row sees) masked, the block maximum,
+ * the rescale factors (one vector exp), then the weights p times the V scale with per lane the
+ * largest (and its key) and the second largest, and the byte weights (I8T_BLOCK low bytes, then
+ * with W16 the high ones) with wsc[v] their unit; without W16 the top key's V row goes into acc
+ * exactly. A vector with no key in the block keeps its state and gets zero weights. */
+#define I8T_SOFTMAX(GC, DX) do { \
+    int on_[GC]; \
+    float arg_[16] __attribute__((aligned(64))); \
+    for (int i = 0; i < 16; i++) arg_[i] = -INFINITY; \
+    _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) { \
+        const int v = v0 + g; \
+        on_[g] = bhi[v] > blo[v]; \
+        if (!on_[g]) continue; \
+        const float bm = bmax[v], mn = m[v] > bm ? m[v] : bm; \
+        arg_[g] = m[v] - mn;   /* -inf at first: exp 0 */ \
+        m[v] = mn; \
+    } \
+    _mm512_store_ps(arg_, exp512(_mm512_load_ps(arg_))); \
+    __m512 sum_[GC], m1_[GC], m2_[GC], vm_[GC]; \
+    __m512i i1_[GC]; \
+    _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) { \
+        sum_[g] = m1_[g] = m2_[g] = _mm512_setzero_ps(); \
+        i1_[g] = _mm512_setzero_si512(); \
+        vm_[g] = _mm512_set1_ps(m[v0 + g]); \
+    } \
+    for (int x = 0; x < nk; x += 16) { \
+        const __m512 vs_ = _mm512_load_ps(vsb + x); \
+        _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) { \
+            float *s = sb + (size_t)(v0 + g) * I8T_BLOCK + x; \
+            const __m512 p = i8t_exp(_mm512_sub_ps(_mm512_load_ps(s), vm_[g])); \
+            sum_[g] = _mm512_add_ps(sum_[g], p); \
+            const __m512 w = _mm512_mul_ps(p, vs_); \
+            _mm512_store_ps(s, w); \
+            if (!w16) { \
+                i1_[g] = _mm512_mask_mov_epi32(i1_[g], _mm512_cmp_ps_mask(w, m1_[g], _CMP_GT_OQ), _mm512_set1_epi32(x)); \
+                m2_[g] = _mm512_max_ps(m2_[g], _mm512_min_ps(m1_[g], w)); \
+            } \
+            m1_[g] = _mm512_max_ps(m1_[g], w); \
+        } \
+    } \
+    float top_w[GC], qm_[GC]; \
+    int top_[GC]; \
+    _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) { \
+        const int v = v0 + g; \
+        top_[g] = -1; \
+        qm_[g] = 0.f; \
+        top_w[g] = 0.f; \
+        if (!on_[g]) { wsc[v] = 0.f; continue; } \
+        l[v] = l[v] * arg_[g] + _mm512_reduce_add_ps(sum_[g]); \
+        float *a = acc + (size_t)v * (DX); \
+        const __m512 va = _mm512_set1_ps(arg_[g]); \
+        _Pragma("GCC unroll 8") for (int c = 0; c < (DX) / 16; c++) _mm512_store_ps(a + 16 * c, _mm512_mul_ps(_mm512_load_ps(a + 16 * c), va)); \
+        const float wtop = _mm512_reduce_max_ps(m1_[g]); \
+        if (w16) { \
+            qm_[g] = wtop > 0.f ? 32767.f / wtop : 0.f; \
+            wsc[v] = wtop / 32767.f; \
+            continue; \
+        } \
+        const unsigned ln = (unsigned)__builtin_ctz((unsigned)_mm512_cmp_ps_mask(m1_[g], _mm512_set1_ps(wtop), _CMP_EQ_OQ) | 0x10000u) & 15u; \
+        int32_t o16[16] __attribute__((aligned(64))); \
+        _mm512_store_si512(o16, i1_[g]); \
+        top_[g] = o16[ln] + (int)ln; \
+        top_w[g] = wtop; \
+        const float rest = _mm512_reduce_max_ps(_mm512_max_ps(m2_[g], _mm512_maskz_mov_ps((__mmask16)~(1u << ln), m1_[g]))); \
+        qm_[g] = rest > 0.f ? 255.f / rest : 0.f; \
+        wsc[v] = rest / 255.f; \
+    } \
+    for (int x = 0; x < nk; x += 16) { \
+        _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) { \
+            const float *s = sb + (size_t)(v0 + g) * I8T_BLOCK + x; \
+            uint8_t *w8 = wb + (size_t)(v0 + g) * 2 * I8T_BLOCK + x; \
+            const __m512 y = _mm512_mul_ps(_mm512_load_ps(s), _mm512_set1_ps(qm_[g])); \
+            if (w16) { \
+                const __m512i q = _mm512_cvtps_epi32(y); \
+                _mm_store_si128((__m128i *)w8, _mm512_cvtepi32_epi8(q)); \
+                _mm_store_si128((__m128i *)(w8 + I8T_BLOCK), _mm512_cvtepi32_epi8(_mm512_srli_epi32(q, 8))); \
+            } else { \
+                const __mmask16 keep = (top_[g] & ~15) == x ? (__mmask16)~(1u << (top_[g] & 15)) : (__mmask16)0xFFFF; \
+                _mm_store_si128((__m128i *)w8, _mm512_cvtepi32_epi8(_mm512_maskz_cvtps_epi32(keep, y))); \
+            } \
+        } \
+    } \
+    if (!w16) \
+        _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) { \
+            if (top_[g] < 0 || !(top_w[g] > 0.f)) continue; \
+            const int t = top_[g] % 16; \
+            const char *row = vt[top_[g] / 16] + (size_t)(t / 4) * (DX) * 4; \
+            float *a = acc + (size_t)(v0 + g) * (DX); \
+            const __m512 wt = _mm512_set1_ps(top_w[g]); \
+            _Pragma("GCC unroll 8") for (int c = 0; c < (DX) / 16; c++) { \
+                const __m512i e = _mm512_srai_epi32(_mm512_slli_epi32(_mm512_load_si512(row + 64 * c), 24 - 8 * (t % 4)), 24); \
+                _mm512_store_ps(a + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(e), wt, _mm512_load_ps(a + 16 * c))); \
+            } \
+        } \
+} while (0)
+
+AVX512VNNI static inline __attribute__((always_inline)) void i8t_body(const Problem *P, const Task *T, float *part_m,
+                                                                    float *part_l, float *part_acc, const int DX,
+                                                                    const int q16, const int w16) {
+    const int D = DX, G = P->group, Q = (T->r1 - T->r0) * G, ps = P->page_size, hkv = P->hkv, h = T->kvh;
+    const size_t ps4 = (size_t)ps * 4;
+    const int64_t *table = P->bt + (int64_t)T->seq * P->bt_stride;
+    const char *kc = (const char *)P->kc, *vc = (const char *)P->vc;
+    /* a decode row's buffers on the stack (six allocations per task were 1,440 pairs of malloc and
+     * free in a 16k step of the default model); a chunk of many rows allocates */
+    enum { SQ = 12 };
+    float qs_s[SQ * 128] __attribute__((aligned(64))), acc_s[SQ * 128] __attribute__((aligned(64)));
+    float sb_s[SQ * I8T_BLOCK] __attribute__((aligned(64)));
+    int8_t qb_s[SQ * 2 * 128] __attribute__((aligned(64)));
+    uint8_t wb_s[SQ * 2 * I8T_BLOCK] __attribute__((aligned(64)));
+    const int on_stack = Q <= SQ;
+    float *qs = on_stack ? qs_s : alloc64((size_t)Q * D), *acc = on_stack ? acc_s : alloc64((size_t)Q * D);
+    float *sb = on_stack ? sb_s : alloc64((size_t)Q * I8T_BLOCK);
+    int8_t *qb = on_stack ? qb_s : aligned_alloc(64, (size_t)Q * 2 * D);
+    uint8_t *wb = on_stack ? wb_s : aligned_alloc(64, (size_t)Q * 2 * I8T_BLOCK);
+    float ksb[I8T_BLOCK] __attribute__((aligned(64))), vsb[I8T_BLOCK] __attribute__((aligned(64)));
+    float m[MAX_QVEC], l[MAX_QVEC], qscale[MAX_QVEC], wsc[MAX_QVEC], bmax[MAX_QVEC];
+    int32_t corr[MAX_QVEC];
+    int blo[MAX_QVEC], bhi[MAX_QVEC];
+    int64_t vis[MAX_QVEC];
+    dec_queries(P, T, P->scale, 0, qs, vis);
+    for (int v = 0; v < Q; v++) {
+        i8t_query(qs + (size_t)v * D, D, q16, qb + (size_t)v * 2 * D, &qscale[v], &corr[v]);
+        m[v] = -INFINITY;
+        l[v] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)Q * D);
+    const int64_t k0 = T->k0, k1 = T->k1;
+    const int64_t first = k0 & ~(int64_t)15;   /* groups of 16 keys, aligned (page_size % 16 == 0) */
+    /* each group's (page * hkv + head) * page_size + first slot, walked page by page (a division
+     * per group cost more than its arithmetic) */
+    const int64_t g_first = first / 16, g_end = (k1 + 15) / 16, ngroups = g_end - g_first;
+    int64_t gpos_s[2 * 160];
+    int64_t *gpos = ngroups <= 160 ? gpos_s : malloc(sizeof(int64_t) * 2 * (size_t)ngroups);
+    {
+        int64_t page = first / ps, slot = first % ps;
+        for (int64_t g = 0; g < ngroups; g++) {
+            gpos[2 * g] = (table[page] * hkv + h) * ps;
+            gpos[2 * g + 1] = slot;
+            if ((slot += 16) == ps) { slot = 0; page++; }
+        }
+    }
+    /* the K / V lines and scale index of group gi (absolute key gi * 16): the tile at
+     * (page * hkv + head) * page_size * D, K lines from + slot * 4, V from + slot * D */
+#define I8T_GROUP(gi, ktp, vtp, scp) do { \
+        const int64_t ph_ = gpos[2 * ((gi) - g_first)], s_ = gpos[2 * ((gi) - g_first) + 1]; \
+        ktp = kc + ph_ * D + s_ * 4; \
+        vtp = vc + ph_ * D + s_ * D; \
+        scp = ph_ + s_; \
+    } while (0)
+    for (int64_t gi = first / 16; gi < first / 16 + I8T_PF && gi < g_end; gi++) {
+        const char *kp, *vp;
+        int64_t sp;
+        I8T_GROUP(gi, kp, vp, sp);
+        for (int c = 0; c < D / 4; c++) kv_prefetch(kp + (size_t)c * ps4);
+        for (int c = 0; c < D * 4 * 4; c += 64) kv_prefetch(vp + c);
+        kv_prefetch((const char *)(P->ks + sp));
+        kv_prefetch((const char *)(P->vs + sp));
+    }
+    for (int64_t b0 = first; b0 < k1; b0 += I8T_BLOCK) {
+        const int ngr = (int)((k1 - b0 + 15) / 16 < I8T_BLOCK / 16 ? (k1 - b0 + 15) / 16 : I8T_BLOCK / 16);
+        const char *kt[I8T_BLOCK / 16], *vt[I8T_BLOCK / 16];
+        for (int i = 0; i < ngr; i++) {
+            const int64_t gi = b0 / 16 + i;
+            int64_t sp;
+            I8T_GROUP(gi, kt[i], vt[i], sp);
+            _mm512_store_ps(ksb + 16 * i, _mm512_loadu_ps(P->ks + sp));
+            _mm512_store_ps(vsb + 16 * i, _mm512_loadu_ps(P->vs + sp));
+        }
+        const int nk = ngr * 16;
+        for (int v = 0; v < Q; v++) {   /* keys [blo, bhi) of the block are the vector's: the task's and the ones its row sees */
+            const int64_t kvis = k0 + vis[v] < k1 ? k0 + vis[v] : k1;
+            blo[v] = (int)(k0 > b0 ? k0 - b0 : 0);
+            bhi[v] = (int)(kvis - b0 < nk ? (kvis - b0 > 0 ? kvis - b0 : 0) : nk);
+        }
+        for (int v0 = 0, per = dec_pass(Q, 4); v0 < Q; v0 += per) {   /* scores: 2 accumulators a vector */
+            switch (Q - v0 < per ? Q - v0 : per) {
+            case 1: I8T_SCORES(1, DX); break;
+            case 2: I8T_SCORES(2, DX); break;
+            case 3: I8T_SCORES(3, DX); break;
+            default: I8T_SCORES(4, DX); break;
+            }
+        }
+        /* the softmax update and the weights, GC vectors in step (I8T_SOFTMAX) */
+        for (int v0 = 0, per = dec_pass(Q, 4); v0 < Q; v0 += per) {
+            switch (Q - v0 < per ? Q - v0 : per) {
+            case 1: I8T_SOFTMAX(1, DX); break;
+            case 2: I8T_SOFTMAX(2, DX); break;
+            case 3: I8T_SOFTMAX(3, DX); break;
+            default: I8T_SOFTMAX(4, DX); break;
+            }
+        }
+        /* V: D / 16 accumulators a vector (twice that with 16-bit weights), so 4 vectors a pass at
+         * D = 64, 2 at D = 128 */
+        for (int v0 = 0, per = dec_pass(Q, DX == 64 && !w16 ? 4 : 2); v0 < Q; v0 += per) {
+            switch (Q - v0 < per ? Q - v0 : per) {
+            case 1: I8T_VSUMS(1, DX); break;
+            case 2: I8T_VSUMS(2, DX); break;
+            case 3: I8T_VSUMS(3, DX); break;
+            default: I8T_VSUMS(4, DX); break;
+            }
+        }
+    }
+#undef I8T_GROUP
+    dec_store(P, T, acc, m, l, 1.f, 0, part_m, part_l, part_acc);
+    if (!on_stack) {
+        free(qs); free(acc); free(sb); free(qb); free(wb);
+    }
+    if (gpos != gpos_s) free(gpos);
+}
+
+/* the body for the task's head size and the A/B switches (each a specialised copy) */
+AVX512VNNI static void dec512_i8t_64(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    i8t_body(P, T, m, l, a, 64, 1, 0);
+}
+AVX512VNNI static void dec512_i8t_128(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    i8t_body(P, T, m, l, a, 128, 1, 0);
+}
+AVX512VNNI static void dec512_i8t_ab(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    if (P->d == 64) {
+        if (g_i8t_q16 && g_i8t_w16) i8t_body(P, T, m, l, a, 64, 1, 1);
+        else if (g_i8t_w16) i8t_body(P, T, m, l, a, 64, 0, 1);
+        else i8t_body(P, T, m, l, a, 64, 0, 0);
+    } else {
+        i8t_body(P, T, m, l, a, 128, g_i8t_q16, g_i8t_w16);
+    }
+}
+AVX512VNNI static void dec512_i8t(const Problem *P, const Task *T, float *m, float *l, float *a) {
+    if (!g_i8t_q16 || g_i8t_w16) dec512_i8t_ab(P, T, m, l, a);
+    else if (P->d == 64) dec512_i8t_64(P, T, m, l, a);
+    else dec512_i8t_128(P, T, m, l, a);
+}
+
 /* e4m3_to_float's path 3: fp8x64 (64 bytes at a time, dims back in order; tail by the table) */
 AVX512V static void widen8_avx512_table(float *dst, const uint8_t *src, int n, float scale) {
     const E4m3Tab tab = e4m3_tab();
@@ -2198,6 +2623,7 @@ typedef struct {
     int vec, vec512;
     int dec;   /* decode rows: 2 the AVX-512 (VBMI) decode body, 1 the AVX2 one, 0 the per-row bodies */
     int dec_i8;   /* int8 decode rows take the VNNI body (dec512_i8vnni) */
+    int dec_i8t;  /* tiled int8 decode rows take the tiled VNNI body (dec512_i8t) */
     int split_rows;   /* chunks of up to this many rows are split over keys after a long context */
     int dec_rows;     /* chunks of up to this many rows not on tiles take the decode bodies */
     int head_jobs;    /* the kv heads of a split chunk, or of a short decode row among many, run as
@@ -2333,6 +2759,11 @@ static Kernels pick_kernels(const Problem *P) {
     k.dec = getenv("TOKENMILL_NO_DECODE_BODY") ? 0 : k.vec512 && have_vbmi() ? 2 : k.vec ? 1 : 0;
     /* TOKENMILL_NO_INT8_VNNI=1: int8 decode rows widen to float32 in the other bodies (A/B checks, tests) */
     k.dec_i8 = k.dec && k.vec512 && have_vnni() && D % 64 == 0 && !getenv("TOKENMILL_NO_INT8_VNNI");
+    k.dec_i8t = k.dec_i8 && (D == 64 || D == 128) && P->page_size % 16 == 0;
+#if TM_X86
+    g_i8t_q16 = getenv("TOKENMILL_I8T_Q8") == NULL;   /* 16-bit queries unless TOKENMILL_I8T_Q8=1 */
+    g_i8t_w16 = getenv("TOKENMILL_I8T_W16") != NULL;
+#endif
     /* TOKENMILL_NO_FEW_ROW_SPLIT=1 splits decode rows only, as before (for A/B checks) */
     k.split_rows = getenv("TOKENMILL_NO_FEW_ROW_SPLIT") ? 1 : SPLIT_MAX_ROWS;
     /* TOKENMILL_NO_FEW_ROW_DECODE=1: the decode bodies take decode rows only, as before (for A/B
@@ -2395,9 +2826,19 @@ static void run_task(const Problem *P, const Plan *pl, int i, const Kernels *k) 
         task_tiled(P, t, m, l, a, tk);
         return;
     }
-#if TM_X86
     const int64_t nrows = P->qsl[t->seq + 1] - P->qsl[t->seq];
     const int dec_rows = nrows <= k->dec_rows;   /* a decode row, or a few (tiles_for said no tiles) */
+    if (P->kind == TM_KV_INT8T) {   /* tiled int8 pages: the tiled VNNI body, else the tiled prefill path */
+#if TM_X86
+        if (k->dec_i8t && dec_rows) {
+            dec512_i8t(P, t, m, l, a);
+            return;
+        }
+#endif
+        task_tiled(P, t, m, l, a, k->tk ? k->tk : &tile_kernel_scalar);
+        return;
+    }
+#if TM_X86
     if (k->dec_i8 && dec_rows && P->kind == TM_KV_INT8) {
         dec512_i8vnni(P, t, m, l, a);
         return;
@@ -2513,7 +2954,8 @@ typedef struct {
 /* the arguments every entry point checks: 0 when the kernel takes them */
 static int bad_args(int hq, int hkv, int d, int ps, int kind, const float *ks, const float *vs) {
     if (hkv <= 0 || hq % hkv || d <= 0 || ps <= 0 || d > MAX_HEAD_DIM || hq / hkv > MAX_QVEC) return 1;
-    if (kind < TM_KV_F32 || kind > TM_KV_INT8) return 2;
+    if (kind < TM_KV_F32 || kind > TM_KV_INT8T) return 2;
+    if (kind == TM_KV_INT8T && (ps % 4 || d % 4)) return 1;
     if (TM_KV_SCALED(kind) && (!ks || !vs)) return 3;
     return 0;
 }
@@ -2594,20 +3036,25 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* fp8_write(src_ptr, row_stride, slots_ptr, n, hkv, d, dst_ptr, scale_ptr, per_token[, int8]): store
+/* fp8_write(src_ptr, row_stride, slots_ptr, n, hkv, d, dst_ptr, scale_ptr, per_token[, int8[, tiled_page_size,
+ * is_k]]): store
  * n token rows of hkv x d float32 values (head h of row t at src + t * row_stride + h * d) as
  * e4m3 bytes at their slots of one K or V half [num_pages * page_size, hkv, d], exactly as
  * tokenmill.layers.attention.fp8.write_fp8 does (tm_fp8_write_vec): with the static [hkv]
  * scales at scale_ptr, or (per_token) computing each vector's scale into
- * scale_ptr[slot * hkv + h]. int8: as int8 bytes with per-vector scales (tm_i8_write_vec). */
+ * scale_ptr[slot * hkv + h]. int8: as int8 bytes with per-vector scales (tm_i8_write_vec); with
+ * tiled_page_size > 0, into tiled int8 pages of that page size (TM_KV_INT8T; is_k: the K half). */
 static PyObject *py_fp8_write(PyObject *self, PyObject *args) {
     unsigned long long src, slots, dst, sc;
-    long long row_stride, n, hkv, d;
-    int per_token, int8 = 0;
-    if (!PyArg_ParseTuple(args, "KLKLLLKKp|p", &src, &row_stride, &slots, &n, &hkv, &d, &dst, &sc, &per_token, &int8))
+    long long row_stride, n, hkv, d, tiled_ps = 0;
+    int per_token, int8 = 0, is_k = 0;
+    if (!PyArg_ParseTuple(args, "KLKLLLKKp|pLp", &src, &row_stride, &slots, &n, &hkv, &d, &dst, &sc, &per_token, &int8,
+                          &tiled_ps, &is_k))
         return NULL;
-    if (n < 0 || hkv <= 0 || d <= 0 || row_stride < hkv * d || !src || !slots || !dst || !sc || (int8 && !per_token)) {
-        PyErr_SetString(PyExc_ValueError, "fp8_write: bad sizes or null pointers (int8 pages take per-token scales)");
+    if (n < 0 || hkv <= 0 || d <= 0 || row_stride < hkv * d || !src || !slots || !dst || !sc || (int8 && !per_token) ||
+        tiled_ps < 0 || (tiled_ps && (!int8 || tiled_ps % 4 || d % 4))) {
+        PyErr_SetString(PyExc_ValueError, "fp8_write: bad sizes or null pointers (int8 pages take per-token scales; "
+                                          "tiled int8 pages need page_size and head_dim divisible by 4)");
         return NULL;
     }
     const float *x = (const float *)src;
@@ -2617,7 +3064,9 @@ static PyObject *py_fp8_write(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (int64_t t = 0; t < n; t++)
         for (int64_t h = 0; h < hkv; h++) {
-            if (int8)
+            if (tiled_ps)
+                tm_i8t_write_vec((int8_t *)o, scales, is_k, sl[t], h, hkv, tiled_ps, x + t * row_stride + h * d, d);
+            else if (int8)
                 tm_i8_write_vec((int8_t *)o + (sl[t] * hkv + h) * d, scales + sl[t] * hkv + h, x + t * row_stride + h * d, d);
             else
                 tm_fp8_write_vec(o + (sl[t] * hkv + h) * d, per_token ? scales + sl[t] * hkv + h : scales + h,
@@ -2649,6 +3098,14 @@ static PyObject *py_e4m3_to_float(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* int8_tiled_decode(): whether tiled int8 decode rows take the VNNI body on this CPU (AVX-512
+ * with VNNI, TOKENMILL_NO_AVX512 / TOKENMILL_NO_INT8_VNNI / TOKENMILL_NO_DECODE_BODY unset) */
+static PyObject *py_int8_tiled_decode(PyObject *self, PyObject *args) {
+    const int on = have_avx2() && have_avx512() && have_vnni() && !getenv("TOKENMILL_NO_AVX512") &&
+                   !getenv("TOKENMILL_NO_INT8_VNNI") && !getenv("TOKENMILL_NO_DECODE_BODY");
+    return PyBool_FromLong(on);
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     if (have_avx512() && !getenv("TOKENMILL_NO_AVX512")) return PyUnicode_FromString("avx512");
     return PyUnicode_FromString(have_avx2() ? "avx2+fma" : "scalar");
@@ -2657,6 +3114,7 @@ static PyObject *py_simd(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_attention", py_paged_attention, METH_VARARGS, "Paged attention over the KV pool, pages read in place."},
     {"simd", py_simd, METH_NOARGS, "The vector instruction set the kernels use on this CPU."},
+    {"int8_tiled_decode", py_int8_tiled_decode, METH_NOARGS, "Whether tiled int8 decode rows take the VNNI body here."},
     {"fp8_write", py_fp8_write, METH_VARARGS, "Quantize K or V rows into fp8 (or int8) pages at their slots."},
     {"e4m3_to_float", py_e4m3_to_float, METH_VARARGS, "Widen fp8 (e4m3) bytes with one of the kernel's paths."},
     {NULL, NULL, 0, NULL},

@@ -19,10 +19,21 @@
  * (TM_KV_FP8: a static scale per layer and head) or one per stored vector, indexed
  * slot * num_kv_heads + kv_head (TM_KV_FP8_TOKEN). fp16 pages (TM_KV_F16) hold IEEE half floats,
  * written saturated at +-65504 (tm_to_f16). */
-enum { TM_KV_F32 = 0, TM_KV_BF16 = 1, TM_KV_FP8 = 2, TM_KV_FP8_TOKEN = 3, TM_KV_F16 = 4, TM_KV_INT8 = 5 };
+enum { TM_KV_F32 = 0, TM_KV_BF16 = 1, TM_KV_FP8 = 2, TM_KV_FP8_TOKEN = 3, TM_KV_F16 = 4, TM_KV_INT8 = 5, TM_KV_INT8T = 6 };
 /* int8 pages (TM_KV_INT8) hold signed bytes q, the element being q * scale with one scale per
- * stored vector (amax / 127), indexed as TM_KV_FP8_TOKEN's (tm_i8_write_vec). */
-#define TM_KV_SCALED(kind) ((kind) == TM_KV_FP8 || (kind) == TM_KV_FP8_TOKEN || (kind) == TM_KV_INT8)
+ * stored vector (amax / 127), indexed as TM_KV_FP8_TOKEN's (tm_i8_write_vec).
+ *
+ * Tiled int8 pages (TM_KV_INT8T) hold the same codes and scales as TM_KV_INT8, laid out for the
+ * int8 decode body on AVX-512 VNNI (attention.c, "tiled int8 pages"): each (page, kv head) owns
+ * one tile of page_size x D bytes, at byte (page * hkv + head) * page_size * D of its K or V
+ * half (a page's bytes are the same region as in TM_KV_INT8, so page copies do not care):
+ *   - K: [D / 4 dim quads][page_size slots][4 bytes], each byte the code + 128 (unsigned), so
+ *     that one 64-byte line holds 4 dims of 16 keys (tm_i8t_k_at);
+ *   - V: [page_size / 4 slot quads][D dims][4 bytes], the codes, so that one 32-bit lane holds
+ *     4 keys' values of one dim (tm_i8t_v_at);
+ *   - scales: [page_size] floats per (page, kv head), at (page * hkv + head) * page_size + slot.
+ * Needs page_size % 4 == 0 and D % 4 == 0. */
+#define TM_KV_SCALED(kind) ((kind) == TM_KV_FP8 || (kind) == TM_KV_FP8_TOKEN || (kind) == TM_KV_INT8 || (kind) == TM_KV_INT8T)
 #define TM_KV_TOKEN_SCALES(kind) ((kind) == TM_KV_FP8_TOKEN || (kind) == TM_KV_INT8)
 
 #define TM_F16_MAX 65504.f
@@ -113,6 +124,30 @@ static inline void tm_i8_write_vec(int8_t *o, float *sc, const float *x, int64_t
         const float y = nearbyintf(x[i] / s);
         o[i] = (int8_t)(y > 127.f ? 127.f : y < -127.f ? -127.f : y == y ? y : 0.f);
     }
+}
+
+/* Byte offsets in a TM_KV_INT8T half of dim d of the key at slot (of its page), in the tile at
+ * byte tile: K's (biased) byte and V's byte. */
+static inline int64_t tm_i8t_k_at(int64_t tile, int64_t ps, int64_t slot, int64_t d) {
+    return tile + ((d >> 2) * ps + slot) * 4 + (d & 3);
+}
+static inline int64_t tm_i8t_v_at(int64_t tile, int64_t D, int64_t slot, int64_t d) {
+    return tile + ((slot >> 2) * D + d) * 4 + (slot & 3);
+}
+
+/* One K (is_k) or V vector of head h at pool slot `slot` into a TM_KV_INT8T half: the codes and
+ * scale tm_i8_write_vec gives, at their tiled places. */
+static inline void tm_i8t_write_vec(int8_t *half, float *scales, int is_k, int64_t slot, int64_t h, int64_t hkv,
+                                    int64_t ps, const float *x, int64_t d) {
+    int8_t codes[TM_ATTENTION_MAX_HEAD_DIM];
+    float s;
+    tm_i8_write_vec(codes, &s, x, d);
+    const int64_t page = slot / ps, sl = slot % ps, tile = (page * hkv + h) * ps * d;
+    scales[(page * hkv + h) * ps + sl] = s;
+    if (is_k)
+        for (int64_t i = 0; i < d; i++) half[tm_i8t_k_at(tile, ps, sl, i)] = (int8_t)(uint8_t)((int)codes[i] + 128);
+    else
+        for (int64_t i = 0; i < d; i++) half[tm_i8t_v_at(tile, d, sl, i)] = codes[i];
 }
 
 typedef int (*tm_paged_attention_fn)(const float *q, int64_t q_stride, float *out, const void *k_cache,

@@ -111,9 +111,10 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
  * +-65504, as tokenmill.layers.attention.base.to_kv_dtype stores them. fp8 (kind TM_KV_FP8*): the same
  * bytes (and per-vector scales) as tokenmill.layers.attention.fp8.write_fp8 writes
  * (tm_fp8_write_vec in attention.h), int8 (TM_KV_INT8) likewise (tm_i8_write_vec); a per-vector
- * scale is stored at slot * hkv + head. */
+ * scale is stored at slot * hkv + head. Tiled int8 (TM_KV_INT8T): tm_i8t_write_vec, with the page
+ * size ps and is_k (the K half). */
 static void kv_write(void *cache, float *scales, const float *src, int64_t src_stride, const int64_t *slots,
-                     int64_t M, int64_t hkv, int64_t d, int kind) {
+                     int64_t M, int64_t hkv, int64_t d, int kind, int64_t ps, int is_k) {
     const int64_t width = hkv * d;
     for (int64_t t = 0; t < M; t++) {
         const float *s = src + t * src_stride;
@@ -128,6 +129,8 @@ static void kv_write(void *cache, float *scales, const float *src, int64_t src_s
             for (int64_t h = 0; h < hkv; h++)
                 tm_fp8_write_vec(o + h * d, kind == TM_KV_FP8 ? scales + h : scales + slots[t] * hkv + h, s + h * d, d,
                                  kind == TM_KV_FP8_TOKEN);
+        } else if (kind == TM_KV_INT8T) {   /* tiled int8 pages (attention.h) */
+            for (int64_t h = 0; h < hkv; h++) tm_i8t_write_vec((int8_t *)cache, scales, is_k, slots[t], h, hkv, ps, s + h * d, d);
         } else if (kind == TM_KV_INT8) {
             int8_t *o = (int8_t *)cache + slots[t] * width;
             for (int64_t h = 0; h < hkv; h++) tm_i8_write_vec(o + h * d, scales + slots[t] * hkv + h, s + h * d, d);
@@ -634,8 +637,8 @@ static void run_layers_team(const int64_t *tab, int64_t L, const Step *S, const 
              * matmuls (and the head, after the last layer) have not begun */
             for (int c = 0; c < C_COUNT; c++) atomic_store_explicit(&bar->rows[c], 0, memory_order_relaxed);
             rotary(B->qkv, M, qn, (int)(S->hq + S->hkv), (int)S->d, S->cos, S->sin, S->pos);
-            kv_write(kc, ks, B->qkv + qsz, qn, S->slots, M, S->hkv, S->d, S->kv_kind);
-            kv_write(vc, vs, B->qkv + qsz + kvsz, qn, S->slots, M, S->hkv, S->d, S->kv_kind);
+            kv_write(kc, ks, B->qkv + qsz, qn, S->slots, M, S->hkv, S->d, S->kv_kind, S->page_size, 1);
+            kv_write(vc, vs, B->qkv + qsz + kvsz, qn, S->slots, M, S->hkv, S->d, S->kv_kind, S->page_size, 0);
             *call = g_attn->plan(B->qkv, qn, B->att, kc, vc, S->kv_kind, ks, vs, S->bt, S->bt_stride, S->qsl, S->seq_lens,
                                  S->num_seqs, S->page_size, (int)S->hq, (int)S->hkv, (int)S->d, S->scale, T);
             if (!*call) *err = -2;
@@ -822,7 +825,7 @@ PyObject *tmq_py_decode_layers(PyObject *self, PyObject *args) {
         return NULL;
     if (M <= 0 || L < 0 || H <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || inter <= 0 ||
         num_seqs <= 0 || page_size <= 0 || d > TM_ATTENTION_MAX_HEAD_DIM || hq / hkv > TM_ATTENTION_MAX_GROUP ||
-        kv_kind < TM_KV_F32 || kv_kind > TM_KV_INT8) {
+        kv_kind < TM_KV_F32 || kv_kind > TM_KV_INT8T) {
         PyErr_Format(PyExc_ValueError, "decode_layers: bad sizes (M=%lld H=%lld heads %lld/%lld d=%lld inter=%lld "
                      "seqs=%d page=%d kv kind %d)", M, H, hq, hkv, d, inter, num_seqs, page_size, kv_kind);
         return NULL;
@@ -964,7 +967,7 @@ PyObject *tmq_py_fp8_quantize(PyObject *self, PyObject *args) {
     }
     const int64_t slot = 0;
     kv_write((void *)(uintptr_t)dst, (float *)(uintptr_t)sc, (const float *)(uintptr_t)src, n, &slot, 1, 1, n,
-             per_token ? TM_KV_FP8_TOKEN : TM_KV_FP8);
+             per_token ? TM_KV_FP8_TOKEN : TM_KV_FP8, 1, 0);
     Py_RETURN_NONE;
 }
 
@@ -978,7 +981,7 @@ PyObject *tmq_py_f16_quantize(PyObject *self, PyObject *args) {
         return NULL;
     }
     const int64_t slot = 0;
-    kv_write((void *)(uintptr_t)dst, NULL, (const float *)(uintptr_t)src, n, &slot, 1, 1, n, TM_KV_F16);
+    kv_write((void *)(uintptr_t)dst, NULL, (const float *)(uintptr_t)src, n, &slot, 1, 1, n, TM_KV_F16, 1, 0);
     Py_RETURN_NONE;
 }
 

@@ -885,11 +885,15 @@ def _chain(keyer: PageKeyer, parent: bytes, tokens: list[int]) -> list[bytes]:
 
 def describe_pool(kv_caches: list[Any], num_pages: int) -> dict[str, Any]:
     """The page layout of a KV pool, as plain data (a tensor-parallel rank reports its own)."""
+    from tokenmill.layers.attention.fp8 import FP8Pages
+
     leaves = page_leaves(kv_caches, num_pages)
     return {"entries": sum(1 for c in kv_caches if c is not None),
             "leaves": [(tuple(l.page_shape), l.page_dim, str(l.tensor.dtype), l.tensor.element_size(),
                         l.tensor.dtype.is_floating_point) for l in leaves],
-            "fp8_static_scales": static_scales_digest(kv_caches)}
+            "fp8_static_scales": static_scales_digest(kv_caches),
+            # int8 pages in the tiled order hold the same bytes in another order within a page
+            "int8_tiled": any(isinstance(c, FP8Pages) and c.tiled for c in kv_caches)}
 
 
 def rank_namespace(namespace: bytes, rank: int, tp: int) -> bytes:
@@ -927,6 +931,8 @@ def build_tiers(config: Any, runner: Any, kv: Any, model_name: str, kv_spec: Any
     layout = "|".join(f"{shape}:{dim}:{dtype}" for shape, dim, dtype, _, _ in leaves) + f"|{kv_spec.layers!r}"
     if tp > 1:
         layout += f"|tensor parallel {tp}"   # a shard's pages are not another TP size's
+    if pool.get("int8_tiled"):
+        layout += "|int8 tiled"   # another byte order within a page than a rows-order pool's
     digests = [p.get("fp8_static_scales", "") for p in pools]
     if any(digests):   # pages quantized under other static fp8 scales are other bytes
         layout += "|fp8-static-scales:" + ",".join(digests)

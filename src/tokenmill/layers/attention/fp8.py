@@ -29,6 +29,15 @@ is exact and every other one is within half a step (``amax / 254``) of its value
 about 1/16 of the vector's largest and coarser below; its point is the integer dot-product
 instructions the native decode kernel runs it on (AVX-512 VNNI).
 
+Tiled int8 pages (``tiled=True``) hold the same codes and scales in another order within each page,
+the one the native kernel's int8 decode body on AVX-512 VNNI reads without widening or shuffling
+(``TM_KV_INT8T`` in ``_native/attention.h``): per page and KV head one tile of ``page_size x D``
+bytes, K as ``[D / 4][page_size][4]`` with each byte the code + 128, V as ``[page_size / 4][D][4]``,
+and the scales as ``[KV heads][page_size]``. A page is the same region of the tensors either way,
+so page copies (the KV tiers) do not depend on the order; the native backend picks it
+(:meth:`~tokenmill.layers.attention.native.NativePagedAttention.allocate`), and
+:func:`write_fp8` / :func:`untile_pages` let the torch reference write and read such pages too.
+
 Either way a quantized entry is final on write (its scale does not depend on later tokens), so
 the same tokens store the same bytes whether prefilled whole, in chunks or found in the prefix
 cache.
@@ -50,6 +59,8 @@ class FP8Pages(NamedTuple):
     data: torch.Tensor    # uint8 bytes of float8_e4m3fn values (int8: int8 codes), [..., D]
     scale: torch.Tensor   # fp32: data.shape[:-1] (per token), or a broadcastable static scale
     per_token: bool = True
+    tiled: bool = False   # int8 codes in the tiled order (module docstring)
+    v_half: bool = False  # a tiled entry's V half (its tile order is not K's)
 
     def page_tensors(self) -> list[torch.Tensor]:
         """The tensors with a page dimension (what a KV tier copies): static scales are not."""
@@ -61,7 +72,7 @@ class FP8Pages(NamedTuple):
 
     def half(self, i: int) -> FP8Pages:
         """K (``i = 0``) or V (``i = 1``) of a dense ``[2, N, P, H, D]`` entry."""
-        return FP8Pages(self.data[i], self.scale[i], self.per_token)
+        return FP8Pages(self.data[i], self.scale[i], self.per_token, self.tiled, i == 1)
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -135,10 +146,40 @@ class _Calibration:
 _CALIBRATING: list[_Calibration] = []
 
 
+def _tiled_index(page_size: int, hkv: int, d: int, slots: torch.Tensor, v_half: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat byte offsets ``[T, H, D]`` of the elements of ``slots`` in a tiled int8 half, and
+    flat scale offsets ``[T, H]``."""
+    page, s = (slots // page_size)[:, None, None], (slots % page_size)[:, None, None]
+    h = torch.arange(hkv, device=slots.device)[None, :, None]
+    dim = torch.arange(d, device=slots.device)[None, None, :]
+    tile = (page * hkv + h) * page_size * d
+    at = tile + ((s // 4) * d + dim) * 4 + s % 4 if v_half else tile + ((dim // 4) * page_size + s) * 4 + dim % 4
+    return at, ((page * hkv + h) * page_size + s)[..., 0]
+
+
+def untile_pages(data: torch.Tensor, scale: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiled int8 pages ``data [2, N, P, H, D]`` and ``scale [2, N, P, H]`` (any N, e.g. a
+    gather of pages) in the row order: the same codes and scales as an untiled pool."""
+    two, n, ps, hkv, d = data.shape
+    k = data[0].reshape(n, hkv, d // 4, ps, 4).permute(0, 3, 1, 2, 4).reshape(n, ps, hkv, d)
+    k = torch.bitwise_xor(k, torch.tensor(-128, dtype=torch.int8, device=data.device))   # code + 128 -> code
+    v = data[1].reshape(n, hkv, ps // 4, d, 4).permute(0, 2, 4, 1, 3).reshape(n, ps, hkv, d)
+    sc = scale.reshape(two, n, hkv, ps).transpose(2, 3)
+    return torch.stack((k, v)), sc.contiguous()
+
+
 def write_fp8(pages: FP8Pages, slots: torch.Tensor, x: torch.Tensor) -> None:
     """Store ``x`` [T, ..., D] at flat slots (the first two dims of the pool are pages x offsets)."""
     d = pages.data.shape[-1]
     inner = tuple(pages.data.shape[2:-1])
+    if pages.tiled:   # the codes and scales of the row order, at their tiled places
+        q, scale = quantize_int8(x)
+        at, sat = _tiled_index(pages.data.shape[1], inner[0], d, slots.to(torch.int64), pages.v_half)
+        if not pages.v_half:
+            q = torch.bitwise_xor(q, torch.tensor(-128, dtype=torch.int8, device=q.device))
+        pages.data.view(-1).index_put_((at.reshape(-1),), q.reshape(-1))
+        pages.scale.view(-1).index_put_((sat.reshape(-1),), scale.reshape(-1))
+        return
     if pages.per_token:
         q, scale = quantize_int8(x) if pages.is_int8 else quantize(x)
         pages.data.view(-1, *inner, d).index_copy_(0, slots, q)

@@ -16,9 +16,14 @@ F16C's ``vcvtph2ps``, stored saturated at +-65504 by ``base.to_kv_dtype``); fp8 
 (:class:`~tokenmill.layers.attention.fp8.FP8Pages`, static or per-token scales) are read as bytes
 (a quarter) and widened exactly in the kernel, the scales folded into the query and the softmax
 weights. int8 pages (per-vector scales) are widened the same way, except that a decode row on an
-AVX-512 VNNI CPU takes an integer body: the query rounded to int16, K rows scored by ``vpdpwssd``,
-the softmax weights rounded to int16 for the V sum (see ``_native/attention.c``, "int8 pages on
-AVX-512 VNNI"). The step's K/V are quantized on write in C to the same bytes (and per-vector scales) as the
+AVX-512 VNNI CPU takes an integer body. There the pool is allocated in a tiled order
+(:func:`int8_tiled_layout`; :class:`~tokenmill.layers.attention.fp8.FP8Pages` ``tiled``), and a
+decode row rounds its query to 16 bits (two signed bytes) and the softmax weights to 8 bits (each
+block's largest weight exact), so that both products are ``vpdpbusd`` with no widening
+(``_native/attention.c``, "tiled int8 pages"); other rows read the same codes through the tiled
+prefill path. Rows-order
+int8 pages keep the earlier body: the query rounded to int16, K rows scored by ``vpdpwssd``, the
+softmax weights rounded to int16 ("int8 pages on AVX-512 VNNI"). The step's K/V are quantized on write in C to the same bytes (and per-vector scales) as the
 torch reference's ``write_fp8``. One difference: the kernel reads every key back from the
 pool, so a fresh prefill attends its own chunk through fp8 (the reference uses the chunk's
 unrounded K/V); the start-up calibration of static scales therefore runs on the reference
@@ -29,6 +34,7 @@ activations; those fall back to the torch backend when ``auto`` chooses
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -43,7 +49,10 @@ from tokenmill.layers.attention.fp8 import FP8Pages, write_fp8
 from tokenmill.layers.attention.torch_ref import TorchPagedAttention
 
 # the kernel's kv kinds (TM_KV_* in _native/attention.h)
-KV_F32, KV_BF16, KV_FP8, KV_FP8_TOKEN, KV_F16, KV_INT8 = 0, 1, 2, 3, 4, 5
+KV_F32, KV_BF16, KV_FP8, KV_FP8_TOKEN, KV_F16, KV_INT8, KV_INT8_TILED = 0, 1, 2, 3, 4, 5, 6
+# TOKENMILL_KV_INT8_LAYOUT: int8 pages in the tiled order ("tiled"), in rows ("rows"), or (default
+# "auto") tiled where the kernel's tiled int8 decode body runs (int8_tiled_layout)
+INT8_LAYOUTS = ("auto", "tiled", "rows")
 _KIND_OF_DTYPE = {torch.float32: KV_F32, torch.bfloat16: KV_BF16, torch.float16: KV_F16}
 
 
@@ -63,7 +72,9 @@ def unsupported_reason(spec: KVCacheSpec, device: torch.device, compute_dtype: t
 def kv_kind(entry: torch.Tensor | FP8Pages) -> int:
     """The kernel's kind code for one layer's KV entry."""
     if isinstance(entry, FP8Pages):
-        return KV_INT8 if entry.is_int8 else KV_FP8_TOKEN if entry.per_token else KV_FP8
+        if entry.is_int8:
+            return KV_INT8_TILED if entry.tiled else KV_INT8
+        return KV_FP8_TOKEN if entry.per_token else KV_FP8
     return _KIND_OF_DTYPE[entry.dtype]
 
 
@@ -95,8 +106,30 @@ class NativeMetadata(NamedTuple):
     threads: int
 
 
+def int8_tiled_layout(head_dim: int, page_size: int) -> bool:
+    """Whether int8 pages of this shape are allocated in the tiled order: ``TOKENMILL_KV_INT8_LAYOUT``
+    (``tiled`` / ``rows``), by default where the kernel's tiled int8 decode body runs (AVX-512
+    VNNI, head_dim 64 or 128, pages of a multiple of 16 tokens). Tiled pages need head_dim and
+    page_size divisible by 4."""
+    layout = os.environ.get("TOKENMILL_KV_INT8_LAYOUT", "auto") or "auto"
+    if layout not in INT8_LAYOUTS:
+        raise ValueError(f"TOKENMILL_KV_INT8_LAYOUT={layout!r}: expected one of {', '.join(INT8_LAYOUTS)}")
+    if layout == "rows" or head_dim % 4 or page_size % 4:
+        return False
+    return layout == "tiled" or (kernel.int8_tiled_decode() and head_dim in (64, 128) and page_size % 16 == 0)
+
+
 class NativePagedAttention(TorchPagedAttention):
     name = "native"
+
+    def allocate(self, num_pages: int, page_size: int) -> list[torch.Tensor]:
+        """The reference layout's pool; int8 pages in the tiled order where :func:`int8_tiled_layout` says so."""
+        pool = super().allocate(num_pages, page_size)
+        if not any(isinstance(c, FP8Pages) and c.is_int8 for c in pool):
+            return pool
+        if not int8_tiled_layout(int(next(c for c in pool if isinstance(c, FP8Pages)).data.shape[-1]), page_size):
+            return pool
+        return [c._replace(tiled=True) if isinstance(c, FP8Pages) and c.is_int8 else c for c in pool]
 
     def calibration_backend(self) -> AttentionBackend:
         """The torch reference over the same layout: a fresh prefill attends its chunk's own
@@ -113,14 +146,15 @@ class NativePagedAttention(TorchPagedAttention):
             write_fp8(kv_cache.half(0), slots, k)
             write_fp8(kv_cache.half(1), slots, v)
             return
-        _, _, _, hkv, d = kv_cache.data.shape
+        _, _, ps, hkv, d = kv_cache.data.shape
         slots = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
         _, _, ksp, vsp = kv_pointers(kv_cache)
         for i, (x, sp) in enumerate(((k, ksp), (v, vsp))):
             if x.stride(2) != 1 or x.stride(1) != d:
                 x = x.contiguous()
             kernel.fp8_write(x.data_ptr(), x.stride(0), slots.data_ptr(), x.shape[0], hkv, d,
-                             kv_cache.data[i].data_ptr(), sp, kv_cache.per_token, kv_cache.is_int8)
+                             kv_cache.data[i].data_ptr(), sp, kv_cache.per_token, kv_cache.is_int8,
+                             ps if kv_cache.tiled else 0, i == 0)
 
     def build_metadata(self, batch: ForwardBatch) -> NativeMetadata:
         ps = batch.page_size

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tokenmill.contracts.batch import ForwardBatch
 from tokenmill.contracts.kv import KVCacheSpec, PagedKV
 from tokenmill.layers.attention.base import AttentionBackend, attention_kinds, per_layer, to_kv_dtype
-from tokenmill.layers.attention.fp8 import FP8Pages, allocate_fp8, dequantize, dequantize_static, write_fp8
+from tokenmill.layers.attention.fp8 import FP8Pages, allocate_fp8, dequantize, dequantize_static, untile_pages, write_fp8
 
 
 class PrefillSegment(NamedTuple):
@@ -149,6 +149,8 @@ class TorchPagedAttention(AttentionBackend):
             if not kv_cache.per_token:
                 return dequantize_static(data.view(two, -1, hkv, d), kv_cache.scale.view(two, 1, hkv, 1), like.dtype)
             scale = kv_cache.scale.view(two, num_pages, page_size * hkv).index_select(1, pages.reshape(-1))
+            if kv_cache.tiled:   # the pages' codes back in row order
+                data, scale = untile_pages(data.view(two, -1, page_size, hkv, d), scale.view(two, -1, page_size, hkv), page_size)
             return dequantize(data.view(two, -1, hkv, d), scale.view(two, -1, hkv), like.dtype)
         two, num_pages, page_size, hkv, d = kv_cache.shape
         flat = kv_cache.view(two, num_pages, page_size * hkv * d).index_select(1, pages.reshape(-1))
