@@ -408,6 +408,15 @@ def _fp8_values(c: FP8Pages) -> torch.Tensor:
     return c.data.view(FP8).float() * (c.scale.unsqueeze(-1) if c.per_token else c.scale)
 
 
+def _assert_quantized_pool_logits(got, want, name: str) -> None:
+    """Fused against layer-path logits over an 8-bit pool: close (see test_fused_decode_with_fp8_kv
+    for the bounds), the same greedy tokens."""
+    atol, rtol = (2e-4, 1e-3) if "fp32" in name else (1e-2, RTOL)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=atol * float(w.abs().max()), rtol=rtol)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
 @pytest.mark.parametrize("name", ["llama-int4", "llama-fp32"])
 def test_fused_decode_with_tiled_int8_kv(packed, name, monkeypatch):
     """Tiled int8 pages (TOKENMILL_KV_INT8_LAYOUT=tiled) on the fused path: decoder.c's kv_write
@@ -420,10 +429,7 @@ def test_fused_decode_with_tiled_int8_kv(packed, name, monkeypatch):
     got, kv_got, _, ran = _run(model, True, "int8")
     want, kv_want, _, ran_ref = _run(model, False, "int8")
     assert any(ran) and not any(ran_ref)
-    atol, rtol = (2e-4, 1e-3) if "fp32" in name else (1e-2, RTOL)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=atol * float(w.abs().max()), rtol=rtol)
-        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    _assert_quantized_pool_logits(got, want, name)
     same = total = 0
     for g, w in zip(kv_got, kv_want):
         assert isinstance(g, FP8Pages) and g.tiled and w.tiled
@@ -457,10 +463,7 @@ def test_fused_decode_with_fp8_kv(packed, name, scheme, isa, monkeypatch):
     # in the last bits), and a K/V entry that lands on an e4m3 rounding midpoint in one path moves
     # by a whole e4m3 step (about 6%) in the other; one such flip in an int4 model moved a logit
     # by 0.6% of the largest, so packed weights get 1% (a wrong scale or row moves them by ~100%).
-    atol, rtol = (2e-4, 1e-3) if "fp32" in name else (1e-2, RTOL)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=atol * float(w.abs().max()), rtol=rtol)
-        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    _assert_quantized_pool_logits(got, want, name)
     same = total = 0
     for g, w in zip(kv_got, kv_want):
         assert isinstance(g, FP8Pages) and g.per_token == (scheme == "token")

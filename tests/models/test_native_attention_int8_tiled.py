@@ -22,7 +22,7 @@ from tokenmill.layers.attention.fp8 import untile_pages, write_fp8
 from tokenmill.layers.attention.native import int8_tiled_layout, kv_kind
 
 from tests.models.paged_driver import chunks_batch
-from tests.models.test_native_attention_fp8 import CASES, _forward
+from tests.models.test_native_attention_fp8 import CASES, _forward, assert_batch_invariant
 from tests.models.test_native_attention_int8 import _int8_case
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason=str(kernel.unavailable_reason()))
@@ -149,18 +149,9 @@ def test_tiled_body_on_long_contexts_and_its_switches(monkeypatch):
 
 
 def test_tiled_int8_result_does_not_depend_on_the_batch():
-    from tests.models.test_native_attention_fp8 import _batch
-
     shapes = [(200, 1), (0, 50), (2500, 1), (30, 3)]
     spec, rows, tables, q, k, v = _int8_case(9, 3, 64, 16, shapes, 7)
-    pool = _tile(rows)
-    together = _forward("native", spec, _clone(pool), _batch(shapes, tables, 16), q, k, v)
-    row = 0
-    for i, (c, n) in enumerate(shapes):
-        alone = _forward("native", spec, _clone(pool), _batch([(c, n)], [tables[i]], 16),
-                         q[row:row + n], k[row:row + n], v[row:row + n])
-        assert torch.equal(alone, together[row:row + n])
-        row += n
+    assert_batch_invariant(spec, _tile(rows), tables, shapes, q, k, v)
 
 
 def test_the_backend_picks_the_layout(monkeypatch):
