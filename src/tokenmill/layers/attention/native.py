@@ -21,10 +21,10 @@ AVX-512 VNNI CPU takes an integer body. There the pool is allocated in a tiled o
 decode row rounds its query to 16 bits (two signed bytes) and the softmax weights to 8 bits (each
 block's largest weight exact), so that both products are ``vpdpbusd`` with no widening
 (``_native/attention.c``, "tiled int8 pages"); other rows read the same codes through the tiled
-prefill path. Rows-order
-int8 pages keep the earlier body: the query rounded to int16, K rows scored by ``vpdpwssd``, the
-softmax weights rounded to int16 ("int8 pages on AVX-512 VNNI"). The step's K/V are quantized on write in C to the same bytes (and per-vector scales) as the
-torch reference's ``write_fp8``. One difference: the kernel reads every key back from the
+prefill path. Rows-order int8 pages keep the earlier body: the query rounded to int16, K rows
+scored by ``vpdpwssd``, the softmax weights rounded to int16 ("int8 pages on AVX-512 VNNI"). The
+step's K/V are quantized on write in C to the same bytes (and per-vector scales) as the torch
+reference's ``write_fp8``. One difference: the kernel reads every key back from the
 pool, so a fresh prefill attends its own chunk through fp8 (the reference uses the chunk's
 unrounded K/V); the start-up calibration of static scales therefore runs on the reference
 (:meth:`calibration_backend`). Not taken here: MLA latents (LatentKV specs keep
