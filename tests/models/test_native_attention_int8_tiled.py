@@ -22,7 +22,7 @@ from tokenmill.layers.attention.fp8 import untile_pages, write_fp8
 from tokenmill.layers.attention.native import int8_tiled_layout, kv_kind
 
 from tests.models.paged_driver import chunks_batch
-from tests.models.test_native_attention_fp8 import CASES, _forward, assert_batch_invariant
+from tests.models.test_native_attention_fp8 import CASES, _clone, _forward, assert_batch_invariant
 from tests.models.test_native_attention_int8 import _int8_case
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason=str(kernel.unavailable_reason()))
@@ -39,10 +39,6 @@ def _tile(pool: FP8Pages) -> FP8Pages:
     v = pool.data[1].reshape(n, ps // 4, 4, hkv, d).permute(0, 3, 1, 4, 2).reshape(n, ps, hkv, d)
     sc = pool.scale.reshape(two, n, ps, hkv).transpose(2, 3).reshape(two, n, ps, hkv)
     return FP8Pages(torch.stack((k, v)).contiguous(), sc.contiguous(), True, tiled=True)
-
-
-def _clone(c: FP8Pages) -> FP8Pages:
-    return c._replace(data=c.data.clone(), scale=c.scale.clone())
 
 
 def _exact(pool: FP8Pages, shapes, tables, q, k, v, hkv, d, page_size):

@@ -2005,15 +2005,8 @@ AVX512VNNI static inline void i8t_query(const float *src, int D, int q16, int8_t
     __m512 bmx[GC]; \
     _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) bmx[g] = _mm512_set1_ps(-INFINITY); \
     for (int i = 0; i < ngr; i++) { \
-        if (v0 == 0 && b0 / 16 + i + I8T_PF < g_end) {   /* the group I8T_PF ahead, as the scores go */ \
-            const char *kp, *vp; \
-            int64_t pp; \
-            I8T_GROUP(b0 / 16 + i + I8T_PF, kp, vp, pp); \
-            for (int c = 0; c < (DX) / 4; c++) kv_prefetch(kp + (size_t)c * ps4); \
-            for (int c = 0; c < (DX) * 16; c += 64) kv_prefetch(vp + c); \
-            kv_prefetch((const char *)(P->ks + pp)); \
-            kv_prefetch((const char *)(P->vs + pp)); \
-        } \
+        if (v0 == 0 && b0 / 16 + i + I8T_PF < g_end)   /* the group I8T_PF ahead, as the scores go */ \
+            I8T_PREFETCH(b0 / 16 + i + I8T_PF); \
         __m512i ah[GC], al[GC]; \
         _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) ah[g] = al[g] = _mm512_setzero_si512(); \
         _Pragma("GCC unroll 16") \
@@ -2234,15 +2227,18 @@ AVX512VNNI static inline __attribute__((always_inline)) void i8t_body(const Prob
         vtp = vc + ph_ * D + s_ * D; \
         scp = ph_ + s_; \
     } while (0)
-    for (int64_t gi = first / 16; gi < first / 16 + I8T_PF && gi < g_end; gi++) {
-        const char *kp, *vp;
-        int64_t sp;
-        I8T_GROUP(gi, kp, vp, sp);
-        for (int c = 0; c < D / 4; c++) kv_prefetch(kp + (size_t)c * ps4);
-        for (int c = 0; c < D * 4 * 4; c += 64) kv_prefetch(vp + c);
-        kv_prefetch((const char *)(P->ks + sp));
-        kv_prefetch((const char *)(P->vs + sp));
-    }
+    /* request group gi's K lines (D / 4, page_size * 4 bytes apart), V lines (16 D bytes in a row)
+     * and its two lines of scales */
+#define I8T_PREFETCH(gi) do { \
+        const char *kp_, *vp_; \
+        int64_t sp_; \
+        I8T_GROUP(gi, kp_, vp_, sp_); \
+        for (int c_ = 0; c_ < D / 4; c_++) kv_prefetch(kp_ + (size_t)c_ * ps4); \
+        for (int c_ = 0; c_ < D * 16; c_ += 64) kv_prefetch(vp_ + c_); \
+        kv_prefetch((const char *)(P->ks + sp_)); \
+        kv_prefetch((const char *)(P->vs + sp_)); \
+    } while (0)
+    for (int64_t gi = first / 16; gi < first / 16 + I8T_PF && gi < g_end; gi++) I8T_PREFETCH(gi);
     for (int64_t b0 = first; b0 < k1; b0 += I8T_BLOCK) {
         const int ngr = (int)((k1 - b0 + 15) / 16 < I8T_BLOCK / 16 ? (k1 - b0 + 15) / 16 : I8T_BLOCK / 16);
         const char *kt[I8T_BLOCK / 16], *vt[I8T_BLOCK / 16];
@@ -2288,6 +2284,7 @@ AVX512VNNI static inline __attribute__((always_inline)) void i8t_body(const Prob
         }
     }
 #undef I8T_GROUP
+#undef I8T_PREFETCH
     dec_store(P, T, acc, m, l, 1.f, 0, part_m, part_l, part_acc);
     if (!on_stack) {
         free(qs); free(acc); free(sb); free(qb); free(wb);
