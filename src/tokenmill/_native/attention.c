@@ -1929,7 +1929,8 @@ AVX512VNNI static void dec512_i8vnni(const Problem *P, const Task *T, float *par
  *     served rate, and the default model's logits further from an fp32 pool: mean |diff| 0.080
  *     against 0.061 on its decode rows.)
  *   - the softmax update is dec512_body's (a block of I8T_BLOCK keys, float32), the vectors of a
- *     pass in step so that their reductions overlap, e^x by i8t_exp;
+ *     pass in step so that their reductions overlap, e^x by i8t_exp; meanwhile the block's V
+ *     lines move from L2 to L1;
  *   - V: in each block and query vector, the key with the largest weight (its softmax weight times
  *     its V scale) is added exactly, in float32; the others' weights are rounded to 8 bits
  *     against the largest of them (so a block holding an attention sink keeps its small weights:
@@ -1944,7 +1945,7 @@ AVX512VNNI static void dec512_i8vnni(const Problem *P, const Task *T, float *par
 #define I8T_BLOCK 128   /* keys of one softmax update (8 groups of 16) */
 #endif
 #ifndef I8T_PF
-#define I8T_PF 4        /* groups of 16 keys requested ahead of use */
+#define I8T_PF 8        /* groups of 16 keys requested ahead of use, into L2 (4 to 16 measured level within 3%) */
 #endif
 static int g_i8t_q16, g_i8t_w16;
 
@@ -2005,13 +2006,22 @@ AVX512VNNI static inline void i8t_query(const float *src, int D, int q16, int8_t
     __m512 bmx[GC]; \
     _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) bmx[g] = _mm512_set1_ps(-INFINITY); \
     for (int i = 0; i < ngr; i++) { \
-        if (v0 == 0 && b0 / 16 + i + I8T_PF < g_end)   /* the group I8T_PF ahead, as the scores go */ \
-            I8T_PREFETCH(b0 / 16 + i + I8T_PF); \
+        const char *pk_ = NULL, *pv_ = NULL;   /* the group I8T_PF ahead: its scale lines now, K and V lines below */ \
+        if (v0 == 0 && b0 / 16 + i + I8T_PF < g_end) { \
+            int64_t sp_; \
+            I8T_GROUP(b0 / 16 + i + I8T_PF, pk_, pv_, sp_); \
+            kv_prefetch((const char *)(P->ks + sp_)); \
+            kv_prefetch((const char *)(P->vs + sp_)); \
+        } \
         __m512i ah[GC], al[GC]; \
         _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) ah[g] = al[g] = _mm512_setzero_si512(); \
         _Pragma("GCC unroll 16") \
         for (int c = 0; c < (DX) / 4; c++) { \
             const __m512i kz = _mm512_load_si512(kt[i] + (size_t)c * ps4); \
+            if (pk_) {   /* one K line and one V line of it with each K line used (D / 4 of each) */ \
+                kv_prefetch(pk_ + (size_t)c * ps4); \
+                kv_prefetch(pv_ + 64 * c); \
+            } \
             _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) { \
                 const int8_t *qv = qb + (size_t)(v0 + g) * 2 * (DX); \
                 int32_t qh; \
@@ -2103,6 +2113,9 @@ AVX512VNNI static inline void i8t_query(const float *src, int D, int q16, int8_t
         vm_[g] = _mm512_set1_ps(m[v0 + g]); \
     } \
     for (int x = 0; x < nk; x += 16) { \
+        if (v0 == 0)   /* the block's V lines from L2 into L1 while its weights are worked out, for I8T_VSUMS \
+                        * (0.30 against 0.33 ms per 16k layer from DRAM; the K lines likewise gained nothing) */ \
+            for (int c_ = 0; c_ < (DX) / 4; c_++) _mm_prefetch(vt[x / 16] + 64 * c_, _MM_HINT_T0); \
         const __m512 vs_ = _mm512_load_ps(vsb + x); \
         _Pragma("GCC unroll 4") for (int g = 0; g < (GC); g++) { \
             float *s = sb + (size_t)(v0 + g) * I8T_BLOCK + x; \
@@ -2228,7 +2241,10 @@ AVX512VNNI static inline __attribute__((always_inline)) void i8t_body(const Prob
         scp = ph_ + s_; \
     } while (0)
     /* request group gi's K lines (D / 4, page_size * 4 bytes apart), V lines (16 D bytes in a row)
-     * and its two lines of scales */
+     * and its two lines of scales, at once: for the task's first I8T_PF groups. The later ones are
+     * requested line by line as the scores go (I8T_SCORES). Asked for as one burst of 2 + D / 2
+     * prefetches at the start of each group, they held the body back: 0.37 against 0.33 ms per
+     * 16k layer from DRAM, 0.21 against 0.19 from L3 (docs/benchmarks.md, thirty-ninth landing) */
 #define I8T_PREFETCH(gi) do { \
         const char *kp_, *vp_; \
         int64_t sp_; \
